@@ -1,0 +1,34 @@
+"""megatron-bitpipe: the BitPipe pipeline schedule and Optimus 2D tensor parallelism for megatron-core."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+
+setup(
+    name="megatron-bitpipe",
+    version="0.1.0",
+    description=(
+        "BitPipe bidirectional interleaved pipeline schedule and Optimus 2D tensor "
+        "parallelism as a plugin for NVIDIA megatron-core"
+    ),
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_bitpipe", "megatron_bitpipe.*"]),
+    install_requires=["megatron-core==0.16.*", "torch>=2.6", "numpy"],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7"],
+        "plot": ["matplotlib>=3.7"],
+        # transformer-engine needs CUDA; megatron-core's local layers are used without it.
+        "gpu": ["transformer-engine[pytorch]>=2.9"],
+    },
+    entry_points={"console_scripts": ["bitpipe-schedule=megatron_bitpipe.schedules.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
