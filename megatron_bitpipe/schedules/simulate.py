@@ -1,0 +1,239 @@
+"""Dependency-driven event simulation of a plan under a cost model.
+
+Execution model (the same one the runtime implements):
+
+* each rank runs its actions in plan order, one at a time;
+* a forward starts when the rank is free and its input activation has arrived; a
+  backward when the rank is free and the output gradient has arrived (the loss stage
+  needs only its own forward, which the plan orders before it);
+* a message is sent as soon as its producer finishes and arrives ``message_time``
+  later; sends never block the sender; a local V-turn hand-over costs nothing;
+* ``SYNC(chunk)`` costs the rank no compute time: it *issues* an asynchronous
+  all-reduce of that chunk's gradients among the chunk's replicas (mirror slots). The
+  all-reduce starts when every replica has issued it and the communication lane of
+  each participant is free, and lasts ``t_sync * stage_weight``.
+
+The step ends when every rank has finished computing and every all-reduce has
+completed. Bubble ratio is ``1 - busy / makespan`` averaged over ranks. Activations
+are counted in units of ``Ma`` — one micro-batch's activations through ``L / D``
+layers — so a forward of a stage adds ``stage_weight`` Ma until its backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .actions import Action, ActionType, SchedulePlan
+from .comm import received_by
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs in one time unit of the caller's choice (``t_forward = 1`` or milliseconds).
+
+    Attributes:
+        t_forward: forward of one micro-batch through ``L / D`` layers (one device's
+            share of one replica). A stage's cost is this times its ``stage_weight``.
+        t_backward: full backward (input + weight gradients) of the same layers.
+        t_p2p: latency of one point-to-point message.
+        p2p_bytes: bytes of one message (activation or gradient of one micro-batch at a
+            stage boundary); with ``p2p_bandwidth`` gives the bandwidth term.
+        p2p_bandwidth: bytes per time unit; 0 means the bandwidth term is ignored.
+        t_sync: all-reduce time of the gradients of ``L / D`` layers among replicas and
+            data-parallel ranks.
+    """
+
+    t_forward: float = 1.0
+    t_backward: float = 2.0
+    t_p2p: float = 0.0
+    p2p_bytes: float = 0.0
+    p2p_bandwidth: float = 0.0
+    t_sync: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value < 0:
+                raise ValueError(f"cost {name} must be >= 0, got {value}")
+        if self.t_forward + self.t_backward <= 0:
+            raise ValueError("t_forward + t_backward must be > 0")
+
+    @property
+    def message_time(self) -> float:
+        """Time from the end of a producer to the arrival of its message."""
+        bandwidth_term = self.p2p_bytes / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
+        return self.t_p2p + bandwidth_term
+
+    def compute_time(self, action: Action, stage_weight: float) -> float:
+        if action.type is ActionType.FORWARD:
+            return self.t_forward * stage_weight
+        if action.type is ActionType.BACKWARD:
+            return self.t_backward * stage_weight
+        return 0.0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval of the timeline: a compute action, or a gradient all-reduce (``SYNC``)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+    pipeline: int
+
+
+@dataclass
+class SimulationResult:
+    """What a simulated step looks like.
+
+    Attributes:
+        makespan: step time, from the first action to the last all-reduce.
+        busy: per-rank compute time.
+        bubble_ratio: mean over ranks of ``1 - busy / makespan``.
+        peak_activations: per-rank maximum of in-flight activations, in Ma.
+        events: compute intervals, in start order per rank.
+        sync_events: all-reduce intervals (one per participating rank).
+    """
+
+    plan: SchedulePlan
+    costs: CostModel
+    makespan: float
+    busy: List[float]
+    bubble_ratio: float
+    peak_activations: List[float]
+    events: List[Event] = field(repr=False)
+    sync_events: List[Event] = field(repr=False)
+
+    def summary(self) -> dict:
+        """JSON-ready summary (the CLI's ``--json`` object)."""
+        plan = self.plan
+        return {
+            "schedule": plan.name,
+            "pp": plan.num_ranks,
+            "num_microbatches": plan.num_microbatches,
+            "virtual_pipeline_size": plan.placement.chunks_per_rank // plan.placement.num_pipelines,
+            "placement": plan.placement.name,
+            "costs": asdict(self.costs),
+            "makespan": self.makespan,
+            "bubble_ratio": self.bubble_ratio,
+            "busy": self.busy,
+            "peak_activations": self.peak_activations,
+            "valid": True,
+        }
+
+
+def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> SimulationResult:
+    """Simulate one step of ``plan``; raise :class:`PlanError` on a deadlock.
+
+    The plan's structure is assumed valid (see :func:`~.validate.validate_plan`); a
+    dependency that can never be satisfied is reported as a deadlock naming each
+    blocked rank, its action and what it waits for.
+    """
+    costs = costs or CostModel()
+    placement = plan.placement
+    weight = placement.stage_weight
+    message_time = costs.message_time
+    num_ranks = plan.num_ranks
+
+    finish: Dict[Tuple[int, Action], float] = {}
+    clock = [0.0] * num_ranks
+    cursor = [0] * num_ranks
+    busy = [0.0] * num_ranks
+    in_flight = [0.0] * num_ranks
+    peak = [0.0] * num_ranks
+    events: List[Event] = []
+    sync_issue: Dict[Tuple[int, int], float] = {}
+
+    def input_ready(rank: int, action: Action) -> Optional[float]:
+        """Arrival time of the action's input, or None if its producer has not run yet."""
+        if action.type is ActionType.BACKWARD:
+            own_forward = finish.get((rank, Action(ActionType.FORWARD, action.chunk, action.microbatch)))
+            if own_forward is None:
+                return None
+        transfer = received_by(placement, rank, action)
+        if transfer is None:
+            return 0.0
+        produced = finish.get((transfer.src.rank, transfer.producer))
+        if produced is None:
+            return None
+        return produced + (0.0 if transfer.is_local else message_time)
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank in range(num_ranks):
+            actions = plan.actions[rank]
+            while cursor[rank] < len(actions):
+                action = actions[cursor[rank]]
+                if action.type is ActionType.SYNC:
+                    sync_issue[(rank, action.chunk)] = clock[rank]
+                else:
+                    ready = input_ready(rank, action)
+                    if ready is None:
+                        break
+                    start = max(clock[rank], ready)
+                    end = start + costs.compute_time(action, weight)
+                    finish[(rank, action)] = end
+                    clock[rank] = end
+                    busy[rank] += end - start
+                    pipeline = placement.role(rank, action.chunk).pipeline
+                    events.append(Event(rank, action, start, end, pipeline))
+                    if action.type is ActionType.FORWARD:
+                        in_flight[rank] += weight
+                        peak[rank] = max(peak[rank], in_flight[rank])
+                    else:
+                        in_flight[rank] -= weight
+                cursor[rank] += 1
+                progressed = True
+
+    blocked = [r for r in range(num_ranks) if cursor[r] < len(plan.actions[r])]
+    if blocked:
+        raise PlanError(_deadlock_message(plan, blocked, cursor, finish))
+
+    sync_events = _schedule_syncs(plan, costs, sync_issue)
+    end_of_step = max([max(clock)] + [e.end for e in sync_events])
+    bubble = sum(1.0 - b / end_of_step for b in busy) / num_ranks if end_of_step > 0 else 0.0
+    events.sort(key=lambda e: (e.rank, e.start))
+    return SimulationResult(plan, costs, end_of_step, busy, bubble, peak, events, sync_events)
+
+
+def _schedule_syncs(
+    plan: SchedulePlan, costs: CostModel, issued: Dict[Tuple[int, int], float]
+) -> List[Event]:
+    """Place every all-reduce: after all replicas issued it, serialised per rank's comm lane."""
+    placement = plan.placement
+    duration = costs.t_sync * placement.stage_weight
+    groups: Dict[Tuple, List[Tuple[int, int]]] = {}
+    for rank, chunk in issued:
+        members = tuple(sorted((loc.rank, loc.chunk) for loc in placement.mirror_slots(rank, chunk)))
+        groups.setdefault(members, [])
+    lane_free = [0.0] * plan.num_ranks
+    events: List[Event] = []
+    ordered = sorted(groups, key=lambda members: max(issued.get(m, 0.0) for m in members))
+    for members in ordered:
+        missing = [m for m in members if m not in issued]
+        if missing:
+            raise PlanError(f"SYNC of rank {members[0][0]} chunk {members[0][1]} never issued by replica(s) {missing}")
+        start = max(max(issued[m] for m in members), max(lane_free[r] for r, _ in members))
+        for rank, chunk in members:
+            lane_free[rank] = start + duration
+            pipeline = placement.role(rank, chunk).pipeline
+            events.append(Event(rank, Action(ActionType.SYNC, chunk), start, start + duration, pipeline))
+    return events
+
+
+def _deadlock_message(plan: SchedulePlan, blocked: List[int], cursor: List[int], finish) -> str:
+    lines = [f"plan '{plan.name}' deadlocks (D={plan.num_ranks}, N={plan.num_microbatches}):"]
+    for rank in blocked:
+        action = plan.actions[rank][cursor[rank]]
+        if action.type is ActionType.BACKWARD and (rank, Action(ActionType.FORWARD, action.chunk, action.microbatch)) not in finish:
+            lines.append(f"  rank {rank} at {action}: its forward F{action.chunk}.{action.microbatch} has not run")
+            continue
+        transfer = received_by(plan.placement, rank, action)
+        lines.append(
+            f"  rank {rank} at {action}: waits for the {transfer.payload.value} of micro-batch "
+            f"{action.microbatch} from rank {transfer.src.rank} ({transfer.producer}), not yet run"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""Checks that a plan is executable, with errors that name rank, action and dependency.
+
+:func:`validate_plan` runs three checks:
+
+1. structure — every rank runs ``F`` (and, for training plans, ``B``) exactly once for
+   each (chunk, micro-batch) its chunks own, ``F`` before ``B``; each chunk issues one
+   ``SYNC`` after its last ``B``; micro-batches only visit chunks of their pipeline;
+2. channels — on every channel (payload, pipeline, src rank, dst rank) the receiver
+   consumes messages in the order the sender produces them;
+3. progress — executing the plan with the simulator's dependency rules reaches the end
+   (no rank waits forever).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+from .actions import Action, ActionType, SchedulePlan
+from .comm import received_by, sent_by
+from .errors import PlanError
+from .simulate import CostModel, simulate
+
+
+def is_training_plan(plan: SchedulePlan) -> bool:
+    """True if the plan runs backwards (False for forward-only / evaluation plans)."""
+    return any(a.type is ActionType.BACKWARD for _, a in plan)
+
+
+def check_structure(plan: SchedulePlan) -> None:
+    placement = plan.placement
+    if len(plan.actions) != placement.num_ranks:
+        raise PlanError(f"plan has {len(plan.actions)} action lists for {placement.num_ranks} ranks")
+    if len(plan.microbatch_pipeline) != plan.num_microbatches:
+        raise PlanError(
+            f"microbatch_pipeline has {len(plan.microbatch_pipeline)} entries for {plan.num_microbatches} micro-batches"
+        )
+    for m, p in enumerate(plan.microbatch_pipeline):
+        if not 0 <= p < placement.num_pipelines:
+            raise PlanError(f"micro-batch {m} routed to pipeline {p}, placement has {placement.num_pipelines}")
+    training = is_training_plan(plan)
+    for rank, actions in enumerate(plan.actions):
+        position: Dict[Action, int] = {}
+        for index, action in enumerate(actions):
+            where = f"rank {rank}, action {action} (position {index})"
+            if not 0 <= action.chunk < placement.chunks_per_rank:
+                raise PlanError(f"{where}: rank has chunks 0..{placement.chunks_per_rank - 1}")
+            if action in position:
+                raise PlanError(f"{where}: repeats position {position[action]}")
+            position[action] = index
+            if action.type is ActionType.SYNC:
+                if not training:
+                    raise PlanError(f"{where}: forward-only plan has a SYNC")
+                continue
+            if not 0 <= action.microbatch < plan.num_microbatches:
+                raise PlanError(f"{where}: micro-batch outside [0, {plan.num_microbatches})")
+            role = placement.role(rank, action.chunk)
+            if plan.microbatch_pipeline[action.microbatch] != role.pipeline:
+                raise PlanError(
+                    f"{where}: chunk belongs to pipeline {role.pipeline} but micro-batch "
+                    f"{action.microbatch} is routed to pipeline {plan.microbatch_pipeline[action.microbatch]}"
+                )
+        for chunk in range(placement.chunks_per_rank):
+            pipeline = placement.role(rank, chunk).pipeline
+            last_backward = -1
+            for m in plan.microbatches_of_pipeline(pipeline):
+                forward = Action(ActionType.FORWARD, chunk, m)
+                if forward not in position:
+                    raise PlanError(f"rank {rank}: missing {forward}")
+                if not training:
+                    continue
+                backward = Action(ActionType.BACKWARD, chunk, m)
+                if backward not in position:
+                    raise PlanError(f"rank {rank}: missing {backward}")
+                if position[backward] < position[forward]:
+                    raise PlanError(f"rank {rank}: {backward} at position {position[backward]} runs before {forward}")
+                last_backward = max(last_backward, position[backward])
+            if training:
+                sync = Action(ActionType.SYNC, chunk)
+                if sync not in position:
+                    raise PlanError(f"rank {rank}: missing {sync} for chunk {chunk}")
+                if position[sync] < last_backward:
+                    raise PlanError(f"rank {rank}: {sync} issued before the chunk's last backward")
+
+
+def check_channels(plan: SchedulePlan) -> None:
+    sent: Dict[Tuple, List[int]] = defaultdict(list)
+    received: Dict[Tuple, List[int]] = defaultdict(list)
+    for rank, action in plan:
+        out = sent_by(plan.placement, rank, action)
+        if out is not None and not out.is_local:
+            sent[out.channel].append(out.microbatch)
+        inp = received_by(plan.placement, rank, action)
+        if inp is not None and not inp.is_local:
+            received[inp.channel].append(inp.microbatch)
+    for channel in sorted(set(sent) | set(received), key=lambda c: (c[0].value, *c[1:])):
+        payload, pipeline, src, dst = channel
+        if sent[channel] != received[channel]:
+            order_sent, order_recv = sent[channel], received[channel]
+            first = next(
+                (i for i, (a, b) in enumerate(zip(order_sent, order_recv)) if a != b),
+                min(len(order_sent), len(order_recv)),
+            )
+            raise PlanError(
+                f"{payload.value} channel of pipeline {pipeline} from rank {src} to rank {dst}: "
+                f"message {first} is micro-batch {_at(order_sent, first)} at the sender but rank {dst} "
+                f"expects micro-batch {_at(order_recv, first)} (sent order {order_sent}, received order {order_recv})"
+            )
+
+
+def _at(items: List[int], index: int):
+    return items[index] if index < len(items) else "none"
+
+
+def validate_plan(plan: SchedulePlan) -> None:
+    """Raise :class:`PlanError` unless ``plan`` is well-formed and runs to completion."""
+    check_structure(plan)
+    check_channels(plan)
+    simulate(plan, CostModel())
