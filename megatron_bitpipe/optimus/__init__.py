@@ -1,0 +1,1 @@
+"""Optimus 2D (SUMMA) tensor parallelism for megatron-core: ``--tensor-parallel-mode optimus2d``."""
