@@ -52,7 +52,8 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     return tensor
 
 
-def _all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def all_gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenation along ``dim`` of every member's ``tensor``, in group-rank order."""
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty(
         (moved.shape[0] * group.size(),) + tuple(moved.shape[1:]),
@@ -94,7 +95,7 @@ class _GatherBatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, dim, mesh):
         ctx.dim, ctx.mesh = dim, mesh
-        return _all_gather_dim(tensor, dim, mesh.column_group)
+        return all_gather_along(tensor, dim, mesh.column_group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -114,7 +115,7 @@ class _ReduceScatterBatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim(grad, ctx.dim, ctx.mesh.column_group), None, None
+        return all_gather_along(grad, ctx.dim, ctx.mesh.column_group), None, None
 
 
 class _SumGradOverColumn(torch.autograd.Function):

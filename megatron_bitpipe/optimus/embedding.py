@@ -35,8 +35,11 @@ from megatron_bitpipe.optimus.summa import summa_abt
 VOCAB_LAYOUT = ParamLayout(LayoutKind.VOCAB_TABLE)
 
 
-def vocab_table_parameter(config, vocab_size: int, mesh: OptimusMesh) -> torch.nn.Parameter:
-    """A ``[v/q, h/q]`` vocabulary block, initialised with ``config.init_method``."""
+def vocab_table_parameter(
+    config, vocab_size: int, mesh: OptimusMesh, initialize: bool = True
+) -> torch.nn.Parameter:
+    """A ``[v/q, h/q]`` vocabulary block, initialised with ``config.init_method`` if
+    ``initialize`` and ``config.perform_initialization``."""
     side = mesh.side
     weight = torch.nn.Parameter(
         torch.empty(
@@ -47,7 +50,7 @@ def vocab_table_parameter(config, vocab_size: int, mesh: OptimusMesh) -> torch.n
         )
     )
     set_param_layout(weight, VOCAB_LAYOUT, mesh)
-    if config.perform_initialization:
+    if initialize and config.perform_initialization:
         init_local_block(
             weight,
             (vocab_size, config.hidden_size),
@@ -62,10 +65,10 @@ def vocab_table_parameter(config, vocab_size: int, mesh: OptimusMesh) -> torch.n
 class OptimusVocabEmbedding(torch.nn.Module):
     """Token lookup in a 2-D split vocabulary table: ``[b, s]`` ids → ``[b/q, s, h/q]``."""
 
-    def __init__(self, config, vocab_size: int, mesh: OptimusMesh):
+    def __init__(self, config, vocab_size: int, mesh: OptimusMesh, initialize: bool = True):
         super().__init__()
         self.mesh = mesh
-        self.weight = vocab_table_parameter(config, vocab_size, mesh)
+        self.weight = vocab_table_parameter(config, vocab_size, mesh, initialize)
         rows = self.weight.shape[0]
         self.vocab_start, self.vocab_end = mesh.row * rows, (mesh.row + 1) * rows
 
@@ -83,6 +86,7 @@ class OptimusEmbedding(torch.nn.Module):
     so serial state dicts map onto it). ``position_embeddings.weight`` is
     ``[max_sequence_length, h/q]``, feature block ``j``, replicated over the column group.
     Dropout draws from megatron-core's model-parallel RNG stream, distinct per mesh position.
+    ``initialize=False`` leaves the tables uninitialised (and draws no random numbers).
     """
 
     def __init__(
@@ -92,24 +96,27 @@ class OptimusEmbedding(torch.nn.Module):
         max_sequence_length: int,
         position_embedding_type: str,
         mesh: OptimusMesh,
+        initialize: bool = True,
     ):
         super().__init__()
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(f"Optimus 2D does not support {position_embedding_type} position embeddings")
         self.config = config
         self.mesh = mesh
-        self.word_embeddings = OptimusVocabEmbedding(config, vocab_size, mesh)
+        self.word_embeddings = OptimusVocabEmbedding(config, vocab_size, mesh, initialize)
         self.add_position_embedding = position_embedding_type == "learned_absolute"
         if self.add_position_embedding:
-            self.position_embeddings = torch.nn.Embedding(
+            table = torch.empty(
                 max_sequence_length,
                 self.word_embeddings.weight.shape[1],
                 dtype=config.params_dtype,
                 device=parameter_device(config),
             )
+            # _weight: nn.Embedding would otherwise draw its own N(0, 1) values.
+            self.position_embeddings = torch.nn.Embedding(*table.shape, _weight=table)
             layout = ParamLayout(LayoutKind.FEATURE_TABLE)
             set_param_layout(self.position_embeddings.weight, layout, mesh)
-            if config.perform_initialization:
+            if initialize and config.perform_initialization:
                 init_local_block(
                     self.position_embeddings.weight,
                     (max_sequence_length, config.hidden_size),
@@ -148,15 +155,18 @@ class OptimusOutputLayer(torch.nn.Module):
     Called like megatron-core's output ``ColumnParallelLinear``: ``forward(hidden,
     weight=None, runtime_gather_output=None)`` returns ``(logits, None)``. With tied
     embeddings the caller passes the embedding table as ``weight`` and this layer owns no
-    weight (``has_weight=False``); otherwise it owns a ``VOCAB_TABLE`` block.
+    weight (``has_weight=False``); otherwise it owns a ``VOCAB_TABLE`` block, initialised
+    if ``initialize``.
     """
 
-    def __init__(self, config, vocab_size: int, mesh: OptimusMesh, has_weight: bool):
+    def __init__(
+        self, config, vocab_size: int, mesh: OptimusMesh, has_weight: bool, initialize: bool = True
+    ):
         super().__init__()
         self.mesh = mesh
         self.sequence_parallel = False
         if has_weight:
-            self.weight = vocab_table_parameter(config, vocab_size, mesh)
+            self.weight = vocab_table_parameter(config, vocab_size, mesh, initialize)
         else:
             self.weight = None
 
