@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -113,3 +114,27 @@ def init_local_block(
         else:
             with get_cuda_rng_tracker().fork():
                 init_method(param)
+
+
+def load_serial_state_dict(
+    module: torch.nn.Module,
+    serial: Mapping[str, torch.Tensor],
+    mesh: OptimusMesh,
+    serial_name: Callable[[str], str] = lambda name: name,
+) -> None:
+    """Copy this rank's blocks of single-process megatron-core weights into ``module``.
+
+    ``serial`` maps serial parameter names to tensors (e.g. a ``GPTModel.state_dict()`` with
+    no tensor or pipeline parallelism); ``serial_name`` maps ``module``'s parameter names to
+    those (identity without pipeline parallelism). Parameters without an Optimus layout are
+    copied whole. In place, so DDP's buffer views stay valid. ValueError on shape mismatch.
+    """
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            value = serial[serial_name(name)]
+            layout = getattr(param, "optimus_layout", None)
+            if layout is not None:
+                value = shard_serial_tensor(value, layout, mesh)
+            if value.shape != param.shape:
+                raise ValueError(f"{name}: serial block {tuple(value.shape)}, parameter {tuple(param.shape)}")
+            param.copy_(value)
