@@ -213,3 +213,36 @@ def _train_and_compare(case: Case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_optimus_gpt_trains_like_single_process(case: Case):
     launch(_train_and_compare, case.world, case, timeout=200)
+
+
+def _dropout_patterns():
+    """Which elements the embedding dropout and the residual dropout zero on this rank."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_bitpipe.optimus.attention import get_optimus_bias_dropout_add
+    from megatron_bitpipe.optimus.embedding import OptimusEmbedding
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from tests.optimus_support import world_mesh
+
+    enable_cpu_megatron()
+    mesh = world_mesh()
+    torch.manual_seed(SEED)  # the default stream: identical on every rank
+    model_parallel_cuda_manual_seed(SEED, tp_rank=mesh.tp_rank, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    config = tiny_gpt_config(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.5)
+    embedding = OptimusEmbedding(config, VOCAB, SEQ, "none", mesh, initialize=False).train()
+    with torch.no_grad():
+        embedding.word_embeddings.weight.fill_(1.0)
+    tokens = torch.zeros(MICRO_BATCH, SEQ, dtype=torch.long)
+    embedded = embedding(tokens, None)
+    residual = torch.ones_like(embedded)
+    added = get_optimus_bias_dropout_add(True, False)((torch.ones_like(embedded), None), residual, 0.5)
+    return (embedded == 0).flatten().tolist(), (added == 1).flatten().tolist()
+
+
+def test_dropout_masks_differ_per_mesh_position():
+    per_rank = launch(_dropout_patterns, 4)
+    for which in range(2):
+        patterns = [tuple(rank[which]) for rank in per_rank]
+        assert all(0 < sum(p) < len(p) for p in patterns)
+        assert len(set(patterns)) == 4, "two mesh positions drew the same dropout mask"

@@ -31,8 +31,14 @@ def get_optimus_norm_spec(mesh: OptimusMesh) -> ModuleSpec:
     return ModuleSpec(module=OptimusLayerNorm, params={"mesh": mesh})
 
 
-def get_optimus_gpt_layer_spec(mesh: OptimusMesh) -> ModuleSpec:
-    """A GPT decoder layer (causal self-attention + MLP) on the mesh."""
+def get_optimus_gpt_layer_spec(mesh: OptimusMesh, core_attention=DotProductAttention) -> ModuleSpec:
+    """A GPT decoder layer (causal self-attention + MLP) on the mesh.
+
+    ``core_attention`` is any megatron-core core-attention class (scores, softmax, dropout
+    and weighted sum on ``[s, b/q, heads/q, head_dim]``); it is built with the mesh row
+    group as its tensor-parallel group. megatron-core's unfused ``DotProductAttention`` by
+    default.
+    """
     linear = ModuleSpec(module=OptimusLinear, params={"mesh": mesh})
     norm = get_optimus_norm_spec(mesh)
     return ModuleSpec(
@@ -44,7 +50,7 @@ def get_optimus_gpt_layer_spec(mesh: OptimusMesh) -> ModuleSpec:
                 params={"attn_mask_type": AttnMaskType.causal, "mesh": mesh},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=linear,
-                    core_attention=DotProductAttention,
+                    core_attention=core_attention,
                     linear_proj=linear,
                 ),
             ),
