@@ -14,18 +14,21 @@ killed too, naming the ranks that had not reported.
 Workers are forked from a ``forkserver`` that has already imported torch and
 megatron-core, so a launch costs milliseconds of start-up instead of seconds of
 imports per rank. ``fn`` and its arguments must be picklable (module-level
-functions, plain data).
+functions, plain data). Arguments and return values are pickled by value (tensors
+included): no shared-memory handles, so any number of tensors can travel and results
+stay valid after the rank's process has exited.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List
 
 _PRELOAD = ("torch", "torch.distributed", "megatron.core")
 
@@ -48,9 +51,7 @@ def _worker(
     rank: int,
     world_size: int,
     init_file: str,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: dict,
+    call: bytes,
     results: "mp.Queue",
     collective_timeout_s: float,
     env: dict,
@@ -74,8 +75,11 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout_s),
         )
+        fn, args, kwargs = pickle.loads(call)
         value = fn(*args, **kwargs)
-        results.put(("ok", rank, value))
+        # Plain pickle copies tensor data; the queue's own pickler would pass shared-memory
+        # handles that die with this process.
+        results.put(("ok", rank, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put(("error", rank, traceback.format_exc()))
         return
@@ -108,12 +112,13 @@ def launch(
     """
     ctx = _context()
     results = ctx.Queue()
+    call = pickle.dumps((fn, args, kwargs))
     with tempfile.TemporaryDirectory(prefix="bitpipe-launch-") as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, init_file, fn, args, kwargs, results, timeout + 30, env or {}),
+                args=(rank, world_size, init_file, call, results, timeout + 30, env or {}),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -155,5 +160,5 @@ def _collect(procs, results, world_size: int, timeout: float) -> List[Any]:
                 continue
         if status == "error":
             raise RankFailure(rank, f"rank {rank} failed:\n{value}")
-        values[rank] = value
+        values[rank] = pickle.loads(value)
     return [values[r] for r in range(world_size)]

@@ -1,0 +1,192 @@
+"""Run megatron-core 0.16 on a CPU-only torch with the gloo backend (tests and demos only).
+
+megatron-core assumes a CUDA device in a few dozen places: it allocates buffers on
+``torch.cuda.current_device()`` or ``device="cuda"``, moves tensors with ``.cuda()``, keeps
+its model-parallel RNG streams in the CUDA generator, synchronises the device after p2p,
+and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` before clipping.
+:func:`enable_cpu_megatron` makes all of that run on the CPU, unchanged:
+
+* **Device mode** (:class:`CpuDeviceMode`, a ``TorchFunctionMode``). Every torch call passes
+  through it; it rewrites a CUDA device argument (``"cuda"``, ``"cuda:N"``,
+  ``torch.device("cuda", N)`` or a bare device index ``N``) to ``"cpu"``, makes
+  ``Tensor.cuda()`` return the tensor itself, and makes ``Tensor.type()`` report a CPU tensor
+  under its CUDA type name (``clip_grad_by_total_norm_fp32`` asserts
+  ``'torch.cuda.FloatTensor'``). Nothing else is touched, so the math is the CPU math.
+  Hit by: DDP grad buffers, schedules' token counters, optimizer and clip-grad scalars,
+  p2p receive buffers, attention masks, the tied head's ``.cuda()``.
+* **Function patches** (each with a one-line reason in :func:`_patches`):
+
+  - ``torch.cuda.current_device`` -> ``0``: buffers, p2p receive tensors and shape tensors are
+    allocated on it (the device mode turns index 0 into the CPU).
+  - ``torch.cuda.synchronize`` -> no-op: called after every batched p2p exchange
+    (``batch_p2p_comm`` with ``batch_p2p_sync``, megatron's defaults).
+  - ``torch.cuda.get_rng_state`` / ``torch.cuda.random.get_rng_state`` ->
+    ``torch.get_rng_state``, ``torch.cuda.manual_seed`` -> ``torch.manual_seed`` of the CPU
+    default generator, and megatron's ``tensor_parallel.random._set_cuda_rng_state`` ->
+    ``torch.set_rng_state``: the RNG tracker (``model_parallel_cuda_manual_seed``,
+    ``get_cuda_rng_tracker().fork()``) keeps and swaps "CUDA" generator states; on the CPU the
+    generator that dropout actually draws from is the CPU default generator, so that is the one
+    the tracker must swap. (CPU-only torch would otherwise raise, or queue the seed forever.)
+  - ``torch._dynamo.config.disable = True``: megatron's ``jit_fuser`` is ``torch.compile``
+    (the native fused cross entropy, some activations); compiling them on the CPU costs
+    about ten seconds per process, and eager execution gives the same values.
+  - a logging filter drops the tracker's "CPU RNG state changed within GPU RNG context"
+    warning, which is meaningless once the two generators are the same one.
+
+Invariants:
+
+* Idempotent: calling :func:`enable_cpu_megatron` again changes nothing.
+* The function patches are process-wide. The device mode is a torch function mode, and those
+  are thread-local: it is pushed on the calling thread, normally the main thread, which runs
+  megatron's schedules and the forward and backward of CPU tensors. Call
+  :func:`enable_cpu_megatron` again on any other thread that calls megatron-core.
+* Only for CPU-only torch: with CUDA available this module refuses to run, so a GPU process can
+  never silently train on the CPU. Production code (everything outside
+  ``megatron_bitpipe.testing``) never imports it.
+
+Config choices that avoid further patches are documented in :mod:`megatron_bitpipe.testing.gpt`
+(``use_cpu_initialization``, no fused kernels, ``cross_entropy_fusion_impl='native'``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+import torch._dynamo
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+__all__ = ["CpuDeviceMode", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
+
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+
+_lock = threading.Lock()
+_patched = False
+
+
+def _is_cuda_device(device: Any) -> bool:
+    """True for every way torch accepts to name a CUDA device."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):  # a bare index means a CUDA device
+        return True
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _to_cpu(device: Any) -> Any:
+    return _CPU if _is_cuda_device(device) else device
+
+
+class CpuDeviceMode(TorchFunctionMode):
+    """Torch function mode that maps the CUDA device onto the CPU.
+
+    Rewrites: a ``device=`` keyword naming a CUDA device (factory functions, ``Tensor.to``,
+    ``Tensor.new_*``...), a CUDA device passed positionally to ``Tensor.to``,
+    ``Tensor.cuda()`` (returns the tensor), ``Tensor.type()`` without arguments (CUDA type
+    name for a CPU tensor). Every other call runs unchanged.
+    """
+
+    def __torch_function__(self, func: Callable, types: Tuple, args: Tuple = (), kwargs: Dict | None = None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            # megatron moves already-allocated tensors with .cuda(); they already are "there".
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _to_cpu(args[1])) + tuple(args[2:])
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # clip_grads asserts param.grad.type() == 'torch.cuda.FloatTensor'.
+            return _CUDA_TYPE_NAMES.get(result, result)
+        return result
+
+
+class _DropRngWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _RNG_WARNING not in record.getMessage()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    """Replacement for megatron's ``_set_cuda_rng_state``: set the CPU default generator."""
+    if graph_safe:
+        raise NotImplementedError("graph-safe (CUDA graph) RNG states do not exist on the CPU")
+    torch.set_rng_state(new_state)
+
+
+def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _patches() -> list:
+    """(owner, attribute, replacement) triples; the comment says why each is needed."""
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    return [
+        # Buffers, p2p receive and shape tensors are allocated on current_device().
+        (torch.cuda, "current_device", lambda: 0),
+        # Called after batched p2p (batch_p2p_sync) and when freeing / allocating buffers.
+        (torch.cuda, "synchronize", lambda device=None: None),
+        # RNG tracker and model_parallel_cuda_manual_seed read the "CUDA" generator state.
+        (torch.cuda, "get_rng_state", _get_rng_state),
+        (torch.cuda.random, "get_rng_state", _get_rng_state),
+        # model_parallel_cuda_manual_seed seeds the data-parallel stream with it.
+        (torch.cuda, "manual_seed", _manual_seed),
+        # RNG tracker fork() swaps generator states through this helper.
+        (mcore_random, "_set_cuda_rng_state", _set_rng_state),
+    ]
+
+
+def _apply_process_patches() -> None:
+    global _patched
+    with _lock:
+        if _patched:
+            return
+        if torch.cuda.is_available():
+            raise RuntimeError("enable_cpu_megatron() is for CPU-only torch; CUDA is available here")
+        for owner, name, replacement in _patches():
+            setattr(owner, name, replacement)
+        torch._dynamo.config.disable = True  # jit_fuser == torch.compile: slow on CPU, same math
+        logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropRngWarning())
+        _patched = True
+
+
+def _mode_active() -> bool:
+    return any(isinstance(mode, CpuDeviceMode) for mode in _get_current_function_mode_stack())
+
+
+def enable_cpu_megatron() -> None:
+    """Make megatron-core run on the CPU in this process (and the device mode on this thread).
+
+    Safe to call any number of times; see the module docstring for what is patched.
+    """
+    _apply_process_patches()
+    if not _mode_active():
+        # Entered for the life of the thread: megatron's allocations happen everywhere.
+        CpuDeviceMode().__enter__()
+
+
+def is_cpu_megatron_enabled() -> bool:
+    """Whether the patches are applied and the device mode is active on this thread."""
+    return _patched and _mode_active()

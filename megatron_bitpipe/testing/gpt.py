@@ -1,0 +1,364 @@
+"""Tiny megatron-core GPT models with explicit process groups, for tests and demos.
+
+Plain megatron-core usage with no CPU-specific code (models move to the current CUDA device
+when there is one); on a CPU-only torch call
+:func:`megatron_bitpipe.testing.cpu_compat.enable_cpu_megatron` first.
+
+* :class:`ParallelGrid` — rank <-> (tp, dp, pp) coordinates in megatron's default order
+  (tp fastest, then dp, then pp: ``order='tp-cp-ep-dp-pp'`` with cp = ep = 1).
+* :func:`build_process_groups` — a ``ProcessGroupCollection`` holding every group that
+  megatron-core's GPTModel, DDP, optimizer, ``finalize_model_grads`` and pipeline schedules
+  read, built with ``torch.distributed.new_group`` and no ``initialize_model_parallel``.
+* :func:`tiny_gpt_config` — an fp32 ``TransformerConfig`` without fused kernels.
+* :func:`build_gpt_chunks` / :func:`build_gpt_model` — GPTModel chunks of the looped
+  placement (chunk ``v`` of pipeline rank ``r`` is stage ``v * pp + r``), local layer spec.
+* :func:`wrap_ddp`, :func:`build_optimizer` — megatron DDP and optimizer over the chunks.
+* :func:`init_megatron_state` — the module globals megatron-core still reads.
+* :func:`synthetic_microbatches`, :func:`gpt_forward_step` — deterministic data and the
+  ``forward_step_func`` megatron's schedules call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+
+__all__ = [
+    "ParallelGrid",
+    "build_process_groups",
+    "tiny_gpt_config",
+    "init_megatron_state",
+    "build_gpt_model",
+    "build_gpt_chunks",
+    "wrap_ddp",
+    "build_optimizer",
+    "synthetic_microbatches",
+    "gpt_forward_step",
+]
+
+
+@dataclass(frozen=True)
+class ParallelGrid:
+    """A tp x dp x pp rank grid in megatron's default order.
+
+    Invariant: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, so a tensor-parallel group
+    is a run of ``tp`` consecutive ranks and pipeline ranks are ``tp * dp`` apart.
+    """
+
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords(self, rank: int) -> tuple:
+        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
+        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+
+    def tp_groups(self) -> List[List[int]]:
+        return [[self.rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> List[List[int]]:
+        return [[self.rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> List[List[int]]:
+        return [[self.rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def mp_groups(self) -> List[List[int]]:
+        """Model-parallel (tp x pp) groups: all ranks holding one model replica."""
+        return [
+            [self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)
+        ]
+
+
+def _my_group(rank_lists: Sequence[Sequence[int]], rank: int) -> Optional[dist.ProcessGroup]:
+    """Create every group of ``rank_lists`` (collectively, same order on all ranks).
+
+    Returns the one that contains ``rank`` (None if none does).
+    """
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def build_process_groups(grid: ParallelGrid) -> ProcessGroupCollection:
+    """Build this rank's groups for ``grid``; a collective call on the default group.
+
+    The collection holds ``tp, pp, dp, dp_cp, mp, embd, pos_embd, cp, tp_cp, ep, expt_tp,
+    tp_ep, expt_dp, tp_ep_pp``, i.e. what GPTModel, DDP, the megatron optimizer,
+    ``finalize_model_grads`` and the pipeline schedules read. Context, expert and expert-tensor
+    parallel sizes are 1. ``embd`` (first and last pipeline stage) and ``pos_embd`` (first
+    stage) are None on ranks outside them: megatron tests membership with ``get_pg_size``,
+    which treats None as a group of one. ``embd`` is None too when ``pp == 1``.
+    """
+    if dist.get_world_size() != grid.world_size:
+        raise ValueError(f"{grid} needs {grid.world_size} ranks, the job has {dist.get_world_size()}")
+    rank = dist.get_rank()
+    tp = _my_group(grid.tp_groups(), rank)
+    dp = _my_group(grid.dp_groups(), rank)
+    pp_lists = grid.pp_groups()
+    pp = _my_group(pp_lists, rank)
+    mp = _my_group(grid.mp_groups(), rank)
+    solo = _my_group([[r] for r in range(grid.world_size)], rank)
+    embd_lists = [sorted({ranks[0], ranks[-1]}) for ranks in pp_lists] if grid.pp > 1 else []
+    embd = _my_group(embd_lists, rank)
+    pos_embd = _my_group([[ranks[0]] for ranks in pp_lists], rank)
+    return ProcessGroupCollection(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        dp_cp=dp,
+        mp=mp,
+        embd=embd,
+        pos_embd=pos_embd,
+        cp=solo,
+        tp_cp=tp,
+        ep=solo,
+        expt_tp=solo,
+        tp_ep=tp,
+        expt_dp=dp,
+        tp_ep_pp=mp,
+    )
+
+
+def tiny_gpt_config(
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 32,
+    num_attention_heads: int = 4,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    **overrides,
+) -> TransformerConfig:
+    """An fp32 GPT ``TransformerConfig`` that runs anywhere megatron-core runs.
+
+    Choices (each avoids a CUDA-only path or a source of run-to-run differences):
+    ``use_cpu_initialization`` (weights created on the CPU, then copied to the device);
+    no gradient-accumulation / softmax / bias-activation / bias-dropout / RoPE fusions and
+    no persistent layer norm (apex/TE kernels); dropout 0 (deterministic comparisons);
+    ``cross_entropy_loss_fusion=True, cross_entropy_fusion_impl='native'`` (the unfused cross
+    entropy reads the *global* TP group, the fused one takes the model's group);
+    ``batch_p2p_comm=False`` (batched p2p mixes up the two directions when prev == next, i.e.
+    at pp = 2 with the interleaved schedule; losses and gradients come out wrong);
+    ``deallocate_pipeline_outputs=False`` (with ``overlap_p2p_comm`` on gloo the asynchronous
+    send can read an output after it was deallocated). ``overrides`` replace any field.
+    """
+    fields = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        ffn_hidden_size=4 * hidden_size,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=True,
+        cross_entropy_fusion_impl="native",
+        batch_p2p_comm=False,
+        deallocate_pipeline_outputs=False,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def init_megatron_state(pg_collection: ProcessGroupCollection, seed: int) -> None:
+    """Set the megatron-core module state that explicit process groups do not cover.
+
+    The global memory buffer (DotProductAttention takes scratch tensors from it) and the RNG
+    tracker's streams (``model_parallel_cuda_manual_seed`` with this rank's tp rank: the
+    model-parallel stream differs per tp rank, the default stream is ``seed`` everywhere).
+    Also seeds the CPU generator with ``seed``. Call once per rank before building models;
+    calling it again re-seeds.
+    """
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(
+        seed, tp_rank=pg_collection.tp.rank(), ep_rank=0, etp_rank=0, force_reset_rng=True
+    )
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    pg_collection: ProcessGroupCollection,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    share_embeddings_and_output_weights: bool = False,
+    position_embedding_type: str = "learned_absolute",
+) -> GPTModel:
+    """One GPTModel chunk on the local layer spec.
+
+    Which layers it holds is megatron's looped placement for (``pg_collection.pp`` rank,
+    ``vp_stage``). ``vocab_size`` must be divisible by the tp size (no padding is added).
+    With tied embeddings and more than one stage, construction all-reduces the head weight
+    over ``pg_collection.embd``, so the first and last stage must build together.
+    Weights are initialised on the CPU (``use_cpu_initialization``) and moved to the current
+    CUDA device if there is one.
+    """
+    if vocab_size % pg_collection.tp.size():
+        raise ValueError(f"vocab_size {vocab_size} is not divisible by tp size {pg_collection.tp.size()}")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def build_gpt_chunks(
+    config: TransformerConfig, pg_collection: ProcessGroupCollection, **kwargs
+) -> List[GPTModel]:
+    """This pipeline rank's chunks of the looped placement, in virtual-stage order.
+
+    Chunk ``v`` is pipeline stage ``v * pp + pp_rank``; it has the embedding iff it is stage 0
+    and the final norm, output layer and loss iff it is the last stage. ``kwargs`` go to
+    :func:`build_gpt_model`.
+    """
+    pp_size, pp_rank = pg_collection.pp.size(), pg_collection.pp.rank()
+    vp_size = config.virtual_pipeline_model_parallel_size or 1
+    if config.pipeline_model_parallel_size != pp_size:
+        raise ValueError(f"config has pipeline size {config.pipeline_model_parallel_size}, group {pp_size}")
+    chunks = []
+    for v in range(vp_size):
+        chunks.append(
+            build_gpt_model(
+                config,
+                pg_collection,
+                pre_process=(v == 0 and pp_rank == 0),
+                post_process=(v == vp_size - 1 and pp_rank == pp_size - 1),
+                vp_stage=v if config.virtual_pipeline_model_parallel_size is not None else None,
+                **kwargs,
+            )
+        )
+    return chunks
+
+
+def wrap_ddp(
+    chunks: Sequence[torch.nn.Module],
+    config: TransformerConfig,
+    pg_collection: ProcessGroupCollection,
+    ddp_config: Optional[DistributedDataParallelConfig] = None,
+) -> List[DistributedDataParallel]:
+    """Wrap each chunk in megatron DDP (fp32 grad buffers, synchronous reduce by default).
+
+    Like Megatron-LM, only the first chunk uses bucketing. Installs megatron's
+    ``finalize_model_grads`` as ``config.finalize_model_grads_func`` (the schedules call it to
+    finish the DP reduce and all-reduce tied embedding grads) and, with
+    ``overlap_grad_reduce``, the chunks' ``no_sync`` contexts as ``config.no_sync_func``.
+    """
+    ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    wrapped = [
+        DistributedDataParallel(
+            config, ddp_config, chunk, disable_bucketing=(i > 0), pg_collection=pg_collection
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    if ddp_config.overlap_grad_reduce:
+        no_sync = [m.no_sync for m in wrapped]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return wrapped
+
+
+def build_optimizer(
+    ddp_chunks: Sequence[DistributedDataParallel],
+    pg_collection: ProcessGroupCollection,
+    **optimizer_config,
+):
+    """megatron's optimizer over ``ddp_chunks`` (Adam, fp32, no clipping unless asked).
+
+    ``optimizer_config`` are ``OptimizerConfig`` fields (``lr``, ``weight_decay``,
+    ``clip_grad``...). Weight decay skips biases and norms, as in megatron.
+    """
+    fields = dict(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0, bf16=False, fp16=False)
+    fields.update(optimizer_config)
+    return get_megatron_optimizer(
+        OptimizerConfig(**fields),
+        list(ddp_chunks),
+        use_gloo_process_groups=False,
+        pg_collection=pg_collection,
+    )
+
+
+def synthetic_microbatches(
+    seed: int, num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic ``(tokens, labels)`` micro-batches, each ``[micro_batch_size, seq_length]``.
+
+    The same arguments give the same tensors on every rank and every run; labels are the tokens
+    shifted by one (next-token prediction).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_microbatches):
+        tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=generator)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches
+
+
+def _mean_loss(per_token_loss: torch.Tensor):
+    loss = per_token_loss.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def gpt_forward_step(data_iterator: Iterator, model: torch.nn.Module):
+    """``forward_step_func`` for megatron's schedules on :func:`synthetic_microbatches` data.
+
+    Every chunk takes the next micro-batch from its own iterator (so each chunk's iterator must
+    yield the micro-batches in schedule order: all chunks get the same list). Intermediate
+    stages ignore the tokens, non-last stages the labels. The loss of a micro-batch is the mean
+    per-token cross entropy; megatron's schedule divides it by the number of micro-batches.
+    """
+    tokens, labels = next(data_iterator)
+    if torch.cuda.is_available():
+        tokens, labels = tokens.cuda(), labels.cuda()
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, _mean_loss
