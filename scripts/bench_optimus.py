@@ -81,18 +81,18 @@ def _layer_and_input(mode: str, sizes: dict):
     """(layer, local input shape) for ``mode`` on this rank."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
     from megatron_bitpipe.optimus.mesh import build_optimus_mesh
     from megatron_bitpipe.optimus.spec import get_optimus_gpt_layer_spec
+    from megatron_bitpipe.testing.gpt import tiny_gpt_config
 
     world = dist.get_world_size()
     tp_group = dist.new_group(list(range(world)))
     own_rank_only = dist.new_group([dist.get_rank()], use_local_synchronization=True)
     pg_collection = ProcessGroupCollection(tp=tp_group, cp=own_rank_only, pp=own_rank_only)
-    config = TransformerConfig(
+    config = tiny_gpt_config(
         num_layers=1,
         hidden_size=sizes["hidden"],
         num_attention_heads=sizes["heads"],
@@ -101,13 +101,6 @@ def _layer_and_input(mode: str, sizes: dict):
         sequence_parallel=mode == "tp+sp",
         hidden_dropout=sizes["dropout"],
         attention_dropout=sizes["dropout"],
-        use_cpu_initialization=True,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
     )
     s, b, h = sizes["seq"], sizes["batch"], sizes["hidden"]
     core_attention = SdpaCoreAttention if sizes["attention"] == "sdpa" else DotProductAttention

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 
 from megatron_bitpipe.optimus.mesh import OptimusMesh, build_optimus_mesh
+from megatron_bitpipe.testing.gpt import tiny_gpt_config
 
 #: tolerance of every 2-D vs serial comparison (fp32)
 RTOL, ATOL = 1e-5, 1e-6
@@ -50,20 +51,7 @@ def check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def tiny_config(**overrides) -> TransformerConfig:
-    """A CPU-friendly transformer config: fp32, CPU initialisation, no fused kernels."""
-    settings = dict(
-        num_layers=1,
-        hidden_size=8,
-        num_attention_heads=2,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-    )
+    """A one-layer CPU-friendly fp32 config (see ``tiny_gpt_config``), hidden 8, 2 heads."""
+    settings = dict(num_layers=1, hidden_size=8, num_attention_heads=2)
     settings.update(overrides)
-    return TransformerConfig(**settings)
+    return tiny_gpt_config(**settings)

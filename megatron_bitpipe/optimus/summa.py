@@ -62,52 +62,31 @@ def _atb(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
     return out
 
 
-class _SummaAB(torch.autograd.Function):
+# product -> (forward, dA from (a, b, dC), dB from (a, b, dC)), all in SUMMA products
+_PRODUCTS = {
+    "ab": (_ab, lambda a, b, g, mesh: _abt(g, b, mesh), lambda a, b, g, mesh: _atb(a, g, mesh)),
+    "abt": (_abt, lambda a, b, g, mesh: _ab(g, b, mesh), lambda a, b, g, mesh: _atb(g, a, mesh)),
+    "atb": (_atb, lambda a, b, g, mesh: _abt(b, g, mesh), lambda a, b, g, mesh: _ab(a, g, mesh)),
+}
+
+
+class _Summa(torch.autograd.Function):
+    """One of the three products (``product`` key of ``_PRODUCTS``) with its backward."""
+
     @staticmethod
-    def forward(ctx, a, b, mesh):
+    def forward(ctx, a, b, mesh, product):
         ctx.save_for_backward(a, b)
-        ctx.mesh = mesh
-        return _ab(a, b, mesh)
+        ctx.mesh, ctx.product = mesh, product
+        return _PRODUCTS[product][0](a, b, mesh)
 
     @staticmethod
     def backward(ctx, grad_c):
         a, b = ctx.saved_tensors
+        _, grad_of_a, grad_of_b = _PRODUCTS[ctx.product]
         grad_c = grad_c.contiguous()
-        grad_a = _abt(grad_c, b, ctx.mesh) if ctx.needs_input_grad[0] else None
-        grad_b = _atb(a, grad_c, ctx.mesh) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None
-
-
-class _SummaABT(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, mesh):
-        ctx.save_for_backward(a, b)
-        ctx.mesh = mesh
-        return _abt(a, b, mesh)
-
-    @staticmethod
-    def backward(ctx, grad_c):
-        a, b = ctx.saved_tensors
-        grad_c = grad_c.contiguous()
-        grad_a = _ab(grad_c, b, ctx.mesh) if ctx.needs_input_grad[0] else None
-        grad_b = _atb(grad_c, a, ctx.mesh) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None
-
-
-class _SummaATB(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, mesh):
-        ctx.save_for_backward(a, b)
-        ctx.mesh = mesh
-        return _atb(a, b, mesh)
-
-    @staticmethod
-    def backward(ctx, grad_c):
-        a, b = ctx.saved_tensors
-        grad_c = grad_c.contiguous()
-        grad_a = _abt(b, grad_c, ctx.mesh) if ctx.needs_input_grad[0] else None
-        grad_b = _ab(a, grad_c, ctx.mesh) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None
+        grad_a = grad_of_a(a, b, grad_c, ctx.mesh) if ctx.needs_input_grad[0] else None
+        grad_b = grad_of_b(a, b, grad_c, ctx.mesh) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None, None
 
 
 def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
@@ -115,15 +94,15 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tenso
 
     Returns ``[..., n/q]``, the same token block as ``a``.
     """
-    return _SummaAB.apply(a, b, mesh)
+    return _Summa.apply(a, b, mesh, "ab")
 
 
 def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
     """Block of ``A·Bᵀ``: ``a`` is ``[..., k/q]``, ``b`` is ``[n/q, k/q]``; returns ``[..., n/q]``."""
-    return _SummaABT.apply(a, b, mesh)
+    return _Summa.apply(a, b, mesh, "abt")
 
 
 def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
     """Block of ``Aᵀ·B`` over all token dimensions: ``a`` is ``[..., m/q]``, ``b`` is
     ``[..., n/q]`` (same token shape); returns ``[m/q, n/q]``."""
-    return _SummaATB.apply(a, b, mesh)
+    return _Summa.apply(a, b, mesh, "atb")
