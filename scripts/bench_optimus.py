@@ -48,20 +48,42 @@ class SdpaCoreAttention(torch.nn.Module):
     class serves all three modes.
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__()
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         with get_cuda_rng_tracker().fork():
             context = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale
+                q,
+                k,
+                v,
+                is_causal=True,
+                dropout_p=self.dropout if self.training else 0.0,
+                scale=self.softmax_scale,
             )
         return context.permute(2, 0, 1, 3).flatten(2)
 
@@ -176,7 +198,8 @@ def _table(results: dict, sizes: dict) -> str:
     base = max(r["activation_bytes"] for r in results["tp"])
     model = _model_elements(sizes)
     lines = [
-        "| mode | activations / rank (MiB) | vs tp | comm received / rank (MiB) | model (MiB) | payload (MiB) | collectives |",
+        "| mode | activations / rank (MiB) | vs tp | comm received / rank (MiB) "
+        "| model (MiB) | payload (MiB) | collectives |",
         "|---|---|---|---|---|---|---|",
     ]
     for mode in MODES:
@@ -195,7 +218,10 @@ def _table(results: dict, sizes: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--tensor-model-parallel-size", type=int, default=4, help="ranks; q*q for optimus2d (q = sqrt)"
+        "--tensor-model-parallel-size",
+        type=int,
+        default=4,
+        help="ranks; q*q for optimus2d (q = sqrt)",
     )
     parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=8)
@@ -224,7 +250,9 @@ def main(argv=None) -> None:
     from megatron_bitpipe.testing.launcher import launch
 
     results = {mode: launch(_measure, sizes["tp"], mode, sizes) for mode in MODES}
-    command = "python scripts/bench_optimus.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python scripts/bench_optimus.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
     print(f"`{command.strip()}` — one GPT layer, fp32, {sizes['tp']} CPU ranks, sizes {sizes}\n")
     print(_table(results, sizes))
 

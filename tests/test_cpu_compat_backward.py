@@ -31,4 +31,7 @@ def _backward_through_current_device_allocation():
 
 
 def test_backward_functions_run_in_device_mode():
-    assert launch(_backward_through_current_device_allocation, 1, timeout=60)[0] == ([2.0] * 3, [2.0] * 3)
+    assert launch(_backward_through_current_device_allocation, 1, timeout=60)[0] == (
+        [2.0] * 3,
+        [2.0] * 3,
+    )

@@ -31,7 +31,12 @@ def _collectives():
         dist.reduce_scatter_tensor(torch.empty(10), torch.ones(20), group=pair)  # ½·80 = 40
     after = len(meter.calls)
     dist.all_reduce(torch.ones(1), group=pair)  # not recorded: meter closed
-    return [c.op for c in meter.calls], meter.wire_bytes(), meter.payload_bytes(), after == len(meter.calls)
+    return (
+        [c.op for c in meter.calls],
+        meter.wire_bytes(),
+        meter.payload_bytes(),
+        after == len(meter.calls),
+    )
 
 
 def test_collective_meter_records_ops_and_bytes():

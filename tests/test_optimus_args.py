@@ -37,10 +37,20 @@ def test_default_mode_is_megatron_1d():
 
 def test_valid_optimus_args_give_mesh_side():
     assert validate_optimus_args(_args("--tensor-parallel-mode", "optimus2d")) == 2
-    assert validate_optimus_args(
-        _args("--tensor-parallel-mode", "optimus2d", tensor_model_parallel_size=9, micro_batch_size=3,
-              hidden_size=36, num_attention_heads=6, padded_vocab_size=81)
-    ) == 3
+    assert (
+        validate_optimus_args(
+            _args(
+                "--tensor-parallel-mode",
+                "optimus2d",
+                tensor_model_parallel_size=9,
+                micro_batch_size=3,
+                hidden_size=36,
+                num_attention_heads=6,
+                padded_vocab_size=81,
+            )
+        )
+        == 3
+    )
 
 
 def test_unknown_mode_is_rejected_by_the_parser():
@@ -70,14 +80,20 @@ def test_bad_settings_name_the_flag(overrides, flag):
 
 def test_all_problems_reported_at_once():
     with pytest.raises(ValueError) as error:
-        validate_optimus_args(_args("--tensor-parallel-mode", "optimus2d", micro_batch_size=5, ffn_hidden_size=33))
-    assert "--micro-batch-size (5)" in str(error.value) and "--ffn-hidden-size (33)" in str(error.value)
+        validate_optimus_args(
+            _args("--tensor-parallel-mode", "optimus2d", micro_batch_size=5, ffn_hidden_size=33)
+        )
+    assert "--micro-batch-size (5)" in str(error.value) and "--ffn-hidden-size (33)" in str(
+        error.value
+    )
 
 
 def test_model_config_check():
     config = tiny_config(hidden_size=16, num_attention_heads=4, ffn_hidden_size=64)
     assert check_optimus_model_config(config, 4, vocab_size=32) == 2
     with pytest.raises(ValueError, match="--ffn-hidden-size"):
-        check_optimus_model_config(tiny_config(hidden_size=16, num_attention_heads=4, ffn_hidden_size=35), 4)
+        check_optimus_model_config(
+            tiny_config(hidden_size=16, num_attention_heads=4, ffn_hidden_size=35), 4
+        )
     with pytest.raises(ValueError, match="padded vocabulary size"):
         check_optimus_model_config(config, 4, vocab_size=30)

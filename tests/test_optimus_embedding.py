@@ -35,7 +35,9 @@ def _embedding_head_loss(tied: bool):
     # serial: [b, s, h] -> [s, b, h] -> logits -> per-token loss [b, s]
     hidden = (F.embedding(input_ids, table) + F.embedding(position_ids, positions)).transpose(0, 1)
     logits = (hidden @ mix) @ head.t()
-    serial_losses = F.cross_entropy(logits.transpose(0, 1).reshape(-1, VOCAB), labels.reshape(-1), reduction="none").view(B, S)
+    serial_losses = F.cross_entropy(
+        logits.transpose(0, 1).reshape(-1, VOCAB), labels.reshape(-1), reduction="none"
+    ).view(B, S)
     serial_loss = (serial_losses * loss_mask).sum() / loss_mask.sum()
     serial_loss.backward()
 
@@ -49,7 +51,9 @@ def _embedding_head_loss(tied: bool):
             output_layer.weight.copy_(shard_serial_tensor(head, layout, mesh))
     mix_local = block(mix, {0: "row", 1: "column"}, mesh).contiguous()
     hidden_2d = summa_ab(embedding(input_ids, position_ids), mix_local, mesh)
-    logits_2d, _ = output_layer(hidden_2d, weight=embedding.word_embeddings.weight if tied else None)
+    logits_2d, _ = output_layer(
+        hidden_2d, weight=embedding.word_embeddings.weight if tied else None
+    )
     check("logits", logits_2d, block(logits.detach(), {1: "row", 2: "column"}, mesh))
     losses = optimus_cross_entropy(logits_2d, labels, mesh)
     loss = (losses * loss_mask).sum() / loss_mask.sum()
@@ -57,8 +61,12 @@ def _embedding_head_loss(tied: bool):
 
     check("per-token losses", losses, serial_losses.detach())
     check("loss", loss, serial_loss.detach())
-    check("dE", embedding.word_embeddings.weight.grad, shard_serial_tensor(table.grad, layout, mesh))
-    check("dP", embedding.position_embeddings.weight.grad, block(positions.grad, {1: "column"}, mesh))
+    check(
+        "dE", embedding.word_embeddings.weight.grad, shard_serial_tensor(table.grad, layout, mesh)
+    )
+    check(
+        "dP", embedding.position_embeddings.weight.grad, block(positions.grad, {1: "column"}, mesh)
+    )
     if not tied:
         check("dHead", output_layer.weight.grad, shard_serial_tensor(head.grad, layout, mesh))
 

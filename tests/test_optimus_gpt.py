@@ -30,12 +30,24 @@ MICRO_BATCH, NUM_MICROBATCHES = 4, 4
 LR, ADAM_EPS, CLIP_GRAD = 1e-2, 1e-4, 0.2
 
 
+# RMSNorm, SwiGLU (fc1 in megatron's stride-2 layout), no biases, grouped-query attention
+LLAMA_STYLE = dict(
+    normalization="RMSNorm",
+    gated_linear_unit=True,
+    activation_func=F.silu,
+    add_bias_linear=False,
+    num_query_groups=2,
+)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
     dp: int = 1
     pp: int = 1
     tied: bool = False
+    position_embedding_type: str = "learned_absolute"
+    llama_style: bool = False
 
     @property
     def world(self) -> int:
@@ -45,6 +57,7 @@ class Case:
 CASES = [
     Case("q2"),
     Case("q2_tied", tied=True),
+    Case("q2_rope_llama_style", position_embedding_type="rope", llama_style=True),
     Case("q2_dp2", dp=2),
     Case("q2_pp2_tied", pp=2, tied=True),
 ]
@@ -55,7 +68,7 @@ def _solo_process_groups():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
-    names = ("tp", "pp", "dp", "dp_cp", "mp", "pos_embd", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "expt_dp", "tp_ep_pp")
+    names = "tp pp dp dp_cp mp pos_embd cp tp_cp ep expt_tp tp_ep expt_dp tp_ep_pp".split()
     return ProcessGroupCollection(embd=None, **{name: solo for name in names})
 
 
@@ -68,6 +81,7 @@ def _config(case: Case, tp: int, pp: int):
         num_attention_heads=HEADS,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        **(LLAMA_STYLE if case.llama_style else {}),
     )
 
 
@@ -109,10 +123,13 @@ class _SerialTwin:
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
             share_embeddings_and_output_weights=case.tied,
+            position_embedding_type=case.position_embedding_type,
         )
         self.initial = {name: p.detach().clone() for name, p in model.named_parameters()}
         self.ddp = gpt.wrap_ddp([model], self.config, self.pg)
-        self.optimizer = gpt.build_optimizer(self.ddp, self.pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
+        self.optimizer = gpt.build_optimizer(
+            self.ddp, self.pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD
+        )
 
     def step(self, batches) -> Dict[str, object]:
         from megatron.core.distributed import finalize_model_grads
@@ -131,7 +148,9 @@ class _SerialTwin:
 def _train_and_compare(case: Case) -> None:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+    from megatron.core.pipeline_parallel.schedules import (
+        forward_backward_pipelining_without_interleaving,
+    )
 
     from megatron_bitpipe.optimus.gpt_model import OptimusGPTModel, optimus_p2p_tensor_shapes
     from megatron_bitpipe.optimus.layout import load_serial_state_dict, shard_serial_tensor
@@ -159,6 +178,7 @@ def _train_and_compare(case: Case) -> None:
         pre_process=pp_rank == 0,
         post_process=pp_rank == last,
         share_embeddings_and_output_weights=case.tied,
+        position_embedding_type=case.position_embedding_type,
     )
     chunk = chunk_layers_of(model)
     serial_name = lambda name: to_global_name(name, chunk)  # noqa: E731
@@ -199,15 +219,29 @@ def _train_and_compare(case: Case) -> None:
             )
             losses = [r["lm loss"].item() for r in reports]
         if losses:
-            check(f"losses step {step}", torch.tensor(losses), torch.tensor(expected["losses"][dp_rank * per_dp :][:per_dp]))
+            check(
+                f"losses step {step}",
+                torch.tensor(losses),
+                torch.tensor(expected["losses"][dp_rank * per_dp :][:per_dp]),
+            )
         for name, param in params.items():
-            check(f"grad {name} step {step}", param.main_grad, serial_block(expected["grads"], name))
+            check(
+                f"grad {name} step {step}", param.main_grad, serial_block(expected["grads"], name)
+            )
         success, grad_norm, _ = optimizer.step()
         assert success
-        check(f"grad norm step {step}", torch.tensor(grad_norm), torch.tensor(expected["grad_norm"]))
-        assert grad_norm > CLIP_GRAD, f"clipping must bind for the grad-norm check to matter: {grad_norm}"
+        check(
+            f"grad norm step {step}", torch.tensor(grad_norm), torch.tensor(expected["grad_norm"])
+        )
+        assert (
+            grad_norm > CLIP_GRAD
+        ), f"clipping must bind for the grad-norm check to matter: {grad_norm}"
         for name, param in params.items():
-            check(f"weight {name} step {step}", param.detach(), serial_block(expected["weights"], name))
+            check(
+                f"weight {name} step {step}",
+                param.detach(),
+                serial_block(expected["weights"], name),
+            )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -228,15 +262,21 @@ def _dropout_patterns():
     enable_cpu_megatron()
     mesh = world_mesh()
     torch.manual_seed(SEED)  # the default stream: identical on every rank
-    model_parallel_cuda_manual_seed(SEED, tp_rank=mesh.tp_rank, ep_rank=0, etp_rank=0, force_reset_rng=True)
-    config = tiny_gpt_config(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.5)
+    model_parallel_cuda_manual_seed(
+        SEED, tp_rank=mesh.tp_rank, ep_rank=0, etp_rank=0, force_reset_rng=True
+    )
+    config = tiny_gpt_config(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.5
+    )
     embedding = OptimusEmbedding(config, VOCAB, SEQ, "none", mesh, initialize=False).train()
     with torch.no_grad():
         embedding.word_embeddings.weight.fill_(1.0)
     tokens = torch.zeros(MICRO_BATCH, SEQ, dtype=torch.long)
     embedded = embedding(tokens, None)
     residual = torch.ones_like(embedded)
-    added = get_optimus_bias_dropout_add(True, False)((torch.ones_like(embedded), None), residual, 0.5)
+    added = get_optimus_bias_dropout_add(True, False)(
+        (torch.ones_like(embedded), None), residual, 0.5
+    )
     return (embedded == 0).flatten().tolist(), (added == 1).flatten().tolist()
 
 

@@ -64,8 +64,17 @@ def _products(compute_mesh, reference_mesh):
     def local(full, dims):
         return block(full.detach(), dims, compute_mesh).clone().requires_grad_()
 
-    a, w, wt, c = local(a_full, tokens), local(w_full, weight), local(wt_full, weight), local(c_full, tokens)
-    serial = [a_full @ w_full, a_full @ wt_full.t(), a_full.reshape(-1, 6).t() @ c_full.reshape(-1, 10)]
+    a, w, wt, c = (
+        local(a_full, tokens),
+        local(w_full, weight),
+        local(wt_full, weight),
+        local(c_full, tokens),
+    )
+    serial = [
+        a_full @ w_full,
+        a_full @ wt_full.t(),
+        a_full.reshape(-1, 6).t() @ c_full.reshape(-1, 10),
+    ]
     parallel = [
         summa_ab(a, w, compute_mesh),
         summa_abt(a, wt, compute_mesh),
@@ -114,7 +123,13 @@ def _linear(skip_bias_add: bool):
     mesh = world_mesh()
     config = tiny_config()
     layer = OptimusLinear(
-        6, 10, config=config, init_method=config.init_method, bias=True, skip_bias_add=skip_bias_add, mesh=mesh
+        6,
+        10,
+        config=config,
+        init_method=config.init_method,
+        bias=True,
+        skip_bias_add=skip_bias_add,
+        mesh=mesh,
     )
     serial = torch.nn.Linear(6, 10)
     with torch.no_grad():
@@ -135,8 +150,16 @@ def _linear(skip_bias_add: bool):
     y.backward(block(grad_full, tokens, mesh))
     check("y", y, block(y_full.detach(), tokens, mesh))
     check("dx", x.grad, block(x_full.grad, tokens, mesh))
-    check("dW", layer.weight.grad, shard_serial_tensor(serial.weight.grad, layer.weight.optimus_layout, mesh))
-    check("db", layer.bias.grad, shard_serial_tensor(serial.bias.grad, layer.bias.optimus_layout, mesh))
+    check(
+        "dW",
+        layer.weight.grad,
+        shard_serial_tensor(serial.weight.grad, layer.weight.optimus_layout, mesh),
+    )
+    check(
+        "db",
+        layer.bias.grad,
+        shard_serial_tensor(serial.bias.grad, layer.bias.optimus_layout, mesh),
+    )
     # megatron counts a column-replicated bias once per column: on mesh row 0 only
     assert layer.weight.tensor_model_parallel
     assert layer.bias.tensor_model_parallel == (mesh.row == 0)

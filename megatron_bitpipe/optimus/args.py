@@ -41,7 +41,11 @@ def validate_optimus_args(args: argparse.Namespace) -> Optional[int]:
     ffn = getattr(args, "ffn_hidden_size", None)
     if ffn is None and hidden is not None:
         ffn = 4 * hidden
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    groups = (
+        getattr(args, "num_query_groups", None)
+        if getattr(args, "group_query_attention", False)
+        else None
+    )
     return check_optimus_settings(
         getattr(args, "tensor_model_parallel_size", 1),
         divisible_by_side={

@@ -19,9 +19,7 @@ import torch.distributed as dist
 from megatron_bitpipe.optimus.mesh import OptimusMesh
 
 
-def broadcast_block(
-    local: torch.Tensor, root: int, group: dist.ProcessGroup
-) -> torch.Tensor:
+def broadcast_block(local: torch.Tensor, root: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The root's ``local`` on every member of ``group`` (root given as group rank).
 
     Every member passes a tensor of the same shape; the root's is sent unchanged and
@@ -35,7 +33,9 @@ def broadcast_block(
     return buffer
 
 
-def reduce_block(partial: torch.Tensor, root: int, group: dist.ProcessGroup) -> Optional[torch.Tensor]:
+def reduce_block(
+    partial: torch.Tensor, root: int, group: dist.ProcessGroup
+) -> Optional[torch.Tensor]:
     """Sum of every member's ``partial`` on the root (group rank); ``None`` elsewhere.
 
     ``partial`` is consumed: its storage is reused as the reduction buffer.
@@ -67,7 +67,9 @@ def all_gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -
 def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()
     if moved.shape[0] % group.size():
-        raise ValueError(f"dimension {dim} of size {moved.shape[0]} not divisible by {group.size()}")
+        raise ValueError(
+            f"dimension {dim} of size {moved.shape[0]} not divisible by {group.size()}"
+        )
     out = torch.empty(
         (moved.shape[0] // group.size(),) + tuple(moved.shape[1:]),
         dtype=tensor.dtype,

@@ -38,8 +38,8 @@ class _RowVocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         block = logits.shape[-1]
         start = group.rank() * block
-        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = steps.calculate_predicted_logits(
-            logits, target, logits_max, start, start + block
+        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
+            steps.calculate_predicted_logits(logits, target, logits_max, start, start + block)
         )
         predicted_and_sum = all_reduce_sum(torch.stack([predicted, sum_exp]), group)
         softmax, loss = steps.calculate_cross_entropy_loss(
@@ -52,8 +52,8 @@ class _RowVocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, target_mask, masked_target_1d = ctx.saved_tensors
         steps = VocabParallelCrossEntropy
-        grad_2d, arange_1d, softmax_update, grad_input = steps.prepare_gradient_calculation_operands(
-            softmax, target_mask
+        grad_2d, arange_1d, softmax_update, grad_input = (
+            steps.prepare_gradient_calculation_operands(softmax, target_mask)
         )
         grad_input = steps.calculate_gradients(
             grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_loss
@@ -61,7 +61,9 @@ class _RowVocabParallelCrossEntropy(torch.autograd.Function):
         return grad_input, None, None
 
 
-def optimus_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
+def optimus_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, mesh: OptimusMesh
+) -> torch.Tensor:
     """Per-token losses ``[b, s]`` of the whole micro-batch, on every rank of the mesh.
 
     Args:

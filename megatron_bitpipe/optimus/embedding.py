@@ -21,7 +21,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megatron_bitpipe.optimus.collectives import batch_block, column_replicated, reduce_scatter_batch
+from megatron_bitpipe.optimus.collectives import (
+    batch_block,
+    column_replicated,
+    reduce_scatter_batch,
+)
 from megatron_bitpipe.optimus.layers import divide_by_side, parameter_device
 from megatron_bitpipe.optimus.layout import (
     LayoutKind,
@@ -100,7 +104,9 @@ class OptimusEmbedding(torch.nn.Module):
     ):
         super().__init__()
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ValueError(f"Optimus 2D does not support {position_embedding_type} position embeddings")
+            raise ValueError(
+                f"Optimus 2D does not support {position_embedding_type} position embeddings"
+            )
         self.config = config
         self.mesh = mesh
         self.word_embeddings = OptimusVocabEmbedding(config, vocab_size, mesh, initialize)

@@ -103,20 +103,29 @@ class OptimusGPTModel(GPTModel):
                     vocab_block_from_1d_partition(megatron_embedding.word_embeddings.weight, mesh)
                 )
                 if self.embedding.add_position_embedding:
+                    positions = megatron_embedding.position_embeddings.weight
                     self.embedding.position_embeddings.weight.copy_(
-                        megatron_embedding.position_embeddings.weight.chunk(mesh.side, dim=1)[mesh.column]
+                        positions.chunk(mesh.side, dim=1)[mesh.column]
                     )
         if self.post_process:
             megatron_weight = self.output_layer.weight
             self.output_layer = OptimusOutputLayer(
-                self.config, self.vocab_size, mesh, has_weight=megatron_weight is not None, initialize=False
+                self.config,
+                self.vocab_size,
+                mesh,
+                has_weight=megatron_weight is not None,
+                initialize=False,
             )
             if megatron_weight is not None:
                 with torch.no_grad():
-                    self.output_layer.weight.copy_(vocab_block_from_1d_partition(megatron_weight, mesh))
+                    self.output_layer.weight.copy_(
+                        vocab_block_from_1d_partition(megatron_weight, mesh)
+                    )
         super().setup_embeddings_and_output_layer()
 
-    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def compute_language_model_loss(
+        self, labels: torch.Tensor, logits: torch.Tensor
+    ) -> torch.Tensor:
         """Per-token losses ``[b, s]`` of the whole micro-batch from ``[s, b/q, v/q]`` logits."""
         return optimus_cross_entropy(logits, labels, self.mesh)
 

@@ -156,10 +156,13 @@ class _MeshNorm(torch.autograd.Function):
         grad_bias = grad32.sum(token_dims).to(weight.dtype) if ctx.has_bias else None
 
         g = grad32 * weight.float()
-        sums = all_reduce_sum(
-            torch.cat([g.sum(-1, keepdim=True), (g * normed).sum(-1, keepdim=True)], dim=-1),
-            ctx.group,
-        ) / ctx.hidden_size
+        sums = (
+            all_reduce_sum(
+                torch.cat([g.sum(-1, keepdim=True), (g * normed).sum(-1, keepdim=True)], dim=-1),
+                ctx.group,
+            )
+            / ctx.hidden_size
+        )
         mean_g, mean_g_normed = sums[..., :1], sums[..., 1:]
         if mean is None:
             grad_x = inv_std * (g - normed * mean_g_normed)
@@ -178,7 +181,9 @@ class OptimusLayerNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, mesh: OptimusMesh):
         super().__init__()
         if config.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"Optimus 2D supports LayerNorm and RMSNorm, not {config.normalization}")
+            raise ValueError(
+                f"Optimus 2D supports LayerNorm and RMSNorm, not {config.normalization}"
+            )
         if config.layernorm_zero_centered_gamma:
             raise ValueError("Optimus 2D does not support --apply-layernorm-1p")
         self.mesh = mesh
@@ -188,12 +193,16 @@ class OptimusLayerNorm(torch.nn.Module):
         local = divide_by_side(hidden_size, mesh.side, "--hidden-size")
         device = parameter_device(config)
         layout = ParamLayout(LayoutKind.FEATURE_VECTOR)
-        self.weight = torch.nn.Parameter(torch.ones(local, dtype=config.params_dtype, device=device))
+        self.weight = torch.nn.Parameter(
+            torch.ones(local, dtype=config.params_dtype, device=device)
+        )
         set_param_layout(self.weight, layout, mesh)
         if self.rms:
             self.register_parameter("bias", None)
         else:
-            self.bias = torch.nn.Parameter(torch.zeros(local, dtype=config.params_dtype, device=device))
+            self.bias = torch.nn.Parameter(
+                torch.zeros(local, dtype=config.params_dtype, device=device)
+            )
             set_param_layout(self.bias, layout, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -57,13 +57,17 @@ class ParamLayout:
         return self.kind in (LayoutKind.FEATURE_VECTOR, LayoutKind.FEATURE_TABLE)
 
 
-def _feature_block(tensor: torch.Tensor, dim: int, block: int, side: int, stride: int) -> torch.Tensor:
+def _feature_block(
+    tensor: torch.Tensor, dim: int, block: int, side: int, stride: int
+) -> torch.Tensor:
     """Block ``block`` of ``side`` along ``dim``, taken from each of ``stride`` equal parts."""
     parts = tensor.chunk(stride, dim=dim)
     return torch.cat([part.chunk(side, dim=dim)[block] for part in parts], dim=dim)
 
 
-def shard_serial_tensor(serial: torch.Tensor, layout: ParamLayout, mesh: OptimusMesh) -> torch.Tensor:
+def shard_serial_tensor(
+    serial: torch.Tensor, layout: ParamLayout, mesh: OptimusMesh
+) -> torch.Tensor:
     """This rank's block of a serial megatron-core tensor (a new contiguous tensor)."""
     i, j, q, stride = mesh.row, mesh.column, mesh.side, layout.stride
     if layout.kind is LayoutKind.LINEAR_WEIGHT:
@@ -136,5 +140,7 @@ def load_serial_state_dict(
             if layout is not None:
                 value = shard_serial_tensor(value, layout, mesh)
             if value.shape != param.shape:
-                raise ValueError(f"{name}: serial block {tuple(value.shape)}, parameter {tuple(param.shape)}")
+                raise ValueError(
+                    f"{name}: serial block {tuple(value.shape)}, parameter {tuple(param.shape)}"
+                )
             param.copy_(value)

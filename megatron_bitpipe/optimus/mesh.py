@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 
 def mesh_side(tensor_parallel_size: int) -> int:
-    """Side q of the mesh for a TP size of q²; ValueError if the size is not a perfect square ≥ 4."""
+    """Side q of the mesh for a TP size of q²; ValueError unless the size is a square ≥ 4."""
     side = math.isqrt(tensor_parallel_size)
     if side * side != tensor_parallel_size or side < 2:
         raise ValueError(
@@ -70,7 +70,7 @@ class OptimusMesh:
 
     @property
     def tp_rank(self) -> int:
-        """Group rank in the TP group (``row * side + column``); seeds this position's RNG stream."""
+        """Group rank in the TP group, ``row * side + column`` (seeds this position's RNG)."""
         return self.row * self.side + self.column
 
 

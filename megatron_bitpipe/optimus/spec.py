@@ -56,7 +56,9 @@ def get_optimus_gpt_layer_spec(mesh: OptimusMesh, core_attention=DotProductAtten
             ),
             self_attn_bda=get_optimus_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=linear, linear_fc2=linear)),
+            mlp=ModuleSpec(
+                module=MLP, submodules=MLPSubmodules(linear_fc1=linear, linear_fc2=linear)
+            ),
             mlp_bda=get_optimus_bias_dropout_add,
         ),
     )

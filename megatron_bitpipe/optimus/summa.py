@@ -98,7 +98,10 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tenso
 
 
 def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
-    """Block of ``A·Bᵀ``: ``a`` is ``[..., k/q]``, ``b`` is ``[n/q, k/q]``; returns ``[..., n/q]``."""
+    """Block of ``A·Bᵀ``: ``a`` is ``[..., k/q]``, ``b`` is ``[n/q, k/q]``.
+
+    Returns ``[..., n/q]``, the same token block as ``a``.
+    """
     return _Summa.apply(a, b, mesh, "abt")
 
 

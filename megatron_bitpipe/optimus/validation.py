@@ -49,7 +49,10 @@ def check_optimus_settings(
 
 
 def check_optimus_model_config(
-    config, tensor_parallel_size: int, vocab_size: Optional[int] = None, micro_batch_size: Optional[int] = None
+    config,
+    tensor_parallel_size: int,
+    vocab_size: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
 ) -> int:
     """Validate a megatron-core ``TransformerConfig`` (and sizes) for Optimus 2D; return q."""
     return check_optimus_settings(
