@@ -247,7 +247,24 @@ def main(argv=None) -> None:
         "dropout": args.dropout,
         "attention": args.attention,
     }
+    if sizes["seq"] % sizes["tp"]:
+        parser.error("--seq-length must be divisible by --tensor-model-parallel-size (tp+sp mode)")
+    from megatron_bitpipe.optimus.validation import check_optimus_settings
     from megatron_bitpipe.testing.launcher import launch
+
+    try:
+        check_optimus_settings(
+            sizes["tp"],
+            divisible_by_side={
+                "--micro-batch-size": sizes["batch"],
+                "--hidden-size": sizes["hidden"],
+                "--num-attention-heads": sizes["heads"],
+                "--ffn-hidden-size": sizes["ffn"],
+            },
+            unsupported={},
+        )
+    except ValueError as error:
+        parser.error(str(error))
 
     results = {mode: launch(_measure, sizes["tp"], mode, sizes) for mode in MODES}
     command = "python scripts/bench_optimus.py " + shlex.join(
