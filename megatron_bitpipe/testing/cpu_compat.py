@@ -27,6 +27,9 @@ and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` before clipping.
     ``get_cuda_rng_tracker().fork()``) keeps and swaps "CUDA" generator states; on the CPU the
     generator that dropout actually draws from is the CPU default generator, so that is the one
     the tracker must swap. (CPU-only torch would otherwise raise, or queue the seed forever.)
+  - ``torch.autograd._engine_run_backward`` runs inside the device mode: the mode is popped
+    while it handles ``Tensor.backward`` / ``torch.autograd.backward``, so backward functions
+    that allocate on ``current_device()`` (sequence-parallel gathers) would otherwise fail.
   - ``torch._dynamo.config.disable = True``: megatron's ``jit_fuser`` is ``torch.compile``
     (the native fused cross entropy, some activations); compiling them on the CPU costs
     about ten seconds per process, and eager execution gives the same values.
@@ -139,6 +142,22 @@ def _manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+def _in_device_mode(run_backward: Callable) -> Callable:
+    """``run_backward`` with the device mode pushed while it runs.
+
+    ``Tensor.backward`` and ``torch.autograd.backward/grad`` are torch functions: the mode
+    handles them, and a mode is popped while it handles a call, so every backward function
+    (megatron's sequence-parallel gathers, for one, allocate on ``current_device()``) would
+    run without it. The autograd engine entry point is below that dispatch.
+    """
+
+    def run_in_device_mode(*args, **kwargs):
+        with CpuDeviceMode():
+            return run_backward(*args, **kwargs)
+
+    return run_in_device_mode
+
+
 def _patches() -> list:
     """(owner, attribute, replacement) triples; the comment says why each is needed."""
     import megatron.core.tensor_parallel.random as mcore_random
@@ -155,6 +174,8 @@ def _patches() -> list:
         (torch.cuda, "manual_seed", _manual_seed),
         # RNG tracker fork() swaps generator states through this helper.
         (mcore_random, "_set_cuda_rng_state", _set_rng_state),
+        # Backward functions allocate on the "CUDA" device too; see _in_device_mode.
+        (torch.autograd, "_engine_run_backward", _in_device_mode(torch.autograd._engine_run_backward)),
     ]
 
 

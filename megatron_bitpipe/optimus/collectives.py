@@ -1,0 +1,153 @@
+"""Collectives of the q×q mesh, as plain helpers and as autograd functions.
+
+Conventions (see :mod:`megatron_bitpipe.optimus.mesh`): the rank at ``(i, j)`` holds batch
+block ``i`` and feature block ``j``. A tensor "replicated over the row group" has the same
+value on every rank of mesh row ``i`` and the gradient flowing into it is identical there
+too (megatron's convention for replicated outputs); likewise for the column group.
+
+Batch-dimension collectives work on ``dim`` of a tensor whose blocks along ``dim`` are the
+mesh rows: block ``k`` belongs to the column-group member with group rank ``k``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_bitpipe.optimus.mesh import OptimusMesh
+
+
+def broadcast_block(local: torch.Tensor, root: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The root's ``local`` on every member of ``group`` (root given as group rank).
+
+    Every member passes a tensor of the same shape; the root's is sent unchanged and
+    returned as is, the others receive into a fresh buffer.
+    """
+    if group.rank() == root:
+        buffer = local.contiguous()
+    else:
+        buffer = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+    dist.broadcast(buffer, group=group, group_src=root)
+    return buffer
+
+
+def reduce_block(
+    partial: torch.Tensor, root: int, group: dist.ProcessGroup
+) -> Optional[torch.Tensor]:
+    """Sum of every member's ``partial`` on the root (group rank); ``None`` elsewhere.
+
+    ``partial`` is consumed: its storage is reused as the reduction buffer.
+    """
+    partial = partial.contiguous()
+    dist.reduce(partial, group=group, group_dst=root)
+    return partial if group.rank() == root else None
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """In-place sum over ``group``; returns the (contiguous) reduced tensor."""
+    tensor = tensor.contiguous()
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def all_gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenation along ``dim`` of every member's ``tensor``, in group-rank order."""
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty(
+        (moved.shape[0] * group.size(),) + tuple(moved.shape[1:]),
+        dtype=tensor.dtype,
+        device=tensor.device,
+    )
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    moved = tensor.movedim(dim, 0).contiguous()
+    if moved.shape[0] % group.size():
+        raise ValueError(
+            f"dimension {dim} of size {moved.shape[0]} not divisible by {group.size()}"
+        )
+    out = torch.empty(
+        (moved.shape[0] // group.size(),) + tuple(moved.shape[1:]),
+        dtype=tensor.dtype,
+        device=tensor.device,
+    )
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def batch_block(tensor: torch.Tensor, dim: int, mesh: OptimusMesh) -> torch.Tensor:
+    """This rank's batch block (block ``mesh.row`` of ``mesh.side``) of ``tensor`` along ``dim``."""
+    size = tensor.shape[dim]
+    if size % mesh.side:
+        raise ValueError(f"batch dimension {size} not divisible by the mesh side {mesh.side}")
+    return tensor.narrow(dim, mesh.row * (size // mesh.side), size // mesh.side)
+
+
+class _GatherBatch(torch.autograd.Function):
+    """Forward: all-gather batch blocks over the column group. Backward: keep own block.
+
+    The output is replicated over the column group, so its incoming gradient is the full
+    one on every member and the own block needs no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, dim, mesh):
+        ctx.dim, ctx.mesh = dim, mesh
+        return all_gather_along(tensor, dim, mesh.column_group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return batch_block(grad, ctx.dim, ctx.mesh).contiguous(), None, None
+
+
+class _ReduceScatterBatch(torch.autograd.Function):
+    """Forward: sum partial full-batch tensors over the column group, keep own batch block.
+
+    Backward: all-gather the batch blocks of the gradient over the column group.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, dim, mesh):
+        ctx.dim, ctx.mesh = dim, mesh
+        return _reduce_scatter_dim(tensor, dim, mesh.column_group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, ctx.dim, ctx.mesh.column_group), None, None
+
+
+class _SumGradOverColumn(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the column group.
+
+    For a parameter replicated over the column group (a bias or LayerNorm block of one
+    feature block, used on every batch block): each member's local gradient covers only its
+    batch block, and the true gradient is their sum.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, mesh):
+        ctx.mesh = mesh
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_sum(grad.clone(), ctx.mesh.column_group), None
+
+
+def gather_batch(tensor: torch.Tensor, dim: int, mesh: OptimusMesh) -> torch.Tensor:
+    """Full batch along ``dim`` from the batch blocks of the column group (autograd-aware)."""
+    return _GatherBatch.apply(tensor, dim, mesh)
+
+
+def reduce_scatter_batch(tensor: torch.Tensor, dim: int, mesh: OptimusMesh) -> torch.Tensor:
+    """Own batch block of the column-group sum of full-batch partials (autograd-aware)."""
+    return _ReduceScatterBatch.apply(tensor, dim, mesh)
+
+
+def column_replicated(parameter: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
+    """Use of a column-replicated parameter whose gradient must be summed over batch blocks."""
+    return _SumGradOverColumn.apply(parameter, mesh)

@@ -1,0 +1,218 @@
+"""Linear and normalisation layers of Optimus 2D tensor parallelism.
+
+Activations are megatron-core's ``[s, b, h]`` split over the mesh: the rank at ``(i, j)``
+holds ``[s, b/q, h/q]`` — batch block ``i``, feature block ``j`` (see
+:mod:`megatron_bitpipe.optimus.mesh`). Both layers take and return that layout, and accept
+the constructor arguments megatron-core's specs pass to their 1-D counterparts, so they
+drop into a ``ModuleSpec``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from megatron_bitpipe.optimus.collectives import all_reduce_sum, column_replicated
+from megatron_bitpipe.optimus.layout import (
+    LayoutKind,
+    ParamLayout,
+    init_local_block,
+    set_param_layout,
+)
+from megatron_bitpipe.optimus.mesh import OptimusMesh
+from megatron_bitpipe.optimus.summa import summa_ab
+
+
+def divide_by_side(size: int, side: int, what: str) -> int:
+    """``size // side``; ValueError naming ``what`` when it does not divide."""
+    if size % side:
+        raise ValueError(f"{what} ({size}) must be divisible by the Optimus mesh side q={side}")
+    return size // side
+
+
+def parameter_device(config) -> torch.device:
+    """Where megatron-core allocates parameters for ``config``."""
+    if config.use_cpu_initialization:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class OptimusLinear(torch.nn.Module):
+    """``y = x·W + b`` with SUMMA; a drop-in for megatron-core's column/row-parallel linears.
+
+    Parameters on the rank at ``(i, j)``:
+        ``weight``: ``[in/q, out/q]`` = block ``(i, j)`` of ``W = Wₛᵀ`` where ``Wₛ`` is the
+        serial megatron ``[out, in]`` weight (layout ``LINEAR_WEIGHT``).
+        ``bias``: ``[out/q]`` = output block ``j``, replicated over the column group.
+
+    Forward takes ``[..., in/q]`` and returns ``(output [..., out/q], bias or None)`` like
+    megatron-core: with ``skip_bias_add`` the bias is returned for the caller to add.
+
+    Megatron arguments with no 2-D meaning (``gather_output``, ``input_is_parallel``,
+    ``tp_group``, ``tp_comm_buffer_name``) are accepted and ignored; the mesh replaces the
+    TP group. Expert (MoE) linears and gathered outputs are not supported.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method: Callable,
+        bias: bool,
+        skip_bias_add: bool,
+        mesh: OptimusMesh,
+        stride: int = 1,
+        is_expert: bool = False,
+        gather_output: bool = False,
+        input_is_parallel: bool = True,
+        tp_comm_buffer_name: Optional[str] = None,
+        tp_group=None,
+    ):
+        super().__init__()
+        if is_expert:
+            raise ValueError("Optimus 2D does not support expert (MoE) linear layers")
+        if gather_output:
+            raise ValueError("Optimus 2D linear layers keep their output partitioned")
+        del input_is_parallel, tp_comm_buffer_name, tp_group  # no 2-D meaning, see docstring
+        side = mesh.side
+        self.mesh = mesh
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = skip_bias_add
+        device = parameter_device(config)
+
+        weight_layout = ParamLayout(LayoutKind.LINEAR_WEIGHT, stride)
+        self.weight = torch.nn.Parameter(
+            torch.empty(
+                divide_by_side(input_size, side, "linear input size"),
+                divide_by_side(output_size, side * stride, "linear output size / stride") * stride,
+                dtype=config.params_dtype,
+                device=device,
+            )
+        )
+        set_param_layout(self.weight, weight_layout, mesh)
+        if config.perform_initialization:
+            init_local_block(
+                self.weight,
+                (output_size, input_size),
+                weight_layout,
+                mesh,
+                init_method,
+                config.use_cpu_initialization,
+            )
+        if bias:
+            self.bias = torch.nn.Parameter(
+                torch.zeros(self.weight.shape[1], dtype=config.params_dtype, device=device)
+            )
+            set_param_layout(self.bias, ParamLayout(LayoutKind.FEATURE_VECTOR, stride), mesh)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        output = summa_ab(x, self.weight, self.mesh)
+        bias = None if self.bias is None else column_replicated(self.bias, self.mesh)
+        if self.skip_bias_add or bias is None:
+            return output, bias
+        return output + bias, None
+
+
+class _MeshNorm(torch.autograd.Function):
+    """LayerNorm / RMSNorm over a hidden dimension split across the row group.
+
+    Statistics are computed in fp32 from row-group sums: Σx, then Σ(x−mean)² (two passes,
+    as exact as a local norm); the backward needs one more all-reduce of the per-token sums
+    Σg and Σg·x̂ (g = dy·γ). Saves the input, mean and 1/σ (not x̂).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, hidden_size, group, rms):
+        x32 = x.float()
+        if rms:
+            mean = None
+            centered = x32
+        else:
+            mean = all_reduce_sum(x32.sum(-1, keepdim=True), group) / hidden_size
+            centered = x32 - mean
+        variance = all_reduce_sum(centered.square().sum(-1, keepdim=True), group) / hidden_size
+        inv_std = torch.rsqrt(variance + eps)
+        normed = centered * inv_std
+        out = normed * weight.float()
+        if bias is not None:
+            out = out + bias.float()
+        ctx.save_for_backward(x, mean, inv_std, weight)
+        ctx.hidden_size, ctx.group, ctx.has_bias = hidden_size, group, bias is not None
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, mean, inv_std, weight = ctx.saved_tensors
+        x32 = x.float()
+        normed = (x32 if mean is None else x32 - mean) * inv_std
+        grad32 = grad_out.float()
+        token_dims = tuple(range(grad32.dim() - 1))
+        grad_weight = (grad32 * normed).sum(token_dims).to(weight.dtype)
+        grad_bias = grad32.sum(token_dims).to(weight.dtype) if ctx.has_bias else None
+
+        g = grad32 * weight.float()
+        sums = (
+            all_reduce_sum(
+                torch.cat([g.sum(-1, keepdim=True), (g * normed).sum(-1, keepdim=True)], dim=-1),
+                ctx.group,
+            )
+            / ctx.hidden_size
+        )
+        mean_g, mean_g_normed = sums[..., :1], sums[..., 1:]
+        if mean is None:
+            grad_x = inv_std * (g - normed * mean_g_normed)
+        else:
+            grad_x = inv_std * (g - mean_g - normed * mean_g_normed)
+        return grad_x.to(x.dtype), grad_weight, grad_bias, None, None, None, None
+
+
+class OptimusLayerNorm(torch.nn.Module):
+    """LayerNorm (or RMSNorm, per ``config.normalization``) of ``[..., h/q]`` blocks.
+
+    ``weight``/``bias``: ``[h/q]`` = feature block ``j``, replicated over the column group
+    (their gradients are summed over it). Signature matches megatron-core's norm builders.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, mesh: OptimusMesh):
+        super().__init__()
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(
+                f"Optimus 2D supports LayerNorm and RMSNorm, not {config.normalization}"
+            )
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("Optimus 2D does not support --apply-layernorm-1p")
+        self.mesh = mesh
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.rms = config.normalization == "RMSNorm"
+        local = divide_by_side(hidden_size, mesh.side, "--hidden-size")
+        device = parameter_device(config)
+        layout = ParamLayout(LayoutKind.FEATURE_VECTOR)
+        self.weight = torch.nn.Parameter(
+            torch.ones(local, dtype=config.params_dtype, device=device)
+        )
+        set_param_layout(self.weight, layout, mesh)
+        if self.rms:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = torch.nn.Parameter(
+                torch.zeros(local, dtype=config.params_dtype, device=device)
+            )
+            set_param_layout(self.bias, layout, mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else column_replicated(self.bias, self.mesh)
+        return _MeshNorm.apply(
+            x,
+            column_replicated(self.weight, self.mesh),
+            bias,
+            self.eps,
+            self.hidden_size,
+            self.mesh.row_group,
+            self.rms,
+        )

@@ -1,0 +1,83 @@
+"""megatron-core ModuleSpecs that build GPT transformer layers in Optimus 2D mode.
+
+Only the leaves change: megatron-core's ``TransformerLayer``, ``MLP`` and
+``DotProductAttention`` run unchanged on ``[s, b/q, h/q]`` blocks, with SUMMA linears,
+mesh LayerNorms, :class:`OptimusSelfAttention` and per-position residual dropout. Every
+Optimus leaf receives the mesh through its spec ``params``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_bitpipe.optimus.attention import OptimusSelfAttention, get_optimus_bias_dropout_add
+from megatron_bitpipe.optimus.layers import OptimusLayerNorm, OptimusLinear
+from megatron_bitpipe.optimus.mesh import OptimusMesh
+
+
+def get_optimus_norm_spec(mesh: OptimusMesh) -> ModuleSpec:
+    """LayerNorm/RMSNorm (per ``config.normalization``) over the mesh."""
+    return ModuleSpec(module=OptimusLayerNorm, params={"mesh": mesh})
+
+
+def get_optimus_gpt_layer_spec(mesh: OptimusMesh, core_attention=DotProductAttention) -> ModuleSpec:
+    """A GPT decoder layer (causal self-attention + MLP) on the mesh.
+
+    ``core_attention`` is any megatron-core core-attention class (scores, softmax, dropout
+    and weighted sum on ``[s, b/q, heads/q, head_dim]``); it is built with the mesh row
+    group as its tensor-parallel group. megatron-core's unfused ``DotProductAttention`` by
+    default.
+    """
+    linear = ModuleSpec(module=OptimusLinear, params={"mesh": mesh})
+    norm = get_optimus_norm_spec(mesh)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=OptimusSelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal, "mesh": mesh},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=linear,
+                    core_attention=core_attention,
+                    linear_proj=linear,
+                ),
+            ),
+            self_attn_bda=get_optimus_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(
+                module=MLP, submodules=MLPSubmodules(linear_fc1=linear, linear_fc2=linear)
+            ),
+            mlp_bda=get_optimus_bias_dropout_add,
+        ),
+    )
+
+
+def get_optimus_gpt_block_spec(
+    config,
+    mesh: OptimusMesh,
+    num_layers: Optional[int] = None,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """Decoder block spec: this stage's layers plus the final norm on the mesh.
+
+    ``num_layers`` defaults to megatron-core's ``get_num_layers_to_build`` for the stage.
+    """
+    if num_layers is None:
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=[get_optimus_gpt_layer_spec(mesh)] * num_layers,
+        layer_norm=get_optimus_norm_spec(mesh),
+    )

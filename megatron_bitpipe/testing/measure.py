@@ -1,0 +1,165 @@
+"""Measure what one rank saves for backward and what it sends through collectives.
+
+Dev/benchmark helpers (nothing in production imports them):
+
+* :class:`SavedActivationMeter` — a ``saved_tensors_hooks`` context: bytes of distinct
+  tensor storages autograd saves for backward while it is active, parameters excluded.
+  Used around a forward pass it measures the activation memory that pass keeps alive.
+* :class:`CollectiveMeter` — wraps ``torch.distributed``'s collectives (and the aliases
+  megatron-core binds at import time) while active and records every call: operation,
+  group size and payload bytes. :meth:`CollectiveMeter.wire_bytes` turns the log into the
+  bytes one rank receives with bandwidth-optimal algorithms (ring all-reduce
+  ``2(p−1)/p·n``; all-gather, reduce-scatter, broadcast and reduce ``(p−1)/p·n`` with ``n``
+  the full tensor), the usual "bandwidth term" of communication cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _storage_key(tensor: torch.Tensor) -> Tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class SavedActivationMeter:
+    """Sum of bytes of distinct storages saved for backward (parameters excluded).
+
+    Usage::
+
+        with SavedActivationMeter(model.parameters()) as meter:
+            loss = model(x)
+        meter.bytes  # what the graph keeps for backward
+    """
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self._excluded = {_storage_key(p) for p in parameters}
+        self._seen: set = set()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self._excluded and key not in self._seen:
+            self._seen.add(key)
+            self.bytes += key[1]
+        return tensor
+
+    def __enter__(self) -> "SavedActivationMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective as this rank issued it: ``payload`` bytes of the full tensor."""
+
+    op: str
+    group_size: int
+    payload: int
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank receives under a bandwidth-optimal algorithm."""
+        share = (self.group_size - 1) / self.group_size
+        return (2 if self.op == "all_reduce" else 1) * share * self.payload
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# op name -> (payload bytes from (args, kwargs)) for each wrapped function
+_PAYLOAD: Dict[str, Callable] = {
+    "all_reduce": lambda a, k: _nbytes(a[0]),
+    "broadcast": lambda a, k: _nbytes(a[0]),
+    "reduce": lambda a, k: _nbytes(a[0]),
+    "all_gather_into_tensor": lambda a, k: _nbytes(a[0]),
+    "_all_gather_base": lambda a, k: _nbytes(a[0]),
+    "all_gather": lambda a, k: sum(_nbytes(t) for t in a[0]),
+    "reduce_scatter_tensor": lambda a, k: _nbytes(a[1]),
+    "_reduce_scatter_base": lambda a, k: _nbytes(a[1]),
+    "reduce_scatter": lambda a, k: sum(_nbytes(t) for t in a[1]),
+}
+_CANONICAL = {
+    "all_gather_into_tensor": "all_gather",
+    "_all_gather_base": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+}
+# megatron-core modules that bind all-gather / reduce-scatter functions at import time
+_MEGATRON_ALIASES = (
+    ("megatron.core.tensor_parallel.mappings", "dist_all_gather_func"),
+    ("megatron.core.tensor_parallel.mappings", "dist_reduce_scatter_func"),
+    ("megatron.core.tensor_parallel.layers", "dist_all_gather_func"),
+    ("megatron.core.tensor_parallel.layers", "dist_reduce_scatter_func"),
+    ("megatron.core.utils", "dist_all_gather_func"),
+)
+
+
+class CollectiveMeter(contextlib.ContextDecorator):
+    """Records the collectives this rank issues while active (see module docstring)."""
+
+    def __init__(self):
+        self.calls: List[CollectiveCall] = []
+        self._restore: List[Tuple[object, str, Callable]] = []
+        self._depth = 0  # a wrapped collective calling another one is counted once
+
+    def _wrap(self, name: str, function: Callable) -> Callable:
+        op = _CANONICAL.get(name, name)
+        signature = inspect.signature(function)
+
+        def recorded(*args, **kwargs):
+            if self._depth == 0:
+                group = signature.bind(*args, **kwargs).arguments.get("group")
+                size = dist.get_world_size(group)
+                self.calls.append(CollectiveCall(op, size, _PAYLOAD[name](args, kwargs)))
+            self._depth += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return recorded
+
+    def _patch(self, owner, attribute: str) -> None:
+        original = getattr(owner, attribute)
+        name = getattr(original, "__name__", attribute)
+        if name not in _PAYLOAD:
+            return
+        self._restore.append((owner, attribute, original))
+        setattr(owner, attribute, self._wrap(name, original))
+
+    def __enter__(self) -> "CollectiveMeter":
+        for name in _PAYLOAD:
+            if hasattr(dist, name):
+                self._patch(dist, name)
+        for module_name, attribute in _MEGATRON_ALIASES:
+            module = importlib.import_module(module_name)
+            if hasattr(module, attribute):
+                self._patch(module, attribute)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attribute, original in reversed(self._restore):
+            setattr(owner, attribute, original)
+        self._restore.clear()
+
+    def wire_bytes(self) -> float:
+        """Total bytes this rank receives (bandwidth-optimal algorithms)."""
+        return sum(call.wire_bytes for call in self.calls)
+
+    def payload_bytes(self) -> int:
+        """Total payload bytes of the recorded calls (full tensors)."""
+        return sum(call.payload for call in self.calls)
