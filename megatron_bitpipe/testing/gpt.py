@@ -4,10 +4,9 @@ Plain megatron-core usage with no CPU-specific code (models move to the current 
 when there is one); on a CPU-only torch call
 :func:`megatron_bitpipe.testing.cpu_compat.enable_cpu_megatron` first.
 
-* :class:`ParallelGrid` — rank <-> (tp, dp, pp) coordinates in megatron's default order
-  (tp fastest, then dp, then pp: ``order='tp-cp-ep-dp-pp'`` with cp = ep = 1).
-* :func:`build_process_groups` — a ``ProcessGroupCollection`` holding every group that
-  megatron-core's GPTModel, DDP, optimizer, ``finalize_model_grads`` and pipeline schedules
+* :func:`build_process_groups` — for a :class:`~megatron_bitpipe.runtime.groups.ParallelGrid`
+  (re-exported here), a ``ProcessGroupCollection`` holding every group that megatron-core's
+  GPTModel, DDP, optimizer, ``finalize_model_grads`` and megatron's looped pipeline schedules
   read, built with ``torch.distributed.new_group`` and no ``initialize_model_parallel``.
 * :func:`tiny_gpt_config` — an fp32 ``TransformerConfig`` without fused kernels.
 * :func:`build_gpt_chunks` / :func:`build_gpt_model` — GPTModel chunks of the looped
@@ -20,7 +19,6 @@ when there is one); on a CPU-only torch call
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,6 +36,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from ..runtime.groups import ParallelGrid, new_groups, process_group_collection
+
 __all__ = [
     "ParallelGrid",
     "build_process_groups",
@@ -50,58 +50,6 @@ __all__ = [
     "synthetic_microbatches",
     "gpt_forward_step",
 ]
-
-
-@dataclass(frozen=True)
-class ParallelGrid:
-    """A tp x dp x pp rank grid in megatron's default order.
-
-    Invariant: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, so a tensor-parallel group
-    is a run of ``tp`` consecutive ranks and pipeline ranks are ``tp * dp`` apart.
-    """
-
-    tp: int = 1
-    dp: int = 1
-    pp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
-
-    def rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
-
-    def coords(self, rank: int) -> tuple:
-        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
-        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
-
-    def tp_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
-
-    def dp_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
-
-    def pp_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
-
-    def mp_groups(self) -> List[List[int]]:
-        """Model-parallel (tp x pp) groups: all ranks holding one model replica."""
-        return [
-            [self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)
-        ]
-
-
-def _my_group(rank_lists: Sequence[Sequence[int]], rank: int) -> Optional[dist.ProcessGroup]:
-    """Create every group of ``rank_lists`` (collectively, same order on all ranks).
-
-    Returns the one that contains ``rank`` (None if none does).
-    """
-    mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(list(ranks))
-        if rank in ranks:
-            mine = group
-    return mine
 
 
 def build_process_groups(grid: ParallelGrid) -> ProcessGroupCollection:
@@ -117,30 +65,16 @@ def build_process_groups(grid: ParallelGrid) -> ProcessGroupCollection:
     if dist.get_world_size() != grid.world_size:
         raise ValueError(f"{grid} needs {grid.world_size} ranks, the job has {dist.get_world_size()}")
     rank = dist.get_rank()
-    tp = _my_group(grid.tp_groups(), rank)
-    dp = _my_group(grid.dp_groups(), rank)
     pp_lists = grid.pp_groups()
-    pp = _my_group(pp_lists, rank)
-    mp = _my_group(grid.mp_groups(), rank)
-    solo = _my_group([[r] for r in range(grid.world_size)], rank)
     embd_lists = [sorted({ranks[0], ranks[-1]}) for ranks in pp_lists] if grid.pp > 1 else []
-    embd = _my_group(embd_lists, rank)
-    pos_embd = _my_group([[ranks[0]] for ranks in pp_lists], rank)
-    return ProcessGroupCollection(
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        dp_cp=dp,
-        mp=mp,
-        embd=embd,
-        pos_embd=pos_embd,
-        cp=solo,
-        tp_cp=tp,
-        ep=solo,
-        expt_tp=solo,
-        tp_ep=tp,
-        expt_dp=dp,
-        tp_ep_pp=mp,
+    return process_group_collection(
+        tp=new_groups(grid.tp_groups(), rank),
+        dp=new_groups(grid.dp_groups(), rank),
+        pp=new_groups(pp_lists, rank),
+        mp=new_groups(grid.mp_groups(), rank),
+        solo=new_groups([[r] for r in range(grid.world_size)], rank),
+        embd=new_groups(embd_lists, rank),
+        pos_embd=new_groups([[ranks[0]] for ranks in pp_lists], rank),
     )
 
 

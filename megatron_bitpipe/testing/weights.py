@@ -5,7 +5,8 @@ pipeline parallelism: ``embedding.*``, ``decoder.layers.{L}.*`` for global layer
 ``decoder.final_layernorm.*``, ``output_layer.*`` (absent with tied embeddings).
 A *chunk* holds a contiguous range of layers plus, optionally, the embedding (pre_process)
 and the final norm and output layer (post_process); megatron numbers its layers locally
-(``decoder.layers.{l}``, ``l = L - first_layer``). :class:`ChunkLayers` says which part a
+(``decoder.layers.{l}``, ``l = L - first_layer``).
+:class:`~megatron_bitpipe.runtime.layout.ChunkLayers` says which part a
 chunk holds, whatever the placement (looped, V, bidirectional), so one full state dict
 initialises any layout identically, and any layout's weights or gradients can be put
 back together and compared with a single-process run.
@@ -15,57 +16,27 @@ of the word embeddings as ``output_layer.weight``; it maps to
 ``embedding.word_embeddings.weight``. Every copy of a full tensor (tied copies, data-parallel
 replicas) must agree; :func:`merge_full` checks that.
 
-Tensor parallelism: a parameter with megatron's ``tensor_model_parallel`` attribute is the
-``tp_rank``-th of ``tp_size`` equal blocks of the full tensor along ``partition_dim``
-(``partition_stride`` 1, which is what the local GPT spec uses).
-
-The name mapping is pure Python: megatron-core is imported only by the functions that read a
-model or a config.
+The name mapping and tensor-parallel blocks are :mod:`megatron_bitpipe.runtime.layout`'s;
+megatron-core is imported only by the functions that read a model or a config.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..runtime.layout import ChunkLayers, is_tensor_parallel, to_global_name, to_local_name, tp_block
+
 __all__ = [
-    "ChunkLayers",
     "looped_chunk_layers",
     "chunk_layers_of",
-    "to_global_name",
-    "to_local_name",
     "chunk_state_dict",
     "load_full",
     "collect_full",
     "merge_full",
 ]
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_HEAD = "output_layer.weight"
-_WORD_EMBEDDING = "embedding.word_embeddings.weight"
-
-
-@dataclass(frozen=True)
-class ChunkLayers:
-    """The part of the full model a chunk holds.
-
-    ``first_layer`` is the global (0-based) index of the chunk's local layer 0; the chunk has
-    ``num_layers`` consecutive layers. ``tied`` is ``share_embeddings_and_output_weights``.
-    """
-
-    first_layer: int
-    num_layers: int
-    pre_process: bool
-    post_process: bool
-    tied: bool = False
-
-    @property
-    def layers(self) -> range:
-        return range(self.first_layer, self.first_layer + self.num_layers)
 
 
 def looped_chunk_layers(
@@ -92,13 +63,6 @@ def looped_chunk_layers(
     )
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The language model inside DDP / Float16Module wrappers."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    return get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
-
-
 def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
     """Read :class:`ChunkLayers` off a built GPT chunk (wrapped or not).
 
@@ -106,7 +70,9 @@ def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
     must hold at least one layer and have been built with correct layer numbers; otherwise
     construct :class:`ChunkLayers` explicitly.
     """
-    inner = _unwrap(model)
+    from ..runtime.model import unwrap
+
+    inner = unwrap(model)
     layers = inner.decoder.layers
     if len(layers) == 0:
         raise ValueError("chunk has no transformer layers; give its ChunkLayers explicitly")
@@ -119,42 +85,6 @@ def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
     )
 
 
-def to_global_name(local_name: str, chunk: ChunkLayers) -> str:
-    """Full-model name of a chunk's parameter (or state dict key)."""
-    match = _LAYER.match(local_name)
-    if match:
-        local = int(match.group(1))
-        if local >= chunk.num_layers:
-            raise KeyError(f"{local_name}: chunk has {chunk.num_layers} layers")
-        return f"decoder.layers.{chunk.first_layer + local}.{match.group(2)}"
-    if local_name == _HEAD and chunk.tied and not chunk.pre_process:
-        return _WORD_EMBEDDING
-    return local_name
-
-
-def to_local_name(global_name: str, chunk: ChunkLayers) -> Optional[str]:
-    """Inverse of :func:`to_global_name`: the chunk's name, or None if the chunk lacks it.
-
-    For the tied word embedding, a chunk that holds only the output layer answers
-    ``output_layer.weight``; a chunk holding both answers the embedding name.
-    """
-    match = _LAYER.match(global_name)
-    if match:
-        layer = int(match.group(1))
-        if layer not in chunk.layers:
-            return None
-        return f"decoder.layers.{layer - chunk.first_layer}.{match.group(2)}"
-    if global_name.startswith("embedding."):
-        if chunk.pre_process:
-            return global_name
-        if global_name == _WORD_EMBEDDING and chunk.tied and chunk.post_process:
-            return _HEAD
-        return None
-    if global_name.startswith(("output_layer.", "decoder.final_layernorm.")):
-        return global_name if chunk.post_process else None
-    raise KeyError(f"{global_name}: not a GPT parameter name")
-
-
 def chunk_state_dict(full: Mapping[str, torch.Tensor], chunk: ChunkLayers) -> Dict[str, torch.Tensor]:
     """The entries of a full state dict that ``chunk`` holds, under the chunk's names."""
     out = {}
@@ -163,14 +93,6 @@ def chunk_state_dict(full: Mapping[str, torch.Tensor], chunk: ChunkLayers) -> Di
         if local is not None:
             out[local] = value
     return out
-
-
-def _tp_block(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return full
-    if getattr(param, "partition_stride", 1) != 1:
-        raise NotImplementedError("strided tensor-parallel partitions are not supported")
-    return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
 
 
 def load_full(
@@ -185,11 +107,13 @@ def load_full(
     tensor-parallel parameters take their block. Raises KeyError if ``full`` lacks a value
     and ValueError on a shape mismatch; in-place copies keep DDP's buffer views valid.
     """
+    from ..runtime.model import unwrap
+
     chunk = chunk or chunk_layers_of(model)
     tp_rank, tp_size = (tp_group.rank(), tp_group.size()) if tp_group is not None else (0, 1)
     with torch.no_grad():
-        for name, param in _unwrap(model).named_parameters():
-            value = _tp_block(full[to_global_name(name, chunk)], param, tp_rank, tp_size)
+        for name, param in unwrap(model).named_parameters():
+            value = tp_block(full[to_global_name(name, chunk)], param, tp_rank, tp_size)
             if value.shape != param.shape:
                 raise ValueError(
                     f"{name}: full tensor gives {tuple(value.shape)}, parameter is {tuple(param.shape)}"
@@ -210,14 +134,16 @@ def collect_full(
     skipped. With ``tp_group`` (size > 1), tensor-parallel blocks are all-gathered, so this is
     a collective over the tp group and every tp rank gets the full tensors.
     """
+    from ..runtime.model import unwrap
+
     chunk = chunk or chunk_layers_of(model)
     out = {}
-    for name, param in _unwrap(model).named_parameters():
+    for name, param in unwrap(model).named_parameters():
         value = tensor_of(param)
         if value is None:
             continue
         value = value.detach()
-        if tp_group is not None and tp_group.size() > 1 and getattr(param, "tensor_model_parallel", False):
+        if tp_group is not None and tp_group.size() > 1 and is_tensor_parallel(param):
             blocks = [torch.empty_like(value) for _ in range(tp_group.size())]
             dist.all_gather(blocks, value.contiguous(), group=tp_group)
             value = torch.cat(blocks, dim=param.partition_dim)

@@ -1,0 +1,11 @@
+"""Running placements on megatron-core: chunks, process groups, initial weights, replicas.
+
+* :mod:`.layout` — which layers, embedding and head each local chunk holds; global <-> local
+  parameter names (pure Python).
+* :mod:`.groups` — the rank grid and every process group: megatron-core collections per
+  chunk, p2p channel groups, grad-sync groups.
+* :mod:`.model` — GPTModel chunks with explicit global layer ranges, tied embeddings on one rank.
+* :mod:`.init` — initial weights from the seed alone, independent of the parallel layout.
+* :mod:`.replicas` — per-chunk DDP over the replicas, loss divisor, grad-norm marking,
+  replica checks.
+"""

@@ -1,0 +1,244 @@
+"""Process groups for a placement: megatron-core's collections, p2p channels, grad sync.
+
+Everything is built with ``torch.distributed.new_group`` on every rank in the same order; no
+``initialize_model_parallel``. The world is a :class:`ParallelGrid` (tp x dp x pp in
+megatron's default order, tp fastest); the ``pp`` coordinate of a rank is its *pipeline rank*,
+the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks of.
+
+:class:`PipelineGroups` holds, for this rank:
+
+* ``rank_pgs`` — a ``ProcessGroupCollection`` for what spans all chunks of the rank: the
+  megatron optimizer (``mp`` is the grad-norm group), ``finalize_model_grads``.
+  ``dp``/``dp_cp`` are the plain data-parallel group.
+* ``model_pgs[c]`` — the collection for local chunk ``c``: its GPTModel and its
+  ``DistributedDataParallel``. Same as ``rank_pgs`` except ``dp = dp_cp = expt_dp`` is the
+  chunk's grad-sync group (:meth:`PipelineGroups.grad_sync_group`).
+  ``embd = pos_embd = None`` in both: tied embeddings live on one rank
+  (:mod:`megatron_bitpipe.runtime.model`), so megatron's embedding all-reduces are skipped.
+  ``pp`` is the pipeline ranks of this (tp, dp) slice in grid order, for every chunk; its
+  rank is the pipeline rank, *not* a stage index.
+* p2p channel groups, one per (payload, pipeline, direction) — see :meth:`channel_group`.
+* grad-sync groups, one per stage — see :meth:`grad_sync_group`.
+
+Context, expert and expert-tensor parallel sizes are 1 (``cp``, ``ep``, ``expt_tp`` are
+this rank alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from ..schedules.comm import Payload, Transfer
+from ..schedules.placement import Placement
+
+__all__ = ["ParallelGrid", "new_groups", "process_group_collection", "PipelineGroups"]
+
+
+@dataclass(frozen=True)
+class ParallelGrid:
+    """A tp x dp x pp rank grid in megatron's default order.
+
+    Invariant: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, so a tensor-parallel group
+    is a run of ``tp`` consecutive ranks and pipeline ranks are ``tp * dp`` apart.
+    """
+
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords(self, rank: int) -> Tuple[int, int, int]:
+        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
+        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+
+    def tp_groups(self) -> List[List[int]]:
+        return [[self.rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> List[List[int]]:
+        return [[self.rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> List[List[int]]:
+        return [[self.rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def mp_groups(self) -> List[List[int]]:
+        """Model-parallel (tp x pp) groups: all ranks holding one data-parallel replica."""
+        return [[self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+
+
+def new_groups(rank_lists: Sequence[Sequence[int]], rank: int) -> Optional[dist.ProcessGroup]:
+    """Create one group per list of ``rank_lists``; a collective call (same lists on every rank).
+
+    Returns the group that contains ``rank``, None if none does.
+    """
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def process_group_collection(
+    *,
+    tp: dist.ProcessGroup,
+    pp: dist.ProcessGroup,
+    dp: dist.ProcessGroup,
+    mp: dist.ProcessGroup,
+    solo: dist.ProcessGroup,
+    embd: Optional[dist.ProcessGroup] = None,
+    pos_embd: Optional[dist.ProcessGroup] = None,
+) -> ProcessGroupCollection:
+    """Every group megatron-core's GPTModel, DDP, optimizer and ``finalize_model_grads`` read.
+
+    Context, expert and expert-tensor parallelism are off: ``cp``, ``ep``, ``expt_tp`` are
+    ``solo`` (this rank alone), ``dp_cp = expt_dp = dp``, ``tp_cp = tp_ep = tp``,
+    ``tp_ep_pp = mp``. ``embd``/``pos_embd`` None means "not in such a group" (megatron treats
+    None as a group of one and skips the all-reduce).
+    """
+    return ProcessGroupCollection(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        dp_cp=dp,
+        mp=mp,
+        embd=embd,
+        pos_embd=pos_embd,
+        cp=solo,
+        tp_cp=tp,
+        ep=solo,
+        expt_tp=solo,
+        tp_ep=tp,
+        expt_dp=dp,
+        tp_ep_pp=mp,
+    )
+
+
+ChannelKey = Tuple[Payload, int, int]
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """This rank's process groups for running ``placement`` on ``grid``; see the module doc.
+
+    Build with :meth:`build`. ``rank`` is the global rank; ``pp_rank`` (pipeline rank),
+    ``tp_rank`` and ``dp_rank`` its grid coordinates.
+    """
+
+    grid: ParallelGrid
+    placement: Placement
+    rank: int
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    rank_pgs: ProcessGroupCollection
+    model_pgs: Tuple[ProcessGroupCollection, ...]
+    channels: Dict[ChannelKey, dist.ProcessGroup]
+    stage_groups: Dict[int, dist.ProcessGroup]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.grid.coords(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.grid.coords(self.rank)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.grid.coords(self.rank)[2]
+
+    def pp_global_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank ``pp_rank`` in this rank's (tp, dp) slice."""
+        if not 0 <= pp_rank < self.grid.pp:
+            raise ValueError(f"pipeline rank {pp_rank} outside [0, {self.grid.pp})")
+        return self.grid.rank(self.tp_rank, self.dp_rank, pp_rank)
+
+    def channel_group(self, transfer: Transfer) -> dist.ProcessGroup:
+        """The group ``transfer``'s message travels on: one per (payload, pipeline, direction).
+
+        Each group spans the pipeline ranks of this (tp, dp) slice; address peers with
+        :meth:`pp_global_rank` (torch's p2p calls take global ranks). Gloo and NCCL match
+        messages between two ranks by posting order within a group, and one group carries
+        only messages of one payload and pipeline flowing one way, so two streams between
+        the same pair of ranks (e.g. activations to and from the other rank at D = 2, where
+        the previous and next rank coincide) never get matched against each other.
+        Within a group, send and receive the messages of one (src, dst) pair in the same order.
+        Raises ValueError for a local (V-turn) hand-over, which sends nothing.
+        """
+        if transfer.is_local:
+            raise ValueError(f"{transfer} is a local hand-over; it has no channel")
+        return self.channels[(transfer.payload, transfer.pipeline, transfer.direction)]
+
+    def grad_sync_group(self, chunk: int) -> dist.ProcessGroup:
+        """Group over which local chunk ``chunk``'s gradients are averaged.
+
+        All ranks holding a replica of the chunk's stage (one per pipeline: the mirror pair
+        for BitPipe) times data parallel, at this rank's tensor-parallel rank: size
+        ``num_pipelines * dp``. There is one group per stage, so two stages held by the same
+        ranks (BitPipe's mirror pair holds four) never share a group: their collectives may
+        be issued in different orders on the two ranks when they are asynchronous.
+        *Blocking* collectives over these groups must still be issued in the same order on
+        every rank: by stage (:func:`megatron_bitpipe.runtime.replicas.stage_order`).
+        """
+        return self.stage_groups[self.placement.role(self.pp_rank, chunk).stage]
+
+    @classmethod
+    def build(cls, grid: ParallelGrid, placement: Placement) -> "PipelineGroups":
+        """Create every group of ``grid`` x ``placement``; a collective call on the default group."""
+        if dist.get_world_size() != grid.world_size:
+            raise ValueError(f"{grid} needs {grid.world_size} ranks, the job has {dist.get_world_size()}")
+        if placement.num_ranks != grid.pp:
+            raise ValueError(
+                f"the {placement.name} placement has {placement.num_ranks} pipeline ranks, "
+                f"--pipeline-model-parallel-size is {grid.pp}"
+            )
+        rank = dist.get_rank()
+        pp_rank = grid.coords(rank)[2]
+        tp = new_groups(grid.tp_groups(), rank)
+        dp = new_groups(grid.dp_groups(), rank)
+        pp = new_groups(grid.pp_groups(), rank)
+        mp = new_groups(grid.mp_groups(), rank)
+        solo = new_groups([[r] for r in range(grid.world_size)], rank)
+
+        channels = {}
+        for payload in Payload:
+            for pipeline in range(placement.num_pipelines):
+                for direction in (+1, -1):
+                    channels[(payload, pipeline, direction)] = new_groups(grid.pp_groups(), rank)
+
+        stage_groups = {}
+        for stage in range(placement.num_stages):
+            holders = sorted({loc.rank for loc in placement.replicas(stage)})
+            if len(holders) != placement.num_pipelines:
+                # DDP averages over ranks; two copies on one rank would need a local sum.
+                raise ValueError(f"the {placement.name} placement keeps two replicas of stage {stage} on one rank")
+            lists = [sorted(grid.rank(t, d, p) for p in holders for d in range(grid.dp)) for t in range(grid.tp)]
+            group = new_groups(lists, rank)
+            if pp_rank in holders:
+                stage_groups[stage] = group
+
+        common = dict(tp=tp, pp=pp, mp=mp, solo=solo)
+        model_pgs = tuple(
+            process_group_collection(dp=stage_groups[placement.role(pp_rank, c).stage], **common)
+            for c in range(placement.chunks_per_rank)
+        )
+        return cls(
+            grid=grid,
+            placement=placement,
+            rank=rank,
+            tp=tp,
+            pp=pp,
+            rank_pgs=process_group_collection(dp=dp, **common),
+            model_pgs=model_pgs,
+            channels=channels,
+            stage_groups=stage_groups,
+        )

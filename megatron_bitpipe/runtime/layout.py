@@ -1,0 +1,161 @@
+"""Which part of the full model each chunk holds, and the parameter names that go with it.
+
+No torch.distributed and no megatron-core: usable by the planner, the runtime and tests
+alike.
+
+The *full* (global) model is the whole model on one rank without tensor or pipeline
+parallelism. Its parameter names are megatron-core's: ``embedding.*``,
+``decoder.layers.{L}.*`` for global layer ``L`` (0-based), ``decoder.final_layernorm.*``,
+``output_layer.*`` (absent with tied embeddings). A *chunk* holds a contiguous range of
+layers plus, optionally, the embedding (``pre_process``) and the final norm, output layer and
+loss (``post_process``); megatron numbers a chunk's layers locally in its module names
+(``decoder.layers.{l}``, ``l = L - first_layer``) and globally in ``layer.layer_number``
+(1-based, ``L + 1``).
+
+Tensor parallelism: a parameter with megatron's ``tensor_model_parallel`` attribute is the
+``tp_rank``-th of ``tp_size`` equal blocks of the full tensor along ``partition_dim``
+(:func:`tp_block`).
+
+Stages are equal: with ``S`` stages per pipeline and ``num_layers`` layers, stage ``s`` holds
+layers ``[s * num_layers / S, (s + 1) * num_layers / S)``. Every pipeline of a placement is a
+full copy of the model, so the same stage in two pipelines holds the same layers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from ..schedules.placement import Placement
+
+__all__ = [
+    "ChunkLayers",
+    "ChunkSpec",
+    "chunk_specs",
+    "to_global_name",
+    "to_local_name",
+    "is_tensor_parallel",
+    "tp_block",
+]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_HEAD = "output_layer.weight"
+_WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass(frozen=True)
+class ChunkLayers:
+    """The part of the full model a chunk holds.
+
+    ``first_layer`` is the global (0-based) index of the chunk's local layer 0; the chunk has
+    ``num_layers`` consecutive layers. ``tied`` marks a chunk whose own ``output_layer.weight``
+    is a copy of the word embeddings (megatron's looped placement with
+    ``share_embeddings_and_output_weights``; chunks built by
+    :func:`megatron_bitpipe.runtime.model.build_gpt_chunks` never register such a copy).
+    """
+
+    first_layer: int
+    num_layers: int
+    pre_process: bool
+    post_process: bool
+    tied: bool = False
+
+    @property
+    def layers(self) -> range:
+        """Global (0-based) indices of the chunk's layers."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkSpec(ChunkLayers):
+    """A local chunk of a :class:`Placement`: stage ``stage`` of pipeline (replica) ``pipeline``."""
+
+    pipeline: int
+    stage: int
+
+
+def chunk_specs(placement: Placement, num_layers: int, rank: int) -> List[ChunkSpec]:
+    """The chunks pipeline rank ``rank`` holds, indexed by local chunk id.
+
+    Raises ValueError naming ``--num-layers`` if ``num_layers`` is not a positive multiple of
+    the number of stages (``2 x --pipeline-model-parallel-size`` for BitPipe).
+    """
+    stages = placement.num_stages
+    if num_layers <= 0 or num_layers % stages:
+        raise ValueError(
+            f"--num-layers {num_layers} must be a positive multiple of the {stages} pipeline "
+            f"stages of the {placement.name} placement on {placement.num_ranks} pipeline ranks "
+            f"({stages // placement.num_ranks} x --pipeline-model-parallel-size)"
+        )
+    per_stage = num_layers // stages
+    specs = []
+    for chunk in range(placement.chunks_per_rank):
+        role = placement.role(rank, chunk)
+        specs.append(
+            ChunkSpec(
+                first_layer=role.stage * per_stage,
+                num_layers=per_stage,
+                pre_process=role.stage == 0,
+                post_process=role.stage == stages - 1,
+                pipeline=role.pipeline,
+                stage=role.stage,
+            )
+        )
+    return specs
+
+
+def to_global_name(local_name: str, chunk: ChunkLayers) -> str:
+    """Full-model name of a chunk's parameter (or state dict key)."""
+    match = _LAYER.match(local_name)
+    if match:
+        local = int(match.group(1))
+        if local >= chunk.num_layers:
+            raise KeyError(f"{local_name}: chunk has {chunk.num_layers} layers")
+        return f"decoder.layers.{chunk.first_layer + local}.{match.group(2)}"
+    if local_name == _HEAD and chunk.tied and not chunk.pre_process:
+        return _WORD_EMBEDDING
+    return local_name
+
+
+def to_local_name(global_name: str, chunk: ChunkLayers) -> Optional[str]:
+    """Inverse of :func:`to_global_name`: the chunk's name, or None if the chunk lacks it.
+
+    For the tied word embedding, a chunk that holds only the output layer answers
+    ``output_layer.weight``; a chunk holding both answers the embedding name.
+    """
+    match = _LAYER.match(global_name)
+    if match:
+        layer = int(match.group(1))
+        if layer not in chunk.layers:
+            return None
+        return f"decoder.layers.{layer - chunk.first_layer}.{match.group(2)}"
+    if global_name.startswith("embedding."):
+        if chunk.pre_process:
+            return global_name
+        if global_name == _WORD_EMBEDDING and chunk.tied and chunk.post_process:
+            return _HEAD
+        return None
+    if global_name.startswith(("output_layer.", "decoder.final_layernorm.")):
+        return global_name if chunk.post_process else None
+    raise KeyError(f"{global_name}: not a GPT parameter name")
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """Whether megatron split ``param`` over the tensor-parallel ranks."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def tp_block(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This tp rank's block of ``full`` for ``param`` (``full`` itself if not tp-partitioned).
+
+    megatron splits a tensor-parallel parameter into ``tp_size`` equal blocks along
+    ``param.partition_dim``; strided partitions are not supported (NotImplementedError).
+    """
+    if tp_size == 1 or not is_tensor_parallel(param):
+        return full
+    if getattr(param, "partition_stride", 1) != 1:
+        raise NotImplementedError("strided tensor-parallel partitions are not supported")
+    return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]

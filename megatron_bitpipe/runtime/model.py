@@ -1,0 +1,227 @@
+"""megatron-core GPTModel chunks for any placement, with explicit global layer ranges.
+
+**Layer ranges.** megatron-core derives a chunk's layers from ``get_transformer_layer_offset``
+and ``get_num_layers_to_build``, which assume the looped order (stage = vp * D + rank) unless
+``config.pipeline_model_parallel_layout`` is set; then both ask the layout object. Each chunk
+therefore gets a shallow copy of the config whose layout is a :class:`ChunkLayerLayout`
+answering with the chunk's own range, whatever rank or vp stage asks. Everything megatron
+derives from the offset then agrees: ``TransformerLayer.layer_number`` is the global 1-based
+number (attention scaling, per-layer configs, fp8 contexts use it), the sharded (distributed
+checkpoint) state dict uses global layer offsets, and the MoE block spec's
+``get_layer_id_list`` picks the chunk's layer specs. Module names stay local
+(``decoder.layers.{l}``), as in megatron's own pipeline chunks;
+:func:`megatron_bitpipe.runtime.layout.to_global_name` maps them.
+
+The per-chunk config copies differ from the caller's config only in that field; attributes
+set later on the caller's config (``no_sync_func``, ``finalize_model_grads_func``, ...) are
+not seen through ``chunk.config``. Wrap the chunks with the caller's config (megatron DDP
+takes the config explicitly and ``get_model_config`` of a DDP chunk returns that one).
+
+**Tied embeddings.** With ``share_embeddings_and_output_weights`` each pipeline's first and
+last stage must sit on the same rank (V placements). The head chunk's
+``output_layer.weight`` is then the embedding chunk's word-embedding *Parameter object*,
+registered only in the embedding chunk: the head chunk's ``parameters()``/``state_dict()``
+do not contain it, a per-chunk DDP gives it one ``main_grad`` (the embedding chunk's), and
+the head's backward accumulates into that parameter like any other use of it. megatron's
+tying machinery (zeroed copy + all-reduce over the embedding group at construction and
+after every backward) is not used. Not handled yet: megatron's ``sharded_state_dict``
+(distributed checkpointing) of such a head chunk, which expects its own
+``output_layer.weight`` entry.
+
+**Layer spec.** :func:`default_gpt_layer_spec` is the single place choosing between
+Transformer Engine and megatron-core's local modules.
+
+**BERT.** The same per-chunk config works for any model whose decoder/encoder is a
+``TransformerBlock``; megatron-core 0.16's ``BertModel`` however builds its block without a
+``pg_collection`` and tests ``parallel_state.is_pipeline_first_stage()`` in ``forward``, so it
+needs the global parallel state and a first-stage fix before it can run on a V placement.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import List, Optional, Sequence
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_attr_wrapped_model
+
+from .groups import PipelineGroups
+from .layout import ChunkLayers, ChunkSpec, chunk_specs
+
+__all__ = [
+    "ChunkLayerLayout",
+    "chunk_config",
+    "default_gpt_layer_spec",
+    "build_gpt_chunks",
+    "unwrap",
+]
+
+
+class ChunkLayerLayout(PipelineParallelLayerLayout):
+    """A pipeline layout that knows one chunk: decoder layers ``[first_layer, first_layer + num_layers)``.
+
+    Answers megatron's offset / layer-count / layer-id queries for every (pp rank, vp stage),
+    so it must only be used in the config of the chunk it describes (:func:`chunk_config`).
+    The table-based parts of the base class (``layout``, validation, pretty printing) do not
+    exist here.
+    """
+
+    def __init__(self, first_layer: int, num_layers: int):
+        # Deliberately not the base initialiser, which parses a per-stage table.
+        self.first_layer = first_layer
+        self.num_layers = num_layers
+
+    def __repr__(self) -> str:
+        return f"ChunkLayerLayout(layers {self.first_layer}..{self.first_layer + self.num_layers - 1})"
+
+    pretty_repr = __repr__
+
+    def get_num_layers_to_build(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None) -> int:
+        return self.num_layers if layer_type == LayerType.decoder else 0
+
+    def get_layer_offset(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None) -> int:
+        return self.first_layer if layer_type == LayerType.decoder else 0
+
+
+def chunk_config(config: TransformerConfig, layers: ChunkLayers) -> TransformerConfig:
+    """Shallow copy of ``config`` whose pipeline layout is ``layers``' explicit range.
+
+    Raises ValueError for configs that already choose layers per stage another way
+    (custom layout, uneven first/last stage, embedding or loss counted as a layer) and for
+    multi-token prediction, which this layout does not describe.
+    """
+    conflicts = {
+        "pipeline_model_parallel_layout": config.pipeline_model_parallel_layout is not None,
+        "num_layers_in_first_pipeline_stage": config.num_layers_in_first_pipeline_stage is not None,
+        "num_layers_in_last_pipeline_stage": config.num_layers_in_last_pipeline_stage is not None,
+        "account_for_embedding_in_pipeline_split": config.account_for_embedding_in_pipeline_split,
+        "account_for_loss_in_pipeline_split": config.account_for_loss_in_pipeline_split,
+        "mtp_num_layers": config.mtp_num_layers is not None,
+    }
+    bad = [name for name, conflict in conflicts.items() if conflict]
+    if bad:
+        raise ValueError(f"explicit chunk layer ranges cannot be combined with {', '.join(bad)}")
+    if config.pipeline_model_parallel_size == 1 and layers.first_layer:
+        # megatron ignores the layout without pipeline parallelism (offset 0).
+        raise ValueError("chunks starting after layer 0 need --pipeline-model-parallel-size > 1")
+    chunk = copy.copy(config)
+    chunk.pipeline_model_parallel_layout = ChunkLayerLayout(layers.first_layer, layers.num_layers)
+    return chunk
+
+
+def default_gpt_layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """Transformer Engine layer spec if TE is importable and ``config.transformer_impl`` asks
+    for it (megatron's default), else megatron-core's local spec."""
+    if gpt_layer_specs.HAVE_TE and config.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=config.qk_layernorm, normalization=config.normalization
+    )
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The language model inside DDP / Float16Module wrappers (itself if unwrapped)."""
+    return get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
+
+
+def build_gpt_chunks(
+    config: TransformerConfig,
+    groups: PipelineGroups,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    share_embeddings_and_output_weights: bool = False,
+    layer_spec: Optional[ModuleSpec] = None,
+    position_embedding_type: str = "learned_absolute",
+    **gpt_kwargs,
+) -> List[GPTModel]:
+    """This rank's GPTModel chunks of ``groups.placement``, indexed by local chunk id.
+
+    Chunk ``c`` holds :func:`~megatron_bitpipe.runtime.layout.chunk_specs`\\ ``[c]`` (its
+    layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
+    :func:`chunk_config`. ``vocab_size`` is the padded vocabulary (divisible by the tp size).
+    Tied embeddings: see the module docstring; ValueError if a pipeline's first and last
+    stage are on different ranks. ``gpt_kwargs`` go to ``GPTModel`` (rotary settings,
+    ``parallel_output``...). Weights get megatron's own (layout-dependent) initialisation;
+    call :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent
+    ones. With CUDA available the chunks are moved to the current device.
+    """
+    if config.pipeline_model_parallel_size != groups.grid.pp:
+        raise ValueError(
+            f"config has pipeline_model_parallel_size {config.pipeline_model_parallel_size}, "
+            f"the process grid {groups.grid.pp}"
+        )
+    if config.tensor_model_parallel_size != groups.grid.tp:
+        raise ValueError(
+            f"config has tensor_model_parallel_size {config.tensor_model_parallel_size}, "
+            f"the process grid {groups.grid.tp}"
+        )
+    if config.virtual_pipeline_model_parallel_size not in (None, 1):
+        raise ValueError("the placement defines the chunks; leave virtual_pipeline_model_parallel_size unset")
+    if vocab_size % groups.grid.tp:
+        raise ValueError(f"vocab_size {vocab_size} is not divisible by the tensor-parallel size {groups.grid.tp}")
+    specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank)
+    if share_embeddings_and_output_weights:
+        _check_tied_placement(groups)
+    spec = layer_spec or default_gpt_layer_spec(config)
+    chunks = []
+    for chunk, chunk_spec in enumerate(specs):
+        model = GPTModel(
+            config=chunk_config(config, chunk_spec),
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=chunk_spec.pre_process,
+            post_process=chunk_spec.post_process,
+            # megatron ties natively only inside one chunk; across chunks see _tie_head.
+            share_embeddings_and_output_weights=(
+                share_embeddings_and_output_weights and chunk_spec.pre_process and chunk_spec.post_process
+            ),
+            position_embedding_type=position_embedding_type,
+            pg_collection=groups.model_pgs[chunk],
+            **gpt_kwargs,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    if share_embeddings_and_output_weights:
+        for head, embedding in _tied_pairs(specs):
+            _tie_head(chunks[head], chunks[embedding])
+    return chunks
+
+
+def _check_tied_placement(groups: PipelineGroups) -> None:
+    placement = groups.placement
+    for pipeline in range(placement.num_pipelines):
+        first = placement.location(pipeline, 0).rank
+        last = placement.location(pipeline, placement.num_stages - 1).rank
+        if first != last:
+            raise ValueError(
+                f"tied embeddings need each pipeline's first and last stage on one rank; the "
+                f"{placement.name} placement puts pipeline {pipeline}'s on ranks {first} and {last}"
+            )
+
+
+def _tied_pairs(specs: Sequence[ChunkSpec]):
+    """(head chunk, embedding chunk) local ids of each pipeline whose two ends are separate chunks here."""
+    embedding = {s.pipeline: c for c, s in enumerate(specs) if s.pre_process}
+    return [(c, embedding[s.pipeline]) for c, s in enumerate(specs) if s.post_process and not s.pre_process]
+
+
+def _tie_head(head: GPTModel, embedding: GPTModel) -> None:
+    """Make ``head``'s output layer use ``embedding``'s word-embedding Parameter, unregistered."""
+    weight = embedding.embedding.word_embeddings.weight
+    layer = head.output_layer
+    if layer.weight.shape != weight.shape:
+        raise ValueError(f"output layer {tuple(layer.weight.shape)} vs word embeddings {tuple(weight.shape)}")
+    del layer.weight  # drops the head's own Parameter from its registry
+    # A plain instance attribute: ColumnParallelLinear reads self.weight, Module does not register it.
+    layer.__dict__["weight"] = weight
+    head.share_embeddings_and_output_weights = True
+    embedding.share_embeddings_and_output_weights = True

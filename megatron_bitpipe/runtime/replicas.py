@@ -1,0 +1,152 @@
+"""Keeping the weight replicas of a multi-pipeline placement one logical model.
+
+Chimera and BitPipe hold one copy of every stage per pipeline. The copies must start equal
+(:func:`megatron_bitpipe.runtime.init.initialize_from_seed`; :func:`broadcast_replicas` and
+:func:`max_replica_difference` for checks), receive the same averaged gradient, and be counted
+once in the gradient norm.
+
+**Gradient averaging.** Each chunk gets its own megatron ``DistributedDataParallel`` whose
+data-parallel group is the chunk's grad-sync group (all replicas of the stage x data
+parallel, ``R * DP`` ranks for ``R`` pipelines; :func:`wrap_ddp`). DDP averages over that
+group. With ``N`` micro-batches on a data-parallel rank, ``N / R`` of them per pipeline, and
+each micro-batch's loss divided by :func:`microbatches_per_replica` (= ``N / R``, the
+``num_microbatches`` megatron's ``forward_step`` divides by), every replica's local gradient
+is ``(R / N) * sum of its micro-batches' gradients``; averaging over ``R * DP`` ranks gives
+``1 / (N * DP) * sum over the global batch`` — the gradient of one model trained on the
+whole global batch of ``N * DP`` micro-batches. (With ``calculate_per_token_loss`` DDP sums
+instead and megatron's ``finalize_model_grads`` divides by a token count it broadcasts from the
+last pipeline rank, which in a V placement is not where the losses are.)
+
+**Grad norm.** megatron's non-distributed optimizer sums squared gradients over parameters
+for which ``megatron.core.transformer.module.param_is_not_shared(p)`` is true (i.e. no
+``p.shared = True``) and that are not tensor-parallel duplicates, over its ``mp`` group
+(tp x pp: one data-parallel replica). :func:`mark_replica_parameters` sets ``shared = True``
+on every parameter of the chunks of pipelines other than 0, so each logical parameter is
+counted once, on pipeline 0's copy (which holds every stage exactly once). Clipping still
+scales all parameters; count-zeros counts each once.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer import TransformerConfig
+
+from ..schedules.placement import Placement
+from .groups import PipelineGroups
+from .layout import ChunkSpec
+from .model import unwrap
+
+__all__ = [
+    "microbatches_per_replica",
+    "wrap_ddp",
+    "stage_order",
+    "mark_replica_parameters",
+    "broadcast_replicas",
+    "max_replica_difference",
+]
+
+
+def microbatches_per_replica(num_microbatches: int, placement: Placement) -> int:
+    """Micro-batches each pipeline runs out of ``num_microbatches`` (one data-parallel rank's).
+
+    This is the divisor of each micro-batch loss that makes DDP's average over the
+    grad-sync group equal the single-model gradient (module docstring). ValueError, naming
+    ``--global-batch-size``, unless every pipeline gets the same number (at least one).
+    """
+    pipelines = placement.num_pipelines
+    if num_microbatches < pipelines or num_microbatches % pipelines:
+        raise ValueError(
+            f"{num_microbatches} micro-batches per data-parallel rank cannot be split evenly over the "
+            f"{pipelines} pipelines of the {placement.name} placement; choose --global-batch-size as a "
+            f"multiple of {pipelines} x --micro-batch-size x data-parallel size"
+        )
+    return num_microbatches // pipelines
+
+
+def wrap_ddp(
+    chunks: Sequence[torch.nn.Module],
+    groups: PipelineGroups,
+    config: TransformerConfig,
+    ddp_config: DistributedDataParallelConfig,
+) -> List[DistributedDataParallel]:
+    """One megatron DDP per chunk, reducing over the chunk's grad-sync group.
+
+    ``config`` is the caller's (shared) config: ``get_model_config`` of every wrapped chunk
+    returns it. Every chunk is a single bucket: megatron turns bucketing off on pipeline
+    ranks > 0, and a stage's replicas sit on different pipeline ranks, so only uniform
+    single buckets give every replica the same sequence of collectives. The distributed
+    optimizer is not supported (its shards would follow per-chunk groups the optimizer does
+    not know about).
+    """
+    if ddp_config.use_distributed_optimizer:
+        raise NotImplementedError("the distributed optimizer is not supported with per-chunk grad-sync groups")
+    return [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
+        for chunk, pgs in zip(chunks, groups.model_pgs)
+    ]
+
+
+def mark_replica_parameters(chunks: Sequence[torch.nn.Module], specs: Sequence[ChunkSpec]) -> None:
+    """Set ``param.shared = True`` on the parameters of chunks not in pipeline 0.
+
+    Call once after building (before or after DDP wrapping). Only for megatron's
+    non-distributed optimizer, whose grad norm runs over the model-parallel group.
+    """
+    for chunk, spec in zip(chunks, specs):
+        if spec.pipeline != 0:
+            for param in unwrap(chunk).parameters():
+                param.shared = True
+
+
+def stage_order(groups: PipelineGroups) -> List[int]:
+    """This rank's local chunk ids by increasing stage.
+
+    Blocking collectives over grad-sync groups must follow this order on every rank: at
+    D = 2, rank 0 holds stages (0, 1, 3, 2) and rank 1 stages (1, 0, 2, 3) as chunks 0..3, so
+    walking the chunks by local id deadlocks. In particular megatron's
+    ``finalize_model_grads`` with synchronous DDP (``overlap_grad_reduce=False``) reduces the
+    chunks in list order: pass it ``[model[c] for c in stage_order(groups)]``.
+    """
+    placement = groups.placement
+    return sorted(range(placement.chunks_per_rank), key=lambda c: placement.role(groups.pp_rank, c).stage)
+
+
+def _flat(chunk: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in unwrap(chunk).parameters()])
+
+
+def broadcast_replicas(chunks: Sequence[torch.nn.Module], groups: PipelineGroups) -> None:
+    """Copy every stage's parameters from the lowest rank of its grad-sync group to the others.
+
+    Collective over all ranks. Not needed after :func:`initialize_from_seed`; for weights
+    that did not come from it (e.g. a checkpoint loaded on one replica only).
+    """
+    with torch.no_grad():
+        for c in stage_order(groups):
+            group = groups.grad_sync_group(c)
+            src = dist.get_global_rank(group, 0)
+            for param in unwrap(chunks[c]).parameters():
+                dist.broadcast(param.data, src=src, group=group)
+
+
+def max_replica_difference(chunks: Sequence[torch.nn.Module], groups: PipelineGroups) -> float:
+    """Largest ``|difference|`` between any parameter and its copy on the lowest rank of its
+    grad-sync group (other replicas and data-parallel copies), over this rank's chunks.
+
+    Collective over all ranks; 0.0 means every replica on this rank is bit-identical to its
+    reference copy.
+    """
+    worst = 0.0
+    for c in stage_order(groups):
+        group = groups.grad_sync_group(c)
+        mine = _flat(chunks[c])
+        reference = mine.clone()
+        dist.broadcast(reference, src=dist.get_global_rank(group, 0), group=group)
+        diff = (mine - reference).abs().max()
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+        worst = max(worst, diff.item())
+    return worst
