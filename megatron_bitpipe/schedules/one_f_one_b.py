@@ -16,7 +16,11 @@ from .placement import looped
 def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
     """1F1B plan for ``num_ranks`` stages and ``num_microbatches`` micro-batches."""
     require(num_ranks >= 1, PP_FLAG, f"must be >= 1 (got {num_ranks})")
-    require(num_microbatches >= 1, MICROBATCH_FLAG, f"must be >= 1 (got {num_microbatches})")
+    require(
+        num_microbatches >= num_ranks,
+        MICROBATCH_FLAG,
+        f"1f1b needs at least {PP_FLAG}={num_ranks} micro-batches (got {num_microbatches})",
+    )
     placement = looped(num_ranks)
     order = [(0, m) for m in range(num_microbatches)]
     actions = []

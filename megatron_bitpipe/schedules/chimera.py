@@ -1,0 +1,24 @@
+"""Chimera (Li & Hoefler, 2021): two straight pipelines in opposite directions.
+
+Placement (:func:`~.placement.bidirectional`): two weight replicas of ``D`` stages;
+chunk 0 of rank ``d`` is stage ``d`` of the down pipeline, chunk 1 is stage ``D-1-d``
+of the up pipeline. Micro-batches ``0 .. N/2-1`` go down, ``N/2 .. N-1`` go up.
+
+Ordering: the same round-based timetable as BitPipe (see :mod:`.bitpipe`), with groups
+of ``D/2`` micro-batches two rounds apart and one group every ``D`` rounds; in steady
+state each rank runs one forward and one backward per round. Bubble: Chimera's published
+``(D-2) / (2N+D-2)`` when ``t_B = t_F``; ``2(D-2) / (3N+2(D-2))`` at ``t_B = 2 t_F``
+(which is optimal for this placement at ``N = D``). Peak activations ``D`` Ma.
+"""
+
+from __future__ import annotations
+
+from .actions import SchedulePlan
+from .compose import bidirectional_plan, check_bidirectional
+from .placement import bidirectional
+
+
+def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
+    """Chimera plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= D)."""
+    check_bidirectional("chimera", num_ranks, num_microbatches)
+    return bidirectional_plan("chimera", bidirectional(num_ranks), num_microbatches, forward_only)

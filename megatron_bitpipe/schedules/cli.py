@@ -1,0 +1,112 @@
+"""Command line: ``python -m megatron_bitpipe.schedules {simulate,plan} ...``.
+
+``simulate`` validates and simulates one schedule and prints a summary (or one JSON
+object with ``--json``); ``--plot`` writes a Gantt PNG, ``--trace`` a Chrome trace.
+``plan`` prints every rank's action list. Costs come from ``--costs FILE`` (a JSON
+object with :class:`~.simulate.CostModel` fields, e.g. written by
+``scripts/calibrate_gpu.py``) and/or the ``--t-*`` flags, which take precedence.
+
+Invalid arguments exit with status 2 and one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from typing import List, Optional
+
+from . import SCHEDULES, generate
+from .errors import PlanError, ScheduleConfigError
+from .simulate import CostModel, simulate
+from .validate import validate_plan
+
+_COST_FLAGS = {
+    "t_forward": "--t-forward",
+    "t_backward": "--t-backward",
+    "t_p2p": "--t-p2p",
+    "p2p_bytes": "--p2p-bytes",
+    "p2p_bandwidth": "--p2p-bandwidth",
+    "t_sync": "--t-sync",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m megatron_bitpipe.schedules", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, help_text in (("simulate", "validate and simulate a schedule"), ("plan", "print per-rank actions")):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("--schedule", choices=SCHEDULES, required=True)
+        sub.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp")
+        sub.add_argument("--num-microbatches", "-N", type=int, required=True, dest="num_microbatches")
+        sub.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, dest="vp",
+                         help="chunks per rank (interleaved only; default 2)")
+        sub.add_argument("--forward-only", action="store_true", help="evaluation plan (forwards only)")
+        if name == "simulate":
+            sub.add_argument("--costs", metavar="FILE", help="JSON cost file (CostModel fields)")
+            for field, flag in _COST_FLAGS.items():
+                sub.add_argument(flag, type=float, default=None, dest=field)
+            sub.add_argument("--json", action="store_true", help="print one JSON object")
+            sub.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart")
+            sub.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace")
+    return parser
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    """CostModel from ``--costs FILE`` overridden by explicit ``--t-*`` flags."""
+    values = {}
+    if args.costs:
+        with open(args.costs, encoding="utf-8") as handle:
+            loaded = json.load(handle)
+        known = {f.name for f in fields(CostModel)}
+        values.update({k: float(v) for k, v in loaded.items() if k in known})
+    values.update({k: getattr(args, k) for k in _COST_FLAGS if getattr(args, k) is not None})
+    for key, value in values.items():
+        if value < 0:
+            raise ScheduleConfigError(f"{_COST_FLAGS[key]}: costs must be >= 0 (got {value:g})")
+    try:
+        return CostModel(**values)
+    except ValueError as exc:
+        raise ScheduleConfigError(f"--t-forward/--t-backward: {exc}") from None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        plan = generate(args.schedule, args.pp, args.num_microbatches, args.vp, args.forward_only)
+        if args.command == "plan":
+            print(plan.format())
+            return 0
+        costs = cost_model(args)
+        validate_plan(plan)
+        result = simulate(plan, costs)
+    except (ScheduleConfigError, OSError, json.JSONDecodeError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    except PlanError as exc:  # a generator produced an invalid plan: report, not a usage error
+        print(f"invalid plan: {exc}", file=sys.stderr)
+        return 1
+    if args.plot:
+        from .render import plot_gantt
+
+        plot_gantt(result, args.plot)
+    if args.trace:
+        from .render import write_chrome_trace
+
+        write_chrome_trace(result, args.trace)
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"{plan.name}: D={plan.num_ranks} N={plan.num_microbatches} "
+            f"makespan={result.makespan:g} bubble={100 * result.bubble_ratio:.2f}%"
+        )
+        print("peak activations (Ma) per rank: " + " ".join(f"{p:g}" for p in result.peak_activations))
+    return 0

@@ -1,0 +1,93 @@
+"""Pictures of a simulated step: a Gantt chart (PNG) and a Chrome trace (JSON).
+
+Colours encode the pipeline (direction) of each micro-batch; forwards are light,
+backwards dark, gradient all-reduces (``SYNC``) are drawn on a thin lane under each
+rank. Chrome traces (``chrome://tracing`` / Perfetto) use one simulator time unit per
+millisecond, so costs given in milliseconds read naturally.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List
+
+from .actions import ActionType
+from .simulate import SimulationResult
+
+#: (forward, backward) colours per pipeline: blue for the down / only pipeline, orange for up.
+PIPELINE_COLOURS = (("#9ecae1", "#2171b5"), ("#fdae6b", "#d94801"))
+SYNC_COLOUR = "#41ab5d"
+
+
+def chrome_trace(result: SimulationResult) -> Dict:
+    """The simulated step as a Chrome trace object (``{"traceEvents": [...]}``)."""
+    events: List[Dict] = []
+    for rank in range(result.plan.num_ranks):
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 2 * rank, "args": {"name": f"rank {rank} compute"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 2 * rank + 1, "args": {"name": f"rank {rank} grad sync"}})
+    for event, lane in [(e, 0) for e in result.events] + [(e, 1) for e in result.sync_events]:
+        events.append(
+            {
+                "name": str(event.action),
+                "cat": event.action.type.name.lower(),
+                "ph": "X",
+                "pid": 0,
+                "tid": 2 * event.rank + lane,
+                "ts": event.start * 1000.0,
+                "dur": (event.end - event.start) * 1000.0,
+                "args": {"pipeline": event.pipeline, "microbatch": event.action.microbatch, "chunk": event.action.chunk},
+            }
+        )
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": result.summary()}
+
+
+def write_chrome_trace(result: SimulationResult, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(chrome_trace(result), handle)
+
+
+def plot_gantt(result: SimulationResult, path: str, title: str | None = None) -> None:
+    """Write a Gantt chart of ``result`` to ``path`` (PNG). Needs matplotlib (``[plot]`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    plan = result.plan
+    num_ranks = plan.num_ranks
+    width = min(24.0, max(8.0, result.makespan * 0.35))
+    fig, ax = plt.subplots(figsize=(width, 0.55 * num_ranks + 1.4))
+    row_height, sync_height = 0.62, 0.16
+    for event in result.events:
+        forward = event.action.type is ActionType.FORWARD
+        colour = PIPELINE_COLOURS[event.pipeline % 2][0 if forward else 1]
+        y = num_ranks - 1 - event.rank
+        ax.barh(y, event.end - event.start, left=event.start, height=row_height, color=colour, edgecolor="white", linewidth=0.6)
+        if event.end - event.start >= 0.4:
+            ax.text(
+                (event.start + event.end) / 2, y, str(event.action.microbatch),
+                ha="center", va="center", fontsize=7, color="black" if forward else "white",
+            )
+    for event in result.sync_events:
+        y = num_ranks - 1 - event.rank - row_height / 2 - sync_height / 2 - 0.02
+        ax.barh(y, max(event.end - event.start, 0.05), left=event.start, height=sync_height, color=SYNC_COLOUR)
+    ax.set_yticks(range(num_ranks))
+    ax.set_yticklabels([f"rank {r}" for r in reversed(range(num_ranks))])
+    ax.set_xlim(0, result.makespan)
+    ax.set_xlabel("time (units of t_F = forward of L/D layers)" if result.costs.t_forward == 1 else "time")
+    heading = title or (
+        f"{plan.name}: D={num_ranks}, N={plan.num_microbatches}, "
+        f"bubble {100 * result.bubble_ratio:.1f}%, makespan {result.makespan:g}"
+    )
+    ax.set_title(heading)
+    legend = [Patch(color=PIPELINE_COLOURS[p][k], label=f"{'F' if k == 0 else 'B'} {name}")
+              for p, name in enumerate(["down / pipeline 0", "up / pipeline 1"][: plan.placement.num_pipelines])
+              for k in (0, 1)]
+    if result.sync_events:
+        legend.append(Patch(color=SYNC_COLOUR, label="gradient all-reduce (SYNC)"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(legend), fontsize=8, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
