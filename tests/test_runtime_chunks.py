@@ -269,7 +269,7 @@ def _channel_facts(groups) -> dict:
 
     channels = groups.channels
     return {
-        "keys": sorted((p.value, pipe, d) for p, pipe, d in channels),
+        "keys": sorted((p.value, pipe, d, parity) for p, pipe, d, parity in channels),
         "distinct": len({id(g) for g in channels.values()}),
         "members": {tuple(dist.get_process_group_ranks(g)) for g in channels.values()},
         "stage_members": {s: tuple(dist.get_process_group_ranks(g)) for s, g in groups.stage_groups.items()},
@@ -558,9 +558,13 @@ def test_channel_groups(two_ranks, four_ranks):
     for launched, pp in ((two_ranks, 2), (four_ranks[:2], 4)):
         facts = launched[0]["cases"][0]["channels"]
         assert facts["keys"] == sorted(
-            (p, pipe, d) for p in ("activation", "gradient") for pipe in (0, 1) for d in (1, -1)
+            (p, pipe, d, parity)
+            for p in ("activation", "gradient")
+            for pipe in (0, 1)
+            for d in (1, -1)
+            for parity in (0, 1)
         )
-        assert facts["distinct"] == 8
+        assert facts["distinct"] == 16
         # Stage s is held by ranks s' and D-1-s' (s' = s or 2D-1-s): the mirror pair.
         for stage, members in facts["stage_members"].items():
             d = stage if stage < pp else 2 * pp - 1 - stage

@@ -17,7 +17,8 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
   (:mod:`megatron_bitpipe.runtime.model`), so megatron's embedding all-reduces are skipped.
   ``pp`` is the pipeline ranks of this (tp, dp) slice in grid order, for every chunk; its
   rank is the pipeline rank, *not* a stage index.
-* p2p channel groups, one per (payload, pipeline, direction) — see :meth:`channel_group`.
+* p2p channel groups, one per (payload, pipeline, direction, link parity) — see
+  :meth:`channel_group`.
 * grad-sync groups, one per stage — see :meth:`grad_sync_group`.
 
 Context, expert and expert-tensor parallel sizes are 1 (``cp``, ``ep``, ``expt_tp`` are
@@ -123,7 +124,12 @@ def process_group_collection(
     )
 
 
-ChannelKey = Tuple[Payload, int, int]
+ChannelKey = Tuple[Payload, int, int, int]
+
+
+def channel_key(transfer: Transfer) -> ChannelKey:
+    """(payload, pipeline, direction, parity of the lower rank of the link)."""
+    return (transfer.payload, transfer.pipeline, transfer.direction, min(transfer.src.rank, transfer.dst.rank) % 2)
 
 
 @dataclass(frozen=True)
@@ -163,20 +169,26 @@ class PipelineGroups:
         return self.grid.rank(self.tp_rank, self.dp_rank, pp_rank)
 
     def channel_group(self, transfer: Transfer) -> dist.ProcessGroup:
-        """The group ``transfer``'s message travels on: one per (payload, pipeline, direction).
+        """The group ``transfer``'s message travels on.
 
-        Each group spans the pipeline ranks of this (tp, dp) slice; address peers with
-        :meth:`pp_global_rank` (torch's p2p calls take global ranks). Gloo and NCCL match
-        messages between two ranks by posting order within a group, and one group carries
-        only messages of one payload and pipeline flowing one way, so two streams between
-        the same pair of ranks (e.g. activations to and from the other rank at D = 2, where
-        the previous and next rank coincide) never get matched against each other.
-        Within a group, send and receive the messages of one (src, dst) pair in the same order.
+        One group per (payload, pipeline, direction, parity of the link's lower rank), each
+        spanning the pipeline ranks of this (tp, dp) slice; address peers with
+        :meth:`pp_global_rank` (torch's p2p calls take global ranks). Invariants:
+
+        * one group carries one message stream between two ranks, so two streams between
+          the same pair (e.g. activations to and from the other rank at D = 2, where the
+          previous and next rank coincide) are never matched against each other — gloo and
+          NCCL match messages by posting order within a group;
+        * within one group a rank only sends (to one neighbour) or only receives (from one
+          neighbour): links ``r -> r+1`` and ``r+1 -> r+2`` have different parities. NCCL
+          serialises the operations of one group, so a receive posted early can never hold
+          up a send of the same rank, and posting receives ahead of time is deadlock-free.
+
         Raises ValueError for a local (V-turn) hand-over, which sends nothing.
         """
         if transfer.is_local:
             raise ValueError(f"{transfer} is a local hand-over; it has no channel")
-        return self.channels[(transfer.payload, transfer.pipeline, transfer.direction)]
+        return self.channels[channel_key(transfer)]
 
     def grad_sync_group(self, chunk: int) -> dist.ProcessGroup:
         """Group over which local chunk ``chunk``'s gradients are averaged.
@@ -213,7 +225,8 @@ class PipelineGroups:
         for payload in Payload:
             for pipeline in range(placement.num_pipelines):
                 for direction in (+1, -1):
-                    channels[(payload, pipeline, direction)] = new_groups(grid.pp_groups(), rank)
+                    for parity in (0, 1):
+                        channels[(payload, pipeline, direction, parity)] = new_groups(grid.pp_groups(), rank)
 
         stage_groups = {}
         for stage in range(placement.num_stages):

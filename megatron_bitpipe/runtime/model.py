@@ -189,6 +189,8 @@ def build_gpt_chunks(
         )
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
+        # The forward_backward_func finds placement, channels and grad-sync groups here.
+        model.pipeline_groups = groups
         chunks.append(model)
     if share_embeddings_and_output_weights:
         for head, embedding in _tied_pairs(specs):

@@ -23,7 +23,6 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -33,9 +32,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from ..runtime.build import init_megatron_state
 from ..runtime.groups import ParallelGrid, new_groups, process_group_collection
 
 __all__ = [
@@ -127,23 +126,6 @@ def tiny_gpt_config(
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
-
-
-def init_megatron_state(pg_collection: ProcessGroupCollection, seed: int) -> None:
-    """Set the megatron-core module state that explicit process groups do not cover.
-
-    The global memory buffer (DotProductAttention takes scratch tensors from it) and the RNG
-    tracker's streams (``model_parallel_cuda_manual_seed`` with this rank's tp rank: the
-    model-parallel stream differs per tp rank, the default stream is ``seed`` everywhere).
-    Also seeds the CPU generator with ``seed``. Call once per rank before building models;
-    calling it again re-seeds.
-    """
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        parallel_state._set_global_memory_buffer()
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(
-        seed, tp_rank=pg_collection.tp.rank(), ep_rank=0, etp_rank=0, force_reset_rng=True
-    )
 
 
 def build_gpt_model(

@@ -1,0 +1,109 @@
+"""One call from a config to a trainable pipeline model: groups, chunks, weights, DDP.
+
+:func:`build_pipeline_model` is what the pretrain scripts and the tests use; every step
+is also available on its own (:mod:`.groups`, :mod:`.model`, :mod:`.init`,
+:mod:`.replicas`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+
+from ..schedules.placement import Placement
+from .groups import ParallelGrid, PipelineGroups
+from .init import initialize_from_seed
+from .layout import ChunkSpec, chunk_specs
+from .model import build_gpt_chunks
+from .replicas import mark_replica_parameters, wrap_ddp
+
+__all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "build_optimizer"]
+
+
+def init_megatron_state(pg_collection: ProcessGroupCollection, seed: int) -> None:
+    """Set the megatron-core module state that explicit process groups do not cover.
+
+    The global memory buffer (DotProductAttention takes scratch tensors from it) and the RNG
+    tracker's streams (``model_parallel_cuda_manual_seed`` with this rank's tp rank: the
+    model-parallel stream differs per tp rank, the default stream is ``seed`` everywhere).
+    Also seeds torch's generator with ``seed``. Call once per rank before building models;
+    calling it again re-seeds.
+    """
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, tp_rank=pg_collection.tp.rank(), ep_rank=0, etp_rank=0, force_reset_rng=True)
+
+
+@dataclass
+class PipelineModel:
+    """This rank's part of a pipeline-parallel model.
+
+    Attributes:
+        chunks: megatron DDP-wrapped model chunks, index = local chunk id; pass them as
+            ``model`` to the forward_backward_func.
+        groups: the process groups (placement, channels, grad-sync groups).
+        specs: what each chunk holds (pipeline, stage, layers, pre/post-process).
+        config: the shared model config.
+    """
+
+    chunks: List[DistributedDataParallel]
+    groups: PipelineGroups
+    specs: List[ChunkSpec]
+    config: TransformerConfig
+
+
+def build_pipeline_model(
+    config: TransformerConfig,
+    grid: ParallelGrid,
+    placement: Placement,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    seed: int,
+    share_embeddings_and_output_weights: bool = True,
+    ddp_config: Optional[DistributedDataParallelConfig] = None,
+    **gpt_kwargs,
+) -> PipelineModel:
+    """Build, initialise and wrap this rank's GPT chunks of ``placement`` on ``grid``.
+
+    Collective over all ranks. The initial weights depend only on ``seed`` and the model
+    shape (:func:`~.init.initialize_from_seed`), so both replicas of every stage start
+    bit-identical and any layout starts from the single-process model. The default DDP
+    config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
+    reduces in fp32.
+    """
+    groups = PipelineGroups.build(grid, placement)
+    init_megatron_state(groups.rank_pgs, seed)
+    chunks = build_gpt_chunks(
+        config,
+        groups,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        **gpt_kwargs,
+    )
+    specs = chunk_specs(placement, config.num_layers, groups.pp_rank)
+    initialize_from_seed(chunks, specs, seed, groups.tp)
+    mark_replica_parameters(chunks, specs)
+    ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
+    return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config), groups, specs, config)
+
+
+def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig):
+    """megatron-core's optimizer over all chunks; grad norm over the model-parallel group.
+
+    Parameters of the second replica are marked ``shared`` (:mod:`.replicas`), so the norm
+    and clipping count every logical parameter once.
+    """
+    return get_megatron_optimizer(
+        optimizer_config, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
+    )

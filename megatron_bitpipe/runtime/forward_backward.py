@@ -1,0 +1,178 @@
+"""megatron-core ``forward_backward_func`` implementations that execute plans.
+
+:func:`forward_backward_bitpipe` has megatron-core's keyword signature and return value
+(the loss reports of the micro-batches whose loss this rank computes, in micro-batch
+order; ``[]`` elsewhere), so Megatron-LM's training loop and evaluation call it like
+megatron's own schedules. The model chunks must come from
+:func:`megatron_bitpipe.runtime.model.build_gpt_chunks`, which records their
+:class:`~megatron_bitpipe.runtime.groups.PipelineGroups` (``chunk.pipeline_groups``):
+placement, p2p channels and gradient-sync groups.
+
+One step:
+
+1. the plan for ``(D, num_microbatches)`` is generated (pure Python, identical on every
+   rank) — bad arguments raise :class:`~megatron_bitpipe.schedules.ScheduleConfigError`
+   naming the flag before any communication;
+2. with every chunk's DDP in ``no_sync``, :class:`~.executor.PlanExecutor` runs the
+   plan; each chunk's gradient all-reduce (over its replicas x data parallel) starts
+   asynchronously at its ``SYNC``, as soon as its last backward is done;
+3. the gradients are finalised: megatron's ``finalize_model_grads`` (or
+   ``config.finalize_model_grads_func``) waits for the all-reduces, chunks in stage order,
+   and handles sequence-parallel norms; with ``calculate_per_token_loss`` the token count
+   is summed over every loss rank and data-parallel rank and the gradients divided by it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
+
+from .. import schedules
+from ..schedules.actions import SchedulePlan
+from .executor import MicrobatchSource, PlanExecutor, StepResult, no_sync_all
+from .groups import PipelineGroups
+from .replicas import microbatches_per_replica, stage_order
+
+__all__ = ["forward_backward_bitpipe", "make_forward_backward_func", "pipeline_groups_of", "last_step"]
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(schedule: str, num_ranks: int, num_microbatches: int, forward_only: bool) -> SchedulePlan:
+    plan = schedules.generate(schedule, num_ranks, num_microbatches, forward_only=forward_only)
+    schedules.validate_plan(plan)
+    return plan
+
+
+def pipeline_groups_of(model: List[torch.nn.Module]) -> PipelineGroups:
+    """The PipelineGroups recorded on chunks built by ``build_gpt_chunks`` (through wrappers)."""
+    groups = get_attr_wrapped_model(model[0], "pipeline_groups", allow_none=True)
+    if groups is None:
+        raise ValueError(
+            "model chunks carry no pipeline_groups: build them with megatron_bitpipe.runtime.build_gpt_chunks"
+        )
+    return groups
+
+
+_LAST: dict = {}
+
+
+def last_step() -> Optional[StepResult]:
+    """The :class:`~.executor.StepResult` of the latest step on this rank (trace, tokens)."""
+    return _LAST.get("result")
+
+
+def make_forward_backward_func(schedule: str) -> Callable:
+    """A megatron-core forward_backward_func executing ``schedule``'s plans."""
+
+    def forward_backward(
+        *,
+        forward_step_func,
+        data_iterator: Union[Iterator, List[Iterator], None],
+        model: Union[torch.nn.Module, List[torch.nn.Module]],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: Optional[int] = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: Optional[bool] = None,
+        adjust_tensor_shapes_fn: Optional[Callable] = None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: bool = False,
+    ) -> list:
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        groups = pipeline_groups_of(chunks)
+        config = get_model_config(chunks[0])
+        placement = groups.placement
+        _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length)
+        plan = _plan(schedule, placement.num_ranks, num_microbatches, forward_only)
+        if plan.placement != placement:
+            raise ValueError(f"{schedule} plans use the {plan.placement.name} placement; the chunks were built for {placement.name}")
+        divisor = microbatches_per_replica(num_microbatches, placement)
+        eager = all(getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks)
+        executor = PlanExecutor(
+            plan,
+            chunks,
+            groups,
+            config,
+            p2p_tensor_shape(config, seq_length, micro_batch_size, groups, adjust_tensor_shapes_fn),
+            forward_step_func=forward_step_func,
+            source=MicrobatchSource(data_iterator, num_microbatches),
+            loss_divisor=divisor,
+            eager_sync=eager and not forward_only,
+            collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step,
+        )
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        if forward_only:
+            result = executor.run()
+        else:
+            with no_sync_all(chunks):
+                result = executor.run()
+            finalize_grads(chunks, groups, config, result.num_tokens, force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        _LAST["result"] = result
+        return [result.losses[m] for m in sorted(result.losses)]
+
+    forward_backward.__name__ = f"forward_backward_{schedule}"
+    forward_backward.__qualname__ = forward_backward.__name__
+    forward_backward.__doc__ = f"megatron-core forward_backward_func running the {schedule} schedule."
+    return forward_backward
+
+
+forward_backward_bitpipe = make_forward_backward_func("bitpipe")
+
+
+def _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length) -> None:
+    if len(chunks) != placement.chunks_per_rank:
+        raise ValueError(f"{schedule} runs {placement.chunks_per_rank} model chunks per rank, got {len(chunks)}")
+    if get_model_type(chunks[0]) == ModelType.encoder_and_decoder:
+        raise ValueError(f"{schedule} does not support encoder-decoder models")
+    if decoder_seq_length is not None and decoder_seq_length != seq_length:
+        raise ValueError(f"{schedule} does not support a decoder sequence length different from --seq-length")
+    if getattr(config, "variable_seq_lengths", False):
+        raise ValueError(f"{schedule} needs fixed sequence lengths (variable_seq_lengths is set)")
+
+
+def p2p_tensor_shape(config, seq_length, micro_batch_size, groups: PipelineGroups, adjust_tensor_shapes_fn=None):
+    """[s / cp (/ tp with sequence parallelism), micro-batch, hidden], as megatron-core computes it."""
+    seq = seq_length // groups.rank_pgs.cp.size()
+    if config.sequence_parallel:
+        seq //= groups.grid.tp
+    shape = [seq, micro_batch_size, config.hidden_size]
+    if adjust_tensor_shapes_fn is not None:
+        recv, send = adjust_tensor_shapes_fn([shape], [shape])
+        if recv != send or len(recv) != 1:
+            raise ValueError("adjust_tensor_shapes_fn must give one shape, equal for sends and receives")
+        shape = list(recv[0])
+    return shape
+
+
+def finalize_grads(chunks, groups: PipelineGroups, config, num_tokens: torch.Tensor, force_all_reduce: bool = False) -> None:
+    """Wait for (or run) every chunk's gradient all-reduce and finish the gradients.
+
+    Chunks go to the finaliser in stage order: blocking reductions (DDP without
+    ``overlap_grad_reduce``) over the per-stage groups are then issued in the same order on
+    every rank. Per-token loss: the token count of every loss rank and data-parallel rank is
+    summed (the loss ranks of a V placement are not megatron's last pipeline stage) and every
+    gradient divided by it.
+    """
+    ordered = [chunks[c] for c in stage_order(groups)]
+    finalize = config.finalize_model_grads_func or finalize_model_grads
+    finalize(ordered, None, pg_collection=groups.rank_pgs, force_all_reduce=force_all_reduce)
+    if config.calculate_per_token_loss:
+        total = num_tokens.to(dtype=torch.float64)
+        dist.all_reduce(total, group=groups.pp)
+        dist.all_reduce(total, group=groups.rank_pgs.dp)
+        scale = 1.0 / max(total.item(), 1.0)
+        for chunk in chunks:
+            chunk.scale_gradients(scale)

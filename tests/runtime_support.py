@@ -1,0 +1,231 @@
+"""Rank-side code of the runtime equivalence tests: a single-process reference trainer and
+the same training through the plan executor on a pipeline layout.
+
+Both train the same tiny GPT (weights from the seed alone) for STEPS optimizer steps on the
+same global batches and record, per step: the loss of every micro-batch, every gradient
+(full, unsharded), the grad norm and every weight after the step, then the loss of an
+evaluation batch (forward only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+NUM_LAYERS = 8
+HIDDEN = 32
+HEADS = 4
+VOCAB = 128
+SEQ = 16
+MICRO_BATCH = 2
+SEED = 1234
+STEPS = 3
+LR = 1e-3
+ADAM_EPS = 1e-4  # bounds Adam's amplification of fp32 rounding differences (see test_cpu_compat)
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@dataclass(frozen=True)
+class Case:
+    """One pipeline run: schedule on ``pp`` pipeline ranks (x tp x dp), ``n`` micro-batches per dp rank."""
+
+    name: str
+    schedule: str
+    pp: int
+    n: int
+    tp: int = 1
+    dp: int = 1
+    tied: bool = True
+    clip_grad: float = 0.0
+    overlap_p2p_comm: bool = False
+    deallocate_pipeline_outputs: bool = False
+    overlap_grad_reduce: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def global_microbatches(self) -> int:
+        return self.n * self.dp
+
+    @property
+    def reference_key(self):
+        return (self.tied, self.global_microbatches, self.clip_grad)
+
+
+def step_batches(step: int, count: int):
+    from megatron_bitpipe.testing.gpt import synthetic_microbatches
+
+    return synthetic_microbatches(SEED + 100 * step, count, MICRO_BATCH, SEQ, VOCAB)
+
+
+def eval_batches(count: int):
+    return step_batches(STEPS + 7, count)
+
+
+def _config(**kw):
+    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+
+    return tiny_gpt_config(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, **kw)
+
+
+def _optimizer_config(clip_grad: float):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.01, clip_grad=clip_grad)
+
+
+def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
+    """Single-process training of the stock megatron-core GPTModel."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.runtime.init import initialize_from_seed
+    from megatron_bitpipe.runtime.layout import ChunkLayers
+    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.testing.weights import collect_full
+
+    pg = gpt.build_process_groups(gpt.ParallelGrid())
+    init_megatron_state(pg, SEED)
+    config = _config()
+    model = gpt.build_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
+    initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
+    [ddp] = gpt.wrap_ddp([model], config, pg)
+    optimizer = gpt.build_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
+    record = {"initial": collect_full(ddp), "steps": []}
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = []
+        for tokens, labels in step_batches(step, global_microbatches):
+            loss = ddp(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=labels).float().mean()
+            (loss / global_microbatches).backward()
+            losses.append(loss.item())
+        finalize_model_grads([ddp], pg_collection=pg)
+        grads = collect_full(ddp, lambda p: p.main_grad)
+        success, grad_norm, _ = optimizer.step()
+        assert success
+        record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=collect_full(ddp)))
+    with torch.no_grad():
+        record["eval"] = [
+            ddp(t, torch.arange(SEQ).expand_as(t), None, labels=l).float().mean().item()
+            for t, l in eval_batches(global_microbatches)
+        ]
+    return record
+
+
+def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
+    """Train ``case`` through ``make_forward_backward_func(case.schedule)`` on this rank."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_bitpipe import schedules
+    from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
+    from megatron_bitpipe.runtime.forward_backward import last_step, make_forward_backward_func
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.replicas import max_replica_difference
+    from megatron_bitpipe.testing.gpt import gpt_forward_step
+    from megatron_bitpipe.testing.weights import collect_full, merge_full
+
+    placement = schedules.generate(case.schedule, case.pp, case.n).placement
+    config = _config(
+        tensor_model_parallel_size=case.tp,
+        pipeline_model_parallel_size=case.pp,
+        overlap_p2p_comm=case.overlap_p2p_comm,
+        deallocate_pipeline_outputs=case.deallocate_pipeline_outputs,
+    )
+    model = build_pipeline_model(
+        config,
+        ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp),
+        placement,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        seed=SEED,
+        share_embeddings_and_output_weights=case.tied,
+        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce, grad_reduce_in_fp32=True),
+    )
+    groups = model.groups
+    optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))
+    forward_backward = make_forward_backward_func(case.schedule)
+
+    def full(tensor_of=lambda p: p) -> Dict[str, torch.Tensor]:
+        return merge_full(
+            collect_full(c, tensor_of, chunk=s, tp_group=groups.tp) for c, s in zip(model.chunks, model.specs)
+        )
+
+    def mine(batches):
+        return batches[groups.dp_rank * case.n : (groups.dp_rank + 1) * case.n]
+
+    def offset(losses: List[dict]) -> Dict[int, float]:
+        """Loss reports of this rank by global micro-batch index (the dp rank's block)."""
+        step = last_step()
+        return {groups.dp_rank * case.n + m: r["lm loss"].item() for m, r in zip(sorted(step.losses), losses)}
+
+    record = {"initial": full(), "replica_diff": [max_replica_difference(model.chunks, groups)], "steps": []}
+    restore = _instrument(model.chunks, instrument) if instrument is not None else None
+    for step in range(STEPS):
+        for chunk in model.chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = forward_backward(
+            forward_step_func=gpt_forward_step,
+            data_iterator=iter(mine(step_batches(step, case.global_microbatches))),
+            model=model.chunks,
+            num_microbatches=case.n,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+        )
+        losses = offset(reports)
+        if restore is not None:
+            restore()
+            restore = None
+        grads = full(lambda p: p.main_grad)
+        success, grad_norm, _ = optimizer.step()
+        assert success
+        record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=full()))
+        record["replica_diff"].append(max_replica_difference(model.chunks, groups))
+    reports = forward_backward(
+        forward_step_func=gpt_forward_step,
+        data_iterator=iter(mine(eval_batches(case.global_microbatches))),
+        model=model.chunks,
+        num_microbatches=case.n,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=True,
+    )
+    record["eval"] = offset(reports)
+    record["pp_rank"] = groups.pp_rank
+    return record
+
+
+def _instrument(chunks, events: list):
+    """Log, in call order, every executed backward ``("B", chunk, microbatch)`` and every
+    gradient-sync start ``("S", chunk, all_reduce_outstanding)``; returns an undo function."""
+    from megatron_bitpipe.runtime.executor import PlanExecutor
+
+    original_backward = PlanExecutor._backward
+
+    def logged_backward(self, action):
+        events.append(("B", action.chunk, action.microbatch))
+        return original_backward(self, action)
+
+    def logged_sync(chunk_id, chunk, start):
+        def start_grad_sync(*args):
+            start(*args)
+            events.append(("S", chunk_id, any(g.grad_reduce_handle is not None for g in chunk.bucket_groups)))
+
+        return start_grad_sync
+
+    PlanExecutor._backward = logged_backward
+    originals = [chunk.start_grad_sync for chunk in chunks]
+    for chunk_id, chunk in enumerate(chunks):
+        chunk.start_grad_sync = logged_sync(chunk_id, chunk, originals[chunk_id])
+
+    def restore():
+        PlanExecutor._backward = original_backward
+        for chunk, original in zip(chunks, originals):
+            chunk.start_grad_sync = original
+
+    return restore

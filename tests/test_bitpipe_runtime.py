@@ -1,0 +1,174 @@
+"""The plan executor on megatron-core equals single-process training (CPU ranks, gloo).
+
+For every case: the loss of every micro-batch, every gradient, the grad norm (which counts
+each logical parameter once even though BitPipe holds two replicas) and every weight after
+each of STEPS optimizer steps equal single-process training of the same model from the
+same seed on the same global batches (fp32, rtol 1e-5); the replicas stay bit-identical;
+the forward-only (evaluation) losses are equal too. Tied embeddings are checked through
+the shared weight's gradient and value.
+
+One launch per world size serves all of its cases.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+
+from megatron_bitpipe.testing.launcher import launch
+
+from runtime_support import ATOL, RTOL, STEPS, Case, pipeline, reference
+
+CASES_2 = [
+    Case("bitpipe_pp2_n2", "bitpipe", pp=2, n=2),
+    Case("bitpipe_pp2_n6_overlap_p2p", "bitpipe", pp=2, n=6, overlap_p2p_comm=True, deallocate_pipeline_outputs=True),
+]
+CASES_4 = [
+    Case("bitpipe_pp4_n4_clip", "bitpipe", pp=4, n=4, clip_grad=0.5),
+    Case("bitpipe_pp4_n8", "bitpipe", pp=4, n=8),
+    Case("bitpipe_pp4_n6_untied_blocking_sync", "bitpipe", pp=4, n=6, tied=False, overlap_grad_reduce=False),
+    Case("bitpipe_tp2_pp2_n4", "bitpipe", pp=2, n=4, tp=2, clip_grad=0.5),
+    Case("bitpipe_dp2_pp2_n2", "bitpipe", pp=2, n=2, dp=2),
+    Case("chimera_pp4_n4_untied", "chimera", pp=4, n=4, tied=False),
+    Case("1f1b_pp4_n4_untied", "1f1b", pp=4, n=4, tied=False),
+]
+INSTRUMENTED = "bitpipe_pp4_n8"
+
+
+def _run_cases(cases: List[Case]) -> dict:
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    out = {}
+    for case in cases:
+        events: list = []
+        out[case.name] = pipeline(case, events if case.name == INSTRUMENTED else None)
+        out[case.name]["events"] = events
+    return out
+
+
+def _reference_runs(keys) -> dict:
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    return {key: reference(*key) for key in keys}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    keys = sorted({c.reference_key for c in CASES_2 + CASES_4})
+    return launch(_reference_runs, 1, keys, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> List[dict]:
+    return launch(_run_cases, 2, CASES_2, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> List[dict]:
+    return launch(_run_cases, 4, CASES_4, timeout=800)
+
+
+def _records(case, two_ranks, four_ranks) -> List[dict]:
+    return [r[case.name] for r in (two_ranks if case in CASES_2 else four_ranks)]
+
+
+def _merged_losses(records, key) -> Dict[int, float]:
+    merged: Dict[int, float] = {}
+    for record in records:
+        for m, value in record[key].items():
+            assert m not in merged or merged[m] == value
+            merged[m] = value
+    return merged
+
+
+def _merged(records, *path) -> Dict[str, torch.Tensor]:
+    """Union over ranks of per-parameter tensors; copies held by several ranks must be identical."""
+    merged: Dict[str, torch.Tensor] = {}
+    for record in records:
+        value = record
+        for key in path:
+            value = value[key]
+        for name, tensor in value.items():
+            if name in merged:
+                assert torch.equal(merged[name], tensor), f"{name} differs between ranks"
+            merged[name] = tensor
+    return merged
+
+
+def _assert_tensors_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str):
+    assert actual.keys() == expected.keys(), what
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
+def test_equals_single_process_training(case, references, two_ranks, four_ranks):
+    ref = references[case.reference_key]
+    records = _records(case, two_ranks, four_ranks)
+    _assert_tensors_close(_merged(records, "initial"), ref["initial"], "initial weight")
+    for record in records:
+        assert record["replica_diff"] == [0.0] * (STEPS + 1), "replicas must stay bit-identical"
+    for step in range(STEPS):
+        expected = ref["steps"][step]
+        for name, key in (("step", "losses"),):
+            losses = {}
+            for record in records:
+                losses.update(record["steps"][step][key])
+            assert sorted(losses) == list(range(case.global_microbatches)), f"step {step}: every micro-batch once"
+            torch.testing.assert_close(
+                torch.tensor([losses[m] for m in sorted(losses)]), torch.tensor(expected["losses"]), rtol=RTOL, atol=ATOL
+            )
+        _assert_tensors_close(_merged(records, "steps", step, "grads"), expected["grads"], f"step {step} gradient of")
+        _assert_tensors_close(_merged(records, "steps", step, "weights"), expected["weights"], f"step {step} weight")
+        for record in records:
+            assert record["steps"][step]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=RTOL)
+    evaluation = _merged_losses(records, "eval")
+    assert sorted(evaluation) == list(range(case.global_microbatches))
+    torch.testing.assert_close(torch.tensor([evaluation[m] for m in sorted(evaluation)]), torch.tensor(ref["eval"]), rtol=RTOL, atol=ATOL)
+
+
+def test_tied_embedding_is_one_weight(references, four_ranks):
+    """The tied weight's gradient (embedding + head) equals the serial one: counted once."""
+    case = next(c for c in CASES_4 if c.name == "bitpipe_pp4_n4_clip")
+    ref = references[case.reference_key]
+    assert "output_layer.weight" not in ref["steps"][0]["grads"]
+    holders = [r for r in _records(case, [], four_ranks) if "embedding.word_embeddings.weight" in r["steps"][0]["grads"]]
+    assert sorted(r["pp_rank"] for r in holders) == [0, 3]  # each edge rank holds one replica's
+    for record in holders:
+        assert "output_layer.weight" not in record["steps"][0]["grads"]
+        for step in range(STEPS):
+            for key in ("grads", "weights"):
+                torch.testing.assert_close(
+                    record["steps"][step][key]["embedding.word_embeddings.weight"],
+                    ref["steps"][step][key]["embedding.word_embeddings.weight"],
+                    rtol=RTOL,
+                    atol=ATOL,
+                )
+
+
+def test_grad_norm_counts_replicas_once(references, four_ranks):
+    case = next(c for c in CASES_4 if c.name == "bitpipe_pp4_n8")
+    ref = references[case.reference_key]
+    for record in _records(case, [], four_ranks):
+        for step in range(STEPS):
+            assert record["steps"][step]["grad_norm"] == pytest.approx(ref["steps"][step]["grad_norm"], rel=RTOL)
+            assert record["steps"][step]["grad_norm"] != pytest.approx(2**0.5 * ref["steps"][step]["grad_norm"], rel=1e-3)
+
+
+def test_eager_sync_overlaps_remaining_backwards(four_ranks):
+    """Instrumented, not timed: a chunk's all-reduce is issued (and still outstanding) while
+    backwards of another chunk of the same rank are yet to run."""
+    case = next(c for c in CASES_4 if c.name == INSTRUMENTED)
+    for record in _records(case, [], four_ranks):
+        events = record["events"]
+        syncs = [i for i, e in enumerate(events) if e[0] == "S"]
+        assert len(syncs) == 4
+        first_sync = syncs[0]
+        _, chunk, outstanding = events[first_sync]
+        assert outstanding, "start_grad_sync must leave an asynchronous all-reduce in flight"
+        later_backwards = [e for e in events[first_sync + 1 :] if e[0] == "B" and e[1] != chunk]
+        assert later_backwards, f"rank {record['pp_rank']}: no backward of another chunk after the first sync"
