@@ -1,0 +1,105 @@
+"""Megatron-style command-line flags of megatron-bitpipe and their checks.
+
+:func:`add_bitpipe_args` has the signature Megatron-LM expects of ``extra_args_provider``
+(takes a parser, returns it) and adds
+
+* ``--pipeline-schedule {default,1f1b,interleaved,bitpipe}`` — ``default`` keeps
+  megatron-core's choice (interleaved when ``--virtual-pipeline-model-parallel-size`` is
+  set, else 1F1B);
+* ``--tensor-parallel-mode {1d,optimus2d}`` (:mod:`megatron_bitpipe.optimus.args`).
+
+:func:`validate_bitpipe_args` checks a parsed namespace (Megatron-LM's argument names)
+before any process group exists and raises :class:`BitPipeConfigError` naming every flag
+that breaks a rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List
+
+from .optimus.args import add_optimus_args, validate_optimus_args
+
+PIPELINE_SCHEDULES = ("default", "1f1b", "interleaved", "bitpipe")
+
+
+class BitPipeConfigError(ValueError):
+    """Invalid combination of command-line flags; the message names each flag and its rule."""
+
+
+def add_bitpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group(title="megatron-bitpipe")
+    group.add_argument(
+        "--pipeline-schedule",
+        choices=PIPELINE_SCHEDULES,
+        default="default",
+        help="pipeline schedule: bitpipe (bidirectional V, two weight replicas), 1f1b, "
+        "interleaved (needs --virtual-pipeline-model-parallel-size), or default "
+        "(megatron-core's own choice).",
+    )
+    return add_optimus_args(parser)
+
+
+def microbatches_per_data_parallel_rank(args: argparse.Namespace) -> int:
+    """``--global-batch-size / (--micro-batch-size x data-parallel size)``, checked."""
+    world = args.world_size
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if world % model_parallel:
+        raise BitPipeConfigError(
+            f"world size {world} is not divisible by --tensor-model-parallel-size x "
+            f"--pipeline-model-parallel-size = {model_parallel}"
+        )
+    data_parallel = world // model_parallel
+    per_step = args.micro_batch_size * data_parallel
+    if args.global_batch_size % per_step:
+        raise BitPipeConfigError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {data_parallel}"
+        )
+    return args.global_batch_size // per_step
+
+
+def validate_bitpipe_args(args: argparse.Namespace) -> None:
+    """Raise :class:`BitPipeConfigError` listing every broken rule (no communication)."""
+    problems: List[str] = []
+    schedule = getattr(args, "pipeline_schedule", "default")
+    pp = args.pipeline_model_parallel_size
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    try:
+        num_microbatches = microbatches_per_data_parallel_rank(args)
+    except BitPipeConfigError as error:
+        problems.append(str(error))
+        num_microbatches = None
+    if schedule == "bitpipe":
+        if pp < 2 or pp % 2:
+            problems.append(f"--pipeline-model-parallel-size must be even and >= 2 for bitpipe (got {pp})")
+        elif args.num_layers % (2 * pp):
+            problems.append(
+                f"--num-layers {args.num_layers} must be divisible by 2 x --pipeline-model-parallel-size "
+                f"= {2 * pp} (bitpipe runs {2 * pp} stages)"
+            )
+        if vp not in (None, 1):
+            problems.append("--virtual-pipeline-model-parallel-size must not be set with bitpipe (4 chunks per rank are fixed)")
+        if num_microbatches is not None:
+            if num_microbatches % 2:
+                problems.append(
+                    f"bitpipe needs an even number of micro-batches per data-parallel rank: "
+                    f"--global-batch-size / (--micro-batch-size x data-parallel size) = {num_microbatches}"
+                )
+            if num_microbatches < pp:
+                problems.append(
+                    f"bitpipe needs at least --pipeline-model-parallel-size={pp} micro-batches per "
+                    f"data-parallel rank; --global-batch-size gives {num_microbatches}"
+                )
+        if getattr(args, "encoder_num_layers", None) and getattr(args, "decoder_num_layers", None):
+            problems.append("bitpipe does not support encoder-decoder models")
+    elif schedule == "interleaved" and vp in (None, 1):
+        problems.append("--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size >= 2")
+    elif schedule == "1f1b" and vp not in (None, 1):
+        problems.append("--pipeline-schedule 1f1b runs one chunk per rank: unset --virtual-pipeline-model-parallel-size")
+    try:
+        validate_optimus_args(args)
+    except ValueError as error:
+        problems.append(str(error))
+    if problems:
+        raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))

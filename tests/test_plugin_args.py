@@ -1,0 +1,85 @@
+"""Registration with megatron-core and the command-line flags' rules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+
+import pytest
+
+import megatron_bitpipe
+from megatron_bitpipe.megatron_args import BitPipeConfigError
+
+
+def parse(*argv, **fields):
+    args = megatron_bitpipe.add_bitpipe_args(argparse.ArgumentParser()).parse_args(list(argv))
+    defaults = dict(
+        world_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=4, num_layers=8,
+        micro_batch_size=1, global_batch_size=8, virtual_pipeline_model_parallel_size=None,
+        hidden_size=32, num_attention_heads=4,
+    )
+    defaults.update(fields)
+    for key, value in defaults.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_valid_bitpipe_configuration():
+    megatron_bitpipe.validate_bitpipe_args(parse("--pipeline-schedule", "bitpipe"))
+
+
+@pytest.mark.parametrize(
+    "fields,flag",
+    [
+        (dict(pipeline_model_parallel_size=3, world_size=3, num_layers=6), "--pipeline-model-parallel-size must be even"),
+        (dict(num_layers=12), "--num-layers 12 must be divisible by 2 x --pipeline-model-parallel-size = 8"),
+        (dict(global_batch_size=5), "even number of micro-batches"),
+        (dict(global_batch_size=2), "at least --pipeline-model-parallel-size=4 micro-batches"),
+        (dict(global_batch_size=9, micro_batch_size=2), "--global-batch-size 9 is not divisible"),
+        (dict(virtual_pipeline_model_parallel_size=2), "--virtual-pipeline-model-parallel-size must not be set"),
+        (dict(world_size=6), "world size 6 is not divisible"),
+    ],
+)
+def test_bad_bitpipe_configuration_names_the_flag(fields, flag):
+    with pytest.raises(BitPipeConfigError, match=flag.replace("(", r"\(").replace("+", r"\+")):
+        megatron_bitpipe.validate_bitpipe_args(parse("--pipeline-schedule", "bitpipe", **fields))
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(BitPipeConfigError) as info:
+        megatron_bitpipe.validate_bitpipe_args(
+            parse("--pipeline-schedule", "bitpipe", "--tensor-parallel-mode", "optimus2d",
+                  num_layers=12, global_batch_size=5, tensor_model_parallel_size=2, world_size=8)
+        )
+    text = str(info.value)
+    assert "--num-layers" in text and "even number of micro-batches" in text and "--tensor-model-parallel-size" in text
+
+
+def test_interleaved_needs_virtual_size():
+    with pytest.raises(BitPipeConfigError, match="--virtual-pipeline-model-parallel-size >= 2"):
+        megatron_bitpipe.validate_bitpipe_args(parse("--pipeline-schedule", "interleaved"))
+
+
+def test_register_installs_and_restores(monkeypatch):
+    import megatron.core.pipeline_parallel as core_pp
+    from megatron.core.pipeline_parallel import schedules as core_schedules
+
+    from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
+
+    training = types.ModuleType("megatron.training.training")
+    training.get_forward_backward_func = core_pp.get_forward_backward_func  # imported by name
+    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+    original = core_pp.get_forward_backward_func
+    try:
+        megatron_bitpipe.register("bitpipe")
+        for module in (core_pp, core_schedules, training):
+            assert module.get_forward_backward_func() is forward_backward_bitpipe
+        megatron_bitpipe.register("default")
+        assert core_pp.get_forward_backward_func(pp_size=1) is core_schedules.forward_backward_no_pipelining
+    finally:
+        megatron_bitpipe.unregister()
+    assert core_pp.get_forward_backward_func is original
+    assert training.get_forward_backward_func is original
+    with pytest.raises(ValueError, match="--pipeline-schedule"):
+        megatron_bitpipe.register("gpipe")
