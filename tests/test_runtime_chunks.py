@@ -94,6 +94,18 @@ def test_bidirectional_v_chunk_layers_d2():
     assert {s.pipeline for s in specs[1] if s.pre_process or s.post_process} == {1}
 
 
+def test_tied_head_copies_only_where_megatron_ties_across_ranks():
+    """Looped placements over several ranks tie megatron's way (a head copy of the embedding);
+    V placements and a single rank tie one Parameter."""
+    from megatron_bitpipe.runtime.layout import head_copies_embedding
+
+    assert head_copies_embedding(looped(4)) and head_copies_embedding(looped(2, 2))
+    assert not any(head_copies_embedding(p) for p in (looped(1), bidirectional_v(4), bidirectional(4)))
+    interleaved = [chunk_specs(looped(2, 2), 8, rank, tied=True) for rank in range(2)]
+    assert [[s.tied for s in rank] for rank in interleaved] == [[False, False], [False, True]]
+    assert not any(s.tied for rank in range(4) for s in chunk_specs(bidirectional_v(4), 8, rank, tied=True))
+
+
 def test_num_layers_must_divide_into_stages():
     with pytest.raises(ValueError, match=r"--num-layers 12 .* 16 pipeline stages .*2 x --pipeline-model-parallel-size"):
         chunk_specs(bidirectional_v(8), 12, 0)

@@ -91,7 +91,7 @@ def build_pipeline_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         **gpt_kwargs,
     )
-    specs = chunk_specs(placement, config.num_layers, groups.pp_rank)
+    specs = chunk_specs(placement, config.num_layers, groups.pp_rank, share_embeddings_and_output_weights)
     initialize_from_seed(chunks, specs, seed, groups.tp)
     mark_replica_parameters(chunks, specs)
     ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)

@@ -13,8 +13,11 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
 * ``model_pgs[c]`` — the collection for local chunk ``c``: its GPTModel and its
   ``DistributedDataParallel``. Same as ``rank_pgs`` except ``dp = dp_cp = expt_dp`` is the
   chunk's grad-sync group (:meth:`PipelineGroups.grad_sync_group`).
-  ``embd = pos_embd = None`` in both: tied embeddings live on one rank
-  (:mod:`megatron_bitpipe.runtime.model`), so megatron's embedding all-reduces are skipped.
+  ``pos_embd = None`` in both. ``embd`` is None too, so megatron's embedding all-reduces
+  are skipped, unless the placement ties embeddings megatron's way
+  (:func:`~megatron_bitpipe.runtime.layout.head_copies_embedding`: one pipeline whose first
+  and last stage are on different ranks): then it is megatron's embedding group, the first-
+  and last-stage ranks of this (tp, dp) slice, on those ranks.
   ``pp`` is the pipeline ranks of this (tp, dp) slice in grid order, for every chunk; its
   rank is the pipeline rank, *not* a stage index.
 * p2p channel groups, one per (payload, pipeline, direction, link parity) — see
@@ -35,6 +38,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ..schedules.comm import Payload, Transfer
 from ..schedules.placement import Placement
+from .layout import head_copies_embedding
 
 __all__ = ["ParallelGrid", "new_groups", "process_group_collection", "PipelineGroups"]
 
@@ -239,7 +243,12 @@ class PipelineGroups:
             if pp_rank in holders:
                 stage_groups[stage] = group
 
-        common = dict(tp=tp, pp=pp, mp=mp, solo=solo)
+        embd = None
+        if head_copies_embedding(placement):
+            ends = (placement.location(0, 0).rank, placement.location(0, placement.num_stages - 1).rank)
+            slices = [(t, d) for d in range(grid.dp) for t in range(grid.tp)]
+            embd = new_groups([sorted(grid.rank(t, d, p) for p in ends) for t, d in slices], rank)
+        common = dict(tp=tp, pp=pp, mp=mp, solo=solo, embd=embd)
         model_pgs = tuple(
             process_group_collection(dp=stage_groups[placement.role(pp_rank, c).stage], **common)
             for c in range(placement.chunks_per_rank)

@@ -27,7 +27,7 @@ from megatron.core.transformer import TransformerConfig
 from .layout import ChunkLayers, is_tensor_parallel, to_global_name, tp_block
 from .model import unwrap
 
-__all__ = ["init_method_for", "initialize_from_seed"]
+__all__ = ["init_method_for", "seeded_full_tensor", "initialize_from_seed"]
 
 _OUTPUT_PROJECTIONS = ("linear_proj", "linear_fc2")
 
@@ -57,16 +57,25 @@ def _seed_of(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _full_value(name: str, param: torch.Tensor, config: TransformerConfig, seed: int, tp_size: int) -> torch.Tensor:
-    shape = list(param.shape)
-    if is_tensor_parallel(param):
-        shape[param.partition_dim] *= tp_size
-    full = torch.empty(shape, dtype=torch.float32)
+def seeded_full_tensor(name: str, shape, config: TransformerConfig, seed: int) -> torch.Tensor:
+    """The initial value of full-model parameter ``name`` (full ``shape``), fp32 on the CPU.
+
+    A function of (``seed``, ``name``, ``shape``, the config's init rules) only; the global
+    RNG state is left untouched. Any tensor-parallel scheme takes its block of this tensor.
+    """
+    full = torch.empty(list(shape), dtype=torch.float32)
     init = init_method_for(name, config)
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(_seed_of(seed, name))
         init(full)
     return full
+
+
+def _full_value(name: str, param: torch.Tensor, config: TransformerConfig, seed: int, tp_size: int) -> torch.Tensor:
+    shape = list(param.shape)
+    if is_tensor_parallel(param):
+        shape[param.partition_dim] *= tp_size
+    return seeded_full_tensor(name, shape, config, seed)
 
 
 def initialize_from_seed(

@@ -13,7 +13,8 @@ loss (``post_process``); megatron numbers a chunk's layers locally in its module
 (1-based, ``L + 1``).
 
 Tensor parallelism: a parameter with megatron's ``tensor_model_parallel`` attribute is the
-``tp_rank``-th of ``tp_size`` equal blocks of the full tensor along ``partition_dim``
+``tp_rank``-th of ``tp_size`` equal blocks of the full tensor along ``partition_dim``, or with
+``partition_stride`` > 1 the ``tp_rank``-th block of each of ``stride`` equal parts
 (:func:`tp_block`).
 
 Stages are equal: with ``S`` stages per pipeline and ``num_layers`` layers, stage ``s`` holds
@@ -35,6 +36,7 @@ __all__ = [
     "ChunkLayers",
     "ChunkSpec",
     "chunk_specs",
+    "head_copies_embedding",
     "to_global_name",
     "to_local_name",
     "is_tensor_parallel",
@@ -52,9 +54,9 @@ class ChunkLayers:
 
     ``first_layer`` is the global (0-based) index of the chunk's local layer 0; the chunk has
     ``num_layers`` consecutive layers. ``tied`` marks a chunk whose own ``output_layer.weight``
-    is a copy of the word embeddings (megatron's looped placement with
-    ``share_embeddings_and_output_weights``; chunks built by
-    :func:`megatron_bitpipe.runtime.model.build_gpt_chunks` never register such a copy).
+    is a copy of the word embeddings (megatron's tying with
+    ``share_embeddings_and_output_weights`` when the head sits on another rank than the
+    embedding; see :func:`head_copies_embedding`).
     """
 
     first_layer: int
@@ -77,11 +79,28 @@ class ChunkSpec(ChunkLayers):
     stage: int
 
 
-def chunk_specs(placement: Placement, num_layers: int, rank: int) -> List[ChunkSpec]:
+def head_copies_embedding(placement: Placement) -> bool:
+    """Whether tied embeddings of ``placement`` use megatron's own tying: a copy of the word
+    embeddings as the head's ``output_layer.weight``, kept equal by all-reducing the two
+    copies' gradients over megatron's embedding group.
+
+    True for a single pipeline whose first and last stage sit on different ranks (the looped
+    placement with more than one rank). Placements whose pipelines start and end on the same
+    rank tie one Parameter instead (:mod:`megatron_bitpipe.runtime.model`); several pipelines
+    with ends on different ranks (Chimera) are not supported with tied embeddings.
+    """
+    if placement.num_pipelines != 1:
+        return False
+    return placement.location(0, 0).rank != placement.location(0, placement.num_stages - 1).rank
+
+
+def chunk_specs(placement: Placement, num_layers: int, rank: int, tied: bool = False) -> List[ChunkSpec]:
     """The chunks pipeline rank ``rank`` holds, indexed by local chunk id.
 
-    Raises ValueError naming ``--num-layers`` if ``num_layers`` is not a positive multiple of
-    the number of stages (``2 x --pipeline-model-parallel-size`` for BitPipe).
+    ``tied`` (``share_embeddings_and_output_weights``) marks the head chunk ``tied`` when its
+    output layer is a copy of the embeddings (:func:`head_copies_embedding`). Raises
+    ValueError naming ``--num-layers`` if ``num_layers`` is not a positive multiple of the
+    number of stages (``2 x --pipeline-model-parallel-size`` for BitPipe).
     """
     stages = placement.num_stages
     if num_layers <= 0 or num_layers % stages:
@@ -91,6 +110,7 @@ def chunk_specs(placement: Placement, num_layers: int, rank: int) -> List[ChunkS
             f"({stages // placement.num_ranks} x --pipeline-model-parallel-size)"
         )
     per_stage = num_layers // stages
+    head_copy = tied and head_copies_embedding(placement)
     specs = []
     for chunk in range(placement.chunks_per_rank):
         role = placement.role(rank, chunk)
@@ -100,6 +120,7 @@ def chunk_specs(placement: Placement, num_layers: int, rank: int) -> List[ChunkS
                 num_layers=per_stage,
                 pre_process=role.stage == 0,
                 post_process=role.stage == stages - 1,
+                tied=head_copy and role.stage == stages - 1,
                 pipeline=role.pipeline,
                 stage=role.stage,
             )
@@ -151,11 +172,15 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
 def tp_block(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This tp rank's block of ``full`` for ``param`` (``full`` itself if not tp-partitioned).
 
-    megatron splits a tensor-parallel parameter into ``tp_size`` equal blocks along
-    ``param.partition_dim``; strided partitions are not supported (NotImplementedError).
+    megatron splits a tensor-parallel parameter along ``param.partition_dim`` into
+    ``tp_size x stride`` equal parts and gives rank ``r`` parts ``r, r + tp_size, ...``
+    (``stride = param.partition_stride``: 2 for the fused [gate; up] weight of SwiGLU), so
+    with stride 1 the block is the ``tp_rank``-th of ``tp_size`` (a view of ``full``).
     """
     if tp_size == 1 or not is_tensor_parallel(param):
         return full
-    if getattr(param, "partition_stride", 1) != 1:
-        raise NotImplementedError("strided tensor-parallel partitions are not supported")
-    return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+    stride = getattr(param, "partition_stride", 1)
+    parts = full.chunk(tp_size * stride, dim=param.partition_dim)
+    if stride == 1:
+        return parts[tp_rank]
+    return torch.cat(parts[tp_rank::tp_size], dim=param.partition_dim)

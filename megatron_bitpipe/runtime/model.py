@@ -17,8 +17,8 @@ set later on the caller's config (``no_sync_func``, ``finalize_model_grads_func`
 not seen through ``chunk.config``. Wrap the chunks with the caller's config (megatron DDP
 takes the config explicitly and ``get_model_config`` of a DDP chunk returns that one).
 
-**Tied embeddings.** With ``share_embeddings_and_output_weights`` each pipeline's first and
-last stage must sit on the same rank (V placements). The head chunk's
+**Tied embeddings.** With ``share_embeddings_and_output_weights`` and a placement whose
+pipelines start and end on the same rank (V placements), the head chunk's
 ``output_layer.weight`` is then the embedding chunk's word-embedding *Parameter object*,
 registered only in the embedding chunk: the head chunk's ``parameters()``/``state_dict()``
 do not contain it, a per-chunk DDP gives it one ``main_grad`` (the embedding chunk's), and
@@ -26,7 +26,14 @@ the head's backward accumulates into that parameter like any other use of it. me
 tying machinery (zeroed copy + all-reduce over the embedding group at construction and
 after every backward) is not used. Not handled yet: megatron's ``sharded_state_dict``
 (distributed checkpointing) of such a head chunk, which expects its own
-``output_layer.weight`` entry.
+``output_layer.weight`` entry. A single pipeline whose ends are on different ranks (the looped
+placement, :func:`~megatron_bitpipe.runtime.layout.head_copies_embedding`) uses megatron's
+own tying over the embedding group of :class:`~megatron_bitpipe.runtime.groups.PipelineGroups`;
+several such pipelines (Chimera) are rejected.
+
+**Virtual pipeline.** A looped placement with ``v`` chunks per rank may set
+``virtual_pipeline_model_parallel_size = v`` (megatron's interleaved schedule reads it);
+chunk ``c`` is then built as megatron's virtual stage ``c``.
 
 **Layer spec.** :func:`default_gpt_layer_spec` is the single place choosing between
 Transformer Engine and megatron-core's local modules.
@@ -52,7 +59,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_attr_wrapped_model
 
 from .groups import PipelineGroups
-from .layout import ChunkLayers, ChunkSpec, chunk_specs
+from .layout import ChunkLayers, ChunkSpec, chunk_specs, head_copies_embedding
 
 __all__ = [
     "ChunkLayerLayout",
@@ -146,8 +153,8 @@ def build_gpt_chunks(
     Chunk ``c`` holds :func:`~megatron_bitpipe.runtime.layout.chunk_specs`\\ ``[c]`` (its
     layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
     :func:`chunk_config`. ``vocab_size`` is the padded vocabulary (divisible by the tp size).
-    Tied embeddings: see the module docstring; ValueError if a pipeline's first and last
-    stage are on different ranks. ``gpt_kwargs`` go to ``GPTModel`` (rotary settings,
+    Tied embeddings: see the module docstring; ValueError for several pipelines whose first
+    and last stages are on different ranks. ``gpt_kwargs`` go to ``GPTModel`` (rotary settings,
     ``parallel_output``...). Weights get megatron's own (layout-dependent) initialisation;
     call :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent
     ones. With CUDA available the chunks are moved to the current device.
@@ -162,12 +169,17 @@ def build_gpt_chunks(
             f"config has tensor_model_parallel_size {config.tensor_model_parallel_size}, "
             f"the process grid {groups.grid.tp}"
         )
-    if config.virtual_pipeline_model_parallel_size not in (None, 1):
-        raise ValueError("the placement defines the chunks; leave virtual_pipeline_model_parallel_size unset")
+    vp = config.virtual_pipeline_model_parallel_size
+    if vp not in (None, 1) and (groups.placement.name != "looped" or vp != groups.placement.chunks_per_rank):
+        raise ValueError(
+            "the placement defines the chunks; virtual_pipeline_model_parallel_size may only give the "
+            "chunks per rank of a looped placement"
+        )
     if vocab_size % groups.grid.tp:
         raise ValueError(f"vocab_size {vocab_size} is not divisible by the tensor-parallel size {groups.grid.tp}")
-    specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank)
-    if share_embeddings_and_output_weights:
+    specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank, share_embeddings_and_output_weights)
+    megatron_ties = share_embeddings_and_output_weights and head_copies_embedding(groups.placement)
+    if share_embeddings_and_output_weights and not megatron_ties:
         _check_tied_placement(groups)
     spec = layer_spec or default_gpt_layer_spec(config)
     chunks = []
@@ -179,12 +191,12 @@ def build_gpt_chunks(
             max_sequence_length=max_sequence_length,
             pre_process=chunk_spec.pre_process,
             post_process=chunk_spec.post_process,
-            # megatron ties natively only inside one chunk; across chunks see _tie_head.
-            share_embeddings_and_output_weights=(
-                share_embeddings_and_output_weights and chunk_spec.pre_process and chunk_spec.post_process
-            ),
+            # megatron ties inside one chunk or across ranks; across chunks of a rank see _tie_head.
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights
+            and (megatron_ties or (chunk_spec.pre_process and chunk_spec.post_process)),
             position_embedding_type=position_embedding_type,
             pg_collection=groups.model_pgs[chunk],
+            vp_stage=chunk if vp not in (None, 1) else None,
             **gpt_kwargs,
         )
         if torch.cuda.is_available():
@@ -192,7 +204,7 @@ def build_gpt_chunks(
         # The forward_backward_func finds placement, channels and grad-sync groups here.
         model.pipeline_groups = groups
         chunks.append(model)
-    if share_embeddings_and_output_weights:
+    if share_embeddings_and_output_weights and not megatron_ties:
         for head, embedding in _tied_pairs(specs):
             _tie_head(chunks[head], chunks[embedding])
     return chunks

@@ -1,0 +1,22 @@
+"""Pretraining on megatron-core alone: the loop behind ``scripts/pretrain_gpt.py``.
+
+* :mod:`.loop` — :func:`~.loop.main` / :func:`~.loop.pretrain`: check the flags (every rank,
+  before any communication), then run the model-agnostic loop (:class:`~.loop.Trainer`);
+* :mod:`.task` — :class:`~.task.PretrainTask`, what a model brings (provider, forward step,
+  datasets); :mod:`.gpt` — :class:`~.gpt.GPTTask`, :mod:`.gpt_model` — its model builders;
+* :mod:`.arguments` — Megatron-LM's flags and their checks;
+* :mod:`.config` — megatron-core configs (model, DDP, Adam, learning-rate schedule);
+* :mod:`.schedule` — BitPipe or megatron-core's own schedules on the model's groups;
+* :mod:`.data` — tokenizers, global-batch order, micro-batches;
+* :mod:`.checkpoint` — layout-independent checkpoints; :mod:`.sharding` — blocks <-> full
+  tensors for 1-D and Optimus 2D tensor parallelism;
+* :mod:`.logs` — Megatron-style lines, JSON lines, TensorBoard; :mod:`.distributed` —
+  torch.distributed start-up under torchrun or alone.
+
+See ``docs/running.md`` and ``docs/checkpoints.md``.
+"""
+
+from .loop import main, pretrain
+from .task import PretrainTask
+
+__all__ = ["main", "pretrain", "PretrainTask"]

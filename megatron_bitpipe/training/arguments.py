@@ -1,0 +1,373 @@
+"""Command-line flags of the pretrain scripts (Megatron-LM's names) and their checks.
+
+:func:`parse_args` builds the parser (common flags, :func:`~megatron_bitpipe.add_bitpipe_args`
+and the task's own), parses, fills Megatron-LM's derived values and runs :func:`validate`.
+Everything here is pure Python and runs before any process group exists, so a bad
+configuration fails identically on every rank before any communication, with one
+:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` naming every offending flag.
+
+Derived values (Megatron-LM's conventions): ``world_size`` (``WORLD_SIZE`` of torchrun, 1
+for a single process), ``data_parallel_size``, ``num_microbatches`` (per data-parallel rank),
+``ffn_hidden_size`` (4 x hidden, or Megatron's SwiGLU size), ``kv_channels``,
+``max_position_embeddings`` (``--seq-length``), ``global_batch_size`` (micro-batch x
+data-parallel size), ``lr_decay_iters`` (``--train-iters``), ``use_mock_data`` (no
+``--data-path``), ``schedule`` (what actually runs: ``bitpipe``, ``no_pipelining``, ``1f1b``
+or ``interleaved``).
+
+Defaults that differ from Megatron-LM: ``--hidden-dropout`` and ``--attention-dropout`` are 0
+(dropout masks are drawn per rank, so only without dropout do two layouts give the same loss
+curve), and the vocabulary is padded to a multiple of lcm(``--make-vocab-size-divisible-by``,
+TP size) rather than their product, so the padded size, the initial weights and checkpoints do
+not depend on the TP size (any TP size dividing ``--make-vocab-size-divisible-by``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+from typing import List, Optional, Sequence
+
+from ..megatron_args import BitPipeConfigError, add_bitpipe_args, validate_bitpipe_args
+
+__all__ = ["BitPipeConfigError", "build_parser", "parse_args", "validate", "padded_vocab_size"]
+
+#: --tokenizer-type -> the file flags it needs
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "NullTokenizer": ("vocab_size",),
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="model")
+    group.add_argument("--num-layers", type=int, required=True)
+    group.add_argument("--hidden-size", type=int, required=True)
+    group.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x --hidden-size (SwiGLU: Megatron's 8/3 rule)")
+    group.add_argument("--num-attention-heads", type=int, required=True)
+    group.add_argument("--kv-channels", type=int, default=None, help="default --hidden-size / --num-attention-heads")
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument("--num-query-groups", type=int, default=1)
+    group.add_argument("--seq-length", type=int, required=True)
+    group.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    group.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    group.add_argument("--rotary-base", type=int, default=10000)
+    group.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    group.add_argument("--norm-epsilon", type=float, default=1e-5)
+    group.add_argument("--swiglu", action="store_true")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--hidden-dropout", type=float, default=0.0)
+    group.add_argument("--attention-dropout", type=float, default=0.0)
+    group.add_argument("--init-method-std", type=float, default=0.02)
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    group.add_argument("--cross-entropy-loss-fusion", action="store_true", help="megatron-core's fused cross entropy (bf16 logit gradients)")
+    group.add_argument("--cross-entropy-fusion-impl", choices=("native", "te"), default="native")
+    group.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default=None,
+        help="default transformer_engine when it is installed, else local",
+    )
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="training")
+    group.add_argument("--micro-batch-size", type=int, default=1)
+    group.add_argument("--global-batch-size", type=int, default=None, help="default --micro-batch-size x data-parallel size")
+    group.add_argument("--train-iters", type=int, required=True)
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--bf16", action="store_true", help="bf16 weights and activations, fp32 main weights (GPU only)")
+    group.add_argument("--fp16", action="store_true", help="fp16 with loss scaling (GPU only)")
+    group.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale (default dynamic)")
+    group.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    group.add_argument("--lr", type=float, required=True)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"), default="linear")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-warmup-init", type=float, default=0.0)
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="parallelism")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None, help="default nccl with a GPU, gloo without")
+    group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    group.add_argument("--overlap-p2p-comm", action="store_true", help="post pipeline receives one action early (bitpipe, interleaved)")
+    group.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the data-parallel gradient reduction (always on with bitpipe)")
+    add_bitpipe_args(parser)
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="logging and evaluation")
+    group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--log-json", default=None, metavar="PATH", help="one JSON object per iteration (rank 0 writes)")
+    group.add_argument("--tensorboard-dir", default=None)
+    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation; 0 disables it")
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="checkpointing")
+    group.add_argument("--save", default=None, metavar="DIR")
+    group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument("--load", default=None, metavar="DIR")
+    group.add_argument("--ckpt-step", type=int, default=None, help="iteration to load (default: the latest under --load)")
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="data")
+    group.add_argument("--data-path", nargs="*", default=None, help="[weight] prefix ... of Megatron indexed datasets")
+    group.add_argument("--split", default="969, 30, 1")
+    group.add_argument("--data-cache-path", default=None)
+    group.add_argument("--mock-data", action="store_true", help="synthetic data (the default without --data-path)")
+    group.add_argument("--tokenizer-type", choices=tuple(TOKENIZER_FILES), default=None)
+    group.add_argument("--vocab-file", default=None)
+    group.add_argument("--merge-file", default=None)
+    group.add_argument("--tokenizer-model", default=None)
+    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer and mock data")
+    group.add_argument("--eod-mask-loss", action="store_true")
+
+
+def build_parser(task=None, prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """The pretrain scripts' parser: common flags plus ``task.add_arguments`` (if any)."""
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_checkpoint_args, _add_data_args):
+        add(parser)
+    if task is not None:
+        task.add_arguments(parser)
+    return parser
+
+
+def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+    """``vocab_size`` rounded up to a multiple of lcm(``--make-vocab-size-divisible-by``, TP size)."""
+    multiple = math.lcm(args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    return -(-vocab_size // multiple) * multiple
+
+
+def _fill_derived(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
+    args.world_size = world_size
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    args.data_parallel_size = max(world_size // max(model_parallel, 1), 1)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    args.num_microbatches = args.global_batch_size // per_step if per_step > 0 else 0
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.kv_channels is None and args.num_attention_heads > 0:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # Megatron-LM's rule: nothing to split
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda_available else "gloo"
+    args.use_mock_data = not args.data_path
+    args.padded_vocab_size = None  # known once the tokenizer is built
+    args.schedule = _schedule(args)
+
+
+def _schedule(args: argparse.Namespace) -> str:
+    if args.pipeline_schedule == "bitpipe":
+        return "bitpipe"
+    if args.pipeline_schedule == "interleaved" or args.virtual_pipeline_model_parallel_size not in (None, 1):
+        return "interleaved"
+    return "no_pipelining" if args.pipeline_model_parallel_size == 1 else "1f1b"
+
+
+def _positive(args, names: Sequence[str]) -> List[str]:
+    return [f"{_flag(n)} must be positive (got {getattr(args, n)})" for n in names if getattr(args, n) is None or getattr(args, n) <= 0]
+
+
+def _model_problems(args) -> List[str]:
+    problems = _positive(
+        args,
+        ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size",
+         "train_iters", "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+         "make_vocab_size_divisible_by", "num_query_groups"),
+    )
+    if problems:
+        return problems
+    if args.hidden_size % args.num_attention_heads:
+        problems.append(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads {args.num_attention_heads}")
+    if args.num_attention_heads % args.num_query_groups:
+        problems.append(f"--num-attention-heads {args.num_attention_heads} must be divisible by --num-query-groups {args.num_query_groups}")
+    if args.num_query_groups % args.tensor_model_parallel_size and args.tensor_parallel_mode == "1d":
+        problems.append(
+            f"--num-query-groups {args.num_query_groups} (= --num-attention-heads without --group-query-attention) "
+            f"must be divisible by --tensor-model-parallel-size {args.tensor_model_parallel_size}"
+        )
+    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
+        problems.append(f"--max-position-embeddings {args.max_position_embeddings} must be >= --seq-length {args.seq_length}")
+    if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
+        problems.append(
+            f"--sequence-parallel needs --seq-length {args.seq_length} divisible by --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size}"
+        )
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            problems.append(f"{_flag(name)} must be in [0, 1) (got {getattr(args, name)})")
+    return problems
+
+
+def _pipeline_problems(args) -> List[str]:
+    problems = []
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    if args.schedule in ("1f1b", "interleaved", "no_pipelining"):
+        stages = pp * (vp or 1)
+        if args.num_layers % stages:
+            sizes = "--pipeline-model-parallel-size" + (" x --virtual-pipeline-model-parallel-size" if vp else "")
+            problems.append(f"--num-layers {args.num_layers} must be divisible by {sizes} = {stages}")
+    if args.schedule == "interleaved":
+        if pp < 2:
+            problems.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2")
+        if args.num_microbatches % pp:
+            problems.append(
+                f"the interleaved schedule needs the micro-batches per data-parallel rank (--global-batch-size / "
+                f"(--micro-batch-size x data-parallel size) = {args.num_microbatches}) to be a multiple of "
+                f"--pipeline-model-parallel-size {pp}"
+            )
+    if args.tensor_parallel_mode == "optimus2d":
+        if args.schedule == "bitpipe":
+            problems.append("--tensor-parallel-mode optimus2d with --pipeline-schedule bitpipe is not supported yet")
+        if args.schedule == "interleaved":
+            problems.append(
+                "--tensor-parallel-mode optimus2d runs with --pipeline-schedule 1f1b/default without "
+                "--virtual-pipeline-model-parallel-size"
+            )
+    return problems
+
+
+def _precision_problems(args, cuda_available: bool) -> List[str]:
+    problems = []
+    if args.bf16 and args.fp16:
+        problems.append("--bf16 and --fp16 are mutually exclusive")
+    for name in ("bf16", "fp16"):
+        if getattr(args, name) and not cuda_available:
+            problems.append(f"--{name} needs a CUDA GPU; none is available (train in fp32 on the CPU)")
+    if args.distributed_backend == "nccl" and not cuda_available:
+        problems.append("--distributed-backend nccl needs CUDA GPUs; use gloo on the CPU")
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    if args.transformer_impl == "transformer_engine" and not have_te:
+        problems.append("--transformer-impl transformer_engine: Transformer Engine is not installed")
+    uses_te = args.transformer_impl == "transformer_engine" or (args.transformer_impl is None and cuda_available and have_te)
+    if args.sequence_parallel and not uses_te and importlib.util.find_spec("apex") is None:
+        problems.append(
+            "--sequence-parallel needs Transformer Engine's layers or apex's LayerNorm (megatron-core's torch "
+            "LayerNorm does not support it)"
+        )
+    return problems
+
+
+def _schedule_problems(args) -> List[str]:
+    problems = []
+    if args.lr_decay_iters <= args.lr_warmup_iters:
+        problems.append(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters {args.lr_decay_iters}")
+    if args.min_lr > args.lr:
+        problems.append(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
+    if args.lr_warmup_init > args.lr:
+        problems.append(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}")
+    for name in ("log_interval",):
+        if getattr(args, name) <= 0:
+            problems.append(f"{_flag(name)} must be positive")
+    if args.eval_iters < 0:
+        problems.append("--eval-iters must be >= 0")
+    if args.eval_iters > 0 and args.eval_interval <= 0:
+        problems.append("--eval-interval must be positive (or set --eval-iters 0)")
+    if args.ckpt_step is not None and args.load is None:
+        problems.append("--ckpt-step needs --load DIR")
+    if args.save_interval is not None:
+        if args.save is None:
+            problems.append("--save-interval needs --save DIR")
+        if args.save_interval <= 0:
+            problems.append("--save-interval must be positive")
+    return problems
+
+
+def _data_problems(args) -> List[str]:
+    problems = []
+    if args.data_path and args.mock_data:
+        problems.append("--mock-data and --data-path are mutually exclusive")
+    tokenizer = args.tokenizer_type
+    if tokenizer is None:
+        if not args.use_mock_data:
+            problems.append("--data-path needs --tokenizer-type (and its files)")
+        elif args.vocab_size is None:
+            problems.append("mock data needs --vocab-size (or a --tokenizer-type with its files)")
+    else:
+        missing = [_flag(name) for name in TOKENIZER_FILES[tokenizer] if getattr(args, name) is None]
+        if missing:
+            problems.append(f"--tokenizer-type {tokenizer} needs {' and '.join(missing)}")
+    if args.vocab_size is not None and args.vocab_size <= 0:
+        problems.append("--vocab-size must be positive")
+    return problems
+
+
+def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) -> None:
+    """Raise :class:`BitPipeConfigError` listing every broken rule; no communication."""
+    problems = _model_problems(args)
+    if not problems:  # later rules divide by these sizes
+        try:
+            validate_bitpipe_args(args)
+        except BitPipeConfigError as error:
+            problems += [line.strip() for line in str(error).splitlines()[1:]]
+        problems += _pipeline_problems(args)
+    problems += _precision_problems(args, cuda_available)
+    problems += _schedule_problems(args)
+    problems += _data_problems(args)
+    if task is not None:
+        problems += task.validate(args)
+    if problems:
+        raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def parse_args(
+    task=None,
+    argv: Optional[Sequence[str]] = None,
+    *,
+    world_size: Optional[int] = None,
+    cuda_available: Optional[bool] = None,
+) -> argparse.Namespace:
+    """Parse and check ``argv`` (default ``sys.argv[1:]``) for a job of ``world_size`` ranks.
+
+    ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun);
+    ``cuda_available`` to ``torch.cuda.is_available()``. Usage errors exit like argparse
+    (status 2); rule violations raise :class:`BitPipeConfigError`.
+    """
+    parser = build_parser(task)
+    args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    _fill_derived(args, world_size, cuda_available)
+    validate(args, task, cuda_available)
+    return args

@@ -1,0 +1,315 @@
+"""Layout-independent checkpoints: one logical model, loadable into any layout or schedule.
+
+A checkpoint stores the *full* (single-process) model under megatron-core's global parameter
+names (:mod:`megatron_bitpipe.runtime.layout`), each logical parameter once whatever the
+number of weight replicas (BitPipe's two), data-parallel copies, tied copies or TP blocks,
+with its Adam moments. Any other layout of the same model (another pipeline size or
+schedule, TP size or mode, data-parallel size, a single process) loads it by taking its own
+blocks. See ``docs/checkpoints.md`` for the directory format.
+
+Collectives: :func:`save_checkpoint` gathers TP blocks over each TP group and the index over
+the job; :func:`load_checkpoint` reads files only (checks come first, so a mismatch fails on
+every rank before anything is loaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Dict, Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from ..runtime.build import PipelineModel
+from ..runtime.layout import to_global_name
+from ..runtime.model import unwrap
+from .distributed import log
+from .errors import CheckpointError
+from .sharding import Sharding, sharding_of
+
+__all__ = ["FORMAT", "CheckpointError", "TrainingState", "checkpoint_dir", "save_checkpoint", "load_checkpoint"]
+
+FORMAT, VERSION = "megatron-bitpipe-logical", 1
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA, COMMON = "metadata.json", "common.pt"
+
+
+@dataclass
+class TrainingState:
+    """Progress counters: completed iterations and training samples consumed by them."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """Megatron-LM's directory name for ``iteration`` under ``root``."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def layout_of(args: argparse.Namespace) -> Dict[str, object]:
+    """What makes two runs' ranks correspond one to one (RNG states are restored only then)."""
+    return {
+        "world_size": args.world_size,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
+        "schedule": args.schedule,
+        "tensor_parallel_mode": args.tensor_parallel_mode,
+    }
+
+
+def _local_parameters(model: PipelineModel) -> Iterator[Tuple[str, torch.nn.Parameter, Sharding]]:
+    """(global name, parameter, sharding) of every registered parameter of this rank's
+    chunks, in the same order on every rank of a TP group."""
+    for chunk, spec in zip(model.chunks, model.specs, strict=True):
+        sharding = sharding_of(chunk, model.groups.tp)
+        for local_name, param in unwrap(chunk).named_parameters():
+            yield to_global_name(local_name, spec), param, sharding
+
+
+def _adam_slots(optimizer) -> Dict[int, Tuple[torch.optim.Optimizer, torch.Tensor]]:
+    """``id(model parameter) -> (torch optimizer, main parameter)`` of a megatron optimizer.
+
+    The main parameter is the fp32 copy of mixed-precision optimizers and the model
+    parameter itself otherwise; its entry of ``optimizer.state`` holds the Adam moments.
+    """
+    slots = {}
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = part.optimizer
+        if hasattr(part, "float16_groups"):
+            for models, mains in zip(part.float16_groups, part.fp32_from_float16_groups):
+                slots.update({id(m): (inner, main) for m, main in zip(models, mains)})
+            for group in part.fp32_from_fp32_groups:
+                slots.update({id(p): (inner, p) for p in group})
+        else:
+            for group in inner.param_groups:
+                slots.update({id(p): (inner, p) for p in group["params"]})
+    return slots
+
+
+def _group_of(inner: torch.optim.Optimizer, main: torch.Tensor) -> dict:
+    return next(g for g in inner.param_groups if any(p is main for p in g["params"]))
+
+
+def _per_parameter_step(inner: torch.optim.Optimizer) -> bool:
+    """torch's Adam/AdamW count steps per parameter; apex/TE fused Adam per parameter group."""
+    return type(inner).__module__.startswith("torch.optim")
+
+
+def _adam_entry(inner, main, param, sharding: Sharding) -> Dict[str, object]:
+    state = inner.state.get(main, {})
+    entry = {key: sharding.gather(state[key], param) for key in ("exp_avg", "exp_avg_sq") if key in state}
+    if "step" in state:
+        entry["step"] = int(state["step"])
+    elif "step" in _group_of(inner, main):
+        entry["step"] = int(_group_of(inner, main)["step"])
+    return entry
+
+
+def _set_adam_state(inner, main, entry: dict, block) -> None:
+    if "exp_avg" not in entry:
+        return
+    state = inner.state[main]
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[key] = block(entry[key]).to(device=main.device, dtype=main.dtype).clone()
+    if "step" not in entry:
+        return
+    group = _group_of(inner, main)
+    if _per_parameter_step(inner):
+        on_device = group.get("capturable", False) or group.get("fused", False)
+        state["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32, device=main.device if on_device else "cpu")
+    else:
+        group["step"] = entry["step"]
+
+
+def _rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _grad_scalers(optimizer):
+    return [getattr(part, "grad_scaler", None) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _rank_file(kind: str, rank: int) -> str:
+    return f"{kind}_rank{rank:05d}.pt"
+
+
+def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optimizer, scheduler, args, task) -> str:
+    """Write the checkpoint of ``state.iteration`` under ``root``; returns its directory.
+
+    Collective over the job. Each logical parameter is written by one rank: data-parallel
+    rank 0, TP rank 0 after gathering the blocks, and only the first replica's copy (copies
+    are marked ``shared``: BitPipe's second replica, megatron's tied output layer).
+    ``latest_checkpointed_iteration.txt`` is updated last, so an interrupted save never
+    becomes the checkpoint ``--load`` picks.
+    """
+    directory = checkpoint_dir(root, state.iteration)
+    rank, groups = dist.get_rank(), model.groups
+    os.makedirs(directory, exist_ok=True)
+    slots = _adam_slots(optimizer)
+    entries = {}
+    with torch.no_grad():
+        for name, param, sharding in _local_parameters(model):
+            if groups.dp_rank != 0 or getattr(param, "shared", False):
+                continue
+            inner, main = slots[id(param)]
+            entry = {"param": sharding.gather(param.detach(), param)}
+            if main is not param:
+                entry["main_param"] = sharding.gather(main.detach(), param)
+            entry.update(_adam_entry(inner, main, param, sharding))
+            if groups.tp_rank == 0:
+                entries[name] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
+    index = {}
+    if entries:
+        filename = _rank_file("model", rank)
+        torch.save(entries, os.path.join(directory, filename))
+        index = {n: {"file": filename, "shape": list(e["param"].shape), "dtype": str(e["param"].dtype)} for n, e in entries.items()}
+    torch.save(_rng_state(), os.path.join(directory, _rank_file("rng", rank)))
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, index)
+    if rank == 0:
+        merged = {}
+        for part in parts:
+            duplicated = merged.keys() & part.keys()
+            if duplicated:
+                raise RuntimeError(f"parameters written twice: {sorted(duplicated)}")
+            merged.update(part)
+        scalers = [s.state_dict() if s is not None else None for s in _grad_scalers(optimizer)]
+        torch.save({"scheduler": scheduler.state_dict(), "grad_scalers": scalers}, os.path.join(directory, COMMON))
+        metadata = {
+            "format": FORMAT,
+            "version": VERSION,
+            "task": task.name,
+            "iteration": state.iteration,
+            "consumed_train_samples": state.consumed_train_samples,
+            "model": task.model_signature(args),
+            "layout": layout_of(args),
+            "parameters": dict(sorted(merged.items())),
+        }
+        with open(os.path.join(directory, METADATA), "w", encoding="utf-8") as f:
+            json.dump(metadata, f, indent=1)
+    dist.barrier()
+    if rank == 0:
+        tracker = os.path.join(root, TRACKER)
+        with open(tracker + ".tmp", "w", encoding="utf-8") as f:
+            f.write(f"{state.iteration}\n")
+        os.replace(tracker + ".tmp", tracker)
+    dist.barrier()
+    return directory
+
+
+def _read_metadata(root: str, iteration: Optional[int]) -> Optional[Tuple[str, dict]]:
+    if iteration is None:
+        tracker = os.path.join(root, TRACKER)
+        if not os.path.isfile(tracker):
+            return None
+        with open(tracker, encoding="utf-8") as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            raise CheckpointError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration")
+        iteration = int(text)
+    directory = checkpoint_dir(root, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"--load {root}: no checkpoint of iteration {iteration} ({directory} does not exist)")
+    try:
+        with open(os.path.join(directory, METADATA), encoding="utf-8") as f:
+            metadata = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"--load {root}: {directory} has no {METADATA} (not a megatron-bitpipe checkpoint)") from None
+    if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
+        raise CheckpointError(f"--load {root}: {directory} is not a {FORMAT} v{VERSION} checkpoint")
+    return directory, metadata
+
+
+def _check_model(directory: str, metadata: dict, model: PipelineModel, args, task) -> None:
+    """CheckpointError naming every flag, then every parameter, that differs."""
+    if metadata["task"] != task.name:
+        raise CheckpointError(f"{directory} holds a {metadata['task']} model, this run trains {task.name}")
+    current = json.loads(json.dumps(task.model_signature(args)))
+    saved = metadata["model"]
+    flags = [f"{flag} is {saved.get(flag)!r} there, {value!r} here" for flag, value in current.items() if saved.get(flag) != value]
+    if flags:
+        raise CheckpointError(f"{directory} holds a different model: " + "; ".join(flags))
+    index = metadata["parameters"]
+    problems = []
+    for name, param, sharding in _local_parameters(model):
+        if name not in index:
+            problems.append(f"parameter {name} is missing")
+        elif tuple(index[name]["shape"]) != sharding.full_shape(param):
+            problems.append(f"parameter {name} is {tuple(index[name]['shape'])} there, {sharding.full_shape(param)} here")
+    if problems:
+        raise CheckpointError(f"{directory} holds a different model: " + "; ".join(problems))
+
+
+def load_checkpoint(
+    root: str, model: PipelineModel, optimizer, scheduler, args, task, iteration: Optional[int] = None
+) -> Optional[TrainingState]:
+    """Load checkpoint ``iteration`` (default: the latest) under ``root`` into this run; None
+    if there is no checkpoint at all (CheckpointError if the requested one is missing).
+
+    Weights (fp32 main weights when the checkpoint has them), Adam moments and step counts,
+    the learning-rate schedule and fp16 loss scale are loaded whatever the layout; the RNG
+    states only when the layout is the one that saved (otherwise the ranks do not
+    correspond; a log line says so). Reads files only, no communication.
+    """
+    found = _read_metadata(root, iteration)
+    if found is None:
+        log(f"no checkpoint in --load {root} ({TRACKER} missing): starting from iteration 0")
+        return None
+    directory, metadata = found
+    _check_model(directory, metadata, model, args, task)
+    index, shards = metadata["parameters"], {}
+    slots = _adam_slots(optimizer)
+    with torch.no_grad():
+        for name, param, sharding in _local_parameters(model):
+            filename = index[name]["file"]
+            if filename not in shards:
+                shards[filename] = torch.load(os.path.join(directory, filename), mmap=True, weights_only=True)
+            entry = shards[filename][name]
+            inner, main = slots[id(param)]
+            value = sharding.block(entry.get("main_param", entry["param"]), param)
+            param.copy_(value)
+            if main is not param:
+                main.copy_(value)
+            _set_adam_state(inner, main, entry, lambda full, p=param, s=sharding: s.block(full, p))
+    common = torch.load(os.path.join(directory, COMMON), weights_only=False)
+    try:
+        scheduler.load_state_dict(common["scheduler"])
+    except AssertionError as error:
+        raise CheckpointError(
+            f"{directory}: the learning-rate flags (--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, "
+            f"--lr-decay-style, --weight-decay) must match the checkpoint's: {error}"
+        ) from None
+    for scaler, saved in zip(_grad_scalers(optimizer), common["grad_scalers"]):
+        if scaler is not None and saved is not None:
+            scaler.load_state_dict(saved)
+    if metadata["layout"] == json.loads(json.dumps(layout_of(args))):
+        _set_rng_state(torch.load(os.path.join(directory, _rank_file("rng", dist.get_rank())), weights_only=False))
+    else:
+        log(f"loading {directory} into another layout ({metadata['layout']}): RNG states are not restored")
+    log(f"loaded {directory}: iteration {metadata['iteration']}, {metadata['consumed_train_samples']} samples consumed")
+    return TrainingState(metadata["iteration"], metadata["consumed_train_samples"])

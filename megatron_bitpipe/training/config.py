@@ -1,0 +1,161 @@
+"""megatron-core configuration objects from the parsed flags (any model task).
+
+* :func:`transformer_config` — the ``TransformerConfig`` of the model;
+* :func:`placement_for` — which pipeline placement the chosen schedule runs;
+* :func:`ddp_config`, :func:`optimizer_config`, :func:`lr_scheduler` — DDP, Adam and
+  Megatron's learning-rate / weight-decay schedule (counted in samples, like Megatron-LM).
+
+Kernel choices: without a GPU every fused kernel is off (they are CUDA-only); with one, the
+bias-activation and bias-dropout fusions are on and gradient-accumulation fusion follows
+Transformer Engine's presence. The cross entropy is megatron-core's unfused, exact one unless
+``--cross-entropy-loss-fusion`` (whose 'native' kernel rounds the logits' gradient to bf16);
+the unfused one reads megatron's global TP group, which :func:`use_global_tp_group` sets.
+``batch_p2p_comm`` is off: batched p2p mixes up the two directions between the same pair of
+ranks (pipeline size 2 with the interleaved schedule).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+from ..schedules.placement import Placement, bidirectional_v, looped
+
+__all__ = [
+    "transformer_config",
+    "use_global_tp_group",
+    "placement_for",
+    "ddp_config",
+    "optimizer_config",
+    "lr_scheduler",
+    "params_dtype",
+]
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _have_transformer_engine() -> bool:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(gpt_layer_specs.HAVE_TE)
+
+
+def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConfig:
+    """The model config from the flags; ``overrides`` replace fields (task specifics)."""
+    gpu = torch.cuda.is_available()
+    dtype = params_dtype(args)
+    impl = args.transformer_impl or ("transformer_engine" if gpu and _have_transformer_engine() else "local")
+    vp = args.virtual_pipeline_model_parallel_size if args.schedule == "interleaved" else None
+    fields = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        transformer_impl=impl,
+        use_cpu_initialization=True,  # weights are overwritten from the seed anyway
+        gradient_accumulation_fusion=gpu and impl == "transformer_engine",
+        bias_activation_fusion=gpu and (args.swiglu or args.add_bias_linear),
+        bias_dropout_fusion=gpu,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
+        overlap_p2p_comm=args.overlap_p2p_comm and args.schedule in ("bitpipe", "interleaved"),
+        batch_p2p_comm=False,
+        deallocate_pipeline_outputs=gpu,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def use_global_tp_group(tp_group) -> None:
+    """Make ``tp_group`` (this rank's only TP group, in every layout) megatron's global one,
+    which its unfused vocab-parallel cross entropy reads. Everything else gets explicit groups."""
+    parallel_state._TENSOR_MODEL_PARALLEL_GROUP = tp_group
+
+
+def placement_for(args: argparse.Namespace) -> Placement:
+    """BitPipe's bidirectional V, or megatron's looped placement (``v`` chunks per rank)."""
+    pp = args.pipeline_model_parallel_size
+    if args.schedule == "bitpipe":
+        return bidirectional_v(pp)
+    if args.schedule == "interleaved":
+        return looped(pp, args.virtual_pipeline_model_parallel_size)
+    return looped(pp)
+
+
+def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """Gradients reduced in fp32; overlapped with BitPipe (its eager per-chunk sync) or with
+    ``--overlap-grad-reduce``."""
+    return DistributedDataParallelConfig(
+        overlap_grad_reduce=args.schedule == "bitpipe" or args.overlap_grad_reduce,
+        grad_reduce_in_fp32=True,
+    )
+
+
+def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    """Adam with Megatron's flags (fp32 main weights for bf16/fp16)."""
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=params_dtype(args),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+    )
+
+
+def lr_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
+    """Megatron-LM's scheduler over samples: warm-up and decay lengths are iterations x
+    ``--global-batch-size``; step it by the global batch size after each successful update."""
+    samples = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False,
+    )

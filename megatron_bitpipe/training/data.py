@@ -1,0 +1,75 @@
+"""Data for any task: tokenizers, the global-batch order, and micro-batch assembly.
+
+**Order.** Datasets are random-access sequences of samples (dicts of tensors). Iteration
+``i`` (0-based) trains on the global batch of samples ``[c, c + global_batch_size)`` with
+``c`` the samples consumed before it (``i x --global-batch-size`` without changes of the batch
+size), whatever the layout; data-parallel rank ``r`` takes micro-batch ``m`` of it as samples
+``c + (m x dp + r) x mbs ... + mbs`` (Megatron-LM's sampler). Resuming from a checkpoint
+continues at its consumed-sample count, so the data after a resume are those an
+uninterrupted run would have seen. Every rank reads its micro-batches itself (the datasets
+are deterministic), which costs the ranks that need no tokens a little reading and saves
+a broadcast.
+
+**Evaluation** always runs on the first ``--eval-iters`` global batches of the validation
+set, so successive validation losses are comparable and do not depend on resumes.
+
+**Tokenizers** are megatron-core's (``megatron.core.tokenizers``), selected with
+Megatron-LM's ``--tokenizer-type`` and file flags; mock data without ``--tokenizer-type``
+uses the null tokenizer of ``--vocab-size`` tokens (plus end-of-document).
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+from typing import Dict, List, Sequence
+
+import torch
+
+from ..megatron_args import BitPipeConfigError
+
+__all__ = ["build_tokenizer", "microbatches", "collate"]
+
+
+def build_tokenizer(args: argparse.Namespace):
+    """megatron-core's tokenizer for the flags; BitPipeConfigError naming the flag if it fails."""
+    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build
+
+    settings = SimpleNamespace(
+        tokenizer_type=args.tokenizer_type or "NullTokenizer",
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+        tokenizer_metadata=None,
+        tokenizer_special_tokens=None,
+        tokenizer_hf_use_fast=True,
+        tokenizer_hf_include_special_tokens=False,
+        trust_remote_code=False,
+        tokenizer_sentencepiece_legacy=False,
+        tiktoken_pattern=None,
+        tiktoken_num_special_tokens=1000,
+    )
+    try:
+        return megatron_build(settings)
+    except Exception as error:  # noqa: BLE001 - missing files or libraries: say which flag
+        raise BitPipeConfigError(f"--tokenizer-type {settings.tokenizer_type}: cannot build the tokenizer: {error}") from error
+
+
+def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Stack samples into a micro-batch (keys of the first sample; ``attention_mask`` dropped:
+    the models build their causal or padding masks themselves)."""
+    keys = [k for k in samples[0] if k != "attention_mask"]
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+
+
+def microbatches(dataset, first_sample: int, args, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of the global batch starting at sample
+    ``first_sample`` (training: the consumed samples; evaluation batch ``k``: ``k x
+    --global-batch-size``)."""
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    batches = []
+    for m in range(args.num_microbatches):
+        start = first_sample + (m * dp + dp_rank) * mbs
+        batches.append(collate([dataset[start + j] for j in range(mbs)]))
+    return batches

@@ -1,0 +1,91 @@
+"""Starting ``torch.distributed`` for the pretrain scripts, under torchrun or alone.
+
+Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` in the environment,
+also set by the SLURM templates) the default process group is initialised from the
+environment; a plain ``python scripts/pretrain_gpt.py`` is a job of one rank on an
+in-memory store; a default group that already exists (a test launcher's) is used as it is.
+With CUDA, each rank takes GPU ``LOCAL_RANK``. Without CUDA the job runs
+on the CPU with gloo, after the caller's ``cpu_fallback`` (the scripts pass megatron-bitpipe's
+test/demo CPU compatibility layer) has been applied, with one torch thread per rank unless
+``OMP_NUM_THREADS`` is set (torchrun's default); rank 0 says so in one log line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..megatron_args import BitPipeConfigError
+
+__all__ = ["Distributed", "initialize", "log", "report_error"]
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def log(message: str, rank0_only: bool = True) -> None:
+    """Print ``message`` (flushed) on rank 0, or on every rank with a rank prefix."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if not rank0_only:
+        message = f"[rank {rank}] {message}"
+    elif rank != 0:
+        return
+    print(message, flush=True)
+
+
+def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] = None) -> Distributed:
+    """Initialise the default process group for ``args.world_size`` ranks; return this rank's place.
+
+    Raises BitPipeConfigError (before any communication) when the job's size disagrees with
+    the environment, or when there is no GPU and no ``cpu_fallback``.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size != args.world_size:
+        raise BitPipeConfigError(f"the arguments were checked for {args.world_size} ranks, the job has {world_size}")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        if cpu_fallback is None:
+            raise BitPipeConfigError("no CUDA GPU is available and no CPU fallback was given")
+        cpu_fallback()
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)  # torchrun's default; more threads only contend on busy cores
+        device = torch.device("cpu")
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if dist.is_initialized():  # a caller (e.g. the test launcher) started it: use it
+        if dist.get_world_size() != world_size:
+            raise BitPipeConfigError(f"torch.distributed has {dist.get_world_size()} ranks, the job {world_size}")
+    elif "MASTER_ADDR" in os.environ or world_size > 1:
+        dist.init_process_group(args.distributed_backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(args.distributed_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if device.type == "cpu":
+        log(
+            f"no CUDA GPU: training on the CPU with {args.distributed_backend} and megatron-bitpipe's CPU "
+            f"compatibility layer (for tests and demos), {world_size} rank(s)"
+        )
+    return Distributed(rank, world_size, local_rank, device, args.distributed_backend)
+
+
+def report_error(error: BaseException) -> None:
+    """Write ``error`` to stderr with this rank's number (every rank reports its own)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)

@@ -1,0 +1,128 @@
+"""GPT pretraining on megatron-core: :class:`GPTTask` for the training loop.
+
+* **Model.** megatron-core ``GPTModel`` chunks of the schedule's placement, or
+  ``OptimusGPTModel`` with ``--tensor-parallel-mode optimus2d``
+  (:mod:`megatron_bitpipe.training.gpt_model`). Initial weights come from ``--seed`` alone,
+  so every layout and schedule starts from the single-process model.
+* **Data.** :class:`MockGPTDataset` by default; Megatron indexed datasets
+  (``--data-path``) through megatron-core's ``GPTDataset`` and
+  ``BlendedMegatronDatasetBuilder`` otherwise.
+* **Loss.** Megatron-LM's: the masked sum of per-token cross entropy and the token count.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+from typing import Dict, Tuple
+
+import numpy as np
+import torch
+
+from ..schedules.placement import Placement
+from .gpt_model import build_gpt_model, optimus_shapes_fn
+from .task import PretrainTask
+
+__all__ = ["GPTTask", "MockGPTDataset", "gpt_loss", "gpt_forward_step"]
+
+
+class MockGPTDataset:
+    """Deterministic synthetic GPT samples: a function of (``seed``, split, sample index).
+
+    A sample is ``seq_length + 1`` tokens made of runs of arithmetic progressions
+    ``a, a + d, a + 2d, ... (mod vocab)`` with random start ``a``, step ``d`` in 1..3 and
+    run lengths averaging 16 tokens: random enough that the loss starts near ln(vocab), and
+    learnable, so it falls. ``tokens``/``labels`` are the sequence without its last/first
+    token; the loss mask is all ones. Indexing is random access (any non-negative index).
+    """
+
+    SPLITS = ("train", "valid")
+
+    def __init__(self, seed: int, split: str, seq_length: int, vocab_size: int):
+        self.seed, self.split_id = seed, self.SPLITS.index(split)
+        self.seq_length, self.vocab_size = seq_length, vocab_size
+        self.position_ids = torch.arange(seq_length)
+        self.loss_mask = torch.ones(seq_length)
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.split_id, index])
+        length = self.seq_length + 1
+        run = np.cumsum(rng.random(length) < 1 / 16)
+        run[0] = 0
+        starts = rng.integers(0, self.vocab_size, size=run[-1] + 1)
+        steps = rng.integers(1, 4, size=run[-1] + 1)
+        first = np.searchsorted(run, run)  # position where each token's run begins
+        sequence = torch.from_numpy((starts[run] + steps[run] * (np.arange(length) - first)) % self.vocab_size)
+        return {
+            "tokens": sequence[:-1].clone(),
+            "labels": sequence[1:].clone(),
+            "loss_mask": self.loss_mask,
+            "position_ids": self.position_ids,
+        }
+
+
+def gpt_loss(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Megatron-LM's GPT loss: masked sum of per-token losses, token count, ``lm loss`` report."""
+    losses = output.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def gpt_forward_step(data_iterator, model):
+    """megatron-core ``forward_step_func``: one micro-batch (a dict from the dataset)."""
+    batch = next(data_iterator)
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(gpt_loss, batch["loss_mask"])
+
+
+def _indexed_datasets(args: argparse.Namespace, tokenizer, num_samples: Tuple[int, int]):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,
+        mmap_bin_files=True,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [*num_samples, 0], lambda: True, config).build()
+    return train, valid
+
+
+class GPTTask(PretrainTask):
+    """GPT with megatron-core; see the module docstring."""
+
+    name = "gpt"
+    loss_names = ("lm loss",)
+
+    def build_model(self, args: argparse.Namespace, placement: Placement):
+        return build_gpt_model(args, placement)
+
+    def forward_step(self, data_iterator, model):
+        return gpt_forward_step(data_iterator, model)
+
+    def build_datasets(self, args: argparse.Namespace, tokenizer):
+        evaluate = args.eval_iters > 0
+        if args.use_mock_data:
+            vocab = tokenizer.vocab_size
+            valid = MockGPTDataset(args.seed, "valid", args.seq_length, vocab) if evaluate else None
+            return MockGPTDataset(args.seed, "train", args.seq_length, vocab), valid
+        samples = (args.train_iters * args.global_batch_size, args.eval_iters * args.global_batch_size)
+        train, valid = _indexed_datasets(args, tokenizer, samples)
+        return train, (valid if evaluate else None)
+
+    def adjust_tensor_shapes_fn(self, model):
+        return optimus_shapes_fn(model)

@@ -1,0 +1,183 @@
+"""The model-agnostic pretraining loop behind ``scripts/pretrain_gpt.py`` (and BERT's).
+
+:func:`main` parses and checks the flags (every rank, before any communication), builds the
+tokenizer, starts ``torch.distributed`` (:mod:`.distributed`), asks the
+:class:`~.task.PretrainTask` for the model and the datasets, and trains ``--train-iters``
+iterations with the schedule the flags select (:mod:`.schedule`): evaluation every
+``--eval-interval`` iterations, logs (:mod:`.logs`), checkpoints every ``--save-interval`` and
+at the end (:mod:`.checkpoint`), resuming from ``--load``.
+
+One iteration: zero the gradient buffers, run the forward_backward function on this
+data-parallel rank's micro-batches of the global batch, step the optimizer (grad norm and
+clipping over each logical parameter once) and, if the update happened, the learning-rate
+schedule by ``--global-batch-size`` samples. Loss reports live on the loss ranks (the last
+pipeline stage; BitPipe's edge ranks); they are summed over the job so every rank holds the
+global-batch loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+from ..runtime.build import build_optimizer
+from . import distributed
+from .arguments import padded_vocab_size, parse_args
+from .checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from .config import lr_scheduler, optimizer_config, placement_for, use_global_tp_group
+from .data import build_tokenizer, microbatches
+from .errors import BitPipeConfigError, CheckpointError
+from .logs import IterationRecord, TrainingLogger
+from .schedule import Schedule
+from .task import PretrainTask
+
+__all__ = ["main", "pretrain", "Trainer"]
+
+
+class Trainer:
+    """The state of one training job on this rank; built by :meth:`build`."""
+
+    def __init__(self, task: PretrainTask, args: argparse.Namespace, tokenizer, env: distributed.Distributed):
+        self.task, self.args, self.env = task, args, env
+        self.model = task.build_model(args, placement_for(args))
+        self.groups = self.model.groups
+        use_global_tp_group(self.groups.tp)
+        self.optimizer = build_optimizer(self.model, optimizer_config(args))
+        self.scheduler = lr_scheduler(args, self.optimizer)
+        self.schedule = Schedule(args, self.model, self.optimizer, task)
+        self.state = TrainingState()
+        if args.load:
+            loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task, args.ckpt_step)
+            self.state = loaded or self.state
+        self.train_data, self.valid_data = task.build_datasets(args, tokenizer)
+        self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def _reduce_losses(self, reports: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, float]:
+        """``sum / count`` of each loss over the global batch (a collective over the job).
+
+        Each loss rank adds its reports; only TP rank 0 of a stage contributes, as every TP
+        rank of a loss stage holds the same reports.
+        """
+        names = self.task.loss_names
+        totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.env.device)
+        if self.groups.tp_rank == 0:
+            for report in reports:
+                for i, name in enumerate(names):
+                    totals[i] += report[name].detach().to(totals)
+        dist.all_reduce(totals)
+        return {name: (totals[i, 0] / totals[i, 1].clamp(min=1)).item() for i, name in enumerate(names)}
+
+    def _synchronize(self) -> None:
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def train_step(self) -> IterationRecord:
+        args = self.args
+        self._synchronize()
+        start = time.perf_counter()
+        for chunk in self.model.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
+        batches = microbatches(self.train_data, self.state.consumed_train_samples, args, self.groups.dp_rank)
+        reports = self.schedule.run(self.task.forward_step, batches, forward_only=False)
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=args.global_batch_size)
+        losses = self._reduce_losses(reports)
+        self._synchronize()
+        elapsed = time.perf_counter() - start
+        self.state.iteration += 1
+        self.state.consumed_train_samples += args.global_batch_size
+        return IterationRecord(
+            iteration=self.state.iteration,
+            consumed_samples=self.state.consumed_train_samples,
+            elapsed_ms=1000.0 * elapsed,
+            tokens_per_second=args.global_batch_size * args.seq_length / elapsed,
+            lr=float(lr),
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            loss_scale=float(self.optimizer.get_loss_scale()),
+            skipped=not success,
+            losses=losses,
+        )
+
+    def evaluate(self) -> Dict[str, float]:
+        """Mean losses over the first ``--eval-iters`` validation global batches."""
+        for chunk in self.model.chunks:
+            chunk.eval()
+        reports: List[dict] = []
+        with torch.no_grad():
+            for batch in range(self.args.eval_iters):
+                first = batch * self.args.global_batch_size
+                batches = microbatches(self.valid_data, first, self.args, self.groups.dp_rank)
+                reports += self.schedule.run(self.task.forward_step, batches, forward_only=True)
+        for chunk in self.model.chunks:
+            chunk.train()
+        return self._reduce_losses(reports)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _due(self, interval: Optional[int]) -> bool:
+        return bool(interval) and self.state.iteration % interval == 0
+
+    def save(self) -> None:
+        directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
+        distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
+
+    def train(self) -> None:
+        args = self.args
+        saved = self.state.iteration  # nothing new to save unless an iteration runs
+        while self.state.iteration < args.train_iters:
+            record = self.train_step()
+            if self.valid_data is not None and self._due(args.eval_interval):
+                record.validation = self.evaluate()
+            self.logger.record(record)
+            if args.save and self._due(args.save_interval):
+                self.save()
+                saved = self.state.iteration
+        if args.save and saved != self.state.iteration:
+            self.save()
+        self.logger.close()
+
+
+def pretrain(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> None:
+    """Train ``task`` as the flags ``argv`` (default ``sys.argv[1:]``) say.
+
+    Run on every rank of the job (torchrun) or alone. ``cpu_fallback`` is called when there
+    is no GPU (the scripts pass the CPU compatibility layer). Raises BitPipeConfigError for
+    bad flags (before any communication) and CheckpointError for a checkpoint that does not
+    fit (before anything is loaded).
+    """
+    args = parse_args(task, argv)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    env = distributed.initialize(args, cpu_fallback)
+    distributed.log(
+        f"{task.name}: {args.schedule} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
+        f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, {args.num_microbatches} micro-batches "
+        f"of {args.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
+    )
+    Trainer(task, args, tokenizer, env).train()
+    dist.destroy_process_group()
+
+
+def main(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> int:
+    """:func:`pretrain` with the scripts' exit codes: 0 done, 2 bad flags, 1 unusable
+    checkpoint (the error on stderr, prefixed with the rank). Other failures propagate, so
+    torchrun reports the traceback and ends the job."""
+    try:
+        pretrain(task, argv, cpu_fallback=cpu_fallback)
+    except BitPipeConfigError as error:
+        distributed.report_error(error)
+        return 2
+    except CheckpointError as error:
+        distributed.report_error(error)
+        return 1
+    return 0

@@ -1,0 +1,80 @@
+"""Running one global batch with the schedule the flags select.
+
+================  ======================================================  ==================
+``args.schedule``  forward_backward function                              placement
+================  ======================================================  ==================
+bitpipe           :func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe`  bidirectional V
+no_pipelining     megatron-core ``forward_backward_no_pipelining``         looped, 1 rank
+1f1b              megatron-core ``forward_backward_pipelining_without_interleaving``  looped
+interleaved       megatron-core ``forward_backward_pipelining_with_interleaving``  looped, v chunks
+================  ======================================================  ==================
+
+megatron-core's schedules get the model's explicit process groups (``pg_collection`` and a
+``P2PCommunicator`` over the pipeline group) and read the hooks Megatron-LM installs on the
+model config: ``finalize_model_grads_func`` (data-parallel reduction, tied-embedding
+all-reduce), ``grad_scale_func`` (fp16 loss scaling) and, with ``--overlap-grad-reduce``,
+``no_sync_func``. BitPipe's function needs none of them (its chunks carry their groups).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import schedules as megatron_schedules
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from ..runtime.build import PipelineModel
+from ..runtime.forward_backward import forward_backward_bitpipe
+
+__all__ = ["Schedule"]
+
+_FUNCTIONS = {
+    "bitpipe": forward_backward_bitpipe,
+    "no_pipelining": megatron_schedules.forward_backward_no_pipelining,
+    "1f1b": megatron_schedules.forward_backward_pipelining_without_interleaving,
+    "interleaved": megatron_schedules.forward_backward_pipelining_with_interleaving,
+}
+
+
+class Schedule:
+    """The forward_backward function of ``args.schedule`` bound to ``model``.
+
+    Installs the config hooks (see the module docstring) on ``model.config``, the config
+    every DDP chunk reports.
+    """
+
+    def __init__(self, args, model: PipelineModel, optimizer, task):
+        self.args = args
+        self.model = model
+        self.function = _FUNCTIONS[args.schedule]
+        config = model.config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = optimizer.scale_loss
+        if args.overlap_grad_reduce and args.schedule != "bitpipe":
+            no_sync = [chunk.no_sync for chunk in model.chunks]
+            config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        self.kwargs: Dict[str, object] = {}
+        if args.schedule != "bitpipe":
+            self.kwargs["pg_collection"] = model.groups.rank_pgs
+        if args.schedule in ("1f1b", "interleaved"):
+            self.kwargs["p2p_communicator"] = P2PCommunicator(model.groups.pp, config)
+            self.kwargs["adjust_tensor_shapes_fn"] = task.adjust_tensor_shapes_fn(model)
+
+    def run(self, forward_step_func: Callable, batches: List[dict], forward_only: bool) -> List[dict]:
+        """Forward (and backward) of this data-parallel rank's micro-batches; the loss
+        reports of the micro-batches whose loss this rank computes."""
+        if self.args.schedule == "interleaved":
+            data_iterator = [iter(batches) for _ in self.model.chunks]  # each chunk reads every micro-batch
+        else:
+            data_iterator = iter(batches)
+        return self.function(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=self.model.chunks,
+            num_microbatches=len(batches),
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+            **self.kwargs,
+        )

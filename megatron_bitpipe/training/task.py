@@ -1,0 +1,79 @@
+"""What a model brings to the training loop: :class:`PretrainTask`.
+
+The loop (:func:`megatron_bitpipe.training.loop.pretrain`) is model-agnostic; a task
+supplies the model provider, the ``forward_step_func`` megatron's schedules call and the
+datasets. A BERT script subclasses :class:`PretrainTask` like
+:class:`megatron_bitpipe.training.gpt.GPTTask` does.
+
+Contract of the loss: ``forward_step(data_iterator, model)`` returns ``(output,
+loss_func)`` like Megatron-LM's, and ``loss_func(output)`` returns ``(loss_sum, num_tokens,
+{name: tensor([loss_sum, num_tokens]) for name in task.loss_names})``: megatron-core divides
+the loss by the token count (and by the micro-batches), the loop reports ``sum / count`` of
+each name over the global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..runtime.build import PipelineModel
+from ..schedules.placement import Placement
+
+__all__ = ["PretrainTask", "MODEL_SHAPE_FLAGS"]
+
+#: flag -> its value, for every setting that changes the parameters' names or shapes
+MODEL_SHAPE_FLAGS: Dict[str, Callable[[argparse.Namespace], object]] = {
+    "--num-layers": lambda a: a.num_layers,
+    "--hidden-size": lambda a: a.hidden_size,
+    "--ffn-hidden-size": lambda a: a.ffn_hidden_size,
+    "--num-attention-heads": lambda a: a.num_attention_heads,
+    "--num-query-groups": lambda a: a.num_query_groups,
+    "--kv-channels": lambda a: a.kv_channels,
+    "padded vocabulary (--vocab-size, --tokenizer-type)": lambda a: a.padded_vocab_size,
+    "--max-position-embeddings": lambda a: a.max_position_embeddings,
+    "--position-embedding-type": lambda a: a.position_embedding_type,
+    "--normalization": lambda a: a.normalization,
+    "--swiglu": lambda a: a.swiglu,
+    "--disable-bias-linear": lambda a: not a.add_bias_linear,
+    "--untie-embeddings-and-output-weights": lambda a: a.untie_embeddings_and_output_weights,
+}
+
+
+class PretrainTask:
+    """A model family for :func:`~megatron_bitpipe.training.loop.pretrain`; override the
+    methods that raise ``NotImplementedError``."""
+
+    #: short name, used in logs and checkpoints
+    name: str = "model"
+    #: keys of the loss reports, e.g. ``("lm loss",)``
+    loss_names: Tuple[str, ...] = ("lm loss",)
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the task's own flags (the common ones exist already)."""
+
+    def validate(self, args: argparse.Namespace) -> List[str]:
+        """Problems with the parsed flags, each naming its flag (no communication)."""
+        return []
+
+    def model_signature(self, args: argparse.Namespace) -> Dict[str, object]:
+        """flag -> value of everything that fixes the parameters' names and shapes; a
+        checkpoint loads only into a model with the same signature."""
+        return {flag: value(args) for flag, value in MODEL_SHAPE_FLAGS.items()}
+
+    def build_model(self, args: argparse.Namespace, placement: Placement) -> PipelineModel:
+        """This rank's chunks of ``placement``, initialised from ``--seed`` alone, wrapped in
+        megatron DDP (a collective call: it creates the process groups)."""
+        raise NotImplementedError
+
+    def forward_step(self, data_iterator, model):
+        """megatron-core's ``forward_step_func``; see the module docstring for the loss."""
+        raise NotImplementedError
+
+    def build_datasets(self, args: argparse.Namespace, tokenizer) -> Tuple[object, Optional[object]]:
+        """``(train, valid)`` random-access datasets of samples; valid None without evaluation."""
+        raise NotImplementedError
+
+    def adjust_tensor_shapes_fn(self, model: PipelineModel) -> Optional[Callable]:
+        """megatron's ``adjust_tensor_shapes_fn`` for the pipeline p2p shapes (None: [s, b, h])."""
+        return None
