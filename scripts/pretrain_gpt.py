@@ -10,9 +10,14 @@ GPU it trains on the CPU (gloo) through megatron-bitpipe's CPU compatibility lay
 """
 
 import sys
+import warnings
 
-from megatron_bitpipe.training import main
-from megatron_bitpipe.training.gpt import GPTTask
+# megatron-core warns about every optional kernel library it does not find (apex, Transformer
+# Engine), on every rank; the script's own log says what runs.
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed", category=UserWarning)
+
+from megatron_bitpipe.training import main  # noqa: E402
+from megatron_bitpipe.training.gpt import GPTTask  # noqa: E402
 
 
 def cpu_fallback() -> None:

@@ -91,6 +91,7 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
         overlap_p2p_comm=args.overlap_p2p_comm and args.schedule in ("bitpipe", "interleaved"),
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=gpu,
+        cuda_graph_scope=[],  # the whole layer; megatron's default spelling "full" is deprecated
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
