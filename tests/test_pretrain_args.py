@@ -96,3 +96,17 @@ def test_mock_data_is_a_function_of_seed_split_and_index():
     assert not torch.equal(first["tokens"], MockGPTDataset(1235, "train", 16, 128)[5]["tokens"])
     assert not torch.equal(first["tokens"], MockGPTDataset(1234, "valid", 16, 128)[5]["tokens"])
     assert torch.equal(first["position_ids"], torch.arange(16)) and bool((first["loss_mask"] == 1).all())
+
+
+def test_slurm_templates_parse():
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not installed")
+    templates = sorted((Path(__file__).resolve().parents[1] / "scripts" / "slurm").glob("*.s*"))
+    assert templates
+    for template in templates:
+        result = subprocess.run(["bash", "-n", str(template)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{template.name}: {result.stderr}"

@@ -1,16 +1,15 @@
 """scripts/pretrain_gpt.py end to end on CPU ranks (gloo).
 
 * The same tiny GPT (seed-only initial weights, mock data) trained with BitPipe on 4 ranks,
-  megatron-core's interleaved schedule with TP 2 x PP 2 on 4, Optimus
-  2D (TP 4) and a single process logs the same per-iteration losses, grad norms, learning
-  rates and validation losses (rtol 1e-5, from ``--log-json``), and saves the same logical
-  checkpoint. The BitPipe, interleaved and single-process runs are the script run through
-  torchrun / python.
+  megatron-core's interleaved schedule on 2, Optimus 2D (TP 4) and a single process logs the
+  same per-iteration losses, grad norms, learning rates and validation losses (rtol 1e-5,
+  from ``--log-json``), and saves the same logical checkpoint. The BitPipe, interleaved and
+  single-process runs are the script run through torchrun / python.
 * A checkpoint saved by the BitPipe run at iteration 2 (both replicas written once, as one
-  logical model) continues under megatron-core's 1F1B on 2 ranks and in a single process
-  exactly like the uninterrupted run; a single process resumed from its own checkpoint
-  repeats its run bit for bit; a checkpoint of another model shape is refused naming the
-  flag.
+  logical model) continues under megatron-core's 1F1B with TP 2 x PP 2 and in a single
+  process exactly like the uninterrupted run (and the TP 2 run saves BitPipe's iteration-4
+  checkpoint again); a single process resumed from its own checkpoint repeats its run bit for
+  bit; a checkpoint of another model shape is refused naming the flag.
 * Bad flags fail on every rank before any communication, naming the flag; a failure on one
   rank ends the whole job; a Megatron indexed dataset built here trains.
 
@@ -100,15 +99,15 @@ def runs(tmp_path_factory) -> dict:
     stdout["bitpipe"] = _checked(
         run_script(4, [*MODEL, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--save", str(ckpt_bitpipe), *save, *log("bitpipe")])
     ).stdout
-    interleaved = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
-    _checked(run_script(4, [*MODEL, *interleaved, "--save", str(out / "ckpt_interleaved"), *save, *log("interleaved")]))
+    _checked(run_script(2, [*MODEL, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", *log("interleaved")]))
     stdout["single"] = _checked(
         run_script(1, [*MODEL, "--save", str(ckpt_single), *save, "--tensorboard-dir", str(out / "tb"), *log("single")])
     ).stdout
     optimus = ["--tensor-model-parallel-size", "4", "--tensor-parallel-mode", "optimus2d", "--save", str(out / "ckpt_optimus"), *save]
     launch(_train_in_process, 4, [*MODEL, *optimus, *log("optimus")], timeout=300)
     resume = ["--ckpt-step", str(SAVE_AT)]
-    launch(_train_in_process, 2, [*MODEL, "--pipeline-model-parallel-size", "2", "--load", str(ckpt_bitpipe), *resume, *log("resume_1f1b")], timeout=300)
+    tp2_1f1b = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--save", str(out / "ckpt_tp2_1f1b")]
+    launch(_train_in_process, 4, [*MODEL, *tp2_1f1b, "--load", str(ckpt_bitpipe), *resume, *log("resume_tp2_1f1b")], timeout=300)
     launch(_train_in_process, 1, [*MODEL, "--load", str(ckpt_bitpipe), *resume, *log("resume_single")], timeout=300)
     launch(_train_in_process, 1, [*MODEL, "--load", str(ckpt_single), *resume, *log("resume_single_exact")], timeout=300)
     refused = launch(_train_in_process, 1, [*MODEL, "--hidden-size", "64", "--load", str(ckpt_bitpipe)], timeout=300)[0]
@@ -169,7 +168,7 @@ def test_megatron_style_progress_lines(runs):
 
 def test_bitpipe_checkpoint_resumes_in_other_layouts(runs):
     uninterrupted = runs["records"]["bitpipe"]
-    for name in ("resume_1f1b", "resume_single"):
+    for name in ("resume_tp2_1f1b", "resume_single"):
         resumed = runs["records"][name]
         assert sorted(resumed) == list(range(SAVE_AT + 1, ITERS + 1)), name
         _assert_same(resumed, uninterrupted, range(SAVE_AT + 1, ITERS + 1))
@@ -199,17 +198,17 @@ def test_checkpoint_holds_one_logical_model(runs):
     assert {"param", "exp_avg", "exp_avg_sq", "step"} <= some.keys() and some["step"] == SAVE_AT
 
 
-@pytest.mark.parametrize("layout", ["interleaved", "optimus", "single"])
-def test_every_layout_saves_the_same_logical_model(runs, layout):
-    """Gathering 1-D TP blocks (and the tied copy on the last stage), Optimus 2D blocks and
-    BitPipe's replicas gives the single-process weights and Adam moments."""
+@pytest.mark.parametrize("layout,iteration", [("optimus", SAVE_AT), ("single", SAVE_AT), ("tp2_1f1b", ITERS)])
+def test_every_layout_saves_the_same_logical_model(runs, layout, iteration):
+    """Gathering Optimus 2D blocks, 1-D TP blocks (and the tied copy on the last stage, after a
+    resume) and BitPipe's replicas gives the same full weights and Adam moments."""
     import torch
 
-    reference = _full_model(runs["ckpt"], SAVE_AT)
-    other = _full_model(runs["out"] / f"ckpt_{layout}", SAVE_AT)
+    reference = _full_model(runs["ckpt"], iteration)
+    other = _full_model(runs["out"] / f"ckpt_{layout}", iteration)
     assert other.keys() == reference.keys()
     for name, entry in reference.items():
-        assert other[name]["step"] == entry["step"] == SAVE_AT
+        assert other[name]["step"] == entry["step"] == iteration
         for key, atol in (("param", 1e-7), ("exp_avg", 1e-9), ("exp_avg_sq", 1e-12)):
             torch.testing.assert_close(other[name][key], entry[key], rtol=1e-4, atol=atol, msg=lambda m: f"{name} {key}: {m}")
 
