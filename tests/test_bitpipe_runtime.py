@@ -12,14 +12,14 @@ One launch per world size serves all of its cases.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 import pytest
 import torch
 
 from megatron_bitpipe.testing.launcher import launch
 
-from runtime_support import ATOL, RTOL, STEPS, Case, pipeline, reference
+from runtime_support import ATOL, RTOL, STEPS, Case, assert_equals_reference, pipeline, reference
 
 CASES_2 = [
     Case("bitpipe_pp2_n2", "bitpipe", pp=2, n=2),
@@ -76,59 +76,9 @@ def _records(case, two_ranks, four_ranks) -> List[dict]:
     return [r[case.name] for r in (two_ranks if case in CASES_2 else four_ranks)]
 
 
-def _merged_losses(records, key) -> Dict[int, float]:
-    merged: Dict[int, float] = {}
-    for record in records:
-        for m, value in record[key].items():
-            assert m not in merged or merged[m] == value
-            merged[m] = value
-    return merged
-
-
-def _merged(records, *path) -> Dict[str, torch.Tensor]:
-    """Union over ranks of per-parameter tensors; copies held by several ranks must be identical."""
-    merged: Dict[str, torch.Tensor] = {}
-    for record in records:
-        value = record
-        for key in path:
-            value = value[key]
-        for name, tensor in value.items():
-            if name in merged:
-                assert torch.equal(merged[name], tensor), f"{name} differs between ranks"
-            merged[name] = tensor
-    return merged
-
-
-def _assert_tensors_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str):
-    assert actual.keys() == expected.keys(), what
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {name}: {m}")
-
-
 @pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
 def test_equals_single_process_training(case, references, two_ranks, four_ranks):
-    ref = references[case.reference_key]
-    records = _records(case, two_ranks, four_ranks)
-    _assert_tensors_close(_merged(records, "initial"), ref["initial"], "initial weight")
-    for record in records:
-        assert record["replica_diff"] == [0.0] * (STEPS + 1), "replicas must stay bit-identical"
-    for step in range(STEPS):
-        expected = ref["steps"][step]
-        for name, key in (("step", "losses"),):
-            losses = {}
-            for record in records:
-                losses.update(record["steps"][step][key])
-            assert sorted(losses) == list(range(case.global_microbatches)), f"step {step}: every micro-batch once"
-            torch.testing.assert_close(
-                torch.tensor([losses[m] for m in sorted(losses)]), torch.tensor(expected["losses"]), rtol=RTOL, atol=ATOL
-            )
-        _assert_tensors_close(_merged(records, "steps", step, "grads"), expected["grads"], f"step {step} gradient of")
-        _assert_tensors_close(_merged(records, "steps", step, "weights"), expected["weights"], f"step {step} weight")
-        for record in records:
-            assert record["steps"][step]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=RTOL)
-    evaluation = _merged_losses(records, "eval")
-    assert sorted(evaluation) == list(range(case.global_microbatches))
-    torch.testing.assert_close(torch.tensor([evaluation[m] for m in sorted(evaluation)]), torch.tensor(ref["eval"]), rtol=RTOL, atol=ATOL)
+    assert_equals_reference(case, _records(case, two_ranks, four_ranks), references[case.reference_key])
 
 
 def test_tied_embedding_is_one_weight(references, four_ranks):

@@ -8,7 +8,7 @@ is also available on its own (:mod:`.groups`, :mod:`.model`, :mod:`.init`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -71,25 +71,30 @@ def build_pipeline_model(
     seed: int,
     share_embeddings_and_output_weights: bool = True,
     ddp_config: Optional[DistributedDataParallelConfig] = None,
-    **gpt_kwargs,
+    chunk_builder: Callable[..., List[torch.nn.Module]] = build_gpt_chunks,
+    **model_kwargs,
 ) -> PipelineModel:
-    """Build, initialise and wrap this rank's GPT chunks of ``placement`` on ``grid``.
+    """Build, initialise and wrap this rank's model chunks of ``placement`` on ``grid``.
 
-    Collective over all ranks. The initial weights depend only on ``seed`` and the model
-    shape (:func:`~.init.initialize_from_seed`), so both replicas of every stage start
+    ``chunk_builder`` makes the chunks: :func:`~.model.build_gpt_chunks` (GPT, the default),
+    :func:`~.bert.build_bert_chunks` (BERT) or any function with their signature
+    (``config, groups, *, vocab_size, max_sequence_length,
+    share_embeddings_and_output_weights, **model_kwargs``). Collective over all ranks. The
+    initial weights depend only on ``seed`` and the model shape
+    (:func:`~.init.initialize_from_seed`), so both replicas of every stage start
     bit-identical and any layout starts from the single-process model. The default DDP
     config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
     reduces in fp32.
     """
     groups = PipelineGroups.build(grid, placement)
     init_megatron_state(groups.rank_pgs, seed)
-    chunks = build_gpt_chunks(
+    chunks = chunk_builder(
         config,
         groups,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        **gpt_kwargs,
+        **model_kwargs,
     )
     specs = chunk_specs(placement, config.num_layers, groups.pp_rank)
     initialize_from_seed(chunks, specs, seed, groups.tp)

@@ -4,7 +4,7 @@
 (the loss reports of the micro-batches whose loss this rank computes, in micro-batch
 order; ``[]`` elsewhere), so Megatron-LM's training loop and evaluation call it like
 megatron's own schedules. The model chunks must come from
-:func:`megatron_bitpipe.runtime.model.build_gpt_chunks`, which records their
+:func:`megatron_bitpipe.runtime.model.build_chunks` (GPT or BERT), which records their
 :class:`~megatron_bitpipe.runtime.groups.PipelineGroups` (``chunk.pipeline_groups``):
 placement, p2p channels and gradient-sync groups.
 
@@ -50,11 +50,12 @@ def _plan(schedule: str, num_ranks: int, num_microbatches: int, forward_only: bo
 
 
 def pipeline_groups_of(model: List[torch.nn.Module]) -> PipelineGroups:
-    """The PipelineGroups recorded on chunks built by ``build_gpt_chunks`` (through wrappers)."""
+    """The PipelineGroups recorded on chunks built by ``build_chunks`` (through wrappers)."""
     groups = get_attr_wrapped_model(model[0], "pipeline_groups", allow_none=True)
     if groups is None:
         raise ValueError(
-            "model chunks carry no pipeline_groups: build them with megatron_bitpipe.runtime.build_gpt_chunks"
+            "model chunks carry no pipeline_groups: build them with megatron_bitpipe.runtime.model.build_chunks "
+            "(build_gpt_chunks, build_bert_chunks)"
         )
     return groups
 

@@ -12,7 +12,10 @@ Init rules follow megatron-core's conventions, using the config's own init calla
 ``layernorm_zero_centered_gamma``); embeddings ``config.embedding_init_method``; the
 attention output projection and second MLP linear (``linear_proj``, ``linear_fc2``)
 ``config.output_layer_init_method`` (by default N(0, std / sqrt(2 * num_layers))); every other
-weight ``config.init_method`` (by default N(0, std)).
+weight ``config.init_method`` (by default N(0, std)). For BERT that covers, as in
+megatron-core's BertModel: token-type embeddings (an embedding), the MLM head's dense layer
+and norm (``lm_head.dense``, ``lm_head.layer_norm``), the output layer's weight and bias, the
+pooler and the binary head (weights ``init_method``, biases 0).
 """
 
 from __future__ import annotations

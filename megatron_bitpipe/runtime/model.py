@@ -1,4 +1,5 @@
-"""megatron-core GPTModel chunks for any placement, with explicit global layer ranges.
+"""megatron-core model chunks (GPTModel, and the base for BERT) for any placement, with explicit
+global layer ranges.
 
 **Layer ranges.** megatron-core derives a chunk's layers from ``get_transformer_layer_offset``
 and ``get_num_layers_to_build``, which assume the looped order (stage = vp * D + rank) unless
@@ -28,23 +29,26 @@ after every backward) is not used. Not handled yet: megatron's ``sharded_state_d
 (distributed checkpointing) of such a head chunk, which expects its own
 ``output_layer.weight`` entry.
 
-**Layer spec.** :func:`default_gpt_layer_spec` is the single place choosing between
-Transformer Engine and megatron-core's local modules.
+**Layer spec.** :func:`default_gpt_layer_spec` (BERT:
+:func:`megatron_bitpipe.runtime.bert.default_bert_layer_spec`) is the single place choosing
+between Transformer Engine and megatron-core's local modules.
 
-**BERT.** The same per-chunk config works for any model whose decoder/encoder is a
-``TransformerBlock``; megatron-core 0.16's ``BertModel`` however builds its block without a
-``pg_collection`` and tests ``parallel_state.is_pipeline_first_stage()`` in ``forward``, so it
-needs the global parallel state and a first-stage fix before it can run on a V placement.
+**Other models.** :func:`build_chunks` does the placement work (per-chunk configs, process
+groups, tying) for any megatron-core language model whose block is a ``TransformerBlock``;
+:func:`build_gpt_chunks` gives it GPTModel chunks and
+:func:`megatron_bitpipe.runtime.bert.build_bert_chunks` BERT chunks.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
@@ -58,9 +62,15 @@ __all__ = [
     "ChunkLayerLayout",
     "chunk_config",
     "default_gpt_layer_spec",
+    "ChunkFactory",
+    "build_chunks",
     "build_gpt_chunks",
     "unwrap",
 ]
+
+
+ChunkFactory = Callable[[TransformerConfig, ChunkSpec, ProcessGroupCollection, bool], LanguageModule]
+"""``make_chunk(chunk_config, spec, pg_collection, tie_in_chunk)`` for :func:`build_chunks`."""
 
 
 class ChunkLayerLayout(PipelineParallelLayerLayout):
@@ -130,27 +140,27 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
 
 
-def build_gpt_chunks(
+def build_chunks(
     config: TransformerConfig,
     groups: PipelineGroups,
+    make_chunk: ChunkFactory,
     *,
     vocab_size: int,
-    max_sequence_length: int,
     share_embeddings_and_output_weights: bool = False,
-    layer_spec: Optional[ModuleSpec] = None,
-    position_embedding_type: str = "learned_absolute",
-    **gpt_kwargs,
-) -> List[GPTModel]:
-    """This rank's GPTModel chunks of ``groups.placement``, indexed by local chunk id.
+) -> List[LanguageModule]:
+    """This rank's model chunks of ``groups.placement``, indexed by local chunk id, for any
+    megatron-core language model.
 
-    Chunk ``c`` holds :func:`~megatron_bitpipe.runtime.layout.chunk_specs`\\ ``[c]`` (its
-    layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
-    :func:`chunk_config`. ``vocab_size`` is the padded vocabulary (divisible by the tp size).
-    Tied embeddings: see the module docstring; ValueError if a pipeline's first and last
-    stage are on different ranks. ``gpt_kwargs`` go to ``GPTModel`` (rotary settings,
-    ``parallel_output``...). Weights get megatron's own (layout-dependent) initialisation;
-    call :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent
-    ones. With CUDA available the chunks are moved to the current device.
+    ``make_chunk(chunk_config, spec, pg_collection, tie_in_chunk)`` builds one chunk: the
+    model holding ``spec`` (its layers, ``pre_process``/``post_process``), built from
+    ``chunk_config`` (:func:`chunk_config`: global layer numbers) with ``pg_collection``
+    (``groups.model_pgs[c]``); ``tie_in_chunk`` is its ``share_embeddings_and_output_weights``
+    (true only for a chunk holding both ends of a tied model: megatron ties natively only
+    inside one chunk, across chunks see the module docstring). ``vocab_size`` is the padded
+    vocabulary (divisible by the tp size). Tied embeddings: ValueError if a pipeline's first
+    and last stage are on different ranks. With CUDA available the chunks are moved to the
+    current device; each records ``groups`` as ``chunk.pipeline_groups`` (the
+    forward_backward_func finds placement, channels and grad-sync groups there).
     """
     if config.pipeline_model_parallel_size != groups.grid.pp:
         raise ValueError(
@@ -169,33 +179,63 @@ def build_gpt_chunks(
     specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank)
     if share_embeddings_and_output_weights:
         _check_tied_placement(groups)
-    spec = layer_spec or default_gpt_layer_spec(config)
     chunks = []
-    for chunk, chunk_spec in enumerate(specs):
-        model = GPTModel(
-            config=chunk_config(config, chunk_spec),
-            transformer_layer_spec=spec,
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            pre_process=chunk_spec.pre_process,
-            post_process=chunk_spec.post_process,
-            # megatron ties natively only inside one chunk; across chunks see _tie_head.
-            share_embeddings_and_output_weights=(
-                share_embeddings_and_output_weights and chunk_spec.pre_process and chunk_spec.post_process
-            ),
-            position_embedding_type=position_embedding_type,
-            pg_collection=groups.model_pgs[chunk],
-            **gpt_kwargs,
-        )
+    for chunk, spec in enumerate(specs):
+        tie_in_chunk = share_embeddings_and_output_weights and spec.pre_process and spec.post_process
+        model = make_chunk(chunk_config(config, spec), spec, groups.model_pgs[chunk], tie_in_chunk)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
-        # The forward_backward_func finds placement, channels and grad-sync groups here.
         model.pipeline_groups = groups
         chunks.append(model)
     if share_embeddings_and_output_weights:
         for head, embedding in _tied_pairs(specs):
             _tie_head(chunks[head], chunks[embedding])
     return chunks
+
+
+def build_gpt_chunks(
+    config: TransformerConfig,
+    groups: PipelineGroups,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    share_embeddings_and_output_weights: bool = False,
+    layer_spec: Optional[ModuleSpec] = None,
+    position_embedding_type: str = "learned_absolute",
+    **gpt_kwargs,
+) -> List[GPTModel]:
+    """This rank's GPTModel chunks of ``groups.placement``, indexed by local chunk id.
+
+    Chunk ``c`` holds :func:`~megatron_bitpipe.runtime.layout.chunk_specs`\\ ``[c]`` (its
+    layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
+    :func:`chunk_config`; see :func:`build_chunks` for the checks and tied embeddings.
+    ``gpt_kwargs`` go to ``GPTModel`` (rotary settings, ``parallel_output``...). Weights get
+    megatron's own (layout-dependent) initialisation; call
+    :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent ones.
+    """
+    spec = layer_spec or default_gpt_layer_spec(config)
+
+    def make_chunk(chunk_config: TransformerConfig, chunk: ChunkSpec, pgs: ProcessGroupCollection, tie: bool):
+        return GPTModel(
+            config=chunk_config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=chunk.pre_process,
+            post_process=chunk.post_process,
+            share_embeddings_and_output_weights=tie,
+            position_embedding_type=position_embedding_type,
+            pg_collection=pgs,
+            **gpt_kwargs,
+        )
+
+    return build_chunks(
+        config,
+        groups,
+        make_chunk,
+        vocab_size=vocab_size,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+    )
 
 
 def _check_tied_placement(groups: PipelineGroups) -> None:
@@ -216,7 +256,7 @@ def _tied_pairs(specs: Sequence[ChunkSpec]):
     return [(c, embedding[s.pipeline]) for c, s in enumerate(specs) if s.post_process and not s.pre_process]
 
 
-def _tie_head(head: GPTModel, embedding: GPTModel) -> None:
+def _tie_head(head: LanguageModule, embedding: LanguageModule) -> None:
     """Make ``head``'s output layer use ``embedding``'s word-embedding Parameter, unregistered."""
     weight = embedding.embedding.word_embeddings.weight
     layer = head.output_layer

@@ -2,7 +2,8 @@
 
 A *full* (global) state dict is the one of the whole GPT model on one rank without tensor or
 pipeline parallelism: ``embedding.*``, ``decoder.layers.{L}.*`` for global layer ``L``,
-``decoder.final_layernorm.*``, ``output_layer.*`` (absent with tied embeddings).
+``decoder.final_layernorm.*``, ``output_layer.*`` (absent with tied embeddings); BERT's
+(``encoder.*`` and its heads) likewise, see :mod:`megatron_bitpipe.runtime.layout`.
 A *chunk* holds a contiguous range of layers plus, optionally, the embedding (pre_process)
 and the final norm and output layer (post_process); megatron numbers its layers locally
 (``decoder.layers.{l}``, ``l = L - first_layer``).
@@ -64,7 +65,7 @@ def looped_chunk_layers(
 
 
 def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
-    """Read :class:`ChunkLayers` off a built GPT chunk (wrapped or not).
+    """Read :class:`ChunkLayers` off a built GPT or BERT chunk (wrapped or not).
 
     The offset comes from the first layer's global ``layer_number`` (1-based), so the chunk
     must hold at least one layer and have been built with correct layer numbers; otherwise
@@ -73,7 +74,8 @@ def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
     from ..runtime.model import unwrap
 
     inner = unwrap(model)
-    layers = inner.decoder.layers
+    block = inner.encoder if hasattr(inner, "encoder") else inner.decoder  # BERT / GPT
+    layers = block.layers
     if len(layers) == 0:
         raise ValueError("chunk has no transformer layers; give its ChunkLayers explicitly")
     return ChunkLayers(
