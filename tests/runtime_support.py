@@ -42,6 +42,7 @@ class Case:
     overlap_p2p_comm: bool = False
     deallocate_pipeline_outputs: bool = False
     overlap_grad_reduce: bool = True
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -135,6 +136,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         pipeline_model_parallel_size=case.pp,
         overlap_p2p_comm=case.overlap_p2p_comm,
         deallocate_pipeline_outputs=case.deallocate_pipeline_outputs,
+        sequence_parallel=case.sequence_parallel,
     )
     model = build_pipeline_model(
         config,

@@ -30,6 +30,7 @@ CASES_4 = [
     Case("bitpipe_pp4_n8", "bitpipe", pp=4, n=8),
     Case("bitpipe_pp4_n6_untied_blocking_sync", "bitpipe", pp=4, n=6, tied=False, overlap_grad_reduce=False),
     Case("bitpipe_tp2_pp2_n4", "bitpipe", pp=2, n=4, tp=2, clip_grad=0.5),
+    Case("bitpipe_tp2_sp_pp2_n4", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True),
     Case("bitpipe_dp2_pp2_n2", "bitpipe", pp=2, n=2, dp=2),
     Case("chimera_pp4_n4_untied", "chimera", pp=4, n=4, tied=False),
     Case("1f1b_pp4_n4_untied", "1f1b", pp=4, n=4, tied=False),
