@@ -46,6 +46,7 @@ class Case:
     overlap_p2p_comm: bool = False
     deallocate_pipeline_outputs: bool = False
     overlap_grad_reduce: bool = True
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -169,6 +170,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         pipeline_model_parallel_size=case.pp,
         overlap_p2p_comm=case.overlap_p2p_comm,
         deallocate_pipeline_outputs=case.deallocate_pipeline_outputs,
+        sequence_parallel=case.sequence_parallel,
     )
     model = build_pipeline_model(
         config,
@@ -320,3 +322,41 @@ def _instrument(chunks, events: list):
             chunk.start_grad_sync = original
 
     return restore
+
+
+def bf16_losses(pp: int, n: int, steps: int = 2) -> dict:
+    """Train a BitPipe model in bf16 (chunks wrapped in ChunkFloat16Module, mixed-precision
+    optimizer); return this rank's reported losses per step and their dtypes."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
+    from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.schedules.placement import bidirectional_v
+    from megatron_bitpipe.testing.gpt import gpt_forward_step
+
+    config = _config(pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    model = build_pipeline_model(
+        config, ParallelGrid(pp=pp), bidirectional_v(pp), vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED,
+        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True),
+    )
+    optimizer = build_optimizer(model, OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, bf16=True))
+    out = {"losses": [], "dtypes": set()}
+    for step in range(steps):
+        for chunk in model.chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = forward_backward_bitpipe(
+            forward_step_func=gpt_forward_step,
+            data_iterator=iter(gpt_batches(step, n)),
+            model=model.chunks,
+            num_microbatches=n,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+        )
+        out["losses"].append([r["lm loss"].item() for r in reports])
+        out["dtypes"] |= {str(r["lm loss"].dtype) for r in reports}
+        success, _, _ = optimizer.step()
+        assert success
+    return out

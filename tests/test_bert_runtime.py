@@ -35,6 +35,7 @@ CASES = {  # world size -> cases
         BertCase("bert_bitpipe_pp4_n4_clip", "bitpipe", pp=4, n=4, clip_grad=0.5),
         BertCase("bert_bitpipe_pp4_n8_untied_no_binary_head", "bitpipe", pp=4, n=8, tied=False, binary_head=False),
         BertCase("bert_bitpipe_tp2_pp2_n4", "bitpipe", pp=2, n=4, tp=2),
+        BertCase("bert_bitpipe_tp2_sp_pp2_n4", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True),
         BertCase("bert_bitpipe_dp2_pp2_n2", "bitpipe", pp=2, n=2, dp=2),
     ],
 }

@@ -30,6 +30,7 @@ CASES_4 = [
     Case("bitpipe_pp4_n8", "bitpipe", pp=4, n=8),
     Case("bitpipe_pp4_n6_untied_blocking_sync", "bitpipe", pp=4, n=6, tied=False, overlap_grad_reduce=False),
     Case("bitpipe_tp2_pp2_n4", "bitpipe", pp=2, n=4, tp=2, clip_grad=0.5),
+    Case("bitpipe_tp2_sp_pp2_n4", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True),
     Case("bitpipe_dp2_pp2_n2", "bitpipe", pp=2, n=2, dp=2),
     Case("chimera_pp4_n4_untied", "chimera", pp=4, n=4, tied=False),
     Case("1f1b_pp4_n4_untied", "1f1b", pp=4, n=4, tied=False),
@@ -122,3 +123,22 @@ def test_eager_sync_overlaps_remaining_backwards(four_ranks):
         assert outstanding, "start_grad_sync must leave an asynchronous all-reduce in flight"
         later_backwards = [e for e in events[first_sync + 1 :] if e[0] == "B" and e[1] != chunk]
         assert later_backwards, f"rank {record['pp_rank']}: no backward of another chunk after the first sync"
+
+
+def _bf16(pp, n):
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+
+    from runtime_support import bf16_losses
+
+    enable_cpu_megatron()
+    return bf16_losses(pp, n)
+
+
+def test_bf16_losses_are_fp32_on_every_loss_rank(references):
+    """bf16 smoke test: the loss chunks on both edge ranks report fp32 losses close to fp32 training."""
+    ranks = launch(_bf16, 2, 2, 2, timeout=300)
+    ref = references[(True, 2, 0.0)]
+    assert [r["dtypes"] for r in ranks] == [{"torch.float32"}] * 2
+    for step in range(2):
+        losses = ranks[0]["losses"][step] + ranks[1]["losses"][step]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["steps"][step]["losses"]), rtol=3e-2, atol=0)

@@ -20,14 +20,19 @@ A chunk holds (:class:`~megatron_bitpipe.runtime.layout.ChunkSpec`):
   head (``add_binary_head``) and the per-token MLM loss.
 
 Every chunk needs the attention (padding) mask of the micro-batch, not only the first and last.
+
+**Sequence parallelism.** The pooler's input is gathered over the chunk's tp group (megatron's
+pooler would use the global group); without apex, the layers', final and MLM-head norms are
+:class:`~megatron_bitpipe.runtime.norms.SequenceParallelTorchNorm` (as for GPT chunks).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import List, Optional
 
 import torch
-from megatron.core.models.bert import bert_layer_specs
+from megatron.core.models.bert import bert_layer_specs, bert_lm_head
 from megatron.core.models.bert.bert_lm_head import BertLMHead
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.bert.pooler import Pooler
@@ -39,23 +44,43 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_sequ
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlock, get_num_layers_to_build
 from megatron.core.transformer.utils import get_linear_layer
 from megatron.core.utils import deprecate_inference_params
 
 from .groups import PipelineGroups
 from .layout import ChunkSpec
-from .model import build_chunks
+from .model import _is_layer_spec, _replace_torch_norms, build_chunks, chunk_block_spec
+from .norms import SequenceParallelTorchNorm
 
 __all__ = ["BertChunk", "default_bert_layer_spec", "build_bert_chunks"]
 
 
 def default_bert_layer_spec(config: TransformerConfig) -> ModuleSpec:
     """megatron-core's Transformer Engine BERT layer spec if TE is importable and
-    ``config.transformer_impl`` asks for it (megatron's default), else its local spec."""
+    ``config.transformer_impl`` asks for it (megatron's default), else its local spec — with
+    norms that support sequence parallelism where megatron would use ``WrappedTorchNorm``
+    (no apex; :class:`~megatron_bitpipe.runtime.norms.SequenceParallelTorchNorm`)."""
     if bert_layer_specs.HAVE_TE and config.transformer_impl == "transformer_engine":
         return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
-    return bert_layer_specs.bert_layer_local_spec
+    return _replace_torch_norms(bert_layer_specs.bert_layer_local_spec)
+
+
+def _lm_head(config: TransformerConfig) -> BertLMHead:
+    """megatron's masked-LM head; with sequence parallelism and no apex its norm is a
+    :class:`~megatron_bitpipe.runtime.norms.SequenceParallelTorchNorm` (``WrappedTorchNorm``
+    refuses sequence parallelism)."""
+    if not (config.sequence_parallel and bert_lm_head.LNImpl is WrappedTorchNorm):
+        return BertLMHead(config.hidden_size, config)
+    plain = copy.copy(config)
+    plain.sequence_parallel = False
+    head = BertLMHead(config.hidden_size, plain)
+    head.config = config
+    head.layer_norm = SequenceParallelTorchNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+    for param in head.dense.parameters():
+        param.sequence_parallel = True
+    return head
 
 
 class BertChunk(BertModel):
@@ -126,15 +151,19 @@ class BertChunk(BertModel):
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
                 use_cpu_initialization=config.use_cpu_initialization,
             )
+        block_spec = transformer_layer_spec
+        if _is_layer_spec(transformer_layer_spec):  # final norm as the layers' (sequence parallelism)
+            num_layers = get_num_layers_to_build(config, pp_rank=pg_collection.pp.rank())
+            block_spec = chunk_block_spec(transformer_layer_spec, num_layers)
         self.encoder = TransformerBlock(
             config=config,
-            spec=transformer_layer_spec,
+            spec=block_spec,
             pre_process=pre_process,
             post_process=post_process,
             pg_collection=pg_collection,
         )
         if post_process:
-            self.lm_head = BertLMHead(config.hidden_size, config)
+            self.lm_head = _lm_head(config)
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
                 vocab_size,

@@ -23,6 +23,7 @@ from .groups import ParallelGrid, PipelineGroups
 from .init import initialize_from_seed
 from .layout import ChunkSpec, chunk_specs
 from .model import build_gpt_chunks
+from .precision import ChunkFloat16Module
 from .replicas import mark_replica_parameters, wrap_ddp
 
 __all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "build_optimizer"]
@@ -82,7 +83,9 @@ def build_pipeline_model(
     share_embeddings_and_output_weights, **model_kwargs``). Collective over all ranks. The
     initial weights depend only on ``seed`` and the model shape
     (:func:`~.init.initialize_from_seed`), so both replicas of every stage start
-    bit-identical and any layout starts from the single-process model. The default DDP
+    bit-identical and any layout starts from the single-process model. With
+    ``config.bf16``/``config.fp16`` each chunk is wrapped in
+    :class:`~.precision.ChunkFloat16Module` (fp32 loss on whichever rank holds it). The default DDP
     config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
     reduces in fp32.
     """
@@ -99,6 +102,8 @@ def build_pipeline_model(
     specs = chunk_specs(placement, config.num_layers, groups.pp_rank)
     initialize_from_seed(chunks, specs, seed, groups.tp)
     mark_replica_parameters(chunks, specs)
+    if config.bf16 or config.fp16:
+        chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
     ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config), groups, specs, config)
 

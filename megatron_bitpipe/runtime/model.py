@@ -42,6 +42,7 @@ groups, tying) for any megatron-core language model whose block is a ``Transform
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -53,10 +54,14 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 from megatron.core.utils import get_attr_wrapped_model
 
 from .groups import PipelineGroups
 from .layout import ChunkLayers, ChunkSpec, chunk_specs
+from .norms import SequenceParallelTorchNorm
 
 __all__ = [
     "ChunkLayerLayout",
@@ -127,11 +132,42 @@ def chunk_config(config: TransformerConfig, layers: ChunkLayers) -> TransformerC
 
 def default_gpt_layer_spec(config: TransformerConfig) -> ModuleSpec:
     """Transformer Engine layer spec if TE is importable and ``config.transformer_impl`` asks
-    for it (megatron's default), else megatron-core's local spec."""
+    for it (megatron's default), else megatron-core's local spec — with norms that support
+    sequence parallelism when megatron would fall back to ``WrappedTorchNorm`` (no apex)."""
     if gpt_layer_specs.HAVE_TE and config.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, normalization=config.normalization
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    return _replace_torch_norms(spec)
+
+
+def _replace_torch_norms(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with every ``WrappedTorchNorm`` submodule swapped for :class:`SequenceParallelTorchNorm`."""
+    submodules = spec.submodules
+    updates = {
+        f.name: SequenceParallelTorchNorm
+        for f in dataclasses.fields(submodules)
+        if getattr(submodules, f.name) is WrappedTorchNorm
+    }
+    for f in dataclasses.fields(submodules):
+        child = getattr(submodules, f.name)
+        if isinstance(child, ModuleSpec) and dataclasses.is_dataclass(child.submodules):
+            replaced = _replace_torch_norms(child)
+            if replaced is not child:
+                updates[f.name] = replaced
+    if not updates:
+        return spec
+    return dataclasses.replace(spec, submodules=dataclasses.replace(submodules, **updates))
+
+
+def chunk_block_spec(layer_spec: ModuleSpec, num_layers: int) -> ModuleSpec:
+    """Block spec of ``num_layers`` copies of ``layer_spec``; the final norm matches the layers'
+    (torch norms get :class:`SequenceParallelTorchNorm`, so sequence parallelism works without apex)."""
+    final_norm = gpt_layer_specs.LNImpl
+    if final_norm is WrappedTorchNorm:
+        final_norm = SequenceParallelTorchNorm
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm),
     )
 
 
@@ -218,7 +254,7 @@ def build_gpt_chunks(
     def make_chunk(chunk_config: TransformerConfig, chunk: ChunkSpec, pgs: ProcessGroupCollection, tie: bool):
         return GPTModel(
             config=chunk_config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=chunk_block_spec(spec, chunk.num_layers) if _is_layer_spec(spec) else spec,
             vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=chunk.pre_process,
@@ -236,6 +272,10 @@ def build_gpt_chunks(
         vocab_size=vocab_size,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
     )
+
+
+def _is_layer_spec(spec: ModuleSpec) -> bool:
+    return isinstance(spec, ModuleSpec) and issubclass(spec.module, BaseTransformerLayer)
 
 
 def _check_tied_placement(groups: PipelineGroups) -> None:
