@@ -324,9 +324,10 @@ def _instrument(chunks, events: list):
     return restore
 
 
-def bf16_losses(pp: int, n: int, steps: int = 2) -> dict:
-    """Train a BitPipe model in bf16 (chunks wrapped in ChunkFloat16Module, mixed-precision
-    optimizer); return this rank's reported losses per step and their dtypes."""
+def bf16_losses(case: Case, steps: int = 2) -> dict:
+    """Train ``case``'s model with BitPipe on ``case.pp`` ranks in bf16 (chunks wrapped in
+    ChunkFloat16Module, mixed-precision optimizer); return this rank's recorded losses per step
+    and the dtypes of the reported losses."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -334,12 +335,13 @@ def bf16_losses(pp: int, n: int, steps: int = 2) -> dict:
     from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
     from megatron_bitpipe.runtime.groups import ParallelGrid
     from megatron_bitpipe.schedules.placement import bidirectional_v
-    from megatron_bitpipe.testing.gpt import gpt_forward_step
 
+    pp, n = case.pp, case.n
     config = _config(pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     model = build_pipeline_model(
         config, ParallelGrid(pp=pp), bidirectional_v(pp), vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED,
         ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True),
+        **case.model_kwargs(),
     )
     optimizer = build_optimizer(model, OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, bf16=True))
     out = {"losses": [], "dtypes": set()}
@@ -348,15 +350,15 @@ def bf16_losses(pp: int, n: int, steps: int = 2) -> dict:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reports = forward_backward_bitpipe(
-            forward_step_func=gpt_forward_step,
-            data_iterator=iter(gpt_batches(step, n)),
+            forward_step_func=case.forward_step,
+            data_iterator=iter(case.batches(step, n)),
             model=model.chunks,
             num_microbatches=n,
             seq_length=SEQ,
             micro_batch_size=MICRO_BATCH,
         )
-        out["losses"].append([r["lm loss"].item() for r in reports])
-        out["dtypes"] |= {str(r["lm loss"].dtype) for r in reports}
+        out["losses"].append([case.recorded_loss(r) for r in reports])
+        out["dtypes"] |= {str(value.dtype) for r in reports for value in r.values()}
         success, _, _ = optimizer.step()
         assert success
     return out

@@ -19,7 +19,7 @@ One launch per world size serves all of its cases; the data and loss checks run 
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ import torch
 from megatron_bitpipe.testing.launcher import launch
 
 from bert_support import BertCase, batches, reference
-from runtime_support import assert_equals_reference, pipeline
+from runtime_support import assert_equals_reference, bf16_losses, pipeline
 
 CASES = {  # world size -> cases
     2: [BertCase("bert_bitpipe_pp2_n4", "bitpipe", pp=2, n=4)],
@@ -39,6 +39,7 @@ CASES = {  # world size -> cases
         BertCase("bert_bitpipe_dp2_pp2_n2", "bitpipe", pp=2, n=2, dp=2),
     ],
 }
+BF16 = BertCase("bert_bitpipe_pp2_n4_bf16", "bitpipe", pp=2, n=4)  # runs in the 2-rank launch
 
 
 def _enable():
@@ -49,9 +50,12 @@ def _enable():
     enable_fp32_cross_entropy_gradients()
 
 
-def _run_cases(cases: List[BertCase]) -> dict:
+def _run_cases(cases: List[BertCase], bf16_case: Optional[BertCase]) -> dict:
     _enable()
-    return {case.name: pipeline(case) for case in cases}
+    out = {case.name: pipeline(case) for case in cases}
+    if bf16_case is not None:
+        out[bf16_case.name] = bf16_losses(bf16_case)
+    return out
 
 
 def _reference_runs(keys) -> dict:
@@ -70,14 +74,26 @@ def records() -> Dict[str, List[dict]]:
     """Every case's per-rank records, one launch per world size."""
     out = {}
     for world_size, cases in CASES.items():
-        per_rank = launch(_run_cases, world_size, cases, timeout=400 * world_size // 2)
-        out.update({case.name: [rank[case.name] for rank in per_rank] for case in cases})
+        bf16_case = BF16 if world_size == BF16.world_size else None
+        per_rank = launch(_run_cases, world_size, cases, bf16_case, timeout=400 * world_size // 2)
+        names = [case.name for case in cases] + ([bf16_case.name] if bf16_case else [])
+        out.update({name: [rank[name] for rank in per_rank] for name in names})
     return out
 
 
 @pytest.mark.parametrize("case", [c for cases in CASES.values() for c in cases], ids=lambda c: c.name)
 def test_equals_stock_bert_training(case, references, records):
     assert_equals_reference(case, records[case.name], references[case.reference_key])
+
+
+def test_bf16_losses_are_fp32_on_every_loss_rank(references, records):
+    """bf16 smoke test: both edge ranks report fp32 MLM and next-sentence losses close to fp32 training."""
+    ranks = records[BF16.name]
+    ref = references[BF16.reference_key]
+    assert [r["dtypes"] for r in ranks] == [{"torch.float32"}] * 2
+    for step in range(2):
+        losses = ranks[0]["losses"][step] + ranks[1]["losses"][step]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["steps"][step]["losses"]), rtol=3e-2, atol=0)
 
 
 def test_seed_init_follows_megatron_bert_init(references):

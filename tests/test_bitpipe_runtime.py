@@ -125,18 +125,18 @@ def test_eager_sync_overlaps_remaining_backwards(four_ranks):
         assert later_backwards, f"rank {record['pp_rank']}: no backward of another chunk after the first sync"
 
 
-def _bf16(pp, n):
+def _bf16(case):
     from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
 
     from runtime_support import bf16_losses
 
     enable_cpu_megatron()
-    return bf16_losses(pp, n)
+    return bf16_losses(case)
 
 
 def test_bf16_losses_are_fp32_on_every_loss_rank(references):
     """bf16 smoke test: the loss chunks on both edge ranks report fp32 losses close to fp32 training."""
-    ranks = launch(_bf16, 2, 2, 2, timeout=300)
+    ranks = launch(_bf16, 2, Case("bitpipe_pp2_n2_bf16", "bitpipe", pp=2, n=2), timeout=300)
     ref = references[(True, 2, 0.0)]
     assert [r["dtypes"] for r in ranks] == [{"torch.float32"}] * 2
     for step in range(2):

@@ -57,7 +57,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.utils import unwrap_model
 
 from .groups import PipelineGroups
 from .layout import ChunkLayers, ChunkSpec, chunk_specs
@@ -172,8 +172,11 @@ def chunk_block_spec(layer_spec: ModuleSpec, num_layers: int) -> ModuleSpec:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The language model inside DDP / Float16Module wrappers (itself if unwrapped)."""
-    return get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
+    """The language model inside DDP / Float16Module wrappers (itself if unwrapped).
+
+    Unwraps by wrapper type, not by looking for a model attribute: ``ChunkFloat16Module``
+    carries ``pre_process``/``post_process`` of its own."""
+    return unwrap_model(model)
 
 
 def build_chunks(
