@@ -11,10 +11,11 @@ all ``[s]`` int64, and ``is_random`` (1 if the second segment is a random one). 
 :func:`bert_forward_step` is a megatron ``forward_step_func``. The loss of one micro-batch
 (:func:`bert_loss`) is Megatron-LM's: the masked-LM cross entropy averaged over the
 micro-batch's masked tokens, plus the next-sentence (binary head) cross entropy averaged over
-its sequences. megatron's schedules divide it by the number of micro-batches (the BitPipe
-runtime by the number per replica, :func:`megatron_bitpipe.runtime.replicas.microbatches_per_replica`),
-so the gradient is that of the mean micro-batch loss over the global batch, whatever the
-layout. Per-token loss (``calculate_per_token_loss``) is not supported: the next-sentence
+its sequences. It is returned in megatron-core's three-value form (loss times masked-token
+count, the count, sum/count reports); megatron's ``forward_step`` divides by the count and
+by the number of micro-batches (the BitPipe runtime by the number per replica,
+:func:`megatron_bitpipe.runtime.replicas.microbatches_per_replica`), so the gradient is that
+of the mean micro-batch loss over the global batch, whatever the layout. Per-token loss (``calculate_per_token_loss``) is not supported: the next-sentence
 loss is per sequence.
 """
 
@@ -134,23 +135,32 @@ def bert_microbatches(
 
 def bert_loss(
     loss_mask: torch.Tensor, is_random: Optional[torch.Tensor], output: Tuple[torch.Tensor, Optional[torch.Tensor]]
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
     """Loss of one micro-batch from a BERT post-process chunk's ``(per-token MLM loss [b, s],
-    binary logits [b, 2] or None)``.
+    binary logits [b, 2] or None)``, in megatron-core's three-value form.
 
-    MLM: mean over positions with ``loss_mask`` 1 (at least one per micro-batch). Binary
-    head: cross entropy against ``is_random`` (-1 ignored), mean over sequences. Returns
-    ``(lm + binary, {"lm loss": lm, "sop loss": binary})`` (detached reports, Megatron-LM's
-    names; no "sop loss" without a binary head). Reports are this micro-batch's own, not
-    averaged over data-parallel ranks.
+    The micro-batch loss is Megatron-LM's ``lm + sop``: ``lm`` the MLM cross entropy averaged
+    over the ``n`` positions with ``loss_mask`` 1 (``n >= 1``), ``sop`` the binary-head cross
+    entropy against ``is_random`` averaged over the sequences (-1 ignored; 0 without a binary
+    head). Returns ``(n * (lm + sop), n, reports)``: megatron-core's ``forward_step`` divides
+    the first by ``n`` (and by the micro-batches). ``reports`` (detached, Megatron-LM's names)
+    are ``{"lm loss": [lm sum, n], "sop loss": [sop sum, sequences]}`` (no "sop loss" without
+    a binary head): sum and count, so a training loop can average them over any set of
+    micro-batches and data-parallel ranks.
     """
     per_token, binary_logits = output
     mask = loss_mask.float().reshape(-1)
-    lm_loss = torch.sum(per_token.float().reshape(-1) * mask) / mask.sum()
-    if binary_logits is None:
-        return lm_loss, {"lm loss": lm_loss.detach().clone()}
-    sop_loss = F.cross_entropy(binary_logits.reshape(-1, 2).float(), is_random.reshape(-1), ignore_index=-1)
-    return lm_loss + sop_loss, {"lm loss": lm_loss.detach().clone(), "sop loss": sop_loss.detach().clone()}
+    num_masked = mask.sum()
+    lm_sum = torch.sum(per_token.float().reshape(-1) * mask)
+    reports = {"lm loss": torch.stack([lm_sum.detach(), num_masked])}
+    loss_sum = lm_sum
+    if binary_logits is not None:
+        labels = is_random.reshape(-1)
+        sop_sum = F.cross_entropy(binary_logits.reshape(-1, 2).float(), labels, ignore_index=-1, reduction="sum")
+        sequences = (labels != -1).sum().float()
+        loss_sum = lm_sum + num_masked * sop_sum / sequences
+        reports["sop loss"] = torch.stack([sop_sum.detach(), sequences])
+    return loss_sum, num_masked.to(torch.int), reports
 
 
 def bert_forward_step(data_iterator: Iterator, model: torch.nn.Module):

@@ -56,7 +56,7 @@ class BertCase(Case):
 
     def recorded_loss(self, report: dict):
         keys = ("lm loss", "sop loss") if self.binary_head else ("lm loss",)
-        return tuple(report[k].item() for k in keys)
+        return tuple((report[k][0] / report[k][1]).item() for k in keys)
 
 
 def _loss(output, batch):

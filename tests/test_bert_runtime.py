@@ -143,20 +143,22 @@ def test_mock_data_rejects_bad_sizes():
 
 def test_loss_is_per_microbatch_mean_over_masked_tokens():
     """Megatron-LM's convention: a micro-batch's MLM loss is the mean over *its* masked
-    tokens, whatever their number; the next-sentence loss the mean over its sequences."""
+    tokens, whatever their number; the next-sentence loss the mean over its sequences. In
+    megatron-core's three-value form: (count x loss, count, {name: [sum, count]})."""
     from megatron_bitpipe.bert_pretraining import bert_loss
 
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     loss_mask = torch.tensor([[1, 0, 1], [0, 0, 1]])
     logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
-    is_random = torch.tensor([0, 0])
-    loss, report = bert_loss(loss_mask, is_random, (per_token, logits))
-    sop = (torch.log1p(torch.exp(torch.tensor(-2.0))) + torch.log1p(torch.exp(torch.tensor(1.0)))) / 2
-    assert report["lm loss"].item() == pytest.approx(10.0 / 3)
-    assert report["sop loss"].item() == pytest.approx(sop.item())
-    assert loss.item() == pytest.approx(10.0 / 3 + sop.item())
-    loss, report = bert_loss(loss_mask, is_random, (per_token, None))
-    assert loss.item() == pytest.approx(10.0 / 3) and list(report) == ["lm loss"]
+    is_random = torch.tensor([0, -1])  # the second sequence's label is ignored
+    sop = torch.log1p(torch.exp(torch.tensor(-2.0))).item()
+    loss_sum, count, report = bert_loss(loss_mask, is_random, (per_token, logits))
+    assert count.item() == 3 and not count.is_floating_point()
+    assert (loss_sum / count).item() == pytest.approx(10.0 / 3 + sop)
+    assert report["lm loss"].tolist() == pytest.approx([10.0, 3.0])
+    assert report["sop loss"].tolist() == pytest.approx([sop, 1.0])
+    loss_sum, count, report = bert_loss(loss_mask, is_random, (per_token, None))
+    assert (loss_sum / count).item() == pytest.approx(10.0 / 3) and list(report) == ["lm loss"]
 
 
 def test_forward_step_rejects_per_token_loss():
