@@ -15,8 +15,8 @@ its sequences. It is returned in megatron-core's three-value form (loss times ma
 count, the count, sum/count reports); megatron's ``forward_step`` divides by the count and
 by the number of micro-batches (the BitPipe runtime by the number per replica,
 :func:`megatron_bitpipe.runtime.replicas.microbatches_per_replica`), so the gradient is that
-of the mean micro-batch loss over the global batch, whatever the layout. Per-token loss (``calculate_per_token_loss``) is not supported: the next-sentence
-loss is per sequence.
+of the mean micro-batch loss over the global batch, whatever the layout. Per-token loss
+(``calculate_per_token_loss``) is not supported: the next-sentence loss is per sequence.
 """
 
 from __future__ import annotations
@@ -173,7 +173,9 @@ def bert_forward_step(data_iterator: Iterator, model: torch.nn.Module):
     asks for per-token loss.
     """
     if get_model_config(model).calculate_per_token_loss:
-        raise ValueError("BERT's loss is per micro-batch (the next-sentence loss is per sequence); drop --calculate-per-token-loss")
+        raise ValueError(
+            "BERT's loss is per micro-batch (the next-sentence loss is per sequence); drop --calculate-per-token-loss"
+        )
     batch = next(data_iterator)
     if torch.cuda.is_available():
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}

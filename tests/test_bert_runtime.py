@@ -170,3 +170,19 @@ def test_forward_step_rejects_per_token_loss():
     model.config = SimpleNamespace(calculate_per_token_loss=True)
     with pytest.raises(ValueError, match="--calculate-per-token-loss"):
         bert_forward_step(iter(batches(0, 1)), model)
+
+
+def test_bert_parameter_names_map_between_chunk_and_full_model():
+    from megatron_bitpipe.runtime.layout import ChunkLayers, to_global_name, to_local_name
+
+    head = ChunkLayers(first_layer=6, num_layers=2, pre_process=False, post_process=True, tied=True)
+    middle = ChunkLayers(first_layer=2, num_layers=2, pre_process=False, post_process=False)
+    assert to_global_name("encoder.layers.1.mlp.linear_fc1.weight", head) == "encoder.layers.7.mlp.linear_fc1.weight"
+    assert to_local_name("encoder.layers.3.self_attention.bias", middle) == "encoder.layers.1.self_attention.bias"
+    assert to_local_name("encoder.layers.7.mlp.linear_fc1.weight", middle) is None
+    post_process = ("encoder.final_layernorm.weight", "lm_head.dense.weight", "pooler.dense.bias", "binary_head.weight")
+    for name in post_process + ("output_layer.bias",):
+        assert to_local_name(name, head) == name and to_global_name(name, head) == name
+        assert to_local_name(name, middle) is None
+    assert to_global_name("output_layer.weight", head) == "embedding.word_embeddings.weight"
+    assert to_local_name("embedding.tokentype_embeddings.weight", head) is None
