@@ -43,6 +43,7 @@ class Case:
     deallocate_pipeline_outputs: bool = False
     overlap_grad_reduce: bool = True
     sequence_parallel: bool = False
+    tensor_parallel_mode: str = "1d"
 
     @property
     def world_size(self) -> int:
@@ -54,7 +55,9 @@ class Case:
 
     @property
     def reference_key(self):
-        return (self.tied, self.global_microbatches, self.clip_grad)
+        key = (self.tied, self.global_microbatches, self.clip_grad)
+        # Optimus' vocab-parallel cross entropy is exact fp32, megatron's fused one is not.
+        return key + (True,) if self.tensor_parallel_mode == "optimus2d" else key
 
 
 def step_batches(step: int, count: int):
@@ -79,7 +82,17 @@ def _optimizer_config(clip_grad: float):
     return OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.01, clip_grad=clip_grad)
 
 
-def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
+def _loss(model, tokens, labels, fp32_cross_entropy: bool) -> torch.Tensor:
+    """Mean token loss: megatron-core's own (fused 'native' cross entropy, which rounds the
+    logits' gradient to bf16), or torch's fp32 cross entropy of the model's logits."""
+    position_ids = torch.arange(SEQ).expand_as(tokens)
+    if not fp32_cross_entropy:
+        return model(tokens, position_ids, None, labels=labels).float().mean()
+    logits = model(tokens, position_ids, None)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross_entropy: bool = False) -> dict:
     """Single-process training of the stock megatron-core GPTModel."""
     from megatron.core.distributed import finalize_model_grads
 
@@ -102,7 +115,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
         optimizer.zero_grad()
         losses = []
         for tokens, labels in step_batches(step, global_microbatches):
-            loss = ddp(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=labels).float().mean()
+            loss = _loss(ddp, tokens, labels, fp32_cross_entropy)
             (loss / global_microbatches).backward()
             losses.append(loss.item())
         finalize_model_grads([ddp], pg_collection=pg)
@@ -112,8 +125,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
         record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=collect_full(ddp)))
     with torch.no_grad():
         record["eval"] = [
-            ddp(t, torch.arange(SEQ).expand_as(t), None, labels=l).float().mean().item()
-            for t, l in eval_batches(global_microbatches)
+            _loss(ddp, t, l, fp32_cross_entropy).item() for t, l in eval_batches(global_microbatches)
         ]
     return record
 
@@ -147,6 +159,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         seed=SEED,
         share_embeddings_and_output_weights=case.tied,
         ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce, grad_reduce_in_fp32=True),
+        tensor_parallel_mode=case.tensor_parallel_mode,
     )
     groups = model.groups
     optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))

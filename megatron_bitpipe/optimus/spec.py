@@ -70,14 +70,17 @@ def get_optimus_gpt_block_spec(
     num_layers: Optional[int] = None,
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
+    layer_spec: Optional[ModuleSpec] = None,
 ) -> TransformerBlockSubmodules:
     """Decoder block spec: this stage's layers plus the final norm on the mesh.
 
-    ``num_layers`` defaults to megatron-core's ``get_num_layers_to_build`` for the stage.
+    ``num_layers`` defaults to megatron-core's ``get_num_layers_to_build`` for the stage
+    (which follows ``config.pipeline_model_parallel_layout`` when set, e.g. a chunk's
+    explicit layer range); ``layer_spec`` to :func:`get_optimus_gpt_layer_spec`\ ``(mesh)``.
     """
     if num_layers is None:
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[get_optimus_gpt_layer_spec(mesh)] * num_layers,
+        layer_specs=[layer_spec or get_optimus_gpt_layer_spec(mesh)] * num_layers,
         layer_norm=get_optimus_norm_spec(mesh),
     )

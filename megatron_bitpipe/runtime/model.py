@@ -31,6 +31,12 @@ after every backward) is not used. Not handled yet: megatron's ``sharded_state_d
 **Layer spec.** :func:`default_gpt_layer_spec` is the single place choosing between
 Transformer Engine and megatron-core's local modules.
 
+**Optimus 2D.** When the groups carry an Optimus mesh (``tensor_parallel_mode="optimus2d"``),
+every chunk is an :class:`~megatron_bitpipe.optimus.OptimusGPTModel` over that mesh: its
+block spec follows the chunk's explicit layer range like any other spec, the tied head uses
+the embedding chunk's 2-D ``[v/q, h/q]`` vocabulary block, and every parameter carries its
+``optimus_layout``, which :mod:`.init` uses for seed-only initialisation.
+
 **BERT.** The same per-chunk config works for any model whose decoder/encoder is a
 ``TransformerBlock``; megatron-core 0.16's ``BertModel`` however builds its block without a
 ``pg_collection`` and tests ``parallel_state.is_pipeline_first_stage()`` in ``forward``, so it
@@ -55,6 +61,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 from megatron.core.utils import get_attr_wrapped_model
 
+from ..optimus.gpt_model import OptimusGPTModel
+from ..optimus.spec import get_optimus_gpt_block_spec
 from .groups import PipelineGroups
 from .layout import ChunkLayers, ChunkSpec, chunk_specs
 from .norms import SequenceParallelTorchNorm
@@ -184,7 +192,10 @@ def build_gpt_chunks(
     :func:`chunk_config`. ``vocab_size`` is the padded vocabulary (divisible by the tp size).
     Tied embeddings: see the module docstring; ValueError if a pipeline's first and last
     stage are on different ranks. ``gpt_kwargs`` go to ``GPTModel`` (rotary settings,
-    ``parallel_output``...). Weights get megatron's own (layout-dependent) initialisation;
+    ``parallel_output``...). With ``groups.mesh`` the chunks are ``OptimusGPTModel``\ s and
+    ``layer_spec``, if given, is an Optimus *layer* spec
+    (:func:`~megatron_bitpipe.optimus.get_optimus_gpt_layer_spec`, e.g. with another core
+    attention). Weights get megatron's own (layout-dependent) initialisation;
     call :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent
     ones. With CUDA available the chunks are moved to the current device.
     """
@@ -205,12 +216,19 @@ def build_gpt_chunks(
     specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank)
     if share_embeddings_and_output_weights:
         _check_tied_placement(groups)
-    spec = layer_spec or default_gpt_layer_spec(config)
+    mesh = groups.mesh
+    spec = layer_spec or (None if mesh else default_gpt_layer_spec(config))
     chunks = []
     for chunk, chunk_spec in enumerate(specs):
-        model = GPTModel(
-            config=chunk_config(config, chunk_spec),
-            transformer_layer_spec=chunk_block_spec(spec, chunk_spec.num_layers) if _is_layer_spec(spec) else spec,
+        chunk_cfg = chunk_config(config, chunk_spec)
+        if mesh is None:
+            block = chunk_block_spec(spec, chunk_spec.num_layers) if _is_layer_spec(spec) else spec
+            model_class, model_kwargs = GPTModel, dict(transformer_layer_spec=block)
+        else:
+            block = get_optimus_gpt_block_spec(chunk_cfg, mesh, chunk_spec.num_layers, layer_spec=spec)
+            model_class, model_kwargs = OptimusGPTModel, dict(transformer_layer_spec=block, mesh=mesh)
+        model = model_class(
+            config=chunk_cfg,
             vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=chunk_spec.pre_process,
@@ -221,6 +239,7 @@ def build_gpt_chunks(
             ),
             position_embedding_type=position_embedding_type,
             pg_collection=groups.model_pgs[chunk],
+            **model_kwargs,
             **gpt_kwargs,
         )
         if torch.cuda.is_available():
