@@ -38,6 +38,7 @@ CASES_4 = [
 # Optimus 2D (q=2, tp group of 4) inside every BitPipe stage.
 CASES_8 = [
     Case("bitpipe_optimus2d_q2_pp2_n4_clip", "bitpipe", pp=2, n=4, tp=4, clip_grad=0.5, tensor_parallel_mode="optimus2d"),
+    Case("bitpipe_optimus2d_q2_pp2_n2_untied", "bitpipe", pp=2, n=2, tp=4, tied=False, tensor_parallel_mode="optimus2d"),
 ]
 INSTRUMENTED = "bitpipe_pp4_n8"
 
