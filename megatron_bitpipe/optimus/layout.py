@@ -67,7 +67,7 @@ class ParamLayout:
         return self.kind in (LayoutKind.FEATURE_VECTOR, LayoutKind.FEATURE_TABLE)
 
     def block(self, serial: torch.Tensor, row: int, column: int, side: int) -> torch.Tensor:
-        """Block of ``serial`` held at mesh position ``(row, column)`` (a view)."""
+        """Block of ``serial`` held at mesh position ``(row, column)`` (a view unless ``stride`` > 1)."""
         if self.kind is LayoutKind.LINEAR_WEIGHT:
             return _feature_block(serial, 0, column, side, self.stride).chunk(side, dim=1)[row].t()
         if self.kind is LayoutKind.VOCAB_TABLE:
@@ -76,8 +76,9 @@ class ParamLayout:
             return _feature_block(serial, 0, column, side, self.stride)
         return serial.chunk(side, dim=1)[column]
 
-    def serial_shape(self, local_shape: Sequence[int], side: int) -> Tuple[int, ...]:
-        """Shape of the serial tensor whose blocks have ``local_shape``."""
+    def serial_shape(self, local_shape: Sequence[int], tp_size: int) -> Tuple[int, ...]:
+        """Shape of the serial tensor whose blocks on ``tp_size`` = q² ranks have ``local_shape``."""
+        side = mesh_side(tp_size)
         if self.kind is LayoutKind.LINEAR_WEIGHT:
             rows, columns = local_shape
             return (columns * side, rows * side)

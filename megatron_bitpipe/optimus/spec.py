@@ -88,7 +88,7 @@ def get_optimus_gpt_block_spec(
 
     ``num_layers`` defaults to megatron-core's ``get_num_layers_to_build`` for the stage
     (which follows ``config.pipeline_model_parallel_layout`` when set, e.g. a chunk's
-    explicit layer range); ``layer_spec`` to :func:`get_optimus_gpt_layer_spec`\ ``(mesh)``.
+    explicit layer range); ``layer_spec`` to :func:`get_optimus_gpt_layer_spec`\\ ``(mesh)``.
     """
     if num_layers is None:
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)

@@ -26,7 +26,6 @@ full copy of the model, so the same stage in two pipelines holds the same layers
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -157,7 +156,7 @@ def full_shape(param: torch.Tensor, tp_size: int) -> Tuple[int, ...]:
     """Shape of the full tensor of which ``param`` is one tensor-parallel block."""
     layout = getattr(param, "optimus_layout", None)
     if layout is not None:
-        return layout.serial_shape(param.shape, math.isqrt(tp_size))
+        return layout.serial_shape(param.shape, tp_size)
     shape = list(param.shape)
     if is_tensor_parallel(param):
         shape[param.partition_dim] *= tp_size

@@ -192,7 +192,7 @@ def build_gpt_chunks(
     :func:`chunk_config`. ``vocab_size`` is the padded vocabulary (divisible by the tp size).
     Tied embeddings: see the module docstring; ValueError if a pipeline's first and last
     stage are on different ranks. ``gpt_kwargs`` go to ``GPTModel`` (rotary settings,
-    ``parallel_output``...). With ``groups.mesh`` the chunks are ``OptimusGPTModel``\ s and
+    ``parallel_output``...). With ``groups.mesh`` the chunks are ``OptimusGPTModel``\\ s and
     ``layer_spec``, if given, is an Optimus *layer* spec
     (:func:`~megatron_bitpipe.optimus.get_optimus_gpt_layer_spec`, e.g. with another core
     attention). Weights get megatron's own (layout-dependent) initialisation;
