@@ -47,6 +47,7 @@ class Case:
     deallocate_pipeline_outputs: bool = False
     overlap_grad_reduce: bool = True
     sequence_parallel: bool = False
+    tensor_parallel_mode: str = "1d"
 
     @property
     def world_size(self) -> int:
@@ -58,7 +59,9 @@ class Case:
 
     @property
     def reference_key(self):
-        return (self.tied, self.global_microbatches, self.clip_grad)
+        key = (self.tied, self.global_microbatches, self.clip_grad)
+        # Optimus' vocab-parallel cross entropy is exact fp32, megatron's fused one is not.
+        return key + (True,) if self.tensor_parallel_mode == "optimus2d" else key
 
     def model_kwargs(self) -> dict:
         """Arguments of ``build_pipeline_model`` besides the layout, sizes and seed."""
@@ -132,13 +135,17 @@ def train_single_process(model, config, pg, clip_grad: float, run, batches, glob
     return record
 
 
-def _gpt_loss(ddp, batch):
-    tokens, labels = batch
-    loss = ddp(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=labels).float().mean()
-    return loss, loss.item()
+def _loss(model, tokens, labels, fp32_cross_entropy: bool) -> torch.Tensor:
+    """Mean token loss: megatron-core's own (fused 'native' cross entropy, which rounds the
+    logits' gradient to bf16), or torch's fp32 cross entropy of the model's logits."""
+    position_ids = torch.arange(SEQ).expand_as(tokens)
+    if not fp32_cross_entropy:
+        return model(tokens, position_ids, None, labels=labels).float().mean()
+    logits = model(tokens, position_ids, None)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
+def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross_entropy: bool = False) -> dict:
     """Single-process training of the stock megatron-core GPTModel."""
     from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.runtime.init import initialize_from_seed
@@ -150,7 +157,12 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
     config = _config()
     model = gpt.build_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
-    return train_single_process(model, config, pg, clip_grad, _gpt_loss, gpt_batches, global_microbatches)
+
+    def run(ddp, batch):
+        loss = _loss(ddp, *batch, fp32_cross_entropy)
+        return loss, loss.item()
+
+    return train_single_process(model, config, pg, clip_grad, run, gpt_batches, global_microbatches)
 
 
 def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
@@ -181,6 +193,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         seed=SEED,
         ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce, grad_reduce_in_fp32=True),
         **case.model_kwargs(),
+        tensor_parallel_mode=case.tensor_parallel_mode,
     )
     groups = model.groups
     optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))

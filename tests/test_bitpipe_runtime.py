@@ -35,6 +35,11 @@ CASES_4 = [
     Case("chimera_pp4_n4_untied", "chimera", pp=4, n=4, tied=False),
     Case("1f1b_pp4_n4_untied", "1f1b", pp=4, n=4, tied=False),
 ]
+# Optimus 2D (q=2, tp group of 4) inside every BitPipe stage.
+CASES_8 = [
+    Case("bitpipe_optimus2d_q2_pp2_n4_clip", "bitpipe", pp=2, n=4, tp=4, clip_grad=0.5, tensor_parallel_mode="optimus2d"),
+    Case("bitpipe_optimus2d_q2_pp2_n2_untied", "bitpipe", pp=2, n=2, tp=4, tied=False, tensor_parallel_mode="optimus2d"),
+]
 INSTRUMENTED = "bitpipe_pp4_n8"
 
 
@@ -59,7 +64,7 @@ def _reference_runs(keys) -> dict:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    keys = sorted({c.reference_key for c in CASES_2 + CASES_4})
+    keys = sorted({c.reference_key for c in CASES_2 + CASES_4 + CASES_8})
     return launch(_reference_runs, 1, keys, timeout=300)[0]
 
 
@@ -73,13 +78,19 @@ def four_ranks() -> List[dict]:
     return launch(_run_cases, 4, CASES_4, timeout=800)
 
 
-def _records(case, two_ranks, four_ranks) -> List[dict]:
-    return [r[case.name] for r in (two_ranks if case in CASES_2 else four_ranks)]
+@pytest.fixture(scope="module")
+def eight_ranks() -> List[dict]:
+    return launch(_run_cases, 8, CASES_8, timeout=600)
 
 
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_equals_single_process_training(case, references, two_ranks, four_ranks):
-    assert_equals_reference(case, _records(case, two_ranks, four_ranks), references[case.reference_key])
+def _records(case, two_ranks, four_ranks, eight_ranks=()) -> List[dict]:
+    launched = two_ranks if case in CASES_2 else four_ranks if case in CASES_4 else eight_ranks
+    return [r[case.name] for r in launched]
+
+
+@pytest.mark.parametrize("case", CASES_2 + CASES_4 + CASES_8, ids=lambda c: c.name)
+def test_equals_single_process_training(case, references, two_ranks, four_ranks, eight_ranks):
+    assert_equals_reference(case, _records(case, two_ranks, four_ranks, eight_ranks), references[case.reference_key])
 
 
 def test_tied_embedding_is_one_weight(references, four_ranks):

@@ -255,7 +255,10 @@ def build_bert_chunks(
     BERT defaults: tied embeddings, the binary (next-sentence) head, and two token types with
     it (``num_tokentypes`` defaults to 2 with ``add_binary_head``, else 0). ``bert_kwargs``
     go to :class:`BertChunk` (``position_embedding_type``, ``parallel_output``...).
+    ValueError naming ``--tensor-parallel-mode`` if the groups carry an Optimus 2D mesh.
     """
+    if groups.mesh is not None:
+        raise ValueError("--tensor-parallel-mode optimus2d supports GPT models only; use 1d for BERT")
     spec = layer_spec or default_bert_layer_spec(config)
     if num_tokentypes is None:
         num_tokentypes = 2 if add_binary_head else 0

@@ -18,6 +18,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
 from .groups import ParallelGrid, PipelineGroups
 from .init import initialize_from_seed
@@ -72,6 +73,7 @@ def build_pipeline_model(
     seed: int,
     share_embeddings_and_output_weights: bool = True,
     ddp_config: Optional[DistributedDataParallelConfig] = None,
+    tensor_parallel_mode: str = "1d",
     chunk_builder: Callable[..., List[torch.nn.Module]] = build_gpt_chunks,
     **model_kwargs,
 ) -> PipelineModel:
@@ -88,8 +90,18 @@ def build_pipeline_model(
     :class:`~.precision.ChunkFloat16Module` (fp32 loss on whichever rank holds it). The default DDP
     config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
     reduces in fp32.
+
+    ``tensor_parallel_mode`` is ``--tensor-parallel-mode``: ``"1d"`` (megatron's tensor
+    parallelism) or ``"optimus2d"`` (Optimus 2D over a q x q mesh of the ``grid.tp = q*q``
+    ranks: ``OptimusGPTModel`` chunks, pipeline p2p of ``[s, b/q, h/q]`` blocks; the mesh is
+    ``model.groups.mesh``). Its size constraints are checked here, before any communication
+    (:func:`megatron_bitpipe.optimus.validation.check_optimus_model_config`); GPT only.
+    ``model_kwargs`` go to ``chunk_builder`` (``layer_spec``, ``position_embedding_type``,
+    ``add_binary_head``, ...).
     """
-    groups = PipelineGroups.build(grid, placement)
+    if tensor_parallel_mode == "optimus2d":
+        check_optimus_model_config(config, grid.tp, vocab_size)
+    groups = PipelineGroups.build(grid, placement, tensor_parallel_mode)
     init_megatron_state(groups.rank_pgs, seed)
     chunks = chunk_builder(
         config,

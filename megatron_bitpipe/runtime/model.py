@@ -33,6 +33,12 @@ after every backward) is not used. Not handled yet: megatron's ``sharded_state_d
 :func:`megatron_bitpipe.runtime.bert.default_bert_layer_spec`) is the single place choosing
 between Transformer Engine and megatron-core's local modules.
 
+**Optimus 2D.** When the groups carry an Optimus mesh (``tensor_parallel_mode="optimus2d"``),
+every chunk is an :class:`~megatron_bitpipe.optimus.OptimusGPTModel` over that mesh: its
+block spec follows the chunk's explicit layer range like any other spec, the tied head uses
+the embedding chunk's 2-D ``[v/q, h/q]`` vocabulary block, and every parameter carries its
+``optimus_layout``, which :mod:`.init` uses for seed-only initialisation.
+
 **Other models.** :func:`build_chunks` does the placement work (per-chunk configs, process
 groups, tying) for any megatron-core language model whose block is a ``TransformerBlock``;
 :func:`build_gpt_chunks` gives it GPTModel chunks and
@@ -59,6 +65,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 from megatron.core.utils import unwrap_model
 
+from ..optimus.gpt_model import OptimusGPTModel
+from ..optimus.spec import get_optimus_gpt_block_spec
 from .groups import PipelineGroups
 from .layout import ChunkLayers, ChunkSpec, chunk_specs
 from .norms import SequenceParallelTorchNorm
@@ -248,16 +256,25 @@ def build_gpt_chunks(
     Chunk ``c`` holds :func:`~megatron_bitpipe.runtime.layout.chunk_specs`\\ ``[c]`` (its
     layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
     :func:`chunk_config`; see :func:`build_chunks` for the checks and tied embeddings.
-    ``gpt_kwargs`` go to ``GPTModel`` (rotary settings, ``parallel_output``...). Weights get
-    megatron's own (layout-dependent) initialisation; call
-    :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent ones.
+    ``gpt_kwargs`` go to ``GPTModel`` (rotary settings, ``parallel_output``...). With
+    ``groups.mesh`` the chunks are ``OptimusGPTModel``\\ s and ``layer_spec``, if given, is an
+    Optimus *layer* spec (:func:`~megatron_bitpipe.optimus.get_optimus_gpt_layer_spec`, e.g.
+    with another core attention). Weights get megatron's own (layout-dependent)
+    initialisation; call :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for
+    layout-independent ones.
     """
-    spec = layer_spec or default_gpt_layer_spec(config)
+    mesh = groups.mesh
+    spec = layer_spec or (None if mesh else default_gpt_layer_spec(config))
 
     def make_chunk(chunk_config: TransformerConfig, chunk: ChunkSpec, pgs: ProcessGroupCollection, tie: bool):
-        return GPTModel(
+        if mesh is None:
+            block = chunk_block_spec(spec, chunk.num_layers) if _is_layer_spec(spec) else spec
+            model_class, model_kwargs = GPTModel, dict(transformer_layer_spec=block)
+        else:
+            block = get_optimus_gpt_block_spec(chunk_config, mesh, chunk.num_layers, layer_spec=spec)
+            model_class, model_kwargs = OptimusGPTModel, dict(transformer_layer_spec=block, mesh=mesh)
+        return model_class(
             config=chunk_config,
-            transformer_layer_spec=chunk_block_spec(spec, chunk.num_layers) if _is_layer_spec(spec) else spec,
             vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=chunk.pre_process,
@@ -265,6 +282,7 @@ def build_gpt_chunks(
             share_embeddings_and_output_weights=tie,
             position_embedding_type=position_embedding_type,
             pg_collection=pgs,
+            **model_kwargs,
             **gpt_kwargs,
         )
 
