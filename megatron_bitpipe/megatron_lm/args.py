@@ -100,5 +100,11 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             value = getattr(args, attribute, None)
             if (value or 0) > 1 if attribute in _PARALLEL_SIZES else value:
                 problems.append(f"{flag} cannot be used with --pipeline-schedule bitpipe: {reason}")
+        checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
+        if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch":
+            problems.append(
+                f"--ckpt-format {getattr(args, 'ckpt_format', 'torch_dist')} cannot be used with --pipeline-schedule "
+                "bitpipe: use --ckpt-format torch (a bitpipe checkpoint resumes a bitpipe run of the same layout)"
+            )
     if problems:
         raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))

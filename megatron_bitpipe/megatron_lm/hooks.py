@@ -21,7 +21,7 @@ Megatron-LM needs four things from the plugin; both routes call the same functio
 ``utils.get_batch_on_this_tp_rank``) so an unmodified script gets all four. It must run
 before the script imports ``get_batch_on_this_tp_rank`` by name (``pretrain_gpt.py`` does).
 The patch route (``patches/megatron-lm-core_v0.16.1.patch``) makes the same calls from
-Megatron-LM's source.
+Megatron-LM's source; on a patched checkout :func:`install` does nothing.
 
 Everything is decided at call time from the parsed arguments: with ``--pipeline-schedule``
 ``default`` (and no ``--layout-independent-init``) Megatron-LM runs exactly as without the
@@ -38,7 +38,10 @@ from ..plugin import register
 from .args import chain_args_provider, layout_independent_init, validate_megatron_lm_args
 from .losses import forward_backward_for_megatron_lm
 
-__all__ = ["setup", "get_model", "broadcast_full_batch", "install"]
+__all__ = ["PATCH_MARKER", "setup", "get_model", "broadcast_full_batch", "install"]
+
+PATCH_MARKER = "MEGATRON_BITPIPE_PATCHED"
+"""Name the patch defines as True in ``megatron.training.training``."""
 
 
 def setup(args: argparse.Namespace) -> None:
@@ -84,8 +87,8 @@ def install() -> None:
     import megatron.training.training as training
     import megatron.training.utils as utils
 
-    if hasattr(initialize.parse_args, "megatron_bitpipe_original"):
-        return
+    if hasattr(initialize.parse_args, "megatron_bitpipe_original") or getattr(training, PATCH_MARKER, False):
+        return  # installed already, or the checkout carries the patch route's calls
     parse_args, validate_args = initialize.parse_args, initialize.validate_args
     megatron_get_model, get_batch = training.get_model, utils.get_batch_on_this_tp_rank
 

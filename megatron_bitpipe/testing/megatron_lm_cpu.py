@@ -9,6 +9,8 @@ checkout is importable, megatron-core's CPU layer
 Megatron-LM's start-up (tag core_v0.16.1), each needed on a CPU-only torch:
 
 * ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``: passed as true;
+* ``validate_args`` asks the GPU's architecture with tensor parallelism (for
+  ``CUDA_DEVICE_MAX_CONNECTIONS`` advice): answered 10, a generation without that requirement;
 * ``_initialize_distributed`` builds the model-parallel groups only if
   ``torch.cuda.device_count() > 0`` and then calls ``torch.cuda.set_device``: the count is 1
   and ``set_device`` does nothing (the device mode maps "cuda" to the CPU);
@@ -89,6 +91,7 @@ def enable_cpu_megatron_lm() -> None:
 
     Call with the checkout on ``sys.path`` and before the training script starts.
     """
+    import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
@@ -105,6 +108,7 @@ def enable_cpu_megatron_lm() -> None:
 
     initialize_megatron_on_cpu.allows_no_cuda = True
     training.initialize_megatron = initialize_megatron_on_cpu
+    arguments.get_device_arch_version = lambda: 10
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda device: None
     initialize._compile_dependencies = _compile_dataset_helpers
