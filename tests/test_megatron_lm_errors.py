@@ -14,7 +14,6 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,17 +23,7 @@ from megatron_bitpipe.megatron_lm.args import add_megatron_lm_args, chain_args_p
 from megatron_bitpipe.megatron_lm.checkout import MegatronLMCheckoutError, find_checkout, resolve_script
 from megatron_bitpipe.testing.launcher import launch
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def fake_checkout(root: Path, version=(0, 16, 1)) -> Path:
-    """A directory that looks like a Megatron-LM checkout of megatron-core ``version``."""
-    (root / "megatron" / "training").mkdir(parents=True)
-    major, minor, patch = version
-    (root / "megatron" / "core").mkdir(parents=True)
-    (root / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = ''\n")
-    (root / "pretrain_gpt.py").write_text("raise SystemExit('not run in these tests')\n")
-    return root
+from megatron_lm_support import REPO, fake_checkout
 
 
 def test_script_missing_without_env(tmp_path):
