@@ -6,7 +6,9 @@
   (:mod:`.megatron_args`);
 * :mod:`.schedules` — schedules as data, simulator, command line (no torch needed);
 * :mod:`.runtime` — building chunks and running plans on megatron-core;
-* :mod:`.optimus` — Optimus 2D (SUMMA) tensor parallelism.
+* :mod:`.optimus` — Optimus 2D (SUMMA) tensor parallelism;
+* :mod:`.megatron_lm` and ``python -m megatron_bitpipe.run`` (:mod:`.run`) — the plugin inside
+  Megatron-LM's own training scripts (docs/megatron_lm.md).
 
 Importing this package is cheap: torch and megatron-core are imported by the submodules
 that need them.

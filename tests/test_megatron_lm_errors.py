@@ -4,6 +4,7 @@
   ``python -m megatron_bitpipe.run`` exit status 2 with one ``error:`` line);
 * incompatible Megatron-LM flags with ``--pipeline-schedule bitpipe`` are all reported at once,
   each by its flag;
+* a model builder that ignores the chunk's config or process groups is refused;
 * the loss reports of BitPipe's two edge ranks reach the last pipeline stage in micro-batch
   order, with their dtypes (2 gloo ranks).
 """
@@ -119,6 +120,34 @@ def test_incompatible_megatron_lm_flags_are_named_at_once():
 def test_optimus2d_is_not_wired_into_megatron_lm_scripts():
     with pytest.raises(BitPipeConfigError, match="--tensor-parallel-mode optimus2d is not available through Megatron-LM's scripts"):
         validate_megatron_lm_args(megatron_lm_args("--tensor-parallel-mode", "optimus2d", tensor_model_parallel_size=4, pipeline_model_parallel_size=1))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, layer_number: int):
+        super().__init__()
+        self.layer_number = layer_number
+
+
+class _Chunk(torch.nn.Module):
+    """Just what the check reads off a megatron-core language model."""
+
+    def __init__(self, first_layer: int, pg_collection):
+        super().__init__()
+        self.pre_process, self.post_process, self.pg_collection = False, False, pg_collection
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList([_Layer(first_layer + 1)])
+
+
+def test_model_builder_must_honour_config_and_process_groups():
+    from megatron_bitpipe.megatron_lm.model import _check_chunk
+    from megatron_bitpipe.runtime.layout import ChunkSpec
+
+    spec = ChunkSpec(first_layer=6, num_layers=2, pre_process=False, post_process=False, pipeline=1, stage=3)
+    ours = object()
+    _check_chunk(_Chunk(6, ours), spec, ours)
+    for chunk in (_Chunk(6, object()), _Chunk(0, ours)):  # megatron's global groups / looped layers
+        with pytest.raises(BitPipeConfigError, match="model_provider did not build the chunk from the config and pg_collection"):
+            _check_chunk(chunk, spec, ours)
 
 
 def _relay() -> dict:

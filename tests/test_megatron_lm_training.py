@@ -12,8 +12,10 @@ the 7 digits Megatron-LM prints):
 * resuming that checkpoint (``--load``, ``--ckpt-step 2``) continues the same loss curve;
 * patch route: a copy of the checkout patched by ``scripts/apply_megatron_patch.py``,
   pipeline 4 (4 ranks);
-* invalid flags stop every rank with one error line before torch.distributed starts, and
-  pretrain_bert.py (whose model builder ignores the chunk's process groups) is refused.
+* invalid flags stop every rank with one error line before torch.distributed starts.
+
+(pretrain_bert.py at core_v0.16.1 imports Transformer Engine's BERT layer spec when it is
+loaded, so it cannot run on a CPU machine at all.)
 """
 
 from __future__ import annotations
@@ -115,9 +117,3 @@ def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):
     assert "--use-distributed-optimizer cannot be used with --pipeline-schedule bitpipe" in run.output
     assert "initializing torch distributed" not in run.output
 
-
-def test_bert_script_is_refused_with_bitpipe(checkout, workdir):
-    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2"]
-    run = torchrun(checkout / "pretrain_bert.py", 2, flags, workdir, timeout=300)
-    assert run.returncode != 0
-    assert "the script's model_provider did not build the chunk from the config and pg_collection" in run.output, run.output[-3000:]
