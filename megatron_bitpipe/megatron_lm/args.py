@@ -88,8 +88,9 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     problems: List[str] = []
     try:
         validate_bitpipe_args(args)
-    except BitPipeConfigError as error:
-        problems.extend(line.strip() for line in str(error).splitlines()[1:])
+    except BitPipeConfigError as error:  # "invalid arguments:" and one indented line per rule
+        lines = str(error).splitlines()
+        problems.extend(line.strip() for line in lines[1:] or lines)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(
             "--tensor-parallel-mode optimus2d is not available through Megatron-LM's scripts (their "
