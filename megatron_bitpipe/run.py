@@ -13,8 +13,8 @@ Megatron-LM's training code, and the script runs as ``__main__`` with ``sys.argv
 
 Errors that are the user's to fix print one ``megatron_bitpipe.run: error: ...`` line on
 stderr and exit with status 2, on every rank, before any communication: a missing or wrong
-checkout, and invalid flag combinations
-(:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`).
+checkout, a Python package Megatron-LM's training code imports but is not installed, and
+invalid flag combinations (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`).
 """
 
 from __future__ import annotations
@@ -56,13 +56,19 @@ def main(argv: Optional[List[str]] = None, *, prepare: Optional[Callable[[], Non
     for path in dict.fromkeys([str(checkout.root), str(script.parent)]):
         if path not in sys.path:
             sys.path.insert(0, path)
-    if prepare is not None:
-        prepare()
-    # Imported only now: megatron.core must come from the checkout, as for `python <script>`.
-    from .megatron_args import BitPipeConfigError
-    from .megatron_lm.hooks import install
+    try:
+        if prepare is not None:
+            prepare()
+        # Imported only now: megatron.core must come from the checkout, as for `python <script>`.
+        from .megatron_args import BitPipeConfigError
+        from .megatron_lm.hooks import install
 
-    install()
+        install()
+    except ModuleNotFoundError as error:
+        return _error(
+            f"Megatron-LM's training code in {checkout.root} imports {error.name!r}, which is not installed "
+            "(it needs the pip packages six, regex, pyyaml, pydantic, einops and triton)"
+        )
     sys.argv = [str(script), *argv[1:]]
     try:
         runpy.run_path(str(script), run_name="__main__")

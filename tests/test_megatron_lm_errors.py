@@ -68,6 +68,12 @@ def test_run_cli_reports_checkout_errors(tmp_path):
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("megatron_bitpipe.run: error: ") and expected in result.stderr
         assert "core_v0.16.1" in result.stderr
+    good = fake_checkout(tmp_path / "needs-a-module")
+    (good / "megatron" / "training" / "initialize.py").write_text("import a_module_nobody_installed\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_bitpipe.run", str(good / "pretrain_gpt.py")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and "imports 'a_module_nobody_installed', which is not installed" in result.stderr, result.stderr
     usage = subprocess.run([sys.executable, "-m", "megatron_bitpipe.run"], env=env, capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "usage: python -m megatron_bitpipe.run SCRIPT" in usage.stderr
 
