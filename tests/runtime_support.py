@@ -42,6 +42,8 @@ class Case:
     overlap_p2p_comm: bool = False
     deallocate_pipeline_outputs: bool = False
     overlap_grad_reduce: bool = True
+    sequence_parallel: bool = False
+    tensor_parallel_mode: str = "1d"
 
     @property
     def world_size(self) -> int:
@@ -53,7 +55,9 @@ class Case:
 
     @property
     def reference_key(self):
-        return (self.tied, self.global_microbatches, self.clip_grad)
+        key = (self.tied, self.global_microbatches, self.clip_grad)
+        # Optimus' vocab-parallel cross entropy is exact fp32, megatron's fused one is not.
+        return key + (True,) if self.tensor_parallel_mode == "optimus2d" else key
 
 
 def step_batches(step: int, count: int):
@@ -78,7 +82,17 @@ def _optimizer_config(clip_grad: float):
     return OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.01, clip_grad=clip_grad)
 
 
-def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
+def _loss(model, tokens, labels, fp32_cross_entropy: bool) -> torch.Tensor:
+    """Mean token loss: megatron-core's own (fused 'native' cross entropy, which rounds the
+    logits' gradient to bf16), or torch's fp32 cross entropy of the model's logits."""
+    position_ids = torch.arange(SEQ).expand_as(tokens)
+    if not fp32_cross_entropy:
+        return model(tokens, position_ids, None, labels=labels).float().mean()
+    logits = model(tokens, position_ids, None)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross_entropy: bool = False) -> dict:
     """Single-process training of the stock megatron-core GPTModel."""
     from megatron.core.distributed import finalize_model_grads
 
@@ -101,7 +115,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
         optimizer.zero_grad()
         losses = []
         for tokens, labels in step_batches(step, global_microbatches):
-            loss = ddp(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=labels).float().mean()
+            loss = _loss(ddp, tokens, labels, fp32_cross_entropy)
             (loss / global_microbatches).backward()
             losses.append(loss.item())
         finalize_model_grads([ddp], pg_collection=pg)
@@ -111,8 +125,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
         record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=collect_full(ddp)))
     with torch.no_grad():
         record["eval"] = [
-            ddp(t, torch.arange(SEQ).expand_as(t), None, labels=l).float().mean().item()
-            for t, l in eval_batches(global_microbatches)
+            _loss(ddp, t, l, fp32_cross_entropy).item() for t, l in eval_batches(global_microbatches)
         ]
     return record
 
@@ -135,6 +148,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         pipeline_model_parallel_size=case.pp,
         overlap_p2p_comm=case.overlap_p2p_comm,
         deallocate_pipeline_outputs=case.deallocate_pipeline_outputs,
+        sequence_parallel=case.sequence_parallel,
     )
     model = build_pipeline_model(
         config,
@@ -145,6 +159,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         seed=SEED,
         share_embeddings_and_output_weights=case.tied,
         ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce, grad_reduce_in_fp32=True),
+        tensor_parallel_mode=case.tensor_parallel_mode,
     )
     groups = model.groups
     optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))
@@ -229,3 +244,41 @@ def _instrument(chunks, events: list):
             chunk.start_grad_sync = original
 
     return restore
+
+
+def bf16_losses(pp: int, n: int, steps: int = 2) -> dict:
+    """Train a BitPipe model in bf16 (chunks wrapped in ChunkFloat16Module, mixed-precision
+    optimizer); return this rank's reported losses per step and their dtypes."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
+    from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.schedules.placement import bidirectional_v
+    from megatron_bitpipe.testing.gpt import gpt_forward_step
+
+    config = _config(pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    model = build_pipeline_model(
+        config, ParallelGrid(pp=pp), bidirectional_v(pp), vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED,
+        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True),
+    )
+    optimizer = build_optimizer(model, OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, bf16=True))
+    out = {"losses": [], "dtypes": set()}
+    for step in range(steps):
+        for chunk in model.chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = forward_backward_bitpipe(
+            forward_step_func=gpt_forward_step,
+            data_iterator=iter(step_batches(step, n)),
+            model=model.chunks,
+            num_microbatches=n,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+        )
+        out["losses"].append([r["lm loss"].item() for r in reports])
+        out["dtypes"] |= {str(r["lm loss"].dtype) for r in reports}
+        success, _, _ = optimizer.step()
+        assert success
+    return out

@@ -18,11 +18,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
 from .groups import ParallelGrid, PipelineGroups
 from .init import initialize_from_seed
 from .layout import ChunkSpec, chunk_specs
 from .model import build_gpt_chunks
+from .precision import ChunkFloat16Module
 from .replicas import mark_replica_parameters, wrap_ddp
 
 __all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "build_optimizer"]
@@ -71,17 +73,30 @@ def build_pipeline_model(
     seed: int,
     share_embeddings_and_output_weights: bool = True,
     ddp_config: Optional[DistributedDataParallelConfig] = None,
+    tensor_parallel_mode: str = "1d",
     **gpt_kwargs,
 ) -> PipelineModel:
     """Build, initialise and wrap this rank's GPT chunks of ``placement`` on ``grid``.
 
     Collective over all ranks. The initial weights depend only on ``seed`` and the model
     shape (:func:`~.init.initialize_from_seed`), so both replicas of every stage start
-    bit-identical and any layout starts from the single-process model. The default DDP
+    bit-identical and any layout starts from the single-process model. With
+    ``config.bf16``/``config.fp16`` each chunk is wrapped in
+    :class:`~.precision.ChunkFloat16Module` (fp32 loss on whichever rank holds it). The default DDP
     config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
     reduces in fp32.
+
+    ``tensor_parallel_mode`` is ``--tensor-parallel-mode``: ``"1d"`` (megatron's tensor
+    parallelism) or ``"optimus2d"`` (Optimus 2D over a q x q mesh of the ``grid.tp = q*q``
+    ranks: ``OptimusGPTModel`` chunks, pipeline p2p of ``[s, b/q, h/q]`` blocks; the mesh is
+    ``model.groups.mesh``). Its size constraints are checked here, before any communication
+    (:func:`megatron_bitpipe.optimus.validation.check_optimus_model_config`).
+    ``gpt_kwargs`` go to :func:`~.model.build_gpt_chunks` (``layer_spec``,
+    ``position_embedding_type``, ...).
     """
-    groups = PipelineGroups.build(grid, placement)
+    if tensor_parallel_mode == "optimus2d":
+        check_optimus_model_config(config, grid.tp, vocab_size)
+    groups = PipelineGroups.build(grid, placement, tensor_parallel_mode)
     init_megatron_state(groups.rank_pgs, seed)
     chunks = build_gpt_chunks(
         config,
@@ -94,6 +109,8 @@ def build_pipeline_model(
     specs = chunk_specs(placement, config.num_layers, groups.pp_rank)
     initialize_from_seed(chunks, specs, seed, groups.tp)
     mark_replica_parameters(chunks, specs)
+    if config.bf16 or config.fp16:
+        chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
     ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config), groups, specs, config)
 

@@ -144,17 +144,36 @@ def _check_supported(schedule, chunks, placement, config, seq_length, decoder_se
 
 
 def p2p_tensor_shape(config, seq_length, micro_batch_size, groups: PipelineGroups, adjust_tensor_shapes_fn=None):
-    """[s / cp (/ tp with sequence parallelism), micro-batch, hidden], as megatron-core computes it."""
+    """Shape of every activation and gradient crossing pipeline ranks.
+
+    megatron-core's ``[s / cp (/ tp with sequence parallelism), micro-batch, hidden]``; with an
+    Optimus mesh (``groups.mesh``) the ``[s, b/q, h/q]`` block every mesh position holds.
+    ``adjust_tensor_shapes_fn`` follows megatron's contract: it receives megatron's shape and
+    its answer is used. In Optimus mode that answer must be the block shape (e.g. from
+    :func:`megatron_bitpipe.optimus.optimus_p2p_tensor_shapes`, which is then redundant).
+    ValueError naming ``--micro-batch-size`` if the mesh side does not divide it.
+    """
     seq = seq_length // groups.rank_pgs.cp.size()
     if config.sequence_parallel:
         seq //= groups.grid.tp
     shape = [seq, micro_batch_size, config.hidden_size]
-    if adjust_tensor_shapes_fn is not None:
-        recv, send = adjust_tensor_shapes_fn([shape], [shape])
-        if recv != send or len(recv) != 1:
-            raise ValueError("adjust_tensor_shapes_fn must give one shape, equal for sends and receives")
-        shape = list(recv[0])
-    return shape
+    derived = shape
+    if groups.mesh is not None:
+        side = groups.mesh.side
+        if micro_batch_size % side:
+            raise ValueError(
+                f"--micro-batch-size {micro_batch_size} must be divisible by the Optimus mesh side q={side}"
+            )
+        derived = [seq, micro_batch_size // side, config.hidden_size // side]
+    if adjust_tensor_shapes_fn is None:
+        return derived
+    recv, send = adjust_tensor_shapes_fn([shape], [shape])
+    if recv != send or len(recv) != 1:
+        raise ValueError("adjust_tensor_shapes_fn must give one shape, equal for sends and receives")
+    adjusted = list(recv[0])
+    if groups.mesh is not None and adjusted != derived:
+        raise ValueError(f"adjust_tensor_shapes_fn gives {adjusted}; Optimus 2D pipeline stages exchange {derived}")
+    return adjusted
 
 
 def finalize_grads(chunks, groups: PipelineGroups, config, num_tokens: torch.Tensor, force_all_reduce: bool = False) -> None:

@@ -14,7 +14,10 @@ loss (``post_process``); megatron numbers a chunk's layers locally in its module
 
 Tensor parallelism: a parameter with megatron's ``tensor_model_parallel`` attribute is the
 ``tp_rank``-th of ``tp_size`` equal blocks of the full tensor along ``partition_dim``
-(:func:`tp_block`).
+(:func:`tp_block`). A parameter of Optimus 2D tensor parallelism instead carries an
+``optimus_layout`` (:class:`megatron_bitpipe.optimus.layout.ParamLayout`), which says which
+2-D block of the full tensor each TP rank holds; :func:`tp_block` and :func:`full_shape`
+defer to it (no import of the optimus package here).
 
 Stages are equal: with ``S`` stages per pipeline and ``num_layers`` layers, stage ``s`` holds
 layers ``[s * num_layers / S, (s + 1) * num_layers / S)``. Every pipeline of a placement is a
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -38,6 +41,7 @@ __all__ = [
     "to_global_name",
     "to_local_name",
     "is_tensor_parallel",
+    "full_shape",
     "tp_block",
 ]
 
@@ -148,12 +152,27 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+def full_shape(param: torch.Tensor, tp_size: int) -> Tuple[int, ...]:
+    """Shape of the full tensor of which ``param`` is one tensor-parallel block."""
+    layout = getattr(param, "optimus_layout", None)
+    if layout is not None:
+        return layout.serial_shape(param.shape, tp_size)
+    shape = list(param.shape)
+    if is_tensor_parallel(param):
+        shape[param.partition_dim] *= tp_size
+    return tuple(shape)
+
+
 def tp_block(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This tp rank's block of ``full`` for ``param`` (``full`` itself if not tp-partitioned).
 
     megatron splits a tensor-parallel parameter into ``tp_size`` equal blocks along
     ``param.partition_dim``; strided partitions are not supported (NotImplementedError).
+    An Optimus 2D parameter takes its 2-D block (``param.optimus_layout``).
     """
+    layout = getattr(param, "optimus_layout", None)
+    if layout is not None:
+        return layout.tp_block(full, tp_rank, tp_size)
     if tp_size == 1 or not is_tensor_parallel(param):
         return full
     if getattr(param, "partition_stride", 1) != 1:

@@ -31,6 +31,12 @@ after every backward) is not used. Not handled yet: megatron's ``sharded_state_d
 **Layer spec.** :func:`default_gpt_layer_spec` is the single place choosing between
 Transformer Engine and megatron-core's local modules.
 
+**Optimus 2D.** When the groups carry an Optimus mesh (``tensor_parallel_mode="optimus2d"``),
+every chunk is an :class:`~megatron_bitpipe.optimus.OptimusGPTModel` over that mesh: its
+block spec follows the chunk's explicit layer range like any other spec, the tied head uses
+the embedding chunk's 2-D ``[v/q, h/q]`` vocabulary block, and every parameter carries its
+``optimus_layout``, which :mod:`.init` uses for seed-only initialisation.
+
 **BERT.** The same per-chunk config works for any model whose decoder/encoder is a
 ``TransformerBlock``; megatron-core 0.16's ``BertModel`` however builds its block without a
 ``pg_collection`` and tests ``parallel_state.is_pipeline_first_stage()`` in ``forward``, so it
@@ -40,6 +46,7 @@ needs the global parallel state and a first-stage fix before it can run on a V p
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import List, Optional, Sequence
 
 import torch
@@ -49,10 +56,16 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 from megatron.core.utils import get_attr_wrapped_model
 
+from ..optimus.gpt_model import OptimusGPTModel
+from ..optimus.spec import get_optimus_gpt_block_spec
 from .groups import PipelineGroups
 from .layout import ChunkLayers, ChunkSpec, chunk_specs
+from .norms import SequenceParallelTorchNorm
 
 __all__ = [
     "ChunkLayerLayout",
@@ -117,11 +130,42 @@ def chunk_config(config: TransformerConfig, layers: ChunkLayers) -> TransformerC
 
 def default_gpt_layer_spec(config: TransformerConfig) -> ModuleSpec:
     """Transformer Engine layer spec if TE is importable and ``config.transformer_impl`` asks
-    for it (megatron's default), else megatron-core's local spec."""
+    for it (megatron's default), else megatron-core's local spec — with norms that support
+    sequence parallelism when megatron would fall back to ``WrappedTorchNorm`` (no apex)."""
     if gpt_layer_specs.HAVE_TE and config.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, normalization=config.normalization
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    return _replace_torch_norms(spec)
+
+
+def _replace_torch_norms(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with every ``WrappedTorchNorm`` submodule swapped for :class:`SequenceParallelTorchNorm`."""
+    submodules = spec.submodules
+    updates = {
+        f.name: SequenceParallelTorchNorm
+        for f in dataclasses.fields(submodules)
+        if getattr(submodules, f.name) is WrappedTorchNorm
+    }
+    for f in dataclasses.fields(submodules):
+        child = getattr(submodules, f.name)
+        if isinstance(child, ModuleSpec) and dataclasses.is_dataclass(child.submodules):
+            replaced = _replace_torch_norms(child)
+            if replaced is not child:
+                updates[f.name] = replaced
+    if not updates:
+        return spec
+    return dataclasses.replace(spec, submodules=dataclasses.replace(submodules, **updates))
+
+
+def chunk_block_spec(layer_spec: ModuleSpec, num_layers: int) -> ModuleSpec:
+    """Block spec of ``num_layers`` copies of ``layer_spec``; the final norm matches the layers'
+    (torch norms get :class:`SequenceParallelTorchNorm`, so sequence parallelism works without apex)."""
+    final_norm = gpt_layer_specs.LNImpl
+    if final_norm is WrappedTorchNorm:
+        final_norm = SequenceParallelTorchNorm
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm),
     )
 
 
@@ -148,7 +192,10 @@ def build_gpt_chunks(
     :func:`chunk_config`. ``vocab_size`` is the padded vocabulary (divisible by the tp size).
     Tied embeddings: see the module docstring; ValueError if a pipeline's first and last
     stage are on different ranks. ``gpt_kwargs`` go to ``GPTModel`` (rotary settings,
-    ``parallel_output``...). Weights get megatron's own (layout-dependent) initialisation;
+    ``parallel_output``...). With ``groups.mesh`` the chunks are ``OptimusGPTModel``\\ s and
+    ``layer_spec``, if given, is an Optimus *layer* spec
+    (:func:`~megatron_bitpipe.optimus.get_optimus_gpt_layer_spec`, e.g. with another core
+    attention). Weights get megatron's own (layout-dependent) initialisation;
     call :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent
     ones. With CUDA available the chunks are moved to the current device.
     """
@@ -169,12 +216,19 @@ def build_gpt_chunks(
     specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank)
     if share_embeddings_and_output_weights:
         _check_tied_placement(groups)
-    spec = layer_spec or default_gpt_layer_spec(config)
+    mesh = groups.mesh
+    spec = layer_spec or (None if mesh else default_gpt_layer_spec(config))
     chunks = []
     for chunk, chunk_spec in enumerate(specs):
-        model = GPTModel(
-            config=chunk_config(config, chunk_spec),
-            transformer_layer_spec=spec,
+        chunk_cfg = chunk_config(config, chunk_spec)
+        if mesh is None:
+            block = chunk_block_spec(spec, chunk_spec.num_layers) if _is_layer_spec(spec) else spec
+            model_class, model_kwargs = GPTModel, dict(transformer_layer_spec=block)
+        else:
+            block = get_optimus_gpt_block_spec(chunk_cfg, mesh, chunk_spec.num_layers, layer_spec=spec)
+            model_class, model_kwargs = OptimusGPTModel, dict(transformer_layer_spec=block, mesh=mesh)
+        model = model_class(
+            config=chunk_cfg,
             vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=chunk_spec.pre_process,
@@ -185,6 +239,7 @@ def build_gpt_chunks(
             ),
             position_embedding_type=position_embedding_type,
             pg_collection=groups.model_pgs[chunk],
+            **model_kwargs,
             **gpt_kwargs,
         )
         if torch.cuda.is_available():
@@ -196,6 +251,10 @@ def build_gpt_chunks(
         for head, embedding in _tied_pairs(specs):
             _tie_head(chunks[head], chunks[embedding])
     return chunks
+
+
+def _is_layer_spec(spec: ModuleSpec) -> bool:
+    return isinstance(spec, ModuleSpec) and issubclass(spec.module, BaseTransformerLayer)
 
 
 def _check_tied_placement(groups: PipelineGroups) -> None:

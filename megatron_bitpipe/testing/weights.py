@@ -132,7 +132,9 @@ def collect_full(
     ``tensor_of`` picks what to collect: the parameter (default), ``lambda p: p.main_grad``
     (megatron DDP's gradient), ``lambda p: p.grad``...; entries where it returns None are
     skipped. With ``tp_group`` (size > 1), tensor-parallel blocks are all-gathered, so this is
-    a collective over the tp group and every tp rank gets the full tensors.
+    a collective over the tp group and every tp rank gets the full tensors; Optimus 2-D
+    blocks are reassembled by their ``optimus_layout``, which also checks that copies of
+    column-replicated parameters are bit-identical.
     """
     from ..runtime.model import unwrap
 
@@ -143,10 +145,11 @@ def collect_full(
         if value is None:
             continue
         value = value.detach()
-        if tp_group is not None and tp_group.size() > 1 and is_tensor_parallel(param):
+        layout = getattr(param, "optimus_layout", None)
+        if tp_group is not None and tp_group.size() > 1 and (layout or is_tensor_parallel(param)):
             blocks = [torch.empty_like(value) for _ in range(tp_group.size())]
             dist.all_gather(blocks, value.contiguous(), group=tp_group)
-            value = torch.cat(blocks, dim=param.partition_dim)
+            value = layout.from_tp_blocks(blocks) if layout else torch.cat(blocks, dim=param.partition_dim)
         out[to_global_name(name, chunk)] = value.to("cpu", copy=True)
     return out
 
