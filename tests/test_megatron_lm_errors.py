@@ -4,8 +4,7 @@
   ``python -m megatron_bitpipe.run`` exit status 2 with one ``error:`` line);
 * incompatible Megatron-LM flags with ``--pipeline-schedule bitpipe`` are all reported at once,
   each by its flag;
-* a model builder that ignores the chunk's config or process groups is refused; the bf16
-  wrapper of a V chunk casts where the chunk embeds and upcasts where it computes the loss;
+* a model builder that ignores the chunk's config or process groups is refused;
 * the loss reports of BitPipe's two edge ranks reach the last pipeline stage in micro-batch
   order, with their dtypes (2 gloo ranks).
 """
@@ -155,29 +154,6 @@ def test_model_builder_must_honour_config_and_process_groups():
     for chunk in (_Chunk(6, object()), _Chunk(0, ours)):  # megatron's global groups / looped layers
         with pytest.raises(BitPipeConfigError, match="model_provider did not build the chunk from the config and pg_collection"):
             _check_chunk(chunk, spec, ours)
-
-
-class _Echo(torch.nn.Module):
-    def __init__(self, pre_process: bool, post_process: bool):
-        super().__init__()
-        self.pre_process, self.post_process = pre_process, post_process
-        self.weight = torch.nn.Parameter(torch.ones(2))
-
-    def forward(self, hidden):
-        return hidden * self.weight
-
-
-def test_bf16_wrapper_follows_the_chunk_not_the_pipeline_rank():
-    from megatron.core.transformer import TransformerConfig
-
-    from megatron_bitpipe.megatron_lm.model import ChunkFloat16Module
-
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16)
-    x = torch.ones(2)
-    for pre, post, dtype in ((True, False, torch.bfloat16), (False, True, torch.float32), (False, False, torch.bfloat16)):
-        wrapped = ChunkFloat16Module(config, _Echo(pre, post))
-        inputs = x if pre else x.bfloat16()  # a middle chunk receives pipeline_dtype activations
-        assert wrapped(inputs).dtype == dtype, (pre, post)
 
 
 def _relay() -> dict:

@@ -18,9 +18,11 @@ Then, like the runtime's :func:`~megatron_bitpipe.runtime.build.build_pipeline_m
 head is made the embedding chunk's word-embedding Parameter (one weight per rank, gradient
 counted once), every weight is initialised from ``--seed`` and its full-model name (both
 replicas identical, equal to any other layout's), the second replica's parameters are marked
-for the grad norm, fp16/bf16 chunks are wrapped (inputs cast where the chunk embeds, outputs
-upcast where it computes the loss) and each chunk gets its own megatron DDP over its grad-sync
-group, always with ``overlap_grad_reduce`` (BitPipe's eager per-chunk all-reduce).
+for the grad norm, fp16/bf16 chunks are wrapped in the runtime's
+:class:`~megatron_bitpipe.runtime.precision.ChunkFloat16Module` (inputs cast where the chunk
+embeds, outputs upcast where it computes the loss) and each chunk gets its own megatron DDP
+over its grad-sync group, always with ``overlap_grad_reduce`` (BitPipe's eager per-chunk
+all-reduce).
 
 The script's ``model_provider`` must pass ``config`` and ``pg_collection`` on to the model
 (Megatron-LM's ``gpt_builder`` does); a chunk built without them raises a clear error.
@@ -37,36 +39,17 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
-from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
 
 from ..megatron_args import BitPipeConfigError
 from ..runtime.groups import ParallelGrid, PipelineGroups
 from ..runtime.init import initialize_from_seed
 from ..runtime.layout import ChunkLayers, ChunkSpec, chunk_specs
 from ..runtime.model import _check_tied_placement, _tie_head, _tied_pairs, chunk_config, unwrap
+from ..runtime.precision import ChunkFloat16Module
 from ..runtime.replicas import mark_replica_parameters, wrap_ddp
 from ..schedules.placement import bidirectional_v
 
-__all__ = ["ChunkFloat16Module", "get_bitpipe_model", "initialize_chunks_from_seed"]
-
-
-class ChunkFloat16Module(Float16Module):
-    """megatron's fp16/bf16 wrapper for a chunk of a V placement.
-
-    ``Float16Module`` casts inputs on the looped first pipeline rank and upcasts outputs on
-    the last one; in a V placement every edge-rank chunk would qualify, and an upcast
-    activation would reach a receiver expecting ``pipeline_dtype``. Here the chunk's own
-    ``pre_process`` (it embeds the tokens) and ``post_process`` (it computes the loss) decide.
-    """
-
-    def forward(self, *inputs, fp32_output=True, **kwargs):
-        model = unwrap(self.module)
-        if model.pre_process:
-            inputs = fp32_to_float16(inputs, self.float16_convertor)
-        outputs = self.module(*inputs, **kwargs)
-        if model.post_process and fp32_output:
-            outputs = float16_to_fp32(outputs)
-        return outputs
+__all__ = ["get_bitpipe_model", "initialize_chunks_from_seed"]
 
 
 def _ddp_config(args) -> DistributedDataParallelConfig:
