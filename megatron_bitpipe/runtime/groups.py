@@ -13,8 +13,10 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
 * ``model_pgs[c]`` — the collection for local chunk ``c``: its GPTModel and its
   ``DistributedDataParallel``. Same as ``rank_pgs`` except ``dp = dp_cp = expt_dp`` is the
   chunk's grad-sync group (:meth:`PipelineGroups.grad_sync_group`).
-  ``embd = pos_embd = None`` in both: tied embeddings live on one rank
-  (:mod:`megatron_bitpipe.runtime.model`), so megatron's embedding all-reduces are skipped.
+  ``embd = pos_embd`` is this rank alone in both: tied embeddings live on one rank
+  (:mod:`megatron_bitpipe.runtime.model`), so megatron's embedding all-reduces are skipped
+  (a group of one, not None: ``finalize_model_grads`` looks a None embedding group up in the
+  global parallel state, which Megatron-LM's training loop has initialised).
   ``pp`` is the pipeline ranks of this (tp, dp) slice in grid order, for every chunk; its
   rank is the pipeline rank, *not* a stage index.
 * p2p channel groups, one per (payload, pipeline, direction, link parity) — see
@@ -255,7 +257,7 @@ class PipelineGroups:
                 stage_groups[stage] = group
 
         mesh = build_optimus_mesh(tp) if tensor_parallel_mode == "optimus2d" else None
-        common = dict(tp=tp, pp=pp, mp=mp, solo=solo)
+        common = dict(tp=tp, pp=pp, mp=mp, solo=solo, embd=solo, pos_embd=solo)
         model_pgs = tuple(
             process_group_collection(dp=stage_groups[placement.role(pp_rank, c).stage], **common)
             for c in range(placement.chunks_per_rank)
