@@ -41,7 +41,7 @@ BAD = [
     (["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--num-layers", "12"], 4, "--num-layers 12 must be divisible by 2 x --pipeline-model-parallel-size"),
     (["--global-batch-size", "15"], 1, "--global-batch-size 15 is not divisible"),
     (["--tensor-parallel-mode", "optimus2d", "--tensor-model-parallel-size", "2"], 2, "--tensor-model-parallel-size 2 is not a square"),
-    (["--tensor-parallel-mode", "optimus2d", "--tensor-model-parallel-size", "4", "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2"], 8, "optimus2d with --pipeline-schedule bitpipe is not supported yet"),
+    (["--tensor-parallel-mode", "optimus2d", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], 8, "optimus2d runs with --pipeline-schedule bitpipe, 1f1b or default"),
     (["--bf16"], 1, "--bf16 needs a CUDA GPU"),
     (["--fp16"], 1, "--fp16 needs a CUDA GPU"),
     (["--distributed-backend", "nccl"], 1, "--distributed-backend nccl needs CUDA GPUs"),
@@ -56,7 +56,6 @@ BAD = [
     (["--tokenizer-type", "GPT2BPETokenizer"], 1, "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
     (["--data-path", "corpus_text_document", "--mock-data", "--tokenizer-type", "NullTokenizer"], 1, "--mock-data and --data-path are mutually exclusive"),
     (["--data-path", "corpus_text_document"], 1, "--data-path needs --tokenizer-type"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--transformer-impl", "local"], 2, "--sequence-parallel needs Transformer Engine"),
 ]  # fmt: skip
 
 

@@ -6,8 +6,8 @@
   from ``--log-json``), and saves the same logical checkpoint. The BitPipe, interleaved and
   single-process runs are the script run through torchrun / python.
 * A checkpoint saved by the BitPipe run at iteration 2 (both replicas written once, as one
-  logical model) continues under megatron-core's 1F1B with TP 2 x PP 2 and in a single
-  process exactly like the uninterrupted run (and the TP 2 run saves BitPipe's iteration-4
+  logical model) continues under megatron-core's 1F1B with TP 2 (sequence parallel) x PP 2
+  and in a single process exactly like the uninterrupted run (and the TP 2 run saves BitPipe's iteration-4
   checkpoint again); a single process resumed from its own checkpoint repeats its run bit for
   bit; a checkpoint of another model shape is refused naming the flag.
 * Bad flags fail on every rank before any communication, naming the flag; a failure on one
@@ -106,7 +106,7 @@ def runs(tmp_path_factory) -> dict:
     optimus = ["--tensor-model-parallel-size", "4", "--tensor-parallel-mode", "optimus2d", "--save", str(out / "ckpt_optimus"), *save]
     launch(_train_in_process, 4, [*MODEL, *optimus, *log("optimus")], timeout=300)
     resume = ["--ckpt-step", str(SAVE_AT)]
-    tp2_1f1b = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--save", str(out / "ckpt_tp2_1f1b")]
+    tp2_1f1b = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--save", str(out / "ckpt_tp2_1f1b")]
     launch(_train_in_process, 4, [*MODEL, *tp2_1f1b, "--load", str(ckpt_bitpipe), *resume, *log("resume_tp2_1f1b")], timeout=300)
     launch(_train_in_process, 1, [*MODEL, "--load", str(ckpt_bitpipe), *resume, *log("resume_single")], timeout=300)
     launch(_train_in_process, 1, [*MODEL, "--load", str(ckpt_single), *resume, *log("resume_single_exact")], timeout=300)

@@ -3,7 +3,8 @@
 Every parameter is re-initialised from its own generator, seeded by (``seed``, full-model
 parameter name): the *full* (tensor-parallel unsplit) tensor is generated on the CPU in fp32
 and this rank's tensor-parallel block is copied in. Hence the initial model depends only on
-the seed and the model config, never on tp / pp / dp sizes, the placement or the schedule:
+the seed and the model config, never on tp / pp / dp sizes, the tensor-parallel mode (1-D
+or Optimus 2-D blocks, :func:`~.layout.tp_block`), the placement or the schedule:
 two replicas of a stage start bit-identical without a broadcast, and any layout starts from
 the same model as a single process does.
 
@@ -12,7 +13,10 @@ Init rules follow megatron-core's conventions, using the config's own init calla
 ``layernorm_zero_centered_gamma``); embeddings ``config.embedding_init_method``; the
 attention output projection and second MLP linear (``linear_proj``, ``linear_fc2``)
 ``config.output_layer_init_method`` (by default N(0, std / sqrt(2 * num_layers))); every other
-weight ``config.init_method`` (by default N(0, std)).
+weight ``config.init_method`` (by default N(0, std)). For BERT that covers, as in
+megatron-core's BertModel: token-type embeddings (an embedding), the MLM head's dense layer
+and norm (``lm_head.dense``, ``lm_head.layer_norm``), the output layer's weight and bias, the
+pooler and the binary head (weights ``init_method``, biases 0).
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 
-from .layout import ChunkLayers, is_tensor_parallel, to_global_name, tp_block
+from .layout import ChunkLayers, full_shape, to_global_name, tp_block
 from .model import unwrap
 
-__all__ = ["init_method_for", "seeded_full_tensor", "initialize_from_seed"]
+__all__ = ["init_method_for", "initialize_from_seed"]
 
 _OUTPUT_PROJECTIONS = ("linear_proj", "linear_fc2")
 
@@ -57,25 +61,13 @@ def _seed_of(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def seeded_full_tensor(name: str, shape, config: TransformerConfig, seed: int) -> torch.Tensor:
-    """The initial value of full-model parameter ``name`` (full ``shape``), fp32 on the CPU.
-
-    A function of (``seed``, ``name``, ``shape``, the config's init rules) only; the global
-    RNG state is left untouched. Any tensor-parallel scheme takes its block of this tensor.
-    """
-    full = torch.empty(list(shape), dtype=torch.float32)
+def _full_value(name: str, param: torch.Tensor, config: TransformerConfig, seed: int, tp_size: int) -> torch.Tensor:
+    full = torch.empty(full_shape(param, tp_size), dtype=torch.float32)
     init = init_method_for(name, config)
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(_seed_of(seed, name))
         init(full)
     return full
-
-
-def _full_value(name: str, param: torch.Tensor, config: TransformerConfig, seed: int, tp_size: int) -> torch.Tensor:
-    shape = list(param.shape)
-    if is_tensor_parallel(param):
-        shape[param.partition_dim] *= tp_size
-    return seeded_full_tensor(name, shape, config, seed)
 
 
 def initialize_from_seed(

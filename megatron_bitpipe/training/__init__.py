@@ -8,8 +8,8 @@
 * :mod:`.config` — megatron-core configs (model, DDP, Adam, learning-rate schedule);
 * :mod:`.schedule` — BitPipe or megatron-core's own schedules on the model's groups;
 * :mod:`.data` — tokenizers, global-batch order, micro-batches;
-* :mod:`.checkpoint` — layout-independent checkpoints; :mod:`.sharding` — blocks <-> full
-  tensors for 1-D and Optimus 2D tensor parallelism;
+* :mod:`.checkpoint` — layout-independent checkpoints; :mod:`.sharding` — full tensors
+  from the TP blocks (1-D and Optimus 2D);
 * :mod:`.logs` — Megatron-style lines, JSON lines, TensorBoard; :mod:`.distributed` —
   torch.distributed start-up under torchrun or alone.
 

@@ -253,14 +253,11 @@ def _pipeline_problems(args) -> List[str]:
                 f"(--micro-batch-size x data-parallel size) = {args.num_microbatches}) to be a multiple of "
                 f"--pipeline-model-parallel-size {pp}"
             )
-    if args.tensor_parallel_mode == "optimus2d":
-        if args.schedule == "bitpipe":
-            problems.append("--tensor-parallel-mode optimus2d with --pipeline-schedule bitpipe is not supported yet")
-        if args.schedule == "interleaved":
-            problems.append(
-                "--tensor-parallel-mode optimus2d runs with --pipeline-schedule 1f1b/default without "
-                "--virtual-pipeline-model-parallel-size"
-            )
+    if args.tensor_parallel_mode == "optimus2d" and args.schedule == "interleaved":
+        problems.append(
+            "--tensor-parallel-mode optimus2d runs with --pipeline-schedule bitpipe, 1f1b or default, not "
+            "with --virtual-pipeline-model-parallel-size"
+        )
     return problems
 
 
@@ -276,12 +273,6 @@ def _precision_problems(args, cuda_available: bool) -> List[str]:
     have_te = importlib.util.find_spec("transformer_engine") is not None
     if args.transformer_impl == "transformer_engine" and not have_te:
         problems.append("--transformer-impl transformer_engine: Transformer Engine is not installed")
-    uses_te = args.transformer_impl == "transformer_engine" or (args.transformer_impl is None and cuda_available and have_te)
-    if args.sequence_parallel and not uses_te and importlib.util.find_spec("apex") is None:
-        problems.append(
-            "--sequence-parallel needs Transformer Engine's layers or apex's LayerNorm (megatron-core's torch "
-            "LayerNorm does not support it)"
-        )
     return problems
 
 

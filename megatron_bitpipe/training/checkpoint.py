@@ -27,11 +27,11 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from ..runtime.build import PipelineModel
-from ..runtime.layout import to_global_name
+from ..runtime.layout import full_shape, to_global_name, tp_block
 from ..runtime.model import unwrap
 from .distributed import log
 from .errors import CheckpointError
-from .sharding import Sharding, sharding_of
+from .sharding import gather_full
 
 __all__ = ["FORMAT", "CheckpointError", "TrainingState", "checkpoint_dir", "save_checkpoint", "load_checkpoint"]
 
@@ -65,13 +65,28 @@ def layout_of(args: argparse.Namespace) -> Dict[str, object]:
     }
 
 
-def _local_parameters(model: PipelineModel) -> Iterator[Tuple[str, torch.nn.Parameter, Sharding]]:
-    """(global name, parameter, sharding) of every registered parameter of this rank's
-    chunks, in the same order on every rank of a TP group."""
+def _local_parameters(model: PipelineModel) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """(global name, parameter) of every registered parameter of this rank's chunks, in the
+    same order on every rank of a TP group."""
     for chunk, spec in zip(model.chunks, model.specs, strict=True):
-        sharding = sharding_of(chunk, model.groups.tp)
         for local_name, param in unwrap(chunk).named_parameters():
-            yield to_global_name(local_name, spec), param, sharding
+            yield to_global_name(local_name, spec), param
+
+
+class _Blocks:
+    """Full tensor <-> this rank's block for the parameters of ``model`` (its TP group)."""
+
+    def __init__(self, model: PipelineModel):
+        self.tp = model.groups.tp
+
+    def full_shape(self, param) -> Tuple[int, ...]:
+        return tuple(full_shape(param, self.tp.size()))
+
+    def block(self, full: torch.Tensor, param) -> torch.Tensor:
+        return tp_block(full, param, self.tp.rank(), self.tp.size())
+
+    def gather(self, local: torch.Tensor, param) -> torch.Tensor:
+        return gather_full(local, param, self.tp)
 
 
 def _adam_slots(optimizer) -> Dict[int, Tuple[torch.optim.Optimizer, torch.Tensor]]:
@@ -103,9 +118,9 @@ def _per_parameter_step(inner: torch.optim.Optimizer) -> bool:
     return type(inner).__module__.startswith("torch.optim")
 
 
-def _adam_entry(inner, main, param, sharding: Sharding) -> Dict[str, object]:
+def _adam_entry(inner, main, param, blocks: _Blocks) -> Dict[str, object]:
     state = inner.state.get(main, {})
-    entry = {key: sharding.gather(state[key], param) for key in ("exp_avg", "exp_avg_sq") if key in state}
+    entry = {key: blocks.gather(state[key], param) for key in ("exp_avg", "exp_avg_sq") if key in state}
     if "step" in state:
         entry["step"] = int(state["step"])
     elif "step" in _group_of(inner, main):
@@ -170,17 +185,17 @@ def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optim
     directory = checkpoint_dir(root, state.iteration)
     rank, groups = dist.get_rank(), model.groups
     os.makedirs(directory, exist_ok=True)
-    slots = _adam_slots(optimizer)
+    slots, blocks = _adam_slots(optimizer), _Blocks(model)
     entries = {}
     with torch.no_grad():
-        for name, param, sharding in _local_parameters(model):
+        for name, param in _local_parameters(model):
             if groups.dp_rank != 0 or getattr(param, "shared", False):
                 continue
             inner, main = slots[id(param)]
-            entry = {"param": sharding.gather(param.detach(), param)}
+            entry = {"param": blocks.gather(param.detach(), param)}
             if main is not param:
-                entry["main_param"] = sharding.gather(main.detach(), param)
-            entry.update(_adam_entry(inner, main, param, sharding))
+                entry["main_param"] = blocks.gather(main.detach(), param)
+            entry.update(_adam_entry(inner, main, param, blocks))
             if groups.tp_rank == 0:
                 entries[name] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
     index = {}
@@ -254,13 +269,13 @@ def _check_model(directory: str, metadata: dict, model: PipelineModel, args, tas
     flags = [f"{flag} is {saved.get(flag)!r} there, {value!r} here" for flag, value in current.items() if saved.get(flag) != value]
     if flags:
         raise CheckpointError(f"{directory} holds a different model: " + "; ".join(flags))
-    index = metadata["parameters"]
+    index, blocks = metadata["parameters"], _Blocks(model)
     problems = []
-    for name, param, sharding in _local_parameters(model):
+    for name, param in _local_parameters(model):
         if name not in index:
             problems.append(f"parameter {name} is missing")
-        elif tuple(index[name]["shape"]) != sharding.full_shape(param):
-            problems.append(f"parameter {name} is {tuple(index[name]['shape'])} there, {sharding.full_shape(param)} here")
+        elif tuple(index[name]["shape"]) != blocks.full_shape(param):
+            problems.append(f"parameter {name} is {tuple(index[name]['shape'])} there, {blocks.full_shape(param)} here")
     if problems:
         raise CheckpointError(f"{directory} holds a different model: " + "; ".join(problems))
 
@@ -283,19 +298,19 @@ def load_checkpoint(
     directory, metadata = found
     _check_model(directory, metadata, model, args, task)
     index, shards = metadata["parameters"], {}
-    slots = _adam_slots(optimizer)
+    slots, blocks = _adam_slots(optimizer), _Blocks(model)
     with torch.no_grad():
-        for name, param, sharding in _local_parameters(model):
+        for name, param in _local_parameters(model):
             filename = index[name]["file"]
             if filename not in shards:
                 shards[filename] = torch.load(os.path.join(directory, filename), mmap=True, weights_only=True)
             entry = shards[filename][name]
             inner, main = slots[id(param)]
-            value = sharding.block(entry.get("main_param", entry["param"]), param)
+            value = blocks.block(entry.get("main_param", entry["param"]), param)
             param.copy_(value)
             if main is not param:
                 main.copy_(value)
-            _set_adam_state(inner, main, entry, lambda full, p=param, s=sharding: s.block(full, p))
+            _set_adam_state(inner, main, entry, lambda full, p=param: blocks.block(full, p))
     common = torch.load(os.path.join(directory, COMMON), weights_only=False)
     try:
         scheduler.load_state_dict(common["scheduler"])
