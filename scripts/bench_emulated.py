@@ -65,8 +65,8 @@ class Settings:
     (``layers_per_rank`` layers), the simulator's cost unit.
     """
 
-    t_forward: float = 40.0
-    t_backward: float = 80.0
+    t_forward: float = 30.0
+    t_backward: float = 60.0
     layers_per_rank: int = 2
     hidden_size: int = 32
     num_attention_heads: int = 4
@@ -238,49 +238,49 @@ def _measure_p2p(settings: Settings, pipeline_size: int) -> float:
 
 
 def _run_rank(settings: Settings, pipeline_size: int, microbatches: Sequence[int], schedule_names: Sequence[str]) -> dict:
-    """Launched on every rank: calibrate, then every schedule on every N of the grid."""
-    import gc
+    """Launched on every rank: calibrate p2p, build every schedule's model, then run the steps.
 
+    Steps go round-robin — each repeat runs one step of every (schedule, N) in turn — so that
+    a disturbance from other processes on the machine spreads over all schedules instead of
+    falling on one. Each step starts after a barrier; its start and end times are recorded
+    (``time.perf_counter``, one clock for every process of the machine) and its end is when
+    the emulated device and every send are done.
+    """
     import torch.distributed as dist
 
     from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
     from megatron_bitpipe.testing.emulation import EmulatedDevice
-    from megatron_bitpipe.testing.measure import LiveActivationMeter
     from megatron_bitpipe.testing.gpt import synthetic_microbatches
+    from megatron_bitpipe.testing.measure import LiveActivationMeter
 
     enable_cpu_megatron()
     calibration = {"t_p2p": _measure_p2p(settings, pipeline_size)}
-    runs = []
+    runners = {}
     for schedule in schedule_names:
         build = _megatron_runner if schedule in MEGATRON_SCHEDULES else _plan_runner
-        runner = build(schedule, settings, pipeline_size)
-        meter = LiveActivationMeter(runner.parameters())
-        for num_microbatches in microbatches:
-            batches = synthetic_microbatches(
-                SEED, num_microbatches, settings.micro_batch_size, settings.seq_length, settings.vocab_size
-            )
-            starts, ends = [], []
-            meter.reset_peaks()
-            for _ in range(settings.warmup + settings.repeats):
-                dist.barrier()
-                starts.append(time.perf_counter())
-                with EmulatedDevice(settings.asynchronous), meter:
-                    runner.step(batches, num_microbatches)
-                ends.append(time.perf_counter())
-            runs.append(
-                dict(
-                    schedule=schedule,
-                    num_microbatches=num_microbatches,
-                    starts=starts[settings.warmup :],
-                    ends=ends[settings.warmup :],
-                    peak_layer_bytes=meter.peak_layer_bytes,
-                    peak_saved_bytes=meter.peak_bytes,
-                    live_after=meter.live_bytes,
-                )
-            )
-        del runner, meter
-        gc.collect()
-        dist.barrier()
+        runners[schedule] = build(schedule, settings, pipeline_size)
+    runs = [
+        dict(schedule=schedule, num_microbatches=n, starts=[], ends=[], meter=LiveActivationMeter(runner.parameters()))
+        for schedule, runner in runners.items()
+        for n in microbatches
+    ]
+    batches = {
+        n: synthetic_microbatches(SEED, n, settings.micro_batch_size, settings.seq_length, settings.vocab_size)
+        for n in microbatches
+    }
+    for repeat in range(settings.warmup + settings.repeats):
+        for run in runs:
+            n = run["num_microbatches"]
+            dist.barrier()
+            start = time.perf_counter()
+            with EmulatedDevice(settings.asynchronous), run["meter"]:
+                runners[run["schedule"]].step(batches[n], n)
+            if repeat >= settings.warmup:
+                run["starts"].append(start)
+                run["ends"].append(time.perf_counter())
+    for run in runs:
+        meter = run.pop("meter")
+        run.update(peak_layer_bytes=meter.peak_layer_bytes, peak_saved_bytes=meter.peak_bytes)
     return {"calibration": calibration, "runs": runs}
 
 
@@ -333,6 +333,7 @@ def summarize(settings: Settings, pipeline_size: int, per_rank: List[dict]) -> L
                 pp=pipeline_size,
                 num_microbatches=num_microbatches,
                 step_time=step_time,
+                best_step_time=min(steps),
                 step_times=steps,
                 predicted_step_time=simulated.makespan,
                 error=step_time / simulated.makespan - 1.0,
@@ -387,11 +388,12 @@ def _label(row: dict) -> str:
 
 
 def markdown_table(rows: List[dict]) -> str:
-    """Step times, predictions, speedups and peak activations, one line per run."""
+    """Step times (median and best of the repeats), predictions, speedups (of the medians) and
+    peak activations, one line per run."""
     lines = [
-        "| D | N | schedule | step (ms) | predicted (ms) | error | speedup vs interleaved | predicted speedup "
-        "| peak act. (Ma, max rank) | predicted peak |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| D | N | schedule | step (ms) | best (ms) | predicted (ms) | error | speedup vs interleaved "
+        "| predicted speedup | peak act. (Ma, max rank) | predicted peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         speedup = "—" if r["speedup_vs_interleaved"] is None else f"{r['speedup_vs_interleaved']:.3f}"
@@ -399,15 +401,57 @@ def markdown_table(rows: List[dict]) -> str:
             "—" if r["predicted_speedup_vs_interleaved"] is None else f"{r['predicted_speedup_vs_interleaved']:.3f}"
         )
         lines.append(
-            f"| {r['pp']} | {r['num_microbatches']} | {_label(r)} | {r['step_time']:.0f} | {r['predicted_step_time']:.0f} "
+            f"| {r['pp']} | {r['num_microbatches']} | {_label(r)} | {r['step_time']:.0f} | {r['best_step_time']:.0f} "
+            f"| {r['predicted_step_time']:.0f} "
             f"| {100 * r['error']:+.1f}% | {speedup} | {predicted_speedup} "
             f"| {max(r['peak_activations']):g} | {max(r['predicted_peak_activations']):g} |"
         )
     return "\n".join(lines)
 
 
+def run_conditions(rows: List[dict], elapsed: float) -> str:
+    """One paragraph: costs, repeats, device model, machine load, wall time."""
+    costs = rows[0]["costs"]
+    loads = [x for r in rows for x in r["load_average"]]
+    p2p = {r["pp"]: r["costs"]["t_p2p"] for r in rows}
+    p2p_text = ", ".join(f"{t:.2f} ms (D={d})" for d, t in sorted(p2p.items()))
+    return (
+        f"Costs per device share: t_F = {costs['t_forward']:g} ms, t_B = {costs['t_backward']:g} ms; measured p2p "
+        f"one-way time {p2p_text}. "
+        f"Median of {len(rows[0]['step_times'])} steps per run, {rows[0]['device']} emulated device, "
+        f"{os.cpu_count()} CPU cores with a 1-minute load average of {min(loads):.1f}-{max(loads):.1f} "
+        f"(other jobs included) during the runs; {elapsed / 60:.1f} minutes in all."
+    )
+
+
+def closing_note(rows: List[dict]) -> str:
+    """Measured ratios: speedups over megatron-core interleaved, emulation errors, memory."""
+    lines = []
+    for pipeline_size, num_microbatches in sorted({(r["pp"], r["num_microbatches"]) for r in rows}):
+        case = [r for r in rows if (r["pp"], r["num_microbatches"]) == (pipeline_size, num_microbatches)]
+        speedups = ", ".join(
+            f"{_label(r)} {r['speedup_vs_interleaved']:.3f}x (simulator {r['predicted_speedup_vs_interleaved']:.3f}x)"
+            for r in case
+            if r["speedup_vs_interleaved"] is not None and not (r["schedule"] == BASELINE and r["runtime"] == "megatron-core")
+        )
+        lines.append(f"- D={pipeline_size}, N={num_microbatches}, vs megatron-core interleaved: {speedups}.")
+    for label in dict.fromkeys(_label(r) for r in rows):
+        errors = [100 * r["error"] for r in rows if _label(r) == label]
+        peaks: Dict[int, float] = {}
+        for r in rows:
+            if _label(r) == label:  # largest over ranks and over N, per pipeline size
+                peaks[r["pp"]] = max(peaks.get(r["pp"], 0.0), *r["peak_activations"])
+        lines.append(
+            f"- {label}: step time vs simulator {min(errors):+.1f}% to {max(errors):+.1f}%; "
+            "peak activations (max over ranks, Ma) " + ", ".join(f"D={d}: {p:g}" for d, p in sorted(peaks.items())) + "."
+        )
+    return "\n".join(lines)
+
+
 def plot(rows: List[dict], path: str) -> None:
-    """Bars: measured step time per schedule for each (D, N); dots: the simulator's prediction."""
+    """Bars: measured (median) step time of every schedule for each (D, N); black ticks: the
+    simulator's prediction. Both divided by megatron-core interleaved's prediction for that
+    (D, N), so lower is faster and 1 is the interleaved schedule's simulated step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -417,21 +461,21 @@ def plot(rows: List[dict], path: str) -> None:
     labels = list(dict.fromkeys(_label(r) for r in rows))
     colours = dict(zip(labels, plt.get_cmap("tab10").colors))
     width = 0.8 / len(labels)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cases)), 3.6))
-    for i, label in enumerate(labels):
-        for j, case in enumerate(cases):
-            row = next((r for r in rows if _label(r) == label and (r["pp"], r["num_microbatches"]) == case), None)
-            if row is None:
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.7 * len(cases)), 3.8))
+    for j, case in enumerate(cases):
+        in_case = {_label(r): r for r in rows if (r["pp"], r["num_microbatches"]) == case}
+        reference = in_case.get(BASELINE, next(iter(in_case.values())))["predicted_step_time"]
+        for i, label in enumerate(labels):
+            if label not in in_case:
                 continue
-            x = j + (i - (len(labels) - 1) / 2) * width
-            base = next(r for r in rows if r["pp"] == case[0] and r["num_microbatches"] == case[1])
-            scale = 1.0 / base["predicted_step_time"]  # normalise per case for one shared axis
-            ax.bar(x, row["step_time"] * scale, width, color=colours[label], label=label if j == 0 else None)
-            ax.plot(x, row["predicted_step_time"] * scale, "k_", markersize=10 * width * len(labels))
+            row, x = in_case[label], j + (i - (len(labels) - 1) / 2) * width
+            ax.bar(x, row["step_time"] / reference, width, color=colours[label], label=label if j == 0 else None)
+            ax.plot([x - width / 2, x + width / 2], [row["predicted_step_time"] / reference] * 2, "k-", linewidth=2)
+    ax.axhline(1.0, color="grey", linewidth=0.5)
     ax.set_xticks(range(len(cases)), [f"D={d}, N={n}" for d, n in cases])
-    ax.set_ylabel("step time / first schedule's prediction")
-    ax.set_title("Emulated cluster: measured step time (bars) and simulator prediction (black ticks)")
-    ax.legend(fontsize="small", ncol=len(labels), loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    ax.set_ylabel("step time / interleaved (simulated)")
+    ax.set_title("Emulated cluster: measured step time (bars) and simulator prediction (black)", fontsize="medium")
+    ax.legend(fontsize="small", ncol=len(labels), loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -465,7 +509,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=Settings.warmup, help="discarded steps per run")
     parser.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
     parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart")
-    parser.add_argument("--markdown", metavar="FILE.md", help="also write the table to FILE.md")
+    parser.add_argument("--update-doc", metavar="FILE.md",
+                        help="rewrite the emulated-DEVICE-{command,table,ratios} blocks of FILE.md (docs/performance.md)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launched job")
     return parser
 
@@ -519,9 +564,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         print(table)
         print(f"\n{len(rows)} runs in {elapsed:.0f} s; costs (ms): {rows[0]['costs'] if rows else {}}")
-    if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as handle:
-            handle.write(f"<!-- {' '.join(map(shlex.quote, sys.argv))} -->\n{table}\n")
+    if args.update_doc:
+        from doc_blocks import update_file
+
+        command = " ".join(["python", "scripts/bench_emulated.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+        prefix = f"emulated-{args.device}"
+        update_file(
+            args.update_doc,
+            {
+                f"{prefix}-command": f"```bash\n{command}\n```\n\n{run_conditions(rows, elapsed)}",
+                f"{prefix}-table": table,
+                f"{prefix}-ratios": closing_note(rows),
+            },
+        )
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--allreduce-bandwidth-gbs", type=float, default=Hardware.allreduce_bandwidth_gbs,
                         help="all-reduce bus bandwidth between replicas")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
-    parser.add_argument("--markdown", metavar="FILE.md", help="also write the table to FILE.md")
+    parser.add_argument("--update-doc", metavar="FILE.md", help="rewrite the predicted-throughput block of FILE.md")
     return parser
 
 
@@ -153,16 +153,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows += predict(model, base, sorted(set(counts)), source)
         except schedules.ScheduleConfigError as error:
             parser.error(str(error))
-        notes.append(f"{model.upper()}: costs {source}; per device share (ms) " + json.dumps(asdict(base)))
+        notes.append(
+            f"{model.upper()} costs: {source}. Per device share ({shape.num_layers // PIPELINE_SIZE} layers, one "
+            f"micro-batch): t_F = {base.t_forward:.1f} ms, t_B = {base.t_backward:.1f} ms, p2p {base.message_time:.3f} ms "
+            f"per message, gradient all-reduce over a replica pair t_sync = {base.t_sync:.1f} ms."
+        )
     if args.json:
         print(json.dumps(rows))
     else:
         print(markdown(rows))
         print("\n" + "\n".join(notes))
-    if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as handle:
-            command = " ".join(map(shlex.quote, ["python", "scripts/predict_throughput.py", *(argv or sys.argv[1:])]))
-            handle.write(f"<!-- {command} -->\n{markdown(rows)}\n\n" + "\n\n".join(notes) + "\n")
+    if args.update_doc:
+        from doc_blocks import update_file
+
+        command = " ".join(["python", "scripts/predict_throughput.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+        block = f"```bash\n{command}\n```\n\n{markdown(rows)}\n\n" + "\n\n".join(notes)
+        update_file(args.update_doc, {"predicted-throughput": block})
     return 0
 
 

@@ -31,6 +31,7 @@ FIELDS = {
     "num_microbatches",
     "step_time",
     "step_times",
+    "best_step_time",
     "predicted_step_time",
     "speedup_vs_interleaved",
     "predicted_speedup_vs_interleaved",
