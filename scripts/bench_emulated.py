@@ -3,10 +3,12 @@
 
 Real ranks (one process each, gloo point-to-point), real megatron-core model plumbing
 (GPTModel chunks with embedding, final norm, LM head and loss, megatron DDP with overlapped
-gradient reduction), but every transformer layer's compute is a sleep inside an autograd
-Function (:mod:`megatron_bitpipe.testing.emulation`): a layer's forward lasts
+gradient reduction), but every transformer layer's compute is emulated device time inside an
+autograd Function (:mod:`megatron_bitpipe.testing.emulation`): a layer's forward takes
 ``t_F / layers-per-rank`` and its backward ``t_B / layers-per-rank``, with real tensors and a
-real autograd graph. Sleeping ranks leave the CPU free, so 8-16 ranks run on two cores.
+real autograd graph. Waiting ranks leave the CPU free, so 8-16 ranks run on two cores. The
+default ``--device async`` queues layer time on an emulated CUDA stream that the CPU runs
+ahead of (sends leave when their data is computed); ``--device blocking`` sleeps in place.
 
 In one invocation, for every pipeline size D of the grid (one launch of D ranks), every
 schedule runs on the same emulated model, built the way each runtime builds it:
@@ -20,21 +22,23 @@ schedule runs on the same emulated model, built the way each runtime builds it:
 * optionally ``plan-1f1b``, ``plan-interleaved`` — megatron's schedules as plans on this
   package's executor (separates the schedule from the runtime executing it).
 
-Per (schedule, D, N) it reports the median step time of ``--repeats`` steps (one
+Per (schedule, D, N) it reports the median (and best) step time of ``--repeats`` steps (one
 ``forward_backward_func`` call including gradient finalisation; the optimizer step is not
-timed) after ``--warmup`` discarded steps, the simulator's prediction for the same costs —
-``simulate(generate(schedule, D, N), CostModel(t_F, t_B, t_p2p, t_sync))`` with the p2p
-latency and gradient all-reduce time measured on these ranks before the race — and the
-speedup over megatron-core's interleaved schedule. Memory: the peak of activations saved
-for backward by the emulated layers on each rank, in units of Ma (one micro-batch through
-L/D layers, the simulator's unit), next to the simulator's peak in-flight count, and the peak
-of all saved tensors in bytes.
+timed; repeats go round-robin over the schedules, after ``--warmup`` discarded rounds), the
+simulator's prediction for the same costs — ``simulate(generate(schedule, D, N),
+CostModel(t_F, t_B, t_p2p))`` with the one-way p2p time measured on these ranks before the
+race — and the speedup over megatron-core's interleaved schedule. Memory: the peak of the
+activations saved for backward by the emulated layers on each rank, in Ma (one micro-batch
+through L/D layers, the simulator's unit), next to the simulator's peak in-flight count, and
+the peak bytes of all saved tensors.
 
 Times are milliseconds. Usage::
 
     python scripts/bench_emulated.py --quick            # D in {4, 8}, N in {D, 4D}: < 5 min
     python scripts/bench_emulated.py --json             # one JSON list on stdout
     python scripts/bench_emulated.py --costs costs.json # t_forward / t_backward from a cost file
+    python scripts/bench_emulated.py --quick --plot docs/images/bench_emulated.png \\
+        --update-doc docs/performance.md                # regenerate the documentation
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
 PLAN_SCHEDULES = ("bitpipe", "chimera", "plan-1f1b", "plan-interleaved")
@@ -482,7 +486,7 @@ def plot(rows: List[dict], path: str) -> None:
 
 
 QUICK_GRID = {4: (4, 16), 8: (8, 32)}
-FULL_GRID = {4: (4, 8, 16), 8: (8, 16, 32), 16: (16, 32, 64)}
+FULL_GRID = {4: (4, 8, 16), 8: (8, 16, 32)}
 
 
 def _parse_grid(text: str) -> Dict[int, Sequence[int]]:
