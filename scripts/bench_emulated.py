@@ -519,6 +519,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def doc_blocks(device: str) -> tuple:
+    """Names of the blocks ``--update-doc`` rewrites: command and conditions, table, ratios."""
+    return tuple(f"emulated-{device}-{part}" for part in ("command", "table", "ratios"))
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings for the flags; raises ValueError naming the flag."""
     from megatron_bitpipe.schedules.cli import read_cost_file
@@ -559,6 +564,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         settings = settings_from_args(args)
     except (ValueError, OSError) as error:
         parser.error(str(error))
+    if args.update_doc:
+        from doc_blocks import check_file
+
+        try:
+            check_file(args.update_doc, doc_blocks(args.device))
+        except (ValueError, OSError) as error:
+            parser.error(f"--update-doc: {error}")
     started = time.perf_counter()
     rows = run_grid(settings, grid, schedule_names, args.timeout)
     elapsed = time.perf_counter() - started
@@ -572,14 +584,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from doc_blocks import update_file
 
         command = " ".join(["python", "scripts/bench_emulated.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
-        prefix = f"emulated-{args.device}"
         update_file(
             args.update_doc,
-            {
-                f"{prefix}-command": f"```bash\n{command}\n```\n\n{run_conditions(rows, elapsed)}",
-                f"{prefix}-table": table,
-                f"{prefix}-ratios": closing_note(rows),
-            },
+            dict(
+                zip(
+                    doc_blocks(args.device),
+                    (f"```bash\n{command}\n```\n\n{run_conditions(rows, elapsed)}", table, closing_note(rows)),
+                )
+            ),
         )
     if args.plot:
         plot(rows, args.plot)

@@ -18,6 +18,14 @@ def replace_block(text: str, name: str, content: str) -> str:
     return pattern.sub(lambda m: m.group(1) + content.rstrip("\n") + "\n" + m.group(2), text, count=1)
 
 
+def check_file(path: str, names) -> None:
+    """Raise ValueError (or OSError) unless the file at ``path`` has every block in ``names``."""
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    for name in names:
+        replace_block(text, name, "")
+
+
 def update_file(path: str, blocks: dict) -> None:
     """Replace every ``{name: content}`` block of the file at ``path`` in place."""
     with open(path, encoding="utf-8") as handle:

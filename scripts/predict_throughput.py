@@ -168,7 +168,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         command = " ".join(["python", "scripts/predict_throughput.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
         block = f"```bash\n{command}\n```\n\n{markdown(rows)}\n\n" + "\n\n".join(notes)
-        update_file(args.update_doc, {"predicted-throughput": block})
+        try:
+            update_file(args.update_doc, {"predicted-throughput": block})
+        except (ValueError, OSError) as error:
+            parser.error(f"--update-doc: {error}")
     return 0
 
 
