@@ -6,7 +6,9 @@
   (:mod:`.megatron_args`);
 * :mod:`.schedules` — schedules as data, simulator, command line (no torch needed);
 * :mod:`.runtime` — building chunks and running plans on megatron-core;
-* :mod:`.optimus` — Optimus 2D (SUMMA) tensor parallelism.
+* :mod:`.optimus` — Optimus 2D (SUMMA) tensor parallelism;
+* :mod:`.megatron_lm` and ``python -m megatron_bitpipe.run`` (:mod:`.run`) — the plugin inside
+  Megatron-LM's own training scripts (docs/megatron_lm.md).
 
 Importing this package is cheap: torch and megatron-core are imported by the submodules
 that need them.
@@ -15,11 +17,11 @@ that need them.
 __version__ = "0.1.0"
 
 
-def register(schedule: str = "bitpipe") -> None:
+def register(schedule: str = "bitpipe", *, bitpipe_func=None) -> None:
     """See :func:`megatron_bitpipe.plugin.register`."""
     from .plugin import register as _register
 
-    _register(schedule)
+    _register(schedule, bitpipe_func=bitpipe_func)
 
 
 def unregister() -> None:

@@ -5,8 +5,9 @@ its own schedules, and Megatron-LM's ``training.py`` imports it by name. :func:`
 replaces that function — in ``megatron.core.pipeline_parallel``, its ``schedules`` module
 and, when imported, ``megatron.training.training`` — with one that returns
 :func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe` while the
-selected schedule is ``bitpipe`` and defers to the original otherwise.
-:func:`unregister` restores the original everywhere.
+selected schedule is ``bitpipe`` (or the function given to :func:`register`, e.g. Megatron-LM's
+variant that hands the loss reports to the last pipeline stage) and defers to the original
+otherwise. :func:`unregister` restores the original everywhere.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable, Optional
 from .megatron_args import PIPELINE_SCHEDULES
 
 _TARGETS = ("megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.schedules", "megatron.training.training")
-_state = {"schedule": None, "original": None}
+_state = {"schedule": None, "original": None, "bitpipe": None}
 
 
 def selected_schedule() -> Optional[str]:
@@ -28,17 +29,21 @@ def selected_schedule() -> Optional[str]:
 
 def _get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
     if _state["schedule"] == "bitpipe":
+        if _state["bitpipe"] is not None:
+            return _state["bitpipe"]
         from .runtime.forward_backward import forward_backward_bitpipe
 
         return forward_backward_bitpipe
     return _state["original"](pp_size, vp_size)
 
 
-def register(schedule: str = "bitpipe") -> None:
+def register(schedule: str = "bitpipe", *, bitpipe_func: Optional[Callable] = None) -> None:
     """Make megatron's ``get_forward_backward_func`` return ``schedule``'s function.
 
     ``schedule`` is a ``--pipeline-schedule`` value; ``default``, ``1f1b`` and
     ``interleaved`` keep megatron-core's own functions (chosen by the vp size as usual).
+    ``bitpipe_func`` replaces the function returned for ``bitpipe`` (default
+    :func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe`).
     Idempotent; call again to switch schedules.
     """
     if schedule not in PIPELINE_SCHEDULES:
@@ -47,6 +52,7 @@ def register(schedule: str = "bitpipe") -> None:
     if _state["original"] is None:
         _state["original"] = core.get_forward_backward_func
     _state["schedule"] = schedule
+    _state["bitpipe"] = bitpipe_func
     for name in _TARGETS:
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "get_forward_backward_func"):
@@ -62,3 +68,4 @@ def unregister() -> None:
         if module is not None and getattr(module, "get_forward_backward_func", None) is _get_forward_backward_func:
             module.get_forward_backward_func = _state["original"]
     _state["schedule"] = None
+    _state["bitpipe"] = None

@@ -4,13 +4,16 @@
 For the same GPT layer sizes on p = q*q gloo ranks (default 4), runs one transformer
 layer's forward and backward in three modes and measures, per rank:
 
-* ``optimus2d`` — Optimus 2D on a q×q mesh (this package's layer spec, ``[s, b/q, h/q]``);
+* ``optimus2d`` — Optimus 2D on a q×q mesh (this package's layer spec, ``[s, b/q, h/q]``,
+  which recomputes norm outputs, the MLP activation and the attention dropout in backward);
 * ``tp``        — megatron-core TP=p without sequence parallelism (local layer spec);
 * ``tp+sp``     — megatron-core TP=p with sequence parallelism.
 
-The core attention is the same in all modes: megatron-core's unfused DotProductAttention
-(``--attention local``) or torch's scaled_dot_product_attention (``--attention sdpa``, the
-flash kernel when dropout is 0).
+The core attention computes the same in all modes: megatron-core's unfused
+DotProductAttention (``--attention local``; for ``optimus2d`` its subclass
+``OptimusDotProductAttention``, which keeps a bool dropout mask and recomputes the dropped-out
+probabilities) or torch's scaled_dot_product_attention (``--attention sdpa``, the flash
+kernel when dropout is 0).
 
 Measured quantities (see :mod:`megatron_bitpipe.testing.measure`):
 
@@ -20,7 +23,8 @@ Measured quantities (see :mod:`megatron_bitpipe.testing.measure`):
   rank with bandwidth-optimal algorithms (ring all-reduce 2(p−1)/p·n, others (p−1)/p·n),
   plus the raw payload and the number of calls.
 
-The first forward/backward is a warm-up; the second is measured. Prints a Markdown table.
+The first forward/backward is a warm-up; the second is measured. Prints a Markdown table
+(``--breakdown``: and the saved storages of each mode).
 Usage: ``python scripts/bench_optimus.py [--seq-length 512 --micro-batch-size 8 ...]``.
 """
 
@@ -125,13 +129,14 @@ def _layer_and_input(mode: str, sizes: dict):
         attention_dropout=sizes["dropout"],
     )
     s, b, h = sizes["seq"], sizes["batch"], sizes["hidden"]
-    core_attention = SdpaCoreAttention if sizes["attention"] == "sdpa" else DotProductAttention
+    sdpa = sizes["attention"] == "sdpa"
     if mode == "optimus2d":
         mesh = build_optimus_mesh(tp_group)
-        spec = get_optimus_gpt_layer_spec(mesh, core_attention)
+        spec = get_optimus_gpt_layer_spec(mesh, *([SdpaCoreAttention] if sdpa else []))
         shape = (s, b // mesh.side, h // mesh.side)
     else:
         spec = get_gpt_layer_local_spec()
+        core_attention = SdpaCoreAttention if sdpa else DotProductAttention
         spec.submodules.self_attention.submodules.core_attention = core_attention
         if config.sequence_parallel:
             norm = ModuleSpec(module=_SequenceParallelLayerNorm)
@@ -166,6 +171,7 @@ def _measure(mode: str, sizes: dict) -> dict:
             output.backward(grad)
     return {
         "activation_bytes": activations.bytes,
+        "storages": [(size, str(dtype).replace("torch.", "")) for size, dtype in activations.storages],
         "wire_bytes": comm.wire_bytes(),
         "payload_bytes": comm.payload_bytes(),
         "calls": dict(Counter(call.op for call in comm.calls)),
@@ -215,6 +221,20 @@ def _table(results: dict, sizes: dict) -> str:
     return "\n".join(lines)
 
 
+def _breakdown(results: dict) -> str:
+    """What rank 0 of each mode keeps for backward: distinct storages grouped by size."""
+    lines = ["| mode | saved storages on rank 0: MiB (dtype) x count |", "|---|---|"]
+    for mode in MODES:
+        counts = Counter(results[mode][0]["storages"])
+        parts = [
+            f"{size / 2**20:.2f} ({dtype}) x {n}"
+            for (size, dtype), n in sorted(counts.items(), reverse=True)
+            if size >= 2**16
+        ]
+        lines.append(f"| {mode} | {', '.join(parts)} |")
+    return "\n".join(lines) + "\n\n(storages under 64 KiB, e.g. norm statistics, not listed)"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -235,6 +255,11 @@ def main(argv=None) -> None:
         default="local",
         help="core attention of every mode: megatron-core's unfused DotProductAttention, or "
         "torch scaled_dot_product_attention (flash kernel when dropout is 0)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also list the storages each mode keeps for backward (rank 0)",
     )
     args = parser.parse_args(argv)
     sizes = {
@@ -272,6 +297,9 @@ def main(argv=None) -> None:
     )
     print(f"`{command.strip()}` — one GPT layer, fp32, {sizes['tp']} CPU ranks, sizes {sizes}\n")
     print(_table(results, sizes))
+    if args.breakdown:
+        print()
+        print(_breakdown(results))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,11 @@ RTOL, ATOL = 1e-5, 1e-6
 
 @dataclass(frozen=True)
 class Case:
-    """One pipeline run: schedule on ``pp`` pipeline ranks (x tp x dp), ``n`` micro-batches per dp rank."""
+    """One pipeline run: schedule on ``pp`` pipeline ranks (x tp x dp), ``n`` micro-batches per dp rank.
+
+    The model-specific parts of :func:`pipeline` (chunk builder arguments, forward step,
+    data, recorded loss) are methods, so another model's case can subclass this one.
+    """
 
     name: str
     schedule: str
@@ -42,6 +46,8 @@ class Case:
     overlap_p2p_comm: bool = False
     deallocate_pipeline_outputs: bool = False
     overlap_grad_reduce: bool = True
+    sequence_parallel: bool = False
+    tensor_parallel_mode: str = "1d"
 
     @property
     def world_size(self) -> int:
@@ -53,17 +59,34 @@ class Case:
 
     @property
     def reference_key(self):
-        return (self.tied, self.global_microbatches, self.clip_grad)
+        key = (self.tied, self.global_microbatches, self.clip_grad)
+        # Optimus' vocab-parallel cross entropy is exact fp32, megatron's fused one is not.
+        return key + (True,) if self.tensor_parallel_mode == "optimus2d" else key
+
+    def model_kwargs(self) -> dict:
+        """Arguments of ``build_pipeline_model`` besides the layout, sizes and seed."""
+        return dict(share_embeddings_and_output_weights=self.tied)
+
+    def forward_step(self, data_iterator, model):
+        from megatron_bitpipe.testing.gpt import gpt_forward_step
+
+        return gpt_forward_step(data_iterator, model)
+
+    def batches(self, step: Optional[int], count: int) -> list:
+        """The global batch of ``step``; ``step=None``: the evaluation batch."""
+        return gpt_batches(step, count)
+
+    def recorded_loss(self, report: dict):
+        """What is compared per micro-batch: its loss report's value(s)."""
+        return report["lm loss"].item()
 
 
-def step_batches(step: int, count: int):
+def gpt_batches(step: Optional[int], count: int) -> list:
+    """The ``count`` GPT micro-batches of training step ``step`` (None: the evaluation batch)."""
     from megatron_bitpipe.testing.gpt import synthetic_microbatches
 
-    return synthetic_microbatches(SEED + 100 * step, count, MICRO_BATCH, SEQ, VOCAB)
-
-
-def eval_batches(count: int):
-    return step_batches(STEPS + 7, count)
+    seed = SEED + 100 * (STEPS + 7 if step is None else step)
+    return synthetic_microbatches(seed, count, MICRO_BATCH, SEQ, VOCAB)
 
 
 def _config(**kw):
@@ -78,21 +101,19 @@ def _optimizer_config(clip_grad: float):
     return OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.01, clip_grad=clip_grad)
 
 
-def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
-    """Single-process training of the stock megatron-core GPTModel."""
+def train_single_process(model, config, pg, clip_grad: float, run, batches, global_microbatches: int) -> dict:
+    """STEPS steps of one process training ``model`` (already seed-initialised) with megatron DDP
+    and Adam, then an evaluation; the record :func:`assert_equals_reference` compares with.
+
+    ``run(ddp, micro_batch) -> (loss, recorded value)``; ``batches(step, count)`` gives a step's
+    micro-batches (``step=None``: the evaluation batch). Each micro-batch's loss is divided by
+    ``global_microbatches``, as megatron's schedules do.
+    """
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.init import initialize_from_seed
-    from megatron_bitpipe.runtime.layout import ChunkLayers
     from megatron_bitpipe.testing import gpt
     from megatron_bitpipe.testing.weights import collect_full
 
-    pg = gpt.build_process_groups(gpt.ParallelGrid())
-    init_megatron_state(pg, SEED)
-    config = _config()
-    model = gpt.build_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
-    initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
     [ddp] = gpt.wrap_ddp([model], config, pg)
     optimizer = gpt.build_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
     record = {"initial": collect_full(ddp), "steps": []}
@@ -100,21 +121,48 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float) -> dict:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         losses = []
-        for tokens, labels in step_batches(step, global_microbatches):
-            loss = ddp(tokens, torch.arange(SEQ).expand_as(tokens), None, labels=labels).float().mean()
+        for batch in batches(step, global_microbatches):
+            loss, value = run(ddp, batch)
             (loss / global_microbatches).backward()
-            losses.append(loss.item())
+            losses.append(value)
         finalize_model_grads([ddp], pg_collection=pg)
         grads = collect_full(ddp, lambda p: p.main_grad)
         success, grad_norm, _ = optimizer.step()
         assert success
         record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=collect_full(ddp)))
     with torch.no_grad():
-        record["eval"] = [
-            ddp(t, torch.arange(SEQ).expand_as(t), None, labels=l).float().mean().item()
-            for t, l in eval_batches(global_microbatches)
-        ]
+        record["eval"] = [run(ddp, batch)[1] for batch in batches(None, global_microbatches)]
     return record
+
+
+def _loss(model, tokens, labels, fp32_cross_entropy: bool) -> torch.Tensor:
+    """Mean token loss: megatron-core's own (fused 'native' cross entropy, which rounds the
+    logits' gradient to bf16), or torch's fp32 cross entropy of the model's logits."""
+    position_ids = torch.arange(SEQ).expand_as(tokens)
+    if not fp32_cross_entropy:
+        return model(tokens, position_ids, None, labels=labels).float().mean()
+    logits = model(tokens, position_ids, None)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross_entropy: bool = False) -> dict:
+    """Single-process training of the stock megatron-core GPTModel."""
+    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.runtime.init import initialize_from_seed
+    from megatron_bitpipe.runtime.layout import ChunkLayers
+    from megatron_bitpipe.testing import gpt
+
+    pg = gpt.build_process_groups(gpt.ParallelGrid())
+    init_megatron_state(pg, SEED)
+    config = _config()
+    model = gpt.build_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
+    initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
+
+    def run(ddp, batch):
+        loss = _loss(ddp, *batch, fp32_cross_entropy)
+        return loss, loss.item()
+
+    return train_single_process(model, config, pg, clip_grad, run, gpt_batches, global_microbatches)
 
 
 def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
@@ -126,7 +174,6 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     from megatron_bitpipe.runtime.forward_backward import last_step, make_forward_backward_func
     from megatron_bitpipe.runtime.groups import ParallelGrid
     from megatron_bitpipe.runtime.replicas import max_replica_difference
-    from megatron_bitpipe.testing.gpt import gpt_forward_step
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
     placement = schedules.generate(case.schedule, case.pp, case.n).placement
@@ -135,6 +182,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         pipeline_model_parallel_size=case.pp,
         overlap_p2p_comm=case.overlap_p2p_comm,
         deallocate_pipeline_outputs=case.deallocate_pipeline_outputs,
+        sequence_parallel=case.sequence_parallel,
     )
     model = build_pipeline_model(
         config,
@@ -143,8 +191,9 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         seed=SEED,
-        share_embeddings_and_output_weights=case.tied,
         ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce, grad_reduce_in_fp32=True),
+        **case.model_kwargs(),
+        tensor_parallel_mode=case.tensor_parallel_mode,
     )
     groups = model.groups
     optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))
@@ -161,7 +210,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     def offset(losses: List[dict]) -> Dict[int, float]:
         """Loss reports of this rank by global micro-batch index (the dp rank's block)."""
         step = last_step()
-        return {groups.dp_rank * case.n + m: r["lm loss"].item() for m, r in zip(sorted(step.losses), losses)}
+        return {groups.dp_rank * case.n + m: case.recorded_loss(r) for m, r in zip(sorted(step.losses), losses)}
 
     record = {"initial": full(), "replica_diff": [max_replica_difference(model.chunks, groups)], "steps": []}
     restore = _instrument(model.chunks, instrument) if instrument is not None else None
@@ -170,8 +219,8 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reports = forward_backward(
-            forward_step_func=gpt_forward_step,
-            data_iterator=iter(mine(step_batches(step, case.global_microbatches))),
+            forward_step_func=case.forward_step,
+            data_iterator=iter(mine(case.batches(step, case.global_microbatches))),
             model=model.chunks,
             num_microbatches=case.n,
             seq_length=SEQ,
@@ -187,8 +236,8 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=full()))
         record["replica_diff"].append(max_replica_difference(model.chunks, groups))
     reports = forward_backward(
-        forward_step_func=gpt_forward_step,
-        data_iterator=iter(mine(eval_batches(case.global_microbatches))),
+        forward_step_func=case.forward_step,
+        data_iterator=iter(mine(case.batches(None, case.global_microbatches))),
         model=model.chunks,
         num_microbatches=case.n,
         seq_length=SEQ,
@@ -198,6 +247,63 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     record["eval"] = offset(reports)
     record["pp_rank"] = groups.pp_rank
     return record
+
+
+def merged_losses(records, key) -> Dict[int, object]:
+    """Union over ranks of ``record[key]`` (micro-batch -> loss); ranks holding one must agree."""
+    merged: Dict[int, object] = {}
+    for record in records:
+        for m, value in record[key].items():
+            assert m not in merged or merged[m] == value
+            merged[m] = value
+    return merged
+
+
+def merged(records, *path) -> Dict[str, torch.Tensor]:
+    """Union over ranks of per-parameter tensors; copies held by several ranks must be identical."""
+    out: Dict[str, torch.Tensor] = {}
+    for record in records:
+        value = record
+        for key in path:
+            value = value[key]
+        for name, tensor in value.items():
+            if name in out:
+                assert torch.equal(out[name], tensor), f"{name} differs between ranks"
+            out[name] = tensor
+    return out
+
+
+def assert_tensors_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str):
+    assert actual.keys() == expected.keys(), what
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {name}: {m}")
+
+
+def assert_equals_reference(case: Case, records: List[dict], ref: dict) -> None:
+    """The :func:`pipeline` records of all ranks of ``case`` equal the single-process ``ref``:
+    initial weights; per step every micro-batch's loss once, gradients, weights, grad norm;
+    replicas bit-identical throughout; evaluation losses."""
+    import pytest
+
+    assert_tensors_close(merged(records, "initial"), ref["initial"], "initial weight")
+    for record in records:
+        assert record["replica_diff"] == [0.0] * (STEPS + 1), "replicas must stay bit-identical"
+    for step in range(STEPS):
+        expected = ref["steps"][step]
+        losses = merged_losses([r["steps"][step] for r in records], "losses")
+        assert sorted(losses) == list(range(case.global_microbatches)), f"step {step}: every micro-batch once"
+        torch.testing.assert_close(
+            torch.tensor([losses[m] for m in sorted(losses)]), torch.tensor(expected["losses"]), rtol=RTOL, atol=ATOL
+        )
+        assert_tensors_close(merged(records, "steps", step, "grads"), expected["grads"], f"step {step} gradient of")
+        assert_tensors_close(merged(records, "steps", step, "weights"), expected["weights"], f"step {step} weight")
+        for record in records:
+            assert record["steps"][step]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=RTOL)
+    evaluation = merged_losses(records, "eval")
+    assert sorted(evaluation) == list(range(case.global_microbatches))
+    torch.testing.assert_close(
+        torch.tensor([evaluation[m] for m in sorted(evaluation)]), torch.tensor(ref["eval"]), rtol=RTOL, atol=ATOL
+    )
 
 
 def _instrument(chunks, events: list):
@@ -229,3 +335,43 @@ def _instrument(chunks, events: list):
             chunk.start_grad_sync = original
 
     return restore
+
+
+def bf16_losses(case: Case, steps: int = 2) -> dict:
+    """Train ``case``'s model with BitPipe on ``case.pp`` ranks in bf16 (chunks wrapped in
+    ChunkFloat16Module, mixed-precision optimizer); return this rank's recorded losses per step
+    and the dtypes of the reported losses."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
+    from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.schedules.placement import bidirectional_v
+
+    pp, n = case.pp, case.n
+    config = _config(pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    model = build_pipeline_model(
+        config, ParallelGrid(pp=pp), bidirectional_v(pp), vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED,
+        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True),
+        **case.model_kwargs(),
+    )
+    optimizer = build_optimizer(model, OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, bf16=True))
+    out = {"losses": [], "dtypes": set()}
+    for step in range(steps):
+        for chunk in model.chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = forward_backward_bitpipe(
+            forward_step_func=case.forward_step,
+            data_iterator=iter(case.batches(step, n)),
+            model=model.chunks,
+            num_microbatches=n,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+        )
+        out["losses"].append([case.recorded_loss(r) for r in reports])
+        out["dtypes"] |= {str(value.dtype) for r in reports for value in r.values()}
+        success, _, _ = optimizer.step()
+        assert success
+    return out

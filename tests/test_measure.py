@@ -20,6 +20,7 @@ def test_saved_activation_meter_counts_distinct_non_parameter_storages():
         out = torch.tanh(hidden)  # saves tanh output (96 B)
         (out * out).sum()  # saves out twice: counted once
     assert meter.bytes == 3 * 4 * 4 + 3 * 8 * 4
+    assert meter.storages == [(3 * 4 * 4, torch.float32), (3 * 8 * 4, torch.float32)]
 
 
 def _collectives():

@@ -83,3 +83,20 @@ def test_register_installs_and_restores(monkeypatch):
     assert training.get_forward_backward_func is original
     with pytest.raises(ValueError, match="--pipeline-schedule"):
         megatron_bitpipe.register("gpipe")
+
+
+def test_register_installs_a_given_bitpipe_function():
+    import megatron.core.pipeline_parallel as core_pp
+
+    from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
+
+    def variant(**kwargs):
+        return []
+
+    try:
+        megatron_bitpipe.register("bitpipe", bitpipe_func=variant)
+        assert core_pp.get_forward_backward_func() is variant
+        megatron_bitpipe.register("bitpipe")
+        assert core_pp.get_forward_backward_func() is forward_backward_bitpipe
+    finally:
+        megatron_bitpipe.unregister()

@@ -28,6 +28,7 @@ from megatron_bitpipe.optimus.collectives import all_gather_along
 from megatron_bitpipe.optimus.cross_entropy import optimus_cross_entropy
 from megatron_bitpipe.optimus.embedding import OptimusEmbedding, OptimusOutputLayer
 from megatron_bitpipe.optimus.mesh import OptimusMesh
+from megatron_bitpipe.optimus.mlp import optimus_mlp_known
 from megatron_bitpipe.optimus.spec import get_optimus_gpt_block_spec
 from megatron_bitpipe.optimus.validation import check_optimus_model_config
 
@@ -75,15 +76,16 @@ class OptimusGPTModel(GPTModel):
         # A plain attribute may be set before nn.Module.__init__; GPTModel.__init__ calls
         # setup_embeddings_and_output_layer, which needs the mesh.
         self.mesh = mesh
-        super().__init__(
-            config,
-            transformer_layer_spec,
-            vocab_size,
-            max_sequence_length,
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
-            **gpt_kwargs,
-        )
+        with optimus_mlp_known():
+            super().__init__(
+                config,
+                transformer_layer_spec,
+                vocab_size,
+                max_sequence_length,
+                pg_collection=pg_collection,
+                vp_stage=vp_stage,
+                **gpt_kwargs,
+            )
 
     def setup_embeddings_and_output_layer(self) -> None:
         """Convert megatron's 1-D embedding and output layer to 2-D, then tie as megatron does."""

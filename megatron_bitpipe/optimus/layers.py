@@ -21,6 +21,7 @@ from megatron_bitpipe.optimus.layout import (
     set_param_layout,
 )
 from megatron_bitpipe.optimus.mesh import OptimusMesh
+from megatron_bitpipe.optimus.recompute import attach_recipe
 from megatron_bitpipe.optimus.summa import summa_ab
 
 
@@ -118,12 +119,25 @@ class OptimusLinear(torch.nn.Module):
         return output + bias, None
 
 
+def _normalize(x, mean, inv_std, weight, bias):
+    """``(x − mean)·inv_std·weight + bias`` in fp32, cast to ``x``'s dtype (``mean`` None:
+    RMSNorm; ``bias`` None: no bias). Local, no communication."""
+    x32 = x.float()
+    normed = (x32 if mean is None else x32 - mean) * inv_std
+    out = normed * weight.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 class _MeshNorm(torch.autograd.Function):
     """LayerNorm / RMSNorm over a hidden dimension split across the row group.
 
     Statistics are computed in fp32 from row-group sums: Σx, then Σ(x−mean)² (two passes,
     as exact as a local norm); the backward needs one more all-reduce of the per-token sums
-    Σg and Σg·x̂ (g = dy·γ). Saves the input, mean and 1/σ (not x̂).
+    Σg and Σg·x̂ (g = dy·γ). Saves the input, mean and 1/σ (not x̂). Returns the output and
+    the (non-differentiable) statistics ``mean`` (None for RMSNorm) and ``inv_std``, so the
+    output can be recomputed from saved tensors alone (:func:`_normalize`).
     """
 
     @staticmethod
@@ -137,16 +151,13 @@ class _MeshNorm(torch.autograd.Function):
             centered = x32 - mean
         variance = all_reduce_sum(centered.square().sum(-1, keepdim=True), group) / hidden_size
         inv_std = torch.rsqrt(variance + eps)
-        normed = centered * inv_std
-        out = normed * weight.float()
-        if bias is not None:
-            out = out + bias.float()
         ctx.save_for_backward(x, mean, inv_std, weight)
         ctx.hidden_size, ctx.group, ctx.has_bias = hidden_size, group, bias is not None
-        return out.to(x.dtype)
+        ctx.mark_non_differentiable(*(t for t in (mean, inv_std) if t is not None))
+        return _normalize(x, mean, inv_std, weight, bias), mean, inv_std
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_mean, _grad_inv_std):
         x, mean, inv_std, weight = ctx.saved_tensors
         x32 = x.float()
         normed = (x32 if mean is None else x32 - mean) * inv_std
@@ -206,13 +217,12 @@ class OptimusLayerNorm(torch.nn.Module):
             set_param_layout(self.bias, layout, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised ``x``, carrying a recipe (:mod:`~megatron_bitpipe.optimus.recompute`):
+        a SUMMA linear consuming it recomputes it from the norm's saved input and statistics
+        instead of keeping it."""
+        weight = column_replicated(self.weight, self.mesh)
         bias = None if self.bias is None else column_replicated(self.bias, self.mesh)
-        return _MeshNorm.apply(
-            x,
-            column_replicated(self.weight, self.mesh),
-            bias,
-            self.eps,
-            self.hidden_size,
-            self.mesh.row_group,
-            self.rms,
+        out, mean, inv_std = _MeshNorm.apply(
+            x, weight, bias, self.eps, self.hidden_size, self.mesh.row_group, self.rms
         )
+        return attach_recipe(out, _normalize, x, mean, inv_std, weight, bias)

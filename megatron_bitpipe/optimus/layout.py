@@ -2,13 +2,16 @@
 
 Every parameter of an Optimus module carries a :class:`ParamLayout` (attribute
 ``optimus_layout``) saying which block of the serial (single-process megatron-core) tensor
-it holds. That one description drives three things:
+it holds. That one description drives:
 
 * :func:`shard_serial_tensor` — the local block cut from the serial tensor (tests, loading
   a single-process checkpoint);
 * :func:`set_param_layout` — megatron-core's ``tensor_model_parallel`` flag, so that grad-norm
   clipping and parameter counts see every element exactly once across the TP group;
-* whether the gradient needs summing over the column group (column-replicated kinds).
+* whether the gradient needs summing over the column group (column-replicated kinds);
+* layout-independent initialisation and weight collection in :mod:`megatron_bitpipe.runtime`
+  (:meth:`ParamLayout.tp_block`, :meth:`ParamLayout.from_tp_blocks`), which find the layout
+  on the parameter and need no import of this package.
 
 Serial megatron layouts: linear weights are ``[out, in]``, embedding tables ``[vocab, h]``,
 position tables ``[positions, h]``, biases and norm parameters ``[features]``.
@@ -18,12 +21,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence, Tuple
 
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megatron_bitpipe.optimus.mesh import OptimusMesh
+from megatron_bitpipe.optimus.mesh import OptimusMesh, mesh_side
 
 
 class LayoutKind(enum.Enum):
@@ -41,11 +44,18 @@ class LayoutKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """A parameter's mesh layout.
+    """A parameter's mesh layout: which block of the serial tensor each mesh position holds.
 
     ``stride`` > 1 describes the output dimension of a gated MLP's first linear (and its
     bias), stored like megatron-core's ``stride=2`` column-parallel layout: the serial output
     dimension is ``stride`` concatenated parts, and output block ``j`` holds block ``j`` of each.
+
+    The block geometry needs only the mesh position ``(row, column)`` and side ``q``, not
+    process groups, so code that knows a parameter only by its TP rank and size (seed
+    initialisation, weight collection in :mod:`megatron_bitpipe.runtime.layout`) uses
+    :meth:`tp_block` / :meth:`serial_shape` / :meth:`from_tp_blocks` through the
+    parameter's ``optimus_layout`` attribute; the mesh invariant ``(row, column) =
+    divmod(tp_rank, q)`` (:class:`~megatron_bitpipe.optimus.mesh.OptimusMesh`) links the two.
     """
 
     kind: LayoutKind
@@ -56,30 +66,82 @@ class ParamLayout:
         """True if every rank of a mesh column holds the same values."""
         return self.kind in (LayoutKind.FEATURE_VECTOR, LayoutKind.FEATURE_TABLE)
 
+    def block(self, serial: torch.Tensor, row: int, column: int, side: int) -> torch.Tensor:
+        """Block of ``serial`` held at mesh position ``(row, column)`` (a view unless ``stride`` > 1)."""
+        if self.kind is LayoutKind.LINEAR_WEIGHT:
+            return _feature_block(serial, 0, column, side, self.stride).chunk(side, dim=1)[row].t()
+        if self.kind is LayoutKind.VOCAB_TABLE:
+            return serial.chunk(side, dim=0)[row].chunk(side, dim=1)[column]
+        if self.kind is LayoutKind.FEATURE_VECTOR:
+            return _feature_block(serial, 0, column, side, self.stride)
+        return serial.chunk(side, dim=1)[column]
+
+    def serial_shape(self, local_shape: Sequence[int], tp_size: int) -> Tuple[int, ...]:
+        """Shape of the serial tensor whose blocks on ``tp_size`` = q² ranks have ``local_shape``."""
+        side = mesh_side(tp_size)
+        if self.kind is LayoutKind.LINEAR_WEIGHT:
+            rows, columns = local_shape
+            return (columns * side, rows * side)
+        if self.kind is LayoutKind.VOCAB_TABLE:
+            return tuple(n * side for n in local_shape)
+        if self.kind is LayoutKind.FEATURE_VECTOR:
+            return (local_shape[0] * side,)
+        return (local_shape[0], local_shape[1] * side)
+
+    def tp_block(self, serial: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """:meth:`block` for TP rank ``tp_rank`` of a TP group of ``tp_size`` = q² ranks."""
+        side = mesh_side(tp_size)
+        row, column = divmod(tp_rank, side)
+        return self.block(serial, row, column, side)
+
+    def from_tp_blocks(self, blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The serial tensor from every TP rank's block (``blocks[r]`` from TP rank ``r``).
+
+        Inverse of :meth:`tp_block`. Column-replicated kinds are read from mesh row 0;
+        ValueError if another row's copy is not bit-identical to it.
+        """
+        side = mesh_side(len(blocks))
+        at = lambda row, column: blocks[row * side + column]  # noqa: E731
+        if self.column_replicated:
+            for rank, copy in enumerate(blocks):
+                if not torch.equal(copy, at(0, rank % side)):
+                    row, column = divmod(rank, side)
+                    raise ValueError(
+                        f"column-replicated block at mesh ({row}, {column}) differs from row 0's"
+                    )
+        if self.kind is LayoutKind.LINEAR_WEIGHT:
+            columns = [torch.cat([at(i, j).t() for i in range(side)], dim=1) for j in range(side)]
+            return _from_feature_blocks(columns, 0, self.stride)
+        if self.kind is LayoutKind.VOCAB_TABLE:
+            return torch.cat(
+                [torch.cat([at(i, j) for j in range(side)], dim=1) for i in range(side)], dim=0
+            )
+        if self.kind is LayoutKind.FEATURE_VECTOR:
+            return _from_feature_blocks([at(0, j) for j in range(side)], 0, self.stride)
+        return torch.cat([at(0, j) for j in range(side)], dim=1)
+
 
 def _feature_block(
     tensor: torch.Tensor, dim: int, block: int, side: int, stride: int
 ) -> torch.Tensor:
     """Block ``block`` of ``side`` along ``dim``, taken from each of ``stride`` equal parts."""
     parts = tensor.chunk(stride, dim=dim)
+    if stride == 1:
+        return parts[0].chunk(side, dim=dim)[block]
     return torch.cat([part.chunk(side, dim=dim)[block] for part in parts], dim=dim)
+
+
+def _from_feature_blocks(blocks: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of :func:`_feature_block` over all blocks (``blocks[j]`` = block ``j``)."""
+    parts = [block.chunk(stride, dim=dim) for block in blocks]
+    return torch.cat([p[s] for s in range(stride) for p in parts], dim=dim)
 
 
 def shard_serial_tensor(
     serial: torch.Tensor, layout: ParamLayout, mesh: OptimusMesh
 ) -> torch.Tensor:
     """This rank's block of a serial megatron-core tensor (a new contiguous tensor)."""
-    i, j, q, stride = mesh.row, mesh.column, mesh.side, layout.stride
-    if layout.kind is LayoutKind.LINEAR_WEIGHT:
-        out_block = _feature_block(serial, 0, j, q, stride)
-        block = out_block.chunk(q, dim=1)[i].t()
-    elif layout.kind is LayoutKind.VOCAB_TABLE:
-        block = serial.chunk(q, dim=0)[i].chunk(q, dim=1)[j]
-    elif layout.kind is LayoutKind.FEATURE_VECTOR:
-        block = _feature_block(serial, 0, j, q, stride)
-    else:
-        block = serial.chunk(q, dim=1)[j]
-    return block.contiguous().clone()
+    return layout.block(serial, mesh.row, mesh.column, mesh.side).contiguous().clone()
 
 
 def set_param_layout(param: torch.nn.Parameter, layout: ParamLayout, mesh: OptimusMesh) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from megatron_bitpipe.optimus.collectives import broadcast_block, reduce_block
 from megatron_bitpipe.optimus.mesh import OptimusMesh
+from megatron_bitpipe.optimus.recompute import recipe_of
 
 
 def _as_matrix(tensor: torch.Tensor) -> torch.Tensor:
@@ -71,22 +72,46 @@ _PRODUCTS = {
 
 
 class _Summa(torch.autograd.Function):
-    """One of the three products (``product`` key of ``_PRODUCTS``) with its backward."""
+    """One of the three products (``product`` key of ``_PRODUCTS``) with its backward.
+
+    With a recipe for ``a`` (``recompute(*recipe_inputs)``, see
+    :mod:`megatron_bitpipe.optimus.recompute`) the recipe's inputs are kept instead of ``a``,
+    and ``a`` is recomputed for the gradient of ``b`` — the only gradient that needs it.
+    """
 
     @staticmethod
-    def forward(ctx, a, b, mesh, product):
-        ctx.save_for_backward(a, b)
-        ctx.mesh, ctx.product = mesh, product
+    def forward(ctx, a, b, mesh, product, recompute, *recipe_inputs):
+        if recompute is None:
+            ctx.save_for_backward(a, b)
+        else:
+            ctx.save_for_backward(b, *recipe_inputs)
+        ctx.mesh, ctx.product, ctx.recompute = mesh, product, recompute
         return _PRODUCTS[product][0](a, b, mesh)
 
     @staticmethod
     def backward(ctx, grad_c):
-        a, b = ctx.saved_tensors
+        if ctx.recompute is None:
+            a, b = ctx.saved_tensors
+            recipe_grads = ()
+        else:
+            b, *inputs = ctx.saved_tensors
+            recipe_grads = (None,) * len(inputs)
+            a = None
+            if ctx.needs_input_grad[1]:
+                with torch.no_grad():
+                    a = ctx.recompute(*inputs)
         _, grad_of_a, grad_of_b = _PRODUCTS[ctx.product]
         grad_c = grad_c.contiguous()
         grad_a = grad_of_a(a, b, grad_c, ctx.mesh) if ctx.needs_input_grad[0] else None
         grad_b = grad_of_b(a, b, grad_c, ctx.mesh) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None, None
+        return (grad_a, grad_b, None, None, None) + recipe_grads
+
+
+def _apply(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh, product: str) -> torch.Tensor:
+    recipe = recipe_of(a)
+    if recipe is None:
+        return _Summa.apply(a, b, mesh, product, None)
+    return _Summa.apply(a, b, mesh, product, recipe.function, *recipe.inputs)
 
 
 def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
@@ -94,7 +119,7 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tenso
 
     Returns ``[..., n/q]``, the same token block as ``a``.
     """
-    return _Summa.apply(a, b, mesh, "ab")
+    return _apply(a, b, mesh, "ab")
 
 
 def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
@@ -102,10 +127,10 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tens
 
     Returns ``[..., n/q]``, the same token block as ``a``.
     """
-    return _Summa.apply(a, b, mesh, "abt")
+    return _apply(a, b, mesh, "abt")
 
 
 def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
     """Block of ``Aᵀ·B`` over all token dimensions: ``a`` is ``[..., m/q]``, ``b`` is
     ``[..., n/q]`` (same token shape); returns ``[m/q, n/q]``."""
-    return _Summa.apply(a, b, mesh, "atb")
+    return _apply(a, b, mesh, "atb")

@@ -4,7 +4,9 @@
   parameter names (pure Python).
 * :mod:`.groups` — the rank grid and every process group: megatron-core collections per
   chunk, p2p channel groups, grad-sync groups.
-* :mod:`.model` — GPTModel chunks with explicit global layer ranges, tied embeddings on one rank.
+* :mod:`.model` — model chunks with explicit global layer ranges, tied embeddings on one rank;
+  GPTModel chunks.
+* :mod:`.bert` — BERT chunks (megatron-core's BertModel built from explicit process groups).
 * :mod:`.init` — initial weights from the seed alone, independent of the parallel layout.
 * :mod:`.replicas` — per-chunk DDP over the replicas, loss divisor, grad-norm marking,
   replica checks.

@@ -8,7 +8,7 @@ is also available on its own (:mod:`.groups`, :mod:`.model`, :mod:`.init`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -18,11 +18,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
 from .groups import ParallelGrid, PipelineGroups
 from .init import initialize_from_seed
 from .layout import ChunkSpec, chunk_specs
 from .model import build_gpt_chunks
+from .precision import ChunkFloat16Module
 from .replicas import mark_replica_parameters, wrap_ddp
 
 __all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "build_optimizer"]
@@ -71,29 +73,49 @@ def build_pipeline_model(
     seed: int,
     share_embeddings_and_output_weights: bool = True,
     ddp_config: Optional[DistributedDataParallelConfig] = None,
-    **gpt_kwargs,
+    tensor_parallel_mode: str = "1d",
+    chunk_builder: Callable[..., List[torch.nn.Module]] = build_gpt_chunks,
+    **model_kwargs,
 ) -> PipelineModel:
-    """Build, initialise and wrap this rank's GPT chunks of ``placement`` on ``grid``.
+    """Build, initialise and wrap this rank's model chunks of ``placement`` on ``grid``.
 
-    Collective over all ranks. The initial weights depend only on ``seed`` and the model
-    shape (:func:`~.init.initialize_from_seed`), so both replicas of every stage start
-    bit-identical and any layout starts from the single-process model. The default DDP
+    ``chunk_builder`` makes the chunks: :func:`~.model.build_gpt_chunks` (GPT, the default),
+    :func:`~.bert.build_bert_chunks` (BERT) or any function with their signature
+    (``config, groups, *, vocab_size, max_sequence_length,
+    share_embeddings_and_output_weights, **model_kwargs``). Collective over all ranks. The
+    initial weights depend only on ``seed`` and the model shape
+    (:func:`~.init.initialize_from_seed`), so both replicas of every stage start
+    bit-identical and any layout starts from the single-process model. With
+    ``config.bf16``/``config.fp16`` each chunk is wrapped in
+    :class:`~.precision.ChunkFloat16Module` (fp32 loss on whichever rank holds it). The default DDP
     config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
     reduces in fp32.
+
+    ``tensor_parallel_mode`` is ``--tensor-parallel-mode``: ``"1d"`` (megatron's tensor
+    parallelism) or ``"optimus2d"`` (Optimus 2D over a q x q mesh of the ``grid.tp = q*q``
+    ranks: ``OptimusGPTModel`` chunks, pipeline p2p of ``[s, b/q, h/q]`` blocks; the mesh is
+    ``model.groups.mesh``). Its size constraints are checked here, before any communication
+    (:func:`megatron_bitpipe.optimus.validation.check_optimus_model_config`); GPT only.
+    ``model_kwargs`` go to ``chunk_builder`` (``layer_spec``, ``position_embedding_type``,
+    ``add_binary_head``, ...).
     """
-    groups = PipelineGroups.build(grid, placement)
+    if tensor_parallel_mode == "optimus2d":
+        check_optimus_model_config(config, grid.tp, vocab_size)
+    groups = PipelineGroups.build(grid, placement, tensor_parallel_mode)
     init_megatron_state(groups.rank_pgs, seed)
-    chunks = build_gpt_chunks(
+    chunks = chunk_builder(
         config,
         groups,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        **gpt_kwargs,
+        **model_kwargs,
     )
     specs = chunk_specs(placement, config.num_layers, groups.pp_rank)
     initialize_from_seed(chunks, specs, seed, groups.tp)
     mark_replica_parameters(chunks, specs)
+    if config.bf16 or config.fp16:
+        chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
     ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config), groups, specs, config)
 

@@ -4,7 +4,7 @@
 (the loss reports of the micro-batches whose loss this rank computes, in micro-batch
 order; ``[]`` elsewhere), so Megatron-LM's training loop and evaluation call it like
 megatron's own schedules. The model chunks must come from
-:func:`megatron_bitpipe.runtime.model.build_gpt_chunks`, which records their
+:func:`megatron_bitpipe.runtime.model.build_chunks` (GPT or BERT), which records their
 :class:`~megatron_bitpipe.runtime.groups.PipelineGroups` (``chunk.pipeline_groups``):
 placement, p2p channels and gradient-sync groups.
 
@@ -50,11 +50,12 @@ def _plan(schedule: str, num_ranks: int, num_microbatches: int, forward_only: bo
 
 
 def pipeline_groups_of(model: List[torch.nn.Module]) -> PipelineGroups:
-    """The PipelineGroups recorded on chunks built by ``build_gpt_chunks`` (through wrappers)."""
+    """The PipelineGroups recorded on chunks built by ``build_chunks`` (through wrappers)."""
     groups = get_attr_wrapped_model(model[0], "pipeline_groups", allow_none=True)
     if groups is None:
         raise ValueError(
-            "model chunks carry no pipeline_groups: build them with megatron_bitpipe.runtime.build_gpt_chunks"
+            "model chunks carry no pipeline_groups: build them with megatron_bitpipe.runtime.model.build_chunks "
+            "(build_gpt_chunks, build_bert_chunks)"
         )
     return groups
 
@@ -144,17 +145,36 @@ def _check_supported(schedule, chunks, placement, config, seq_length, decoder_se
 
 
 def p2p_tensor_shape(config, seq_length, micro_batch_size, groups: PipelineGroups, adjust_tensor_shapes_fn=None):
-    """[s / cp (/ tp with sequence parallelism), micro-batch, hidden], as megatron-core computes it."""
+    """Shape of every activation and gradient crossing pipeline ranks.
+
+    megatron-core's ``[s / cp (/ tp with sequence parallelism), micro-batch, hidden]``; with an
+    Optimus mesh (``groups.mesh``) the ``[s, b/q, h/q]`` block every mesh position holds.
+    ``adjust_tensor_shapes_fn`` follows megatron's contract: it receives megatron's shape and
+    its answer is used. In Optimus mode that answer must be the block shape (e.g. from
+    :func:`megatron_bitpipe.optimus.optimus_p2p_tensor_shapes`, which is then redundant).
+    ValueError naming ``--micro-batch-size`` if the mesh side does not divide it.
+    """
     seq = seq_length // groups.rank_pgs.cp.size()
     if config.sequence_parallel:
         seq //= groups.grid.tp
     shape = [seq, micro_batch_size, config.hidden_size]
-    if adjust_tensor_shapes_fn is not None:
-        recv, send = adjust_tensor_shapes_fn([shape], [shape])
-        if recv != send or len(recv) != 1:
-            raise ValueError("adjust_tensor_shapes_fn must give one shape, equal for sends and receives")
-        shape = list(recv[0])
-    return shape
+    derived = shape
+    if groups.mesh is not None:
+        side = groups.mesh.side
+        if micro_batch_size % side:
+            raise ValueError(
+                f"--micro-batch-size {micro_batch_size} must be divisible by the Optimus mesh side q={side}"
+            )
+        derived = [seq, micro_batch_size // side, config.hidden_size // side]
+    if adjust_tensor_shapes_fn is None:
+        return derived
+    recv, send = adjust_tensor_shapes_fn([shape], [shape])
+    if recv != send or len(recv) != 1:
+        raise ValueError("adjust_tensor_shapes_fn must give one shape, equal for sends and receives")
+    adjusted = list(recv[0])
+    if groups.mesh is not None and adjusted != derived:
+        raise ValueError(f"adjust_tensor_shapes_fn gives {adjusted}; Optimus 2D pipeline stages exchange {derived}")
+    return adjusted
 
 
 def finalize_grads(chunks, groups: PipelineGroups, config, num_tokens: torch.Tensor, force_all_reduce: bool = False) -> None:

@@ -13,13 +13,18 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
 * ``model_pgs[c]`` — the collection for local chunk ``c``: its GPTModel and its
   ``DistributedDataParallel``. Same as ``rank_pgs`` except ``dp = dp_cp = expt_dp`` is the
   chunk's grad-sync group (:meth:`PipelineGroups.grad_sync_group`).
-  ``embd = pos_embd = None`` in both: tied embeddings live on one rank
-  (:mod:`megatron_bitpipe.runtime.model`), so megatron's embedding all-reduces are skipped.
+  ``embd = pos_embd`` is this rank alone in both: tied embeddings live on one rank
+  (:mod:`megatron_bitpipe.runtime.model`), so megatron's embedding all-reduces are skipped
+  (a group of one, not None: ``finalize_model_grads`` looks a None embedding group up in the
+  global parallel state, which Megatron-LM's training loop has initialised).
   ``pp`` is the pipeline ranks of this (tp, dp) slice in grid order, for every chunk; its
   rank is the pipeline rank, *not* a stage index.
 * p2p channel groups, one per (payload, pipeline, direction, link parity) — see
   :meth:`channel_group`.
 * grad-sync groups, one per stage — see :meth:`grad_sync_group`.
+* ``mesh`` — with ``tensor_parallel_mode="optimus2d"``, the Optimus 2D mesh (row and column
+  groups) laid over the tp group (:class:`~megatron_bitpipe.optimus.mesh.OptimusMesh`);
+  ``None`` with megatron's 1-D tensor parallelism.
 
 Context, expert and expert-tensor parallel sizes are 1 (``cp``, ``ep``, ``expt_tp`` are
 this rank alone).
@@ -33,6 +38,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from ..optimus.args import TENSOR_PARALLEL_MODES
+from ..optimus.mesh import OptimusMesh, build_optimus_mesh, mesh_side
 from ..schedules.comm import Payload, Transfer
 from ..schedules.placement import Placement
 
@@ -149,6 +156,7 @@ class PipelineGroups:
     model_pgs: Tuple[ProcessGroupCollection, ...]
     channels: Dict[ChannelKey, dist.ProcessGroup]
     stage_groups: Dict[int, dist.ProcessGroup]
+    mesh: Optional[OptimusMesh] = None
 
     @property
     def tp_rank(self) -> int:
@@ -204,8 +212,17 @@ class PipelineGroups:
         return self.stage_groups[self.placement.role(self.pp_rank, chunk).stage]
 
     @classmethod
-    def build(cls, grid: ParallelGrid, placement: Placement) -> "PipelineGroups":
-        """Create every group of ``grid`` x ``placement``; a collective call on the default group."""
+    def build(cls, grid: ParallelGrid, placement: Placement, tensor_parallel_mode: str = "1d") -> "PipelineGroups":
+        """Create every group of ``grid`` x ``placement``; a collective call on the default group.
+
+        ``tensor_parallel_mode`` is ``--tensor-parallel-mode``: ``"1d"`` (megatron's tensor
+        parallelism) or ``"optimus2d"`` (also builds the Optimus mesh over the tp group, whose
+        size must then be q*q). Bad arguments raise ValueError before any communication.
+        """
+        if tensor_parallel_mode not in TENSOR_PARALLEL_MODES:
+            raise ValueError(f"--tensor-parallel-mode {tensor_parallel_mode!r} is not one of {TENSOR_PARALLEL_MODES}")
+        if tensor_parallel_mode == "optimus2d":
+            mesh_side(grid.tp)
         if dist.get_world_size() != grid.world_size:
             raise ValueError(f"{grid} needs {grid.world_size} ranks, the job has {dist.get_world_size()}")
         if placement.num_ranks != grid.pp:
@@ -239,7 +256,8 @@ class PipelineGroups:
             if pp_rank in holders:
                 stage_groups[stage] = group
 
-        common = dict(tp=tp, pp=pp, mp=mp, solo=solo)
+        mesh = build_optimus_mesh(tp) if tensor_parallel_mode == "optimus2d" else None
+        common = dict(tp=tp, pp=pp, mp=mp, solo=solo, embd=solo, pos_embd=solo)
         model_pgs = tuple(
             process_group_collection(dp=stage_groups[placement.role(pp_rank, c).stage], **common)
             for c in range(placement.chunks_per_rank)
@@ -254,4 +272,5 @@ class PipelineGroups:
             model_pgs=model_pgs,
             channels=channels,
             stage_groups=stage_groups,
+            mesh=mesh,
         )

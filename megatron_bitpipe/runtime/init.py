@@ -3,7 +3,8 @@
 Every parameter is re-initialised from its own generator, seeded by (``seed``, full-model
 parameter name): the *full* (tensor-parallel unsplit) tensor is generated on the CPU in fp32
 and this rank's tensor-parallel block is copied in. Hence the initial model depends only on
-the seed and the model config, never on tp / pp / dp sizes, the placement or the schedule:
+the seed and the model config, never on tp / pp / dp sizes, the tensor-parallel mode (1-D
+or Optimus 2-D blocks, :func:`~.layout.tp_block`), the placement or the schedule:
 two replicas of a stage start bit-identical without a broadcast, and any layout starts from
 the same model as a single process does.
 
@@ -12,7 +13,10 @@ Init rules follow megatron-core's conventions, using the config's own init calla
 ``layernorm_zero_centered_gamma``); embeddings ``config.embedding_init_method``; the
 attention output projection and second MLP linear (``linear_proj``, ``linear_fc2``)
 ``config.output_layer_init_method`` (by default N(0, std / sqrt(2 * num_layers))); every other
-weight ``config.init_method`` (by default N(0, std)).
+weight ``config.init_method`` (by default N(0, std)). For BERT that covers, as in
+megatron-core's BertModel: token-type embeddings (an embedding), the MLM head's dense layer
+and norm (``lm_head.dense``, ``lm_head.layer_norm``), the output layer's weight and bias, the
+pooler and the binary head (weights ``init_method``, biases 0).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 
-from .layout import ChunkLayers, is_tensor_parallel, to_global_name, tp_block
+from .layout import ChunkLayers, full_shape, to_global_name, tp_block
 from .model import unwrap
 
 __all__ = ["init_method_for", "initialize_from_seed"]
@@ -58,10 +62,7 @@ def _seed_of(seed: int, name: str) -> int:
 
 
 def _full_value(name: str, param: torch.Tensor, config: TransformerConfig, seed: int, tp_size: int) -> torch.Tensor:
-    shape = list(param.shape)
-    if is_tensor_parallel(param):
-        shape[param.partition_dim] *= tp_size
-    full = torch.empty(shape, dtype=torch.float32)
+    full = torch.empty(full_shape(param, tp_size), dtype=torch.float32)
     init = init_method_for(name, config)
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(_seed_of(seed, name))

@@ -6,15 +6,19 @@ alike.
 The *full* (global) model is the whole model on one rank without tensor or pipeline
 parallelism. Its parameter names are megatron-core's: ``embedding.*``,
 ``decoder.layers.{L}.*`` for global layer ``L`` (0-based), ``decoder.final_layernorm.*``,
-``output_layer.*`` (absent with tied embeddings). A *chunk* holds a contiguous range of
-layers plus, optionally, the embedding (``pre_process``) and the final norm, output layer and
-loss (``post_process``); megatron numbers a chunk's layers locally in its module names
-(``decoder.layers.{l}``, ``l = L - first_layer``) and globally in ``layer.layer_number``
-(1-based, ``L + 1``).
+``output_layer.*`` (absent with tied embeddings). BERT's block is ``encoder`` instead of
+``decoder``, and its post-process part also has ``lm_head.*``, ``pooler.*`` and
+``binary_head.*``. A *chunk* holds a contiguous range of layers plus, optionally, the
+embedding (``pre_process``) and the final norm, heads and loss (``post_process``); megatron
+numbers a chunk's layers locally in its module names (``decoder.layers.{l}``,
+``l = L - first_layer``) and globally in ``layer.layer_number`` (1-based, ``L + 1``).
 
 Tensor parallelism: a parameter with megatron's ``tensor_model_parallel`` attribute is the
 ``tp_rank``-th of ``tp_size`` equal blocks of the full tensor along ``partition_dim``
-(:func:`tp_block`).
+(:func:`tp_block`). A parameter of Optimus 2D tensor parallelism instead carries an
+``optimus_layout`` (:class:`megatron_bitpipe.optimus.layout.ParamLayout`), which says which
+2-D block of the full tensor each TP rank holds; :func:`tp_block` and :func:`full_shape`
+defer to it (no import of the optimus package here).
 
 Stages are equal: with ``S`` stages per pipeline and ``num_layers`` layers, stage ``s`` holds
 layers ``[s * num_layers / S, (s + 1) * num_layers / S)``. Every pipeline of a placement is a
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -38,10 +42,20 @@ __all__ = [
     "to_global_name",
     "to_local_name",
     "is_tensor_parallel",
+    "full_shape",
     "tp_block",
 ]
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
+# Parameters of the post-process part (final norm, heads): GPT's and BERT's.
+_POST_PROCESS = (
+    "output_layer.",
+    "decoder.final_layernorm.",
+    "encoder.final_layernorm.",
+    "lm_head.",
+    "pooler.",
+    "binary_head.",
+)
 _HEAD = "output_layer.weight"
 _WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -111,10 +125,10 @@ def to_global_name(local_name: str, chunk: ChunkLayers) -> str:
     """Full-model name of a chunk's parameter (or state dict key)."""
     match = _LAYER.match(local_name)
     if match:
-        local = int(match.group(1))
+        block, local, rest = match.group(1), int(match.group(2)), match.group(3)
         if local >= chunk.num_layers:
             raise KeyError(f"{local_name}: chunk has {chunk.num_layers} layers")
-        return f"decoder.layers.{chunk.first_layer + local}.{match.group(2)}"
+        return f"{block}.layers.{chunk.first_layer + local}.{rest}"
     if local_name == _HEAD and chunk.tied and not chunk.pre_process:
         return _WORD_EMBEDDING
     return local_name
@@ -128,19 +142,19 @@ def to_local_name(global_name: str, chunk: ChunkLayers) -> Optional[str]:
     """
     match = _LAYER.match(global_name)
     if match:
-        layer = int(match.group(1))
+        block, layer, rest = match.group(1), int(match.group(2)), match.group(3)
         if layer not in chunk.layers:
             return None
-        return f"decoder.layers.{layer - chunk.first_layer}.{match.group(2)}"
+        return f"{block}.layers.{layer - chunk.first_layer}.{rest}"
     if global_name.startswith("embedding."):
         if chunk.pre_process:
             return global_name
         if global_name == _WORD_EMBEDDING and chunk.tied and chunk.post_process:
             return _HEAD
         return None
-    if global_name.startswith(("output_layer.", "decoder.final_layernorm.")):
+    if global_name.startswith(_POST_PROCESS):
         return global_name if chunk.post_process else None
-    raise KeyError(f"{global_name}: not a GPT parameter name")
+    raise KeyError(f"{global_name}: not a GPT or BERT parameter name")
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
@@ -148,12 +162,27 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+def full_shape(param: torch.Tensor, tp_size: int) -> Tuple[int, ...]:
+    """Shape of the full tensor of which ``param`` is one tensor-parallel block."""
+    layout = getattr(param, "optimus_layout", None)
+    if layout is not None:
+        return layout.serial_shape(param.shape, tp_size)
+    shape = list(param.shape)
+    if is_tensor_parallel(param):
+        shape[param.partition_dim] *= tp_size
+    return tuple(shape)
+
+
 def tp_block(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This tp rank's block of ``full`` for ``param`` (``full`` itself if not tp-partitioned).
 
     megatron splits a tensor-parallel parameter into ``tp_size`` equal blocks along
     ``param.partition_dim``; strided partitions are not supported (NotImplementedError).
+    An Optimus 2D parameter takes its 2-D block (``param.optimus_layout``).
     """
+    layout = getattr(param, "optimus_layout", None)
+    if layout is not None:
+        return layout.tp_block(full, tp_rank, tp_size)
     if tp_size == 1 or not is_tensor_parallel(param):
         return full
     if getattr(param, "partition_stride", 1) != 1:

@@ -1,4 +1,5 @@
-"""megatron-core GPTModel chunks for any placement, with explicit global layer ranges.
+"""megatron-core model chunks (GPTModel, and the base for BERT) for any placement, with explicit
+global layer ranges.
 
 **Layer ranges.** megatron-core derives a chunk's layers from ``get_transformer_layer_offset``
 and ``get_num_layers_to_build``, which assume the looped order (stage = vp * D + rank) unless
@@ -28,39 +29,61 @@ after every backward) is not used. Not handled yet: megatron's ``sharded_state_d
 (distributed checkpointing) of such a head chunk, which expects its own
 ``output_layer.weight`` entry.
 
-**Layer spec.** :func:`default_gpt_layer_spec` is the single place choosing between
-Transformer Engine and megatron-core's local modules.
+**Layer spec.** :func:`default_gpt_layer_spec` (BERT:
+:func:`megatron_bitpipe.runtime.bert.default_bert_layer_spec`) is the single place choosing
+between Transformer Engine and megatron-core's local modules.
 
-**BERT.** The same per-chunk config works for any model whose decoder/encoder is a
-``TransformerBlock``; megatron-core 0.16's ``BertModel`` however builds its block without a
-``pg_collection`` and tests ``parallel_state.is_pipeline_first_stage()`` in ``forward``, so it
-needs the global parallel state and a first-stage fix before it can run on a V placement.
+**Optimus 2D.** When the groups carry an Optimus mesh (``tensor_parallel_mode="optimus2d"``),
+every chunk is an :class:`~megatron_bitpipe.optimus.OptimusGPTModel` over that mesh: its
+block spec follows the chunk's explicit layer range like any other spec, the tied head uses
+the embedding chunk's 2-D ``[v/q, h/q]`` vocabulary block, and every parameter carries its
+``optimus_layout``, which :mod:`.init` uses for seed-only initialisation.
+
+**Other models.** :func:`build_chunks` does the placement work (per-chunk configs, process
+groups, tying) for any megatron-core language model whose block is a ``TransformerBlock``;
+:func:`build_gpt_chunks` gives it GPTModel chunks and
+:func:`megatron_bitpipe.runtime.bert.build_bert_chunks` BERT chunks.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import List, Optional, Sequence
+import dataclasses
+from typing import Callable, List, Optional, Sequence
 
 import torch
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+from megatron.core.utils import unwrap_model
 
+from ..optimus.gpt_model import OptimusGPTModel
+from ..optimus.spec import get_optimus_gpt_block_spec
 from .groups import PipelineGroups
 from .layout import ChunkLayers, ChunkSpec, chunk_specs
+from .norms import SequenceParallelTorchNorm
 
 __all__ = [
     "ChunkLayerLayout",
     "chunk_config",
     "default_gpt_layer_spec",
+    "ChunkFactory",
+    "build_chunks",
     "build_gpt_chunks",
     "unwrap",
 ]
+
+
+ChunkFactory = Callable[[TransformerConfig, ChunkSpec, ProcessGroupCollection, bool], LanguageModule]
+"""``make_chunk(chunk_config, spec, pg_collection, tie_in_chunk)`` for :func:`build_chunks`."""
 
 
 class ChunkLayerLayout(PipelineParallelLayerLayout):
@@ -117,40 +140,74 @@ def chunk_config(config: TransformerConfig, layers: ChunkLayers) -> TransformerC
 
 def default_gpt_layer_spec(config: TransformerConfig) -> ModuleSpec:
     """Transformer Engine layer spec if TE is importable and ``config.transformer_impl`` asks
-    for it (megatron's default), else megatron-core's local spec."""
+    for it (megatron's default), else megatron-core's local spec — with norms that support
+    sequence parallelism when megatron would fall back to ``WrappedTorchNorm`` (no apex)."""
     if gpt_layer_specs.HAVE_TE and config.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, normalization=config.normalization
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    return _replace_torch_norms(spec)
+
+
+def _replace_torch_norms(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with every ``WrappedTorchNorm`` submodule swapped for :class:`SequenceParallelTorchNorm`."""
+    submodules = spec.submodules
+    updates = {
+        f.name: SequenceParallelTorchNorm
+        for f in dataclasses.fields(submodules)
+        if getattr(submodules, f.name) is WrappedTorchNorm
+    }
+    for f in dataclasses.fields(submodules):
+        child = getattr(submodules, f.name)
+        if isinstance(child, ModuleSpec) and dataclasses.is_dataclass(child.submodules):
+            replaced = _replace_torch_norms(child)
+            if replaced is not child:
+                updates[f.name] = replaced
+    if not updates:
+        return spec
+    return dataclasses.replace(spec, submodules=dataclasses.replace(submodules, **updates))
+
+
+def chunk_block_spec(layer_spec: ModuleSpec, num_layers: int) -> ModuleSpec:
+    """Block spec of ``num_layers`` copies of ``layer_spec``; the final norm matches the layers'
+    (torch norms get :class:`SequenceParallelTorchNorm`, so sequence parallelism works without apex)."""
+    final_norm = gpt_layer_specs.LNImpl
+    if final_norm is WrappedTorchNorm:
+        final_norm = SequenceParallelTorchNorm
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm),
     )
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The language model inside DDP / Float16Module wrappers (itself if unwrapped)."""
-    return get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
+    """The language model inside DDP / Float16Module wrappers (itself if unwrapped).
+
+    Unwraps by wrapper type, not by looking for a model attribute: ``ChunkFloat16Module``
+    carries ``pre_process``/``post_process`` of its own."""
+    return unwrap_model(model)
 
 
-def build_gpt_chunks(
+def build_chunks(
     config: TransformerConfig,
     groups: PipelineGroups,
+    make_chunk: ChunkFactory,
     *,
     vocab_size: int,
-    max_sequence_length: int,
     share_embeddings_and_output_weights: bool = False,
-    layer_spec: Optional[ModuleSpec] = None,
-    position_embedding_type: str = "learned_absolute",
-    **gpt_kwargs,
-) -> List[GPTModel]:
-    """This rank's GPTModel chunks of ``groups.placement``, indexed by local chunk id.
+) -> List[LanguageModule]:
+    """This rank's model chunks of ``groups.placement``, indexed by local chunk id, for any
+    megatron-core language model.
 
-    Chunk ``c`` holds :func:`~megatron_bitpipe.runtime.layout.chunk_specs`\\ ``[c]`` (its
-    layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
-    :func:`chunk_config`. ``vocab_size`` is the padded vocabulary (divisible by the tp size).
-    Tied embeddings: see the module docstring; ValueError if a pipeline's first and last
-    stage are on different ranks. ``gpt_kwargs`` go to ``GPTModel`` (rotary settings,
-    ``parallel_output``...). Weights get megatron's own (layout-dependent) initialisation;
-    call :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent
-    ones. With CUDA available the chunks are moved to the current device.
+    ``make_chunk(chunk_config, spec, pg_collection, tie_in_chunk)`` builds one chunk: the
+    model holding ``spec`` (its layers, ``pre_process``/``post_process``), built from
+    ``chunk_config`` (:func:`chunk_config`: global layer numbers) with ``pg_collection``
+    (``groups.model_pgs[c]``); ``tie_in_chunk`` is its ``share_embeddings_and_output_weights``
+    (true only for a chunk holding both ends of a tied model: megatron ties natively only
+    inside one chunk, across chunks see the module docstring). ``vocab_size`` is the padded
+    vocabulary (divisible by the tp size). Tied embeddings: ValueError if a pipeline's first
+    and last stage are on different ranks. With CUDA available the chunks are moved to the
+    current device; each records ``groups`` as ``chunk.pipeline_groups`` (the
+    forward_backward_func finds placement, channels and grad-sync groups there).
     """
     if config.pipeline_model_parallel_size != groups.grid.pp:
         raise ValueError(
@@ -169,33 +226,77 @@ def build_gpt_chunks(
     specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank)
     if share_embeddings_and_output_weights:
         _check_tied_placement(groups)
-    spec = layer_spec or default_gpt_layer_spec(config)
     chunks = []
-    for chunk, chunk_spec in enumerate(specs):
-        model = GPTModel(
-            config=chunk_config(config, chunk_spec),
-            transformer_layer_spec=spec,
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            pre_process=chunk_spec.pre_process,
-            post_process=chunk_spec.post_process,
-            # megatron ties natively only inside one chunk; across chunks see _tie_head.
-            share_embeddings_and_output_weights=(
-                share_embeddings_and_output_weights and chunk_spec.pre_process and chunk_spec.post_process
-            ),
-            position_embedding_type=position_embedding_type,
-            pg_collection=groups.model_pgs[chunk],
-            **gpt_kwargs,
-        )
+    for chunk, spec in enumerate(specs):
+        tie_in_chunk = share_embeddings_and_output_weights and spec.pre_process and spec.post_process
+        model = make_chunk(chunk_config(config, spec), spec, groups.model_pgs[chunk], tie_in_chunk)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
-        # The forward_backward_func finds placement, channels and grad-sync groups here.
         model.pipeline_groups = groups
         chunks.append(model)
     if share_embeddings_and_output_weights:
         for head, embedding in _tied_pairs(specs):
             _tie_head(chunks[head], chunks[embedding])
     return chunks
+
+
+def build_gpt_chunks(
+    config: TransformerConfig,
+    groups: PipelineGroups,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    share_embeddings_and_output_weights: bool = False,
+    layer_spec: Optional[ModuleSpec] = None,
+    position_embedding_type: str = "learned_absolute",
+    **gpt_kwargs,
+) -> List[GPTModel]:
+    """This rank's GPTModel chunks of ``groups.placement``, indexed by local chunk id.
+
+    Chunk ``c`` holds :func:`~megatron_bitpipe.runtime.layout.chunk_specs`\\ ``[c]`` (its
+    layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
+    :func:`chunk_config`; see :func:`build_chunks` for the checks and tied embeddings.
+    ``gpt_kwargs`` go to ``GPTModel`` (rotary settings, ``parallel_output``...). With
+    ``groups.mesh`` the chunks are ``OptimusGPTModel``\\ s and ``layer_spec``, if given, is an
+    Optimus *layer* spec (:func:`~megatron_bitpipe.optimus.get_optimus_gpt_layer_spec`, e.g.
+    with another core attention). Weights get megatron's own (layout-dependent)
+    initialisation; call :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for
+    layout-independent ones.
+    """
+    mesh = groups.mesh
+    spec = layer_spec or (None if mesh else default_gpt_layer_spec(config))
+
+    def make_chunk(chunk_config: TransformerConfig, chunk: ChunkSpec, pgs: ProcessGroupCollection, tie: bool):
+        if mesh is None:
+            block = chunk_block_spec(spec, chunk.num_layers) if _is_layer_spec(spec) else spec
+            model_class, model_kwargs = GPTModel, dict(transformer_layer_spec=block)
+        else:
+            block = get_optimus_gpt_block_spec(chunk_config, mesh, chunk.num_layers, layer_spec=spec)
+            model_class, model_kwargs = OptimusGPTModel, dict(transformer_layer_spec=block, mesh=mesh)
+        return model_class(
+            config=chunk_config,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=chunk.pre_process,
+            post_process=chunk.post_process,
+            share_embeddings_and_output_weights=tie,
+            position_embedding_type=position_embedding_type,
+            pg_collection=pgs,
+            **model_kwargs,
+            **gpt_kwargs,
+        )
+
+    return build_chunks(
+        config,
+        groups,
+        make_chunk,
+        vocab_size=vocab_size,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+    )
+
+
+def _is_layer_spec(spec: ModuleSpec) -> bool:
+    return isinstance(spec, ModuleSpec) and issubclass(spec.module, BaseTransformerLayer)
 
 
 def _check_tied_placement(groups: PipelineGroups) -> None:
@@ -216,7 +317,7 @@ def _tied_pairs(specs: Sequence[ChunkSpec]):
     return [(c, embedding[s.pipeline]) for c, s in enumerate(specs) if s.post_process and not s.pre_process]
 
 
-def _tie_head(head: GPTModel, embedding: GPTModel) -> None:
+def _tie_head(head: LanguageModule, embedding: LanguageModule) -> None:
     """Make ``head``'s output layer use ``embedding``'s word-embedding Parameter, unregistered."""
     weight = embedding.embedding.word_embeddings.weight
     layer = head.output_layer

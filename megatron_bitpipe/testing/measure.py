@@ -49,6 +49,8 @@ class SavedActivationMeter:
         self._excluded = {_storage_key(p) for p in parameters}
         self._seen: set = set()
         self.bytes = 0
+        #: (storage bytes, dtype) of each distinct storage, in the order first saved
+        self.storages: List[Tuple[int, torch.dtype]] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -56,6 +58,7 @@ class SavedActivationMeter:
         if key not in self._excluded and key not in self._seen:
             self._seen.add(key)
             self.bytes += key[1]
+            self.storages.append((key[1], tensor.dtype))
         return tensor
 
     def __enter__(self) -> "SavedActivationMeter":

@@ -2,7 +2,8 @@
 
 A *full* (global) state dict is the one of the whole GPT model on one rank without tensor or
 pipeline parallelism: ``embedding.*``, ``decoder.layers.{L}.*`` for global layer ``L``,
-``decoder.final_layernorm.*``, ``output_layer.*`` (absent with tied embeddings).
+``decoder.final_layernorm.*``, ``output_layer.*`` (absent with tied embeddings); BERT's
+(``encoder.*`` and its heads) likewise, see :mod:`megatron_bitpipe.runtime.layout`.
 A *chunk* holds a contiguous range of layers plus, optionally, the embedding (pre_process)
 and the final norm and output layer (post_process); megatron numbers its layers locally
 (``decoder.layers.{l}``, ``l = L - first_layer``).
@@ -64,7 +65,7 @@ def looped_chunk_layers(
 
 
 def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
-    """Read :class:`ChunkLayers` off a built GPT chunk (wrapped or not).
+    """Read :class:`ChunkLayers` off a built GPT or BERT chunk (wrapped or not).
 
     The offset comes from the first layer's global ``layer_number`` (1-based), so the chunk
     must hold at least one layer and have been built with correct layer numbers; otherwise
@@ -73,7 +74,8 @@ def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
     from ..runtime.model import unwrap
 
     inner = unwrap(model)
-    layers = inner.decoder.layers
+    block = inner.encoder if hasattr(inner, "encoder") else inner.decoder  # BERT / GPT
+    layers = block.layers
     if len(layers) == 0:
         raise ValueError("chunk has no transformer layers; give its ChunkLayers explicitly")
     return ChunkLayers(
@@ -132,7 +134,9 @@ def collect_full(
     ``tensor_of`` picks what to collect: the parameter (default), ``lambda p: p.main_grad``
     (megatron DDP's gradient), ``lambda p: p.grad``...; entries where it returns None are
     skipped. With ``tp_group`` (size > 1), tensor-parallel blocks are all-gathered, so this is
-    a collective over the tp group and every tp rank gets the full tensors.
+    a collective over the tp group and every tp rank gets the full tensors; Optimus 2-D
+    blocks are reassembled by their ``optimus_layout``, which also checks that copies of
+    column-replicated parameters are bit-identical.
     """
     from ..runtime.model import unwrap
 
@@ -143,10 +147,11 @@ def collect_full(
         if value is None:
             continue
         value = value.detach()
-        if tp_group is not None and tp_group.size() > 1 and is_tensor_parallel(param):
+        layout = getattr(param, "optimus_layout", None)
+        if tp_group is not None and tp_group.size() > 1 and (layout or is_tensor_parallel(param)):
             blocks = [torch.empty_like(value) for _ in range(tp_group.size())]
             dist.all_gather(blocks, value.contiguous(), group=tp_group)
-            value = torch.cat(blocks, dim=param.partition_dim)
+            value = layout.from_tp_blocks(blocks) if layout else torch.cat(blocks, dim=param.partition_dim)
         out[to_global_name(name, chunk)] = value.to("cpu", copy=True)
     return out
 

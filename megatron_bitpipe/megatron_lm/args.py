@@ -1,0 +1,111 @@
+"""megatron-bitpipe's flags on Megatron-LM's command line, and the rules of its training loop.
+
+:func:`add_megatron_lm_args` is an ``extra_args_provider``: it adds the plugin's flags
+(:func:`megatron_bitpipe.megatron_args.add_bitpipe_args`) and ``--layout-independent-init``.
+:func:`chain_args_provider` puts it after a script's own provider.
+
+:func:`validate_megatron_lm_args` runs after Megatron-LM's ``validate_args`` (which fills in
+``data_parallel_size`` and the other derived fields) and before ``torch.distributed`` is
+initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.validate_bitpipe_args`
+plus the Megatron-LM features the BitPipe chunks cannot be combined with. It raises
+:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, List, Optional
+
+from ..megatron_args import BitPipeConfigError, add_bitpipe_args, validate_bitpipe_args
+
+__all__ = ["add_megatron_lm_args", "chain_args_provider", "validate_megatron_lm_args", "layout_independent_init"]
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+# (attribute, flag, why it cannot run with bitpipe); a flag is set when the attribute is truthy
+# (numbers: > 1 for the parallel sizes).
+_BITPIPE_CONFLICTS = (
+    ("use_distributed_optimizer", "--use-distributed-optimizer",
+     "each chunk's gradients are reduced over its own replica x data-parallel group, which the "
+     "distributed optimizer's shards do not follow"),
+    ("use_torch_fsdp2", "--use-torch-fsdp2", "bitpipe wraps each chunk in megatron DDP"),
+    ("use_megatron_fsdp", "--use-megatron-fsdp", "bitpipe wraps each chunk in megatron DDP"),
+    ("context_parallel_size", "--context-parallel-size", "context parallelism is not supported"),
+    ("expert_model_parallel_size", "--expert-model-parallel-size", "expert parallelism is not supported"),
+    ("num_experts", "--num-experts", "mixture-of-experts layers are not supported"),
+    ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported"),
+    ("use_tp_pp_dp_mapping", "--use-tp-pp-dp-mapping", "bitpipe uses megatron's default tp-dp-pp rank order"),
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers",
+     "bitpipe splits the layers into 2 x --pipeline-model-parallel-size equal stages"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers",
+     "bitpipe splits the layers into 2 x --pipeline-model-parallel-size equal stages"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout",
+     "bitpipe's V layout is fixed"),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
+     "bitpipe splits the layers into equal stages"),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
+     "bitpipe splits the layers into equal stages"),
+    ("rampup_batch_size", "--rampup-batch-size", "bitpipe needs a fixed, even number of micro-batches"),
+    ("use_legacy_models", "--use-legacy-models", "bitpipe builds megatron-core models"),
+    ("init_model_with_meta_device", "--init-model-with-meta-device", "bitpipe initialises weights from --seed"),
+    ("yaml_cfg", "--yaml-cfg", "bitpipe reads the model from command-line flags"),
+)
+_PARALLEL_SIZES = {"context_parallel_size", "expert_model_parallel_size"}
+
+
+def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--pipeline-schedule``, ``--tensor-parallel-mode`` and ``--layout-independent-init``."""
+    parser = add_bitpipe_args(parser)
+    group = parser.add_argument_group(title="megatron-bitpipe (Megatron-LM)")
+    group.add_argument(
+        "--layout-independent-init",
+        action="store_true",
+        help="initialise every weight from --seed and its full-model parameter name, so the initial "
+        "model does not depend on the parallel layout or the schedule (always on with "
+        "--pipeline-schedule bitpipe, whose two weight replicas must start identical).",
+    )
+    return parser
+
+
+def chain_args_provider(provider: Optional[ArgsProvider]) -> ArgsProvider:
+    """An ``extra_args_provider`` running ``provider`` (if any), then :func:`add_megatron_lm_args`."""
+
+    def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if provider is not None:
+            parser = provider(parser)
+        return add_megatron_lm_args(parser)
+
+    return extra_args_provider
+
+
+def layout_independent_init(args: argparse.Namespace) -> bool:
+    """Whether the model is initialised from the seed alone (bitpipe, or the flag)."""
+    return getattr(args, "pipeline_schedule", "default") == "bitpipe" or getattr(args, "layout_independent_init", False)
+
+
+def validate_megatron_lm_args(args: argparse.Namespace) -> None:
+    """Raise :class:`BitPipeConfigError` naming every flag that breaks a rule (no communication)."""
+    problems: List[str] = []
+    try:
+        validate_bitpipe_args(args)
+    except BitPipeConfigError as error:  # "invalid arguments:" and one indented line per rule
+        lines = str(error).splitlines()
+        problems.extend(line.strip() for line in lines[1:] or lines)
+    if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
+        problems.append(
+            "--tensor-parallel-mode optimus2d is not available through Megatron-LM's scripts (their "
+            "model builders use megatron's 1-D tensor parallelism); use megatron-bitpipe's scripts/pretrain_gpt.py"
+        )
+    if getattr(args, "pipeline_schedule", "default") == "bitpipe":
+        for attribute, flag, reason in _BITPIPE_CONFLICTS:
+            value = getattr(args, attribute, None)
+            if (value or 0) > 1 if attribute in _PARALLEL_SIZES else value:
+                problems.append(f"{flag} cannot be used with --pipeline-schedule bitpipe: {reason}")
+        checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
+        if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch":
+            problems.append(
+                f"--ckpt-format {getattr(args, 'ckpt_format', 'torch_dist')} cannot be used with --pipeline-schedule "
+                "bitpipe: use --ckpt-format torch (a bitpipe checkpoint resumes a bitpipe run of the same layout)"
+            )
+    if problems:
+        raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))

@@ -1,0 +1,43 @@
+"""A torch LayerNorm / RMSNorm that megatron-core's local layer spec can use with sequence parallelism.
+
+Without apex, megatron-core's local spec builds its norms with ``WrappedTorchNorm``, which
+refuses ``sequence_parallel``. A norm acts on each token independently, so it runs on a
+sequence shard unchanged; the only thing sequence parallelism needs is that the norm's
+weight gradients, computed from different tokens on each tensor-parallel rank, are summed
+over the tensor-parallel group. megatron's ``finalize_model_grads`` does that for every
+parameter marked ``sequence_parallel = True``, which this class does.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+__all__ = ["SequenceParallelTorchNorm"]
+
+
+class SequenceParallelTorchNorm:
+    """Builds ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` (``config.normalization``).
+
+    Same arguments as megatron's norm modules; the result is a plain torch module whose
+    parameters carry ``sequence_parallel = config.sequence_parallel``.
+    """
+
+    def __new__(
+        cls,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ) -> torch.nn.Module:
+        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
+            raise ValueError("zero-centered gamma and memory-efficient layer norm need apex or Transformer Engine")
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"--normalization {config.normalization} is not supported without Transformer Engine")
+        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm

@@ -1,0 +1,94 @@
+"""Running Megatron-LM's own scripts on CPU ranks for the tests (needs ``MEGATRON_LM_PATH``).
+
+:func:`fake_checkout` makes a directory that only looks like a checkout (for error tests).
+:func:`checkout_or_skip` gives the checkout or skips with the reason (no ``MEGATRON_LM_PATH``,
+or a module Megatron-LM's training code imports is missing). :func:`torchrun` runs
+``torchrun --standalone --nproc-per-node N -m megatron_bitpipe.testing.megatron_lm_cpu SCRIPT
+FLAGS`` and parses what Megatron-LM's last rank prints: the training loss and grad norm of
+every iteration and every validation / test loss.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Imported unconditionally by Megatron-LM's megatron/training (core_v0.16.1); pybind11 builds
+# its dataset helpers.
+MEGATRON_LM_DEPENDENCIES = ("six", "regex", "yaml", "pydantic", "einops", "triton", "pybind11")
+
+# A tiny GPT on mock data: 8 layers (2 x 4 BitPipe stages), global batch of 8 micro-batches,
+# 4 iterations with evaluation after iterations 2 and 4; no dropout, so every layout and
+# schedule computes the same numbers.
+TINY_GPT = (
+    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    "--micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 1e-3 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --hidden-dropout 0 --attention-dropout 0 "
+    "--log-interval 1 --eval-interval 2 --eval-iters 1"
+).split()
+
+_TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|.*?\| grad norm: ([0-9.]+) \|")
+_EVAL = re.compile(r"validation loss at iteration (\d+)( on validation set| on test set)? \| lm loss value: ([0-9.E+-]+) \|")
+
+
+def fake_checkout(root: Path, version=(0, 16, 1)) -> Path:
+    """A directory that looks like a Megatron-LM checkout of megatron-core ``version``."""
+    (root / "megatron" / "training").mkdir(parents=True)
+    major, minor, patch = version
+    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = ''\n")
+    (root / "pretrain_gpt.py").write_text("raise SystemExit('not run in these tests')\n")
+    return root
+
+
+def checkout_or_skip() -> Path:
+    """The Megatron-LM checkout named by ``MEGATRON_LM_PATH``; skip the test without one."""
+    root = os.environ.get("MEGATRON_LM_PATH")
+    if not root:
+        pytest.skip("MEGATRON_LM_PATH is not set: point it at a Megatron-LM checkout (tag core_v0.16.1) to run these tests")
+    missing = [name for name in MEGATRON_LM_DEPENDENCIES if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's training code needs {', '.join(missing)}: pip install {' '.join(missing).replace('yaml', 'pyyaml')}")
+    return Path(root)
+
+
+@dataclass
+class Run:
+    """What one torchrun printed: ``losses[i]`` and ``grad_norms[i]`` of iteration ``i``, and
+    ``evals[(i, split)]`` the loss evaluated after iteration ``i`` (split ``""`` during training,
+    ``"validation"`` / ``"test"`` at the end)."""
+
+    returncode: int
+    output: str
+    losses: Dict[int, float] = field(default_factory=dict)
+    grad_norms: Dict[int, float] = field(default_factory=dict)
+    evals: Dict[Tuple[int, str], float] = field(default_factory=dict)
+
+
+def torchrun(script: Path, nproc: int, flags: List[str], cwd: Path, timeout: int = 600) -> Run:
+    """Run ``script`` through the CPU entry point on ``nproc`` gloo ranks."""
+    from megatron_bitpipe.testing.megatron_lm_cpu import CPU_FLAGS
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "megatron_bitpipe.testing.megatron_lm_cpu", str(script), *CPU_FLAGS, *flags,
+    ]
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    run = Run(result.returncode, result.stdout + result.stderr)
+    for match in _TRAIN.finditer(result.stdout):
+        run.losses[int(match.group(1))] = float(match.group(2))
+        run.grad_norms[int(match.group(1))] = float(match.group(3))
+    for match in _EVAL.finditer(result.stdout):
+        split = (match.group(2) or "").replace(" on ", "").replace(" set", "")
+        run.evals[(int(match.group(1)), split)] = float(match.group(3))
+    return run
