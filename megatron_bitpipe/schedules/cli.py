@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 from dataclasses import fields
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from . import SCHEDULES, generate
 from .errors import PlanError, ScheduleConfigError
@@ -58,14 +58,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_cost_file(path: str) -> Dict[str, float]:
+    """The :class:`~.simulate.CostModel` fields found in JSON cost file ``path`` (other keys,
+    e.g. a calibration's sizes, are ignored). Raises OSError / JSONDecodeError."""
+    with open(path, encoding="utf-8") as handle:
+        loaded = json.load(handle)
+    known = {f.name for f in fields(CostModel)}
+    return {k: float(v) for k, v in loaded.items() if k in known}
+
+
 def cost_model(args: argparse.Namespace) -> CostModel:
     """CostModel from ``--costs FILE`` overridden by explicit ``--t-*`` flags."""
-    values = {}
-    if args.costs:
-        with open(args.costs, encoding="utf-8") as handle:
-            loaded = json.load(handle)
-        known = {f.name for f in fields(CostModel)}
-        values.update({k: float(v) for k, v in loaded.items() if k in known})
+    values = read_cost_file(args.costs) if args.costs else {}
     values.update({k: getattr(args, k) for k in _COST_FLAGS if getattr(args, k) is not None})
     for key, value in values.items():
         if value < 0:

@@ -33,6 +33,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..runtime.build import init_megatron_state
 from ..runtime.groups import ParallelGrid, new_groups, process_group_collection
@@ -139,8 +140,9 @@ def build_gpt_model(
     vp_stage: Optional[int] = None,
     share_embeddings_and_output_weights: bool = False,
     position_embedding_type: str = "learned_absolute",
+    layer_spec: Optional[ModuleSpec] = None,
 ) -> GPTModel:
-    """One GPTModel chunk on the local layer spec.
+    """One GPTModel chunk on ``layer_spec`` (default: megatron-core's local layer spec).
 
     Which layers it holds is megatron's looped placement for (``pg_collection.pp`` rank,
     ``vp_stage``). ``vocab_size`` must be divisible by the tp size (no padding is added).
@@ -153,7 +155,7 @@ def build_gpt_model(
         raise ValueError(f"vocab_size {vocab_size} is not divisible by tp size {pg_collection.tp.size()}")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

@@ -5,6 +5,10 @@ Dev/benchmark helpers (nothing in production imports them):
 * :class:`SavedActivationMeter` — a ``saved_tensors_hooks`` context: bytes of distinct
   tensor storages autograd saves for backward while it is active, parameters excluded.
   Used around a forward pass it measures the activation memory that pass keeps alive.
+* :class:`LiveActivationMeter` — the same storages tracked over their lifetime (saved
+  until autograd releases them): live and peak bytes over a whole pipeline step, with the
+  activations of marked layers (the emulated layers of
+  :mod:`megatron_bitpipe.testing.emulation`) counted separately.
 * :class:`CollectiveMeter` — wraps ``torch.distributed``'s collectives (and the aliases
   megatron-core binds at import time) while active and records every call: operation,
   group size and payload bytes. :meth:`CollectiveMeter.wire_bytes` turns the log into the
@@ -18,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +66,97 @@ class SavedActivationMeter:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    """What the pack hook returns: the saved tensor, released (and uncounted) with it."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: Tuple[int, int], meter: "LiveActivationMeter"):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class LiveActivationMeter:
+    """Live and peak bytes of the tensors autograd keeps for backward, on this thread.
+
+    While active (``with meter:``), every tensor saved for backward is counted from the
+    moment it is saved until autograd releases it (after the backward of the node that saved
+    it, or when the graph is dropped). Distinct storages are counted once; parameters (the
+    storages of ``parameters``) are not counted. A storage declared with
+    :meth:`mark_layer_activation` just before it is saved (the emulated transformer layers
+    declare their input) is a *layer activation*; ``peak_layer_bytes`` is the peak of those
+    alone, the quantity the schedule simulator counts as in-flight activations. Peaks are kept across
+    activations of the meter until :meth:`reset_peaks`.
+
+    Invariant: ``live_bytes`` and ``live_layer_bytes`` return to 0 once every graph built
+    while the meter was active has run its backward or been freed.
+    """
+
+    _current = threading.local()
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self._excluded = {_storage_key(p) for p in parameters}
+        self._live: Dict[Tuple[int, int], List] = {}  # storage -> [saves alive, is layer activation]
+        self._pending_layer: set = set()
+        self.live_bytes = self.live_layer_bytes = 0
+        self.peak_bytes = self.peak_layer_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+
+    @classmethod
+    def current(cls) -> Optional["LiveActivationMeter"]:
+        """The meter active on this thread, if any."""
+        return getattr(cls._current, "meter", None)
+
+    def reset_peaks(self) -> None:
+        self.peak_bytes, self.peak_layer_bytes = self.live_bytes, self.live_layer_bytes
+
+    def mark_layer_activation(self, tensor: torch.Tensor) -> None:
+        """Declare that ``tensor``, about to be saved for backward, is a layer's activation."""
+        if torch.is_grad_enabled():
+            self._pending_layer.add(_storage_key(tensor))
+
+    def _pack(self, tensor: torch.Tensor) -> _Held:
+        key = _storage_key(tensor)
+        if key in self._excluded:
+            return _Held(tensor, None, self)
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [0, False]
+            self.live_bytes += key[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        entry[0] += 1
+        if key in self._pending_layer:
+            self._pending_layer.discard(key)
+            if not entry[1]:
+                entry[1] = True
+                self.live_layer_bytes += key[1]
+                self.peak_layer_bytes = max(self.peak_layer_bytes, self.live_layer_bytes)
+        return _Held(tensor, key, self)
+
+    def _release(self, key) -> None:
+        if key is None:
+            return
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0]:
+            return
+        del self._live[key]
+        self.live_bytes -= key[1]
+        if entry[1]:
+            self.live_layer_bytes -= key[1]
+
+    def __enter__(self) -> "LiveActivationMeter":
+        self._hooks.__enter__()
+        self._current.meter = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._current.meter = None
         self._hooks.__exit__(*exc)
 
 

@@ -1,0 +1,160 @@
+"""Cost models from sizes, the GPU calibration script's CPU-testable parts, throughput prediction.
+
+* :mod:`megatron_bitpipe.schedules.costs`: the FLOP and parameter counts match the closed
+  forms (and megatron-core's real layer), ring all-reduce times.
+* ``scripts/calibrate_gpu.py``: without a GPU it stops with a clear message; the cost file it
+  writes has exactly CostModel's fields and is accepted by the simulator CLI, the emulated
+  benchmark and the throughput predictor; its timing function runs megatron-core's layer on
+  CPU ranks (with a CPU timer) and counts the parameters the analytic model predicts.
+* ``scripts/predict_throughput.py``: rows for both README configurations, FLOP-based
+  costs by default, a cost file when given.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_bitpipe.schedules import CostModel
+from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, allreduce_ms, analytic_costs
+from megatron_bitpipe.testing.launcher import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+calibrate = _script("calibrate_gpu")
+predict = _script("predict_throughput")
+bench = _script("bench_emulated")
+
+GPT_SHARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", "2"]
+
+
+def test_layer_counts_match_closed_forms():
+    shape = TransformerShape(num_layers=96, hidden_size=3072, num_attention_heads=32, seq_length=1024, micro_batch_size=1)
+    b, s, h = 1, 1024, 3072
+    assert shape.layer_forward_flops() == 24 * b * s * h * h + 4 * b * s * s * h
+    assert shape.layer_parameters() == 12 * h * h + 13 * h
+    assert shape.message_bytes(2) == 2 * s * b * h
+
+
+def test_analytic_costs_units():
+    shape = TransformerShape(8, 1024, 16, 512, 2)
+    hardware = Hardware(achieved_tflops=100.0, p2p_latency_ms=0.01, p2p_bandwidth_gbs=50.0, allreduce_bandwidth_gbs=25.0)
+    costs = analytic_costs(shape, 4, hardware, sync_group_size=2)
+    assert costs.t_forward == pytest.approx(2 * shape.layer_forward_flops() / 100e12 * 1e3)
+    assert costs.t_backward == pytest.approx(2 * costs.t_forward)
+    assert costs.message_time == pytest.approx(0.01 + shape.message_bytes(2) / 50e9 * 1e3)
+    assert costs.t_sync == pytest.approx(2 * shape.layer_parameters() * 2 / 25e9 * 1e3)  # ring over 2: bytes / bw
+    assert analytic_costs(shape, 4, hardware, sync_group_size=1).t_sync == 0.0
+    assert allreduce_ms(1e6, 4, 1.0) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 3"):
+        analytic_costs(shape, 3, hardware, 2)
+
+
+def test_calibrate_without_gpu_stops_clearly(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the no-GPU path cannot be exercised")
+    with pytest.raises(SystemExit) as stop:
+        calibrate.main([*GPT_SHARE, "--output", "unused.json"])
+    assert stop.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not Path("unused.json").exists()
+
+
+def test_calibrate_rejects_bad_sizes_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        calibrate.main(["--num-layers", "2", "--hidden-size", "60", "--num-attention-heads", "7", "--seq-length", "8",
+                        "--micro-batch-size", "1"])
+    assert "--num-attention-heads" in capsys.readouterr().err
+
+
+def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
+    args = calibrate._parser().parse_args([*GPT_SHARE, "--p2p-latency-ms", "0.05", "--p2p-bandwidth-gbs", "20"])
+    comm = calibrate.assumed_communication(args, message_bytes=8192, gradient_bytes=4_000_000)
+    assert comm["t_sync"] == pytest.approx(4_000_000 / 100e9 * 1e3)
+    costs = calibrate.cost_model(12.5, 25.0, comm, comm["t_sync"])
+    path = tmp_path / "costs.json"
+    calibrate.write_cost_file(str(path), costs)
+    written = json.loads(path.read_text())
+    assert set(written) == {"t_forward", "t_backward", "t_p2p", "p2p_bytes", "p2p_bandwidth", "t_sync"}
+    assert CostModel(**written) == costs
+
+    from megatron_bitpipe.schedules.cli import main as schedules_cli
+
+    assert schedules_cli(["simulate", "--schedule", "bitpipe", "-D", "4", "-N", "8", "--costs", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["costs"] == written
+
+    settings = bench.settings_from_args(bench._parser().parse_args(["--costs", str(path)]))
+    assert (settings.t_forward, settings.t_backward) == (12.5, 25.0)
+
+    assert predict.main(["--costs", str(path), "--model", "gpt", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by_schedule = {(r["schedule"], r["num_microbatches"]): r for r in rows}
+    assert by_schedule[("bitpipe", 16)]["costs"] == written
+    assert by_schedule[("1f1b", 16)]["costs"]["t_sync"] == 0.0, "one replica, no data parallelism: nothing to sync"
+    assert all(r["cost_source"].startswith("calibrated") for r in rows)
+
+
+def _time_layers_on_cpu(argv) -> dict:
+    import time
+
+    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.testing.gpt import ParallelGrid, build_process_groups
+
+    enable_cpu_megatron()
+    args = calibrate._parser().parse_args(argv)
+    args.transformer_impl = "local"
+    pg = build_process_groups(ParallelGrid())
+    init_megatron_state(pg, 1234)
+
+    def timer(fn):
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+
+    return calibrate.measure_compute(calibrate.layer_config(args, torch.float32), pg, args, timer, torch.device("cpu"))
+
+
+@pytest.mark.timeout(120)
+def test_calibration_timing_runs_megatron_layers():
+    measured = launch(_time_layers_on_cpu, 1, [*GPT_SHARE, "--warmup", "1", "--iters", "2"], timeout=100)[0]
+    assert measured["t_forward"] > 0 and measured["t_backward"] > 0
+    shape = TransformerShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2)
+    assert measured["parameters"] == 2 * shape.layer_parameters()
+
+
+def test_predict_throughput_flop_based(capsys):
+    assert predict.main(["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["model"], r["num_microbatches"]) for r in rows} == {("gpt", 16), ("gpt", 32), ("bert", 8), ("bert", 32)}
+    assert len(rows) == 4 * 4
+    for row in rows:
+        assert row["samples_per_second"] == pytest.approx(
+            1e3 * row["num_microbatches"] * row["micro_batch_size"] / row["step_time"]
+        )
+        assert row["cost_source"].startswith("FLOP-based, assumed 140 TFLOP/s")
+    for model, readme_n in (("gpt", 16), ("bert", 8)):
+        bitpipe = next(r for r in rows if (r["model"], r["schedule"], r["num_microbatches"]) == (model, "bitpipe", readme_n))
+        assert bitpipe["speedup_vs_interleaved"] > 1.0
+
+
+def test_predict_throughput_needs_model_with_costs(capsys):
+    with pytest.raises(SystemExit) as stop:
+        predict.main(["--costs", "x.json"])
+    assert stop.value.code == 2
+    assert "--model" in capsys.readouterr().err
