@@ -14,7 +14,9 @@
   (:class:`~megatron_bitpipe.runtime.groups.PipelineGroups`: the data-parallel group of a
   chunk is its grad-sync group, the mirror pair x data parallel).
 
-Then, like the runtime's :func:`~megatron_bitpipe.runtime.build.build_pipeline_model`: a tied
+The chunk flow is the runtime's :func:`~megatron_bitpipe.runtime.model.build_chunks` (config
+and placement checks, per-chunk configs and groups, tying) with the ``model_provider`` as the
+chunk factory. Then, like :func:`~megatron_bitpipe.runtime.build.build_pipeline_model`: a tied
 head is made the embedding chunk's word-embedding Parameter (one weight per rank, gradient
 counted once), every weight is initialised from ``--seed`` and its full-model name (both
 replicas identical, equal to any other layout's), the second replica's parameters are marked
@@ -43,8 +45,8 @@ from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_p
 from ..megatron_args import BitPipeConfigError
 from ..runtime.groups import ParallelGrid, PipelineGroups
 from ..runtime.init import initialize_from_seed
-from ..runtime.layout import ChunkLayers, ChunkSpec, chunk_specs
-from ..runtime.model import _check_tied_placement, _tie_head, _tied_pairs, chunk_config, unwrap
+from ..runtime.layout import ChunkSpec, chunk_layers_of, chunk_specs
+from ..runtime.model import build_chunks, unwrap
 from ..runtime.precision import ChunkFloat16Module
 from ..runtime.replicas import mark_replica_parameters, wrap_ddp
 from ..schedules.placement import bidirectional_v
@@ -77,16 +79,17 @@ def _check_chunk(chunk: torch.nn.Module, spec: ChunkSpec, pg_collection) -> None
         )
 
 
-def _build_untied(args, model_provider_func: Callable, **kwargs) -> torch.nn.Module:
-    """``model_provider_func(**kwargs)`` with ``--untie-embeddings-and-output-weights`` set.
+def _build(args, model_provider_func: Callable, tie_in_chunk: bool, **kwargs) -> torch.nn.Module:
+    """``model_provider_func(**kwargs)`` with ``--untie-embeddings-and-output-weights`` set
+    unless ``tie_in_chunk``.
 
     Builders read the flag from the global arguments. megatron ties natively only within a
     chunk or across looped first/last stages (it asserts a head-only chunk is not on the
     first pipeline rank); no BitPipe chunk holds both ends, so every chunk is built untied
-    and the heads are tied afterwards.
+    and :func:`~megatron_bitpipe.runtime.model.build_chunks` ties the heads afterwards.
     """
     untie = args.untie_embeddings_and_output_weights
-    args.untie_embeddings_and_output_weights = True
+    args.untie_embeddings_and_output_weights = not tie_in_chunk
     try:
         return model_provider_func(**kwargs)
     finally:
@@ -118,32 +121,28 @@ def get_bitpipe_model(
     grid = ParallelGrid(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size)
     groups = PipelineGroups.build(grid, bidirectional_v(grid.pp))
     config = config if config is not None else core_transformer_config_from_args(args)
-    specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank)
-    tied = not args.untie_embeddings_and_output_weights
-    if tied:
-        _check_tied_placement(groups)
 
-    chunks = []
-    for c, spec in enumerate(specs):
-        chunk = _build_untied(
+    def make_chunk(chunk_config, spec: ChunkSpec, chunk_pgs, tie_in_chunk: bool) -> torch.nn.Module:
+        chunk = _build(
             args,
             model_provider_func,
+            tie_in_chunk,
             pre_process=spec.pre_process,
             post_process=spec.post_process,
-            config=chunk_config(config, spec),
-            pg_collection=groups.model_pgs[c],
+            config=chunk_config,
+            pg_collection=chunk_pgs,
         )
-        _check_chunk(chunk, spec, groups.model_pgs[c])
+        _check_chunk(chunk, spec, chunk_pgs)
         chunk.model_type = model_type
-        chunk.pipeline_groups = groups  # where the forward_backward_func finds the placement
         for param in chunk.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-        if torch.cuda.is_available():
-            chunk.cuda(torch.cuda.current_device())
-        chunks.append(chunk)
-    if tied:
-        for head, embedding in _tied_pairs(specs):
-            _tie_head(chunks[head], chunks[embedding])
+        return chunk
+
+    tied = not args.untie_embeddings_and_output_weights
+    chunks = build_chunks(
+        config, groups, make_chunk, vocab_size=args.padded_vocab_size, share_embeddings_and_output_weights=tied
+    )
+    specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank, tied)
     initialize_from_seed(chunks, specs, args.seed, groups.tp)
     mark_replica_parameters(chunks, specs)
 
@@ -154,23 +153,10 @@ def get_bitpipe_model(
     return chunks
 
 
-def _looped_chunk_layers(chunk: torch.nn.Module) -> ChunkLayers:
-    """The part of the full model a chunk built by megatron's own ``get_model`` holds."""
-    model = unwrap(chunk)
-    layers = model.decoder.layers
-    return ChunkLayers(
-        first_layer=layers[0].layer_number - 1 if len(layers) else 0,
-        num_layers=len(layers),
-        pre_process=model.pre_process,
-        post_process=model.post_process,
-        tied=model.share_embeddings_and_output_weights,
-    )
-
-
 def initialize_chunks_from_seed(model: List[torch.nn.Module], seed: int, tp_group: Optional[torch.distributed.ProcessGroup]) -> None:
     """Re-initialise megatron's own chunks from ``seed`` alone (``--layout-independent-init``).
 
     Local; call before the optimizer is built. A tied head's copy of the word embeddings gets
     the embedding's value, as megatron's construction-time all-reduce would give it.
     """
-    initialize_from_seed(model, [_looped_chunk_layers(chunk) for chunk in model], seed, tp_group)
+    initialize_from_seed(model, [chunk_layers_of(chunk) for chunk in model], seed, tp_group)

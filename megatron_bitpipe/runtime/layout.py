@@ -1,7 +1,8 @@
 """Which part of the full model each chunk holds, and the parameter names that go with it.
 
-No torch.distributed and no megatron-core: usable by the planner, the runtime and tests
-alike.
+No torch.distributed and no megatron-core at import: usable by the planner, the runtime and
+tests alike (:func:`chunk_layers_of`, which reads a built model, imports megatron-core when
+called).
 
 The *full* (global) model is the whole model on one rank without tensor or pipeline
 parallelism. Its parameter names are megatron-core's: ``embedding.*``,
@@ -40,6 +41,7 @@ __all__ = [
     "ChunkLayers",
     "ChunkSpec",
     "chunk_specs",
+    "chunk_layers_of",
     "head_copies_embedding",
     "to_global_name",
     "to_local_name",
@@ -140,6 +142,28 @@ def chunk_specs(placement: Placement, num_layers: int, rank: int, tied: bool = F
             )
         )
     return specs
+
+
+def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
+    """Read :class:`ChunkLayers` off a built GPT or BERT chunk (wrapped or not).
+
+    The offset comes from the first layer's global ``layer_number`` (1-based), so the chunk
+    must have been built with correct layer numbers (megatron's own chunks, or
+    :func:`megatron_bitpipe.runtime.model.chunk_config`). A chunk without layers gets
+    ``first_layer`` 0, which no parameter name depends on.
+    """
+    from .model import unwrap
+
+    inner = unwrap(model)
+    block = inner.encoder if hasattr(inner, "encoder") else inner.decoder  # BERT / GPT
+    layers = block.layers
+    return ChunkLayers(
+        first_layer=layers[0].layer_number - 1 if len(layers) else 0,
+        num_layers=len(layers),
+        pre_process=inner.pre_process,
+        post_process=inner.post_process,
+        tied=inner.share_embeddings_and_output_weights,
+    )
 
 
 def to_global_name(local_name: str, chunk: ChunkLayers) -> str:

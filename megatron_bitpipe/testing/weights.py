@@ -17,8 +17,9 @@ of the word embeddings as ``output_layer.weight``; it maps to
 ``embedding.word_embeddings.weight``. Every copy of a full tensor (tied copies, data-parallel
 replicas) must agree; :func:`merge_full` checks that.
 
-The name mapping and tensor-parallel blocks are :mod:`megatron_bitpipe.runtime.layout`'s;
-megatron-core is imported only by the functions that read a model or a config.
+The name mapping, the tensor-parallel blocks and :func:`chunk_layers_of` (re-exported) are
+:mod:`megatron_bitpipe.runtime.layout`'s; megatron-core is imported only by the functions
+that read a model or a config.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from typing import Callable, Dict, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ..runtime.layout import ChunkLayers, is_tensor_parallel, to_global_name, to_local_name, tp_block
+from ..runtime.layout import (
+    ChunkLayers,
+    chunk_layers_of,
+    is_tensor_parallel,
+    to_global_name,
+    to_local_name,
+    tp_block,
+)
 
 __all__ = [
     "looped_chunk_layers",
@@ -61,29 +69,6 @@ def looped_chunk_layers(
         pre_process=(pp_rank == 0 and v == 0),
         post_process=(pp_rank == pp_size - 1 and v == vp_size - 1),
         tied=tied,
-    )
-
-
-def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
-    """Read :class:`ChunkLayers` off a built GPT or BERT chunk (wrapped or not).
-
-    The offset comes from the first layer's global ``layer_number`` (1-based), so the chunk
-    must hold at least one layer and have been built with correct layer numbers; otherwise
-    construct :class:`ChunkLayers` explicitly.
-    """
-    from ..runtime.model import unwrap
-
-    inner = unwrap(model)
-    block = inner.encoder if hasattr(inner, "encoder") else inner.decoder  # BERT / GPT
-    layers = block.layers
-    if len(layers) == 0:
-        raise ValueError("chunk has no transformer layers; give its ChunkLayers explicitly")
-    return ChunkLayers(
-        first_layer=layers[0].layer_number - 1,
-        num_layers=len(layers),
-        pre_process=inner.pre_process,
-        post_process=inner.post_process,
-        tied=inner.share_embeddings_and_output_weights,
     )
 
 
