@@ -25,26 +25,15 @@ import torch
 from megatron_bitpipe.testing.launcher import launch
 from megatron_bitpipe.testing.weights import merge_full
 
-NUM_LAYERS = 8
-HIDDEN = 32
-HEADS = 4
-VOCAB = 128
-SEQ = 16
-MICRO_BATCH = 2
+# The tiny GPT, Adam settings and tolerance (for layouts whose float operations differ from
+# the reference's, see Case.exact) of every runtime test.
+from runtime_support import ADAM_EPS, ATOL, HEADS, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB
+
 NUM_MICROBATCHES = 8  # global batch, split over data-parallel ranks
 STEPS = 3
 SEED = 1234
-LR = 1e-3
-# Adam divides each gradient by its own magnitude (+ eps), so an entry whose gradient is tiny
-# turns its rounding error into an O(lr) difference of the update. Layouts with data or tensor
-# parallelism sum in another order, so their rounding differs; the worst entry is the key bias,
-# whose gradient is mathematically zero (softmax ignores a per-query constant) and is ~1e-12 of
-# noise. eps=1e-4 bounds that amplification by lr/eps = 10x the gradient error.
-ADAM_EPS = 1e-4
 # Below the gradient norm (~1 here): with clipping on, megatron's clip path runs every step.
 CLIP_GRAD = 0.5
-# Tolerance for layouts whose float operations differ from the reference's (see Case.exact).
-RTOL, ATOL = 1e-5, 1e-6
 
 
 @dataclass(frozen=True)

@@ -24,18 +24,11 @@ from megatron_bitpipe.runtime.layout import chunk_specs
 from megatron_bitpipe.schedules.placement import bidirectional, bidirectional_v, looped
 from megatron_bitpipe.testing.launcher import launch
 
-NUM_LAYERS = 8
-HIDDEN = 32
-HEADS = 4
-VOCAB = 128
-SEQ = 16
-MICRO_BATCH = 2
+from runtime_support import ADAM_EPS, ATOL, HEADS, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB
+
 GLOBAL_MICROBATCHES = 4
 SEED = 4321
-LR = 1e-3
-ADAM_EPS = 1e-4  # see test_cpu_compat: bounds Adam's amplification of rounding differences
 CLIP_GRAD = 0.5  # below the grad norm: the clipping path runs
-RTOL, ATOL = 1e-5, 1e-6
 
 
 @dataclass(frozen=True)

@@ -52,31 +52,26 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     return tensor
 
 
+def _along_dim(collective, tensor: torch.Tensor, dim: int, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """``collective(out, input, group=group)`` on ``tensor`` with ``dim`` moved first; ``out``
+    is a fresh buffer of ``rows`` rows along ``dim``, returned with ``dim`` back in place."""
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((rows,) + tuple(moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    collective(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
 def all_gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenation along ``dim`` of every member's ``tensor``, in group-rank order."""
-    moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty(
-        (moved.shape[0] * group.size(),) + tuple(moved.shape[1:]),
-        dtype=tensor.dtype,
-        device=tensor.device,
-    )
-    dist.all_gather_into_tensor(out, moved, group=group)
-    return out.movedim(0, dim)
+    return _along_dim(dist.all_gather_into_tensor, tensor, dim, tensor.shape[dim] * group.size(), group)
 
 
 def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    moved = tensor.movedim(dim, 0).contiguous()
-    if moved.shape[0] % group.size():
-        raise ValueError(
-            f"dimension {dim} of size {moved.shape[0]} not divisible by {group.size()}"
-        )
-    out = torch.empty(
-        (moved.shape[0] // group.size(),) + tuple(moved.shape[1:]),
-        dtype=tensor.dtype,
-        device=tensor.device,
-    )
-    dist.reduce_scatter_tensor(out, moved, group=group)
-    return out.movedim(0, dim)
+    """Block ``group.rank()`` along ``dim`` of the sum of every member's ``tensor``."""
+    size = tensor.shape[dim]
+    if size % group.size():
+        raise ValueError(f"dimension {dim} of size {size} not divisible by {group.size()}")
+    return _along_dim(dist.reduce_scatter_tensor, tensor, dim, size // group.size(), group)
 
 
 def batch_block(tensor: torch.Tensor, dim: int, mesh: OptimusMesh) -> torch.Tensor:

@@ -51,7 +51,7 @@ from megatron.core.utils import deprecate_inference_params
 
 from .groups import PipelineGroups
 from .layout import ChunkSpec
-from .model import _is_layer_spec, _replace_torch_norms, build_chunks, chunk_block_spec
+from .model import build_chunks, chunk_block_spec, is_layer_spec, with_sequence_parallel_norms
 from .norms import SequenceParallelTorchNorm
 
 __all__ = ["BertChunk", "default_bert_layer_spec", "build_bert_chunks"]
@@ -64,7 +64,7 @@ def default_bert_layer_spec(config: TransformerConfig) -> ModuleSpec:
     (no apex; :class:`~megatron_bitpipe.runtime.norms.SequenceParallelTorchNorm`)."""
     if bert_layer_specs.HAVE_TE and config.transformer_impl == "transformer_engine":
         return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
-    return _replace_torch_norms(bert_layer_specs.bert_layer_local_spec)
+    return with_sequence_parallel_norms(bert_layer_specs.bert_layer_local_spec)
 
 
 def _lm_head(config: TransformerConfig) -> BertLMHead:
@@ -152,7 +152,7 @@ class BertChunk(BertModel):
                 use_cpu_initialization=config.use_cpu_initialization,
             )
         block_spec = transformer_layer_spec
-        if _is_layer_spec(transformer_layer_spec):  # final norm as the layers' (sequence parallelism)
+        if is_layer_spec(transformer_layer_spec):  # final norm as the layers' (sequence parallelism)
             num_layers = get_num_layers_to_build(config, pp_rank=pg_collection.pp.rank())
             block_spec = chunk_block_spec(transformer_layer_spec, num_layers)
         self.encoder = TransformerBlock(

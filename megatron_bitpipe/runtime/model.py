@@ -82,6 +82,9 @@ __all__ = [
     "ChunkLayerLayout",
     "chunk_config",
     "default_gpt_layer_spec",
+    "with_sequence_parallel_norms",
+    "is_layer_spec",
+    "chunk_block_spec",
     "ChunkFactory",
     "build_chunks",
     "build_gpt_chunks",
@@ -155,10 +158,10 @@ def default_gpt_layer_spec(config: TransformerConfig) -> ModuleSpec:
     if gpt_layer_specs.HAVE_TE and config.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-    return _replace_torch_norms(spec)
+    return with_sequence_parallel_norms(spec)
 
 
-def _replace_torch_norms(spec: ModuleSpec) -> ModuleSpec:
+def with_sequence_parallel_norms(spec: ModuleSpec) -> ModuleSpec:
     """``spec`` with every ``WrappedTorchNorm`` submodule swapped for :class:`SequenceParallelTorchNorm`."""
     submodules = spec.submodules
     updates = {
@@ -169,12 +172,17 @@ def _replace_torch_norms(spec: ModuleSpec) -> ModuleSpec:
     for f in dataclasses.fields(submodules):
         child = getattr(submodules, f.name)
         if isinstance(child, ModuleSpec) and dataclasses.is_dataclass(child.submodules):
-            replaced = _replace_torch_norms(child)
+            replaced = with_sequence_parallel_norms(child)
             if replaced is not child:
                 updates[f.name] = replaced
     if not updates:
         return spec
     return dataclasses.replace(spec, submodules=dataclasses.replace(submodules, **updates))
+
+
+def is_layer_spec(spec) -> bool:
+    """Whether ``spec`` describes one transformer layer (as opposed to a whole block)."""
+    return isinstance(spec, ModuleSpec) and issubclass(spec.module, BaseTransformerLayer)
 
 
 def chunk_block_spec(layer_spec: ModuleSpec, num_layers: int) -> ModuleSpec:
@@ -287,7 +295,7 @@ def build_gpt_chunks(
 
     def make_chunk(chunk_config: TransformerConfig, chunk: ChunkSpec, pgs: ProcessGroupCollection, tie: bool):
         if mesh is None:
-            block = chunk_block_spec(spec, chunk.num_layers) if _is_layer_spec(spec) else spec
+            block = chunk_block_spec(spec, chunk.num_layers) if is_layer_spec(spec) else spec
             model_class, model_kwargs = GPTModel, dict(transformer_layer_spec=block)
         else:
             block = get_optimus_gpt_block_spec(chunk_config, mesh, chunk.num_layers, layer_spec=spec)
@@ -312,10 +320,6 @@ def build_gpt_chunks(
         vocab_size=vocab_size,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
     )
-
-
-def _is_layer_spec(spec: ModuleSpec) -> bool:
-    return isinstance(spec, ModuleSpec) and issubclass(spec.module, BaseTransformerLayer)
 
 
 def _check_tied_placement(groups: PipelineGroups) -> None:
