@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from runtime_support import MICRO_BATCH, NUM_LAYERS, SEED, SEQ, VOCAB, Case, _config, train_single_process
+from runtime_support import MICRO_BATCH, NUM_LAYERS, SEED, SEQ, VOCAB, Case, model_config, train_single_process
 
 EVAL_SAMPLE = 1_000_000  # evaluation samples start here, far from the training samples
 
@@ -101,7 +101,7 @@ def reference(tied: bool, binary_head: bool, global_microbatches: int, clip_grad
         parallel_state.initialize_model_parallel()
     pg = ProcessGroupCollection.use_mpu_process_groups()
     init_megatron_state(pg, SEED)
-    config = _config()
+    config = model_config()
     model = BertModel(
         config=config,
         num_tokentypes=2 if binary_head else 0,

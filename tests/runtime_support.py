@@ -94,7 +94,8 @@ def gpt_batches(step: Optional[int], count: int) -> list:
     return synthetic_microbatches(seed, count, MICRO_BATCH, SEQ, VOCAB)
 
 
-def _config(**kw):
+def model_config(**kw):
+    """The tiny GPT's fp32 config (NUM_LAYERS, HIDDEN, HEADS); ``kw`` go to ``tiny_gpt_config``."""
     from megatron_bitpipe.testing.gpt import tiny_gpt_config
 
     return tiny_gpt_config(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, **kw)
@@ -159,7 +160,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
 
     pg = gpt.build_process_groups(gpt.ParallelGrid())
     init_megatron_state(pg, SEED)
-    config = _config()
+    config = model_config()
     model = gpt.build_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
 
@@ -182,7 +183,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
     placement = schedules.generate(case.schedule, case.pp, case.n).placement
-    config = _config(
+    config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
         overlap_p2p_comm=case.overlap_p2p_comm,
@@ -345,7 +346,7 @@ def bf16_losses(case: Case, steps: int = 2) -> dict:
     from megatron_bitpipe.schedules.placement import bidirectional_v
 
     pp, n = case.pp, case.n
-    config = _config(pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    config = model_config(pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     model = build_pipeline_model(
         config, ParallelGrid(pp=pp), bidirectional_v(pp), vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED,
         ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True),

@@ -27,7 +27,7 @@ from megatron_bitpipe.testing.weights import merge_full
 
 # The tiny GPT, Adam settings and tolerance (for layouts whose float operations differ from
 # the reference's, see Case.exact) of every runtime test.
-from runtime_support import ADAM_EPS, ATOL, HEADS, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB
+from runtime_support import ADAM_EPS, ATOL, LR, MICRO_BATCH, RTOL, SEQ, VOCAB, model_config
 
 NUM_MICROBATCHES = 8  # global batch, split over data-parallel ranks
 STEPS = 3
@@ -99,10 +99,7 @@ def _train(case: Case, initial: Optional[Dict[str, torch.Tensor]]) -> dict:
     pg = gpt.build_process_groups(grid)
     _, dp_rank, _ = grid.coords(torch.distributed.get_rank())
     gpt.init_megatron_state(pg, SEED)
-    config = gpt.tiny_gpt_config(
-        num_layers=NUM_LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
+    config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
         virtual_pipeline_model_parallel_size=case.vp,

@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from megatron_lm_support import REPO, checkout_or_skip, fake_checkout
 

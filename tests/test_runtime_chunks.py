@@ -24,7 +24,7 @@ from megatron_bitpipe.runtime.layout import chunk_specs
 from megatron_bitpipe.schedules.placement import bidirectional, bidirectional_v, looped
 from megatron_bitpipe.testing.launcher import launch
 
-from runtime_support import ADAM_EPS, ATOL, HEADS, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB
+from runtime_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
 
 GLOBAL_MICROBATCHES = 4
 SEED = 4321
@@ -177,7 +177,7 @@ def _reference(tied: bool) -> dict:
 
     pg = gpt.build_process_groups(gpt.ParallelGrid())
     gpt.init_megatron_state(pg, SEED)
-    config = gpt.tiny_gpt_config(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS)
+    config = model_config()
     model = gpt.build_gpt_model(
         config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied
     )
@@ -302,10 +302,7 @@ def _bitpipe(case: Case) -> dict:
     grid = ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp)
     groups = PipelineGroups.build(grid, bidirectional_v(case.pp))
     gpt.init_megatron_state(groups.rank_pgs, SEED)
-    config = gpt.tiny_gpt_config(
-        num_layers=NUM_LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
+    config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
     )
