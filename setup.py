@@ -24,8 +24,16 @@ setup(
         "plot": ["matplotlib>=3.7"],
         # transformer-engine needs CUDA; megatron-core's local layers are used without it.
         "gpu": ["transformer-engine[pytorch]>=2.9"],
+        # what Megatron-LM's training code (a checkout, not on PyPI) imports besides megatron-core
+        "megatron-lm": ["six", "regex", "pyyaml", "pydantic", "einops", "triton", "pybind11"],
+        "tensorboard": ["tensorboard"],
     },
-    entry_points={"console_scripts": ["bitpipe-schedule=megatron_bitpipe.schedules.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "bitpipe-schedule=megatron_bitpipe.schedules.cli:main",
+            "megatron-bitpipe-run=megatron_bitpipe.run:main",
+        ]
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "License :: OSI Approved :: Apache Software License",
