@@ -20,7 +20,9 @@ setup(
     packages=find_packages(include=["megatron_bitpipe", "megatron_bitpipe.*"]),
     install_requires=["megatron-core==0.16.*", "torch>=2.6", "numpy"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10"],
+        # exhaustive schedule search (scripts/optimal_schedule.py)
+        "search": ["ortools>=9.10"],
         "plot": ["matplotlib>=3.7"],
         # transformer-engine needs CUDA; megatron-core's local layers are used without it.
         "gpu": ["transformer-engine[pytorch]>=2.9"],
