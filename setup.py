@@ -29,6 +29,8 @@ setup(
         # what Megatron-LM's training code (a checkout, not on PyPI) imports besides megatron-core
         "megatron-lm": ["six", "regex", "pyyaml", "pydantic", "einops", "triton", "pybind11"],
         "tensorboard": ["tensorboard"],
+        # megatron-core's Hugging Face based tokenizers (BertWordPiece*, HuggingFaceTokenizer)
+        "tokenizers": ["transformers"],
     },
     entry_points={
         "console_scripts": [
