@@ -20,12 +20,24 @@ setup(
     packages=find_packages(include=["megatron_bitpipe", "megatron_bitpipe.*"]),
     install_requires=["megatron-core==0.16.*", "torch>=2.6", "numpy"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10"],
+        # exhaustive schedule search (scripts/optimal_schedule.py)
+        "search": ["ortools>=9.10"],
         "plot": ["matplotlib>=3.7"],
         # transformer-engine needs CUDA; megatron-core's local layers are used without it.
         "gpu": ["transformer-engine[pytorch]>=2.9"],
+        # what Megatron-LM's training code (a checkout, not on PyPI) imports besides megatron-core
+        "megatron-lm": ["six", "regex", "pyyaml", "pydantic", "einops", "triton", "pybind11"],
+        "tensorboard": ["tensorboard"],
+        # megatron-core's Hugging Face based tokenizers (BertWordPiece*, HuggingFaceTokenizer)
+        "tokenizers": ["transformers"],
     },
-    entry_points={"console_scripts": ["bitpipe-schedule=megatron_bitpipe.schedules.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "bitpipe-schedule=megatron_bitpipe.schedules.cli:main",
+            "megatron-bitpipe-run=megatron_bitpipe.run:main",
+        ]
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "License :: OSI Approved :: Apache Software License",

@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -31,10 +29,10 @@ import pytest
 
 from megatron_bitpipe.testing.launcher import launch
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
+import pretrain_support
+from pretrain_support import assert_same_records, checked, main_in_process, records, train_in_process
+
 ITERS, SAVE_AT = 4, 2
-RTOL = 1e-5
 MODEL = [
     "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
     "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "127", "--seed", "1234",
@@ -46,41 +44,8 @@ MODEL = [
 pytestmark = pytest.mark.timeout(900)
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return env
-
-
-def run_script(nproc: int, args: List[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """The script as a user runs it: ``python`` for one rank, torchrun (free port) for more."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    return subprocess.run(
-        [*launcher, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO
-    )
-
-
-def _checked(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result
-
-
-def _records(path: Path) -> Dict[int, dict]:
-    return {r["iteration"]: r for r in map(json.loads, path.read_text().splitlines())}
-
-
-def _train_in_process(argv: List[str]):
-    """Rank body for the launcher: the script's main() on an already initialised gloo group."""
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.training import pretrain
-    from megatron_bitpipe.training.errors import CheckpointError
-    from megatron_bitpipe.training.gpt import GPTTask
-
-    try:
-        pretrain(GPTTask(), argv, cpu_fallback=enable_cpu_megatron)
-    except CheckpointError as error:
-        return str(error)
-    return None
+def run_script(nproc: int, args: List[str], timeout: float = 300):
+    return pretrain_support.run_script("pretrain_gpt.py", nproc, args, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -96,23 +61,23 @@ def runs(tmp_path_factory) -> dict:
 
     save = ["--save-interval", str(SAVE_AT)]
     stdout = {}
-    stdout["bitpipe"] = _checked(
+    stdout["bitpipe"] = checked(
         run_script(4, [*MODEL, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--save", str(ckpt_bitpipe), *save, *log("bitpipe")])
     ).stdout
-    _checked(run_script(2, [*MODEL, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", *log("interleaved")]))
-    stdout["single"] = _checked(
+    checked(run_script(2, [*MODEL, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", *log("interleaved")]))
+    stdout["single"] = checked(
         run_script(1, [*MODEL, "--save", str(ckpt_single), *save, "--tensorboard-dir", str(out / "tb"), *log("single")])
     ).stdout
     optimus = ["--tensor-model-parallel-size", "4", "--tensor-parallel-mode", "optimus2d", "--save", str(out / "ckpt_optimus"), *save]
-    launch(_train_in_process, 4, [*MODEL, *optimus, *log("optimus")], timeout=300)
+    launch(train_in_process, 4, "gpt", [*MODEL, *optimus, *log("optimus")], timeout=300)
     resume = ["--ckpt-step", str(SAVE_AT)]
     tp2_1f1b = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--save", str(out / "ckpt_tp2_1f1b")]
-    launch(_train_in_process, 4, [*MODEL, *tp2_1f1b, "--load", str(ckpt_bitpipe), *resume, *log("resume_tp2_1f1b")], timeout=300)
-    launch(_train_in_process, 1, [*MODEL, "--load", str(ckpt_bitpipe), *resume, *log("resume_single")], timeout=300)
-    launch(_train_in_process, 1, [*MODEL, "--load", str(ckpt_single), *resume, *log("resume_single_exact")], timeout=300)
-    refused = launch(_train_in_process, 1, [*MODEL, "--hidden-size", "64", "--load", str(ckpt_bitpipe)], timeout=300)[0]
-    records = {name: _records(path) for name, path in logs.items()}
-    return dict(records=records, stdout=stdout, out=out, ckpt=ckpt_bitpipe, ckpt_single=ckpt_single, refused=refused)
+    launch(train_in_process, 4, "gpt", [*MODEL, *tp2_1f1b, "--load", str(ckpt_bitpipe), *resume, *log("resume_tp2_1f1b")], timeout=300)
+    launch(train_in_process, 1, "gpt", [*MODEL, "--load", str(ckpt_bitpipe), *resume, *log("resume_single")], timeout=300)
+    launch(train_in_process, 1, "gpt", [*MODEL, "--load", str(ckpt_single), *resume, *log("resume_single_exact")], timeout=300)
+    refused = launch(train_in_process, 1, "gpt", [*MODEL, "--hidden-size", "64", "--load", str(ckpt_bitpipe)], timeout=300)[0]
+    records_by_run = {name: records(path) for name, path in logs.items()}
+    return dict(records=records_by_run, stdout=stdout, out=out, ckpt=ckpt_bitpipe, ckpt_single=ckpt_single, refused=refused)
 
 
 def _full_model(root: Path, iteration: int) -> dict:
@@ -127,16 +92,7 @@ def _full_model(root: Path, iteration: int) -> dict:
 
 
 def _assert_same(actual: Dict[int, dict], expected: Dict[int, dict], iterations, exact: bool = False):
-    keys = ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples")
-    for it in iterations:
-        for key in keys:
-            got, want = actual[it].get(key), expected[it].get(key)
-            assert (got is None) == (want is None), f"iteration {it} {key}: {got} vs {want}"
-            if want is not None:
-                if exact:
-                    assert got == want, f"iteration {it} {key}: {got!r} != {want!r}"
-                else:
-                    assert got == pytest.approx(want, rel=RTOL), f"iteration {it} {key}"
+    assert_same_records(actual, expected, iterations, ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples"), exact)
 
 
 @pytest.mark.parametrize("layout", ["bitpipe", "interleaved", "optimus"])
@@ -246,33 +202,15 @@ def test_megatron_indexed_dataset(tmp_path):
     log = tmp_path / "log.jsonl"
     data = ["--data-path", str(prefix), "--tokenizer-type", "NullTokenizer", "--split", "80,20,0", "--data-cache-path", str(tmp_path / "cache")]
     args = [*MODEL, "--vocab-size", "100", "--train-iters", "2", *data, "--log-json", str(log)]
-    assert launch(_train_in_process, 1, args, timeout=300) == [None]
-    records = _records(log)
-    assert sorted(records) == [1, 2] and all(math.isfinite(r["lm_loss"]) for r in records.values())
-    assert "validation_lm_loss" in records[2]
+    assert launch(train_in_process, 1, "gpt", args, timeout=300) == [None]
+    logged = records(log)
+    assert sorted(logged) == [1, 2] and all(math.isfinite(r["lm_loss"]) for r in logged.values())
+    assert "validation_lm_loss" in logged[2]
     assert any(name.endswith("GPTDataset-train-sample_index.npy") for name in os.listdir(tmp_path / "cache"))
 
 
-def _main_in_process(argv: List[str]):
-    """Rank body: the script's main() (exit status, stderr), torch.distributed left alone."""
-    import contextlib
-    import io
-
-    import torch.distributed as dist
-
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.training import main
-    from megatron_bitpipe.training.gpt import GPTTask
-
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        status = main(GPTTask(), argv, cpu_fallback=enable_cpu_megatron)
-    dist.barrier()  # every rank got here: nobody waits in a collective of the failed run
-    return status, stderr.getvalue()
-
-
 def test_bad_flags_fail_on_every_rank_naming_the_flag():
-    results = launch(_main_in_process, 2, [*MODEL, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--bf16"], timeout=120)
+    results = launch(main_in_process, 2, "gpt", [*MODEL, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--bf16"], timeout=120)
     for rank, (status, stderr) in enumerate(results):
         assert status == 2
         assert f"[rank {rank}] error: invalid arguments" in stderr and "--bf16 needs a CUDA GPU" in stderr

@@ -1,13 +1,15 @@
-"""Pretraining on megatron-core alone: the loop behind ``scripts/pretrain_gpt.py``.
+"""Pretraining on megatron-core alone: the loop behind ``scripts/pretrain_gpt.py`` and
+``scripts/pretrain_bert.py``.
 
 * :mod:`.loop` — :func:`~.loop.main` / :func:`~.loop.pretrain`: check the flags (every rank,
   before any communication), then run the model-agnostic loop (:class:`~.loop.Trainer`);
 * :mod:`.task` — :class:`~.task.PretrainTask`, what a model brings (provider, forward step,
   datasets); :mod:`.gpt` — :class:`~.gpt.GPTTask`, :mod:`.gpt_model` — its model builders;
+  :mod:`.bert` — :class:`~.bert.BertTask`; :mod:`.model` — the model from the common flags;
 * :mod:`.arguments` — Megatron-LM's flags and their checks;
 * :mod:`.config` — megatron-core configs (model, DDP, Adam, learning-rate schedule);
 * :mod:`.schedule` — BitPipe or megatron-core's own schedules on the model's groups;
-* :mod:`.data` — tokenizers, global-batch order, micro-batches;
+* :mod:`.data` — tokenizers, Megatron indexed datasets, global-batch order, micro-batches;
 * :mod:`.checkpoint` — layout-independent checkpoints; :mod:`.sharding` — full tensors
   from the TP blocks (1-D and Optimus 2D);
 * :mod:`.logs` — Megatron-style lines, JSON lines, TensorBoard; :mod:`.distributed` —

@@ -10,6 +10,10 @@ uninterrupted run would have seen. Every rank reads its micro-batches itself (th
 are deterministic), which costs the ranks that need no tokens a little reading and saves
 a broadcast.
 
+**Megatron indexed datasets** (``--data-path``) come from megatron-core's
+``BlendedMegatronDatasetBuilder`` (:func:`indexed_datasets`): ``--train-iters`` and
+``--eval-iters`` global batches of samples, the blend and ``--split`` of the flags.
+
 **Evaluation** always runs on the first ``--eval-iters`` global batches of the validation
 set, so successive validation losses are comparable and do not depend on resumes.
 
@@ -22,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 from types import SimpleNamespace
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..megatron_args import BitPipeConfigError
 
-__all__ = ["build_tokenizer", "microbatches", "collate"]
+__all__ = ["build_tokenizer", "indexed_datasets", "microbatches", "collate"]
 
 
 def build_tokenizer(args: argparse.Namespace):
@@ -54,6 +58,32 @@ def build_tokenizer(args: argparse.Namespace):
         return megatron_build(settings)
     except Exception as error:  # noqa: BLE001 - missing files or libraries: say which flag
         raise BitPipeConfigError(f"--tokenizer-type {settings.tokenizer_type}: cannot build the tokenizer: {error}") from error
+
+
+def indexed_datasets(args: argparse.Namespace, tokenizer, dataset_class, config_class, **fields) -> Tuple[object, Optional[object]]:
+    """``(train, valid)`` megatron-core datasets of ``dataset_class`` over the ``--data-path``
+    blend (valid None with ``--eval-iters 0``).
+
+    ``config_class`` (a ``BlendedMegatronDatasetConfig``) gets the common fields from the
+    flags (``--seed``, ``--seq-length``, ``--data-path``, ``--split``, ``--data-cache-path``,
+    the tokenizer, memory-mapped ``.bin`` files) and the task's ``fields``.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    config = config_class(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        mmap_bin_files=True,
+        **fields,
+    )
+    samples = [args.train_iters * args.global_batch_size, args.eval_iters * args.global_batch_size, 0]
+    train, valid, _ = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
+    return train, (valid if args.eval_iters > 0 else None)
 
 
 def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 from functools import partial
-from typing import Dict, Tuple
+from typing import Dict
 
 import numpy as np
 import torch
 
 from ..schedules.placement import Placement
+from .data import indexed_datasets
 from .gpt_model import build_gpt_model, optimus_shapes_fn
 from .task import PretrainTask
 
@@ -80,28 +81,6 @@ def gpt_forward_step(data_iterator, model):
     return output, partial(gpt_loss, batch["loss_mask"])
 
 
-def _indexed_datasets(args: argparse.Namespace, tokenizer, num_samples: Tuple[int, int]):
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    config = GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=get_blend_from_list(args.data_path),
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=False,
-        mmap_bin_files=True,
-    )
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [*num_samples, 0], lambda: True, config).build()
-    return train, valid
-
-
 class GPTTask(PretrainTask):
     """GPT with megatron-core; see the module docstring."""
 
@@ -115,14 +94,22 @@ class GPTTask(PretrainTask):
         return gpt_forward_step(data_iterator, model)
 
     def build_datasets(self, args: argparse.Namespace, tokenizer):
-        evaluate = args.eval_iters > 0
         if args.use_mock_data:
             vocab = tokenizer.vocab_size
-            valid = MockGPTDataset(args.seed, "valid", args.seq_length, vocab) if evaluate else None
+            valid = MockGPTDataset(args.seed, "valid", args.seq_length, vocab) if args.eval_iters > 0 else None
             return MockGPTDataset(args.seed, "train", args.seq_length, vocab), valid
-        samples = (args.train_iters * args.global_batch_size, args.eval_iters * args.global_batch_size)
-        train, valid = _indexed_datasets(args, tokenizer, samples)
-        return train, (valid if evaluate else None)
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+        return indexed_datasets(
+            args,
+            tokenizer,
+            GPTDataset,
+            GPTDatasetConfig,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=args.eod_mask_loss,
+            create_attention_mask=False,
+        )
 
     def adjust_tensor_shapes_fn(self, model):
         return optimus_shapes_fn(model)

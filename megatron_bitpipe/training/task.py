@@ -2,8 +2,8 @@
 
 The loop (:func:`megatron_bitpipe.training.loop.pretrain`) is model-agnostic; a task
 supplies the model provider, the ``forward_step_func`` megatron's schedules call and the
-datasets. A BERT script subclasses :class:`PretrainTask` like
-:class:`megatron_bitpipe.training.gpt.GPTTask` does.
+datasets: :class:`megatron_bitpipe.training.gpt.GPTTask`,
+:class:`megatron_bitpipe.training.bert.BertTask`.
 
 Contract of the loss: ``forward_step(data_iterator, model)`` returns ``(output,
 loss_func)`` like Megatron-LM's, and ``loss_func(output)`` returns ``(loss_sum, num_tokens,

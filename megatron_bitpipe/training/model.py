@@ -1,0 +1,41 @@
+"""This rank's model chunks from the flags, for any task.
+
+:func:`build_model` calls :func:`megatron_bitpipe.runtime.build.build_pipeline_model` with
+everything the common flags fix (model config, parallel grid, padded vocabulary, maximum
+sequence length, seed, tied embeddings, DDP config, tensor-parallel mode, position
+embeddings); a task adds its chunk builder and model-specific keywords. Initial weights are
+blocks of the full model drawn from ``--seed`` alone, whatever the layout; with
+``--bf16``/``--fp16`` the chunks are wrapped for mixed precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..runtime.build import PipelineModel, build_pipeline_model
+from ..runtime.groups import ParallelGrid
+from ..schedules.placement import Placement
+from .config import ddp_config, transformer_config
+
+__all__ = ["build_model"]
+
+
+def build_model(args: argparse.Namespace, placement: Placement, **model_kwargs) -> PipelineModel:
+    """This rank's chunks of ``placement``, seed-initialised and DDP-wrapped (collective).
+
+    ``model_kwargs`` go to ``build_pipeline_model`` and from there to the chunk builder
+    (``chunk_builder``, ``rotary_base``, ``add_binary_head``...).
+    """
+    return build_pipeline_model(
+        transformer_config(args),
+        ParallelGrid(args.tensor_model_parallel_size, args.data_parallel_size, args.pipeline_model_parallel_size),
+        placement,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        seed=args.seed,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        ddp_config=ddp_config(args),
+        tensor_parallel_mode=args.tensor_parallel_mode,
+        position_embedding_type=args.position_embedding_type,
+        **model_kwargs,
+    )

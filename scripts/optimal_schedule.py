@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""The shortest possible step on a schedule's placement, by exhaustive search (CP-SAT).
+
+For the placement and micro-batch routing of ``generate(schedule, D, N)`` this finds, over
+*every* per-rank order of the forward and backward actions, the shortest makespan — the bound
+no schedule on that placement can beat — and sets the generator's simulated makespan beside
+it. Model: every stage of a micro-batch runs its forward after the previous stage's forward
+and its backward after the next stage's backward (the last stage's after its own forward);
+a rank runs one action at a time; no communication or gradient-sync cost (the simulator's
+``t_p2p = t_sync = 0``); optionally at most ``--memory-cap`` Ma of activations in flight per
+rank (an activation lives from its forward's start to its backward's end, the simulator's
+convention). Micro-batches of one pipeline enter in index order (renaming them shows this
+loses nothing).
+
+Times are in the simulator's unit: ``--t-forward`` / ``--t-backward`` of one micro-batch
+through one device's share of the model (L/D layers), integers; a stage of a placement with
+S stages takes ``D/S`` of that. Needs ``ortools`` (``pip install ortools``). Usage::
+
+    python scripts/optimal_schedule.py --schedule bitpipe --pipeline-model-parallel-size 8 \\
+        --num-microbatches 8 --memory-cap 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+from megatron_bitpipe.schedules import generate
+from megatron_bitpipe.schedules.actions import SchedulePlan
+from megatron_bitpipe.schedules.simulate import CostModel, simulate
+
+
+@dataclass(frozen=True)
+class Optimum:
+    """Result of one search. Times in the simulator's unit (see the module docstring)."""
+
+    schedule: str
+    pp: int
+    num_microbatches: int
+    memory_cap: Optional[float]
+    status: str  # "OPTIMAL", or "FEASIBLE" when the time limit ended the search first
+    optimal_makespan: float  # the best order found
+    lower_bound: float  # no order on this placement is shorter
+    generator_makespan: float  # simulate(generate(...)) with the same costs
+
+
+def optimal_makespan(
+    plan: SchedulePlan,
+    t_forward: int,
+    t_backward: int,
+    memory_cap: Optional[float] = None,
+    time_limit: float = 60.0,
+) -> Optimum:
+    """Search every order of ``plan``'s actions on its placement; see the module docstring."""
+    from ortools.sat.python import cp_model
+
+    placement = plan.placement
+    stages = placement.num_stages
+    # Integer stage costs: scale time by stages per rank-share (S / D).
+    scale = stages // placement.num_ranks
+    if scale * placement.num_ranks != stages:
+        raise ValueError(f"{stages} stages do not split evenly over {placement.num_ranks} ranks")
+    stage_f, stage_b = t_forward, t_backward  # per stage, in units of 1/scale
+    horizon = plan.num_microbatches * stages * (stage_f + stage_b)
+    model = cp_model.CpModel()
+    busy = {rank: [] for rank in range(placement.num_ranks)}
+    alive = {rank: [] for rank in range(placement.num_ranks)}
+    forward, backward = {}, {}
+    for microbatch, pipeline in enumerate(plan.microbatch_pipeline):
+        for stage in range(stages):
+            rank = placement.location(pipeline, stage).rank
+            f = forward[microbatch, stage] = model.NewIntVar(0, horizon, "")
+            b = backward[microbatch, stage] = model.NewIntVar(0, horizon, "")
+            busy[rank].append(model.NewFixedSizeIntervalVar(f, stage_f, ""))
+            busy[rank].append(model.NewFixedSizeIntervalVar(b, stage_b, ""))
+            lifetime = model.NewIntVar(0, horizon, "")
+            alive[rank].append(model.NewIntervalVar(f, lifetime, b + stage_b, ""))
+            if stage:
+                model.Add(f >= forward[microbatch, stage - 1] + stage_f)
+        model.Add(backward[microbatch, stages - 1] >= forward[microbatch, stages - 1] + stage_f)
+        for stage in range(stages - 1):
+            model.Add(backward[microbatch, stage] >= backward[microbatch, stage + 1] + stage_b)
+    for pipeline in range(placement.num_pipelines):
+        order = plan.microbatches_of_pipeline(pipeline)
+        for earlier, later in zip(order, order[1:]):
+            model.Add(forward[later, 0] >= forward[earlier, 0] + stage_f)
+    makespan = model.NewIntVar(0, horizon, "")
+    for microbatch in range(plan.num_microbatches):
+        model.Add(makespan >= backward[microbatch, 0] + stage_b)
+    for rank in busy:
+        model.AddNoOverlap(busy[rank])
+        if memory_cap is not None:
+            # one stage's activations are D/S Ma
+            model.AddCumulative(alive[rank], [1] * len(alive[rank]), int(memory_cap * scale))
+    model.Minimize(makespan)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit
+    solver.parameters.num_workers = 1
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(f"no schedule found within {time_limit} s ({solver.StatusName(status)})")
+    generated = simulate(plan, CostModel(t_forward=t_forward, t_backward=t_backward)).makespan
+    return Optimum(
+        schedule=plan.name,
+        pp=placement.num_ranks,
+        num_microbatches=plan.num_microbatches,
+        memory_cap=memory_cap,
+        status=solver.StatusName(status),
+        optimal_makespan=solver.Value(makespan) / scale,
+        lower_bound=solver.BestObjectiveBound() / scale,
+        generator_makespan=generated,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedule", required=True, choices=("1f1b", "interleaved", "chimera", "bitpipe"))
+    parser.add_argument("--pipeline-model-parallel-size", type=int, required=True)
+    parser.add_argument("--num-microbatches", type=int, required=True)
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    parser.add_argument("--t-forward", type=int, default=1, help="integer, per device share")
+    parser.add_argument("--t-backward", type=int, default=2, help="integer, per device share")
+    parser.add_argument("--memory-cap", type=float, default=None, help="Ma in flight per rank (default: none)")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds of search")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.t_forward < 1 or args.t_backward < 1:
+        parser.error("--t-forward and --t-backward must be positive integers")
+    try:
+        import ortools  # noqa: F401
+    except ImportError:
+        parser.error("needs ortools: pip install ortools")
+    try:
+        plan = generate(
+            args.schedule,
+            args.pipeline_model_parallel_size,
+            args.num_microbatches,
+            virtual_size=args.virtual_pipeline_model_parallel_size,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    result = optimal_makespan(plan, args.t_forward, args.t_backward, args.memory_cap, args.time_limit)
+    print(json.dumps(asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

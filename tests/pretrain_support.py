@@ -1,0 +1,100 @@
+"""Rank-side code shared by the pretrain script tests (GPT and BERT).
+
+Rank bodies for :func:`megatron_bitpipe.testing.launcher.launch` run the scripts' entry points
+(:func:`megatron_bitpipe.training.pretrain` / :func:`~megatron_bitpipe.training.main`) on the
+launcher's gloo group with the CPU compatibility layer; ``task`` names the script's task
+(``"gpt"`` or ``"bert"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterable, List, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_task(task: str):
+    """The script's :class:`~megatron_bitpipe.training.task.PretrainTask`."""
+    if task == "gpt":
+        from megatron_bitpipe.training.gpt import GPTTask
+
+        return GPTTask()
+    from megatron_bitpipe.training.bert import BertTask
+
+    return BertTask()
+
+
+def run_script(script: str, nproc: int, args: List[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``scripts/<script>`` as a user runs it: ``python`` for one rank, torchrun (free port)
+    for more; this checkout first on PYTHONPATH."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [*launcher, str(REPO / "scripts" / script), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
+
+
+def checked(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """``result``, asserting it exited 0 (else its output's tails)."""
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def records(path: Path) -> Dict[int, dict]:
+    """``--log-json`` lines by iteration."""
+    return {r["iteration"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def assert_same_records(
+    actual: Dict[int, dict], expected: Dict[int, dict], iterations: Iterable[int], keys: Sequence[str], exact: bool = False
+) -> None:
+    """Each ``keys`` value of each iteration logged alike by both runs (present in both or in
+    neither), within rtol 1e-5 or, with ``exact``, bit for bit."""
+    for it in iterations:
+        for key in keys:
+            got, want = actual[it].get(key), expected[it].get(key)
+            assert (got is None) == (want is None), f"iteration {it} {key}: {got} vs {want}"
+            if want is None:
+                continue
+            if exact:
+                assert got == want, f"iteration {it} {key}: {got!r} != {want!r}"
+            else:
+                assert got == pytest.approx(want, rel=1e-5), f"iteration {it} {key}"
+
+
+def train_in_process(task: str, argv: List[str]):
+    """Rank body: train as the script would; the CheckpointError message if the checkpoint is
+    refused, else None."""
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.training import pretrain
+    from megatron_bitpipe.training.errors import CheckpointError
+
+    try:
+        pretrain(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def main_in_process(task: str, argv: List[str]):
+    """Rank body: the script's main() (exit status, stderr), torch.distributed left alone."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.training import main
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        status = main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
+    dist.barrier()  # every rank got here: nobody waits in a collective of the failed run
+    return status, stderr.getvalue()
