@@ -15,8 +15,10 @@ times — and for every action does what megatron-core's own schedules do for a 
 
 Communication follows the placement (:mod:`megatron_bitpipe.schedules.comm`), one process
 group per channel (:meth:`~megatron_bitpipe.runtime.groups.PipelineGroups.channel_group`).
-Receives are posted just before the action that needs them, or one action earlier with
-``config.overlap_p2p_comm``; within a channel they are posted in plan order, which the
+Receives are posted just before the action that needs them, or with
+``config.overlap_p2p_comm`` as soon as the previous action has been issued (as megatron's
+interleaved schedule does: on a GPU host the previous action's kernels are still running,
+so the receive overlaps them); within a channel they are posted in plan order, which the
 validator proved equal to the sender's order. Sends are never waited for on the critical
 path: a sent activation is only deallocated (``config.deallocate_pipeline_outputs``) once
 its send has completed, and all sends are waited for at the end of the step.
@@ -172,8 +174,6 @@ class PlanExecutor:
         result = StepResult()
         actions = self.plan.actions[self.rank]
         for index, action in enumerate(actions):
-            if self.config.overlap_p2p_comm and index + 1 < len(actions):
-                self._post_receive(actions[index + 1])
             self._post_receive(action)
             if action.type is ActionType.FORWARD:
                 self._forward(action, result)
@@ -181,6 +181,8 @@ class PlanExecutor:
                 self._backward(action)
             else:
                 self._sync(action)
+            if self.config.overlap_p2p_comm and index + 1 < len(actions):
+                self._post_receive(actions[index + 1])
             result.trace.append(str(action))
             self._reap_sends(wait=False)
         self._reap_sends(wait=True)
