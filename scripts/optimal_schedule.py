@@ -30,6 +30,7 @@ from typing import List, Optional
 
 from megatron_bitpipe.schedules import generate
 from megatron_bitpipe.schedules.actions import SchedulePlan
+from megatron_bitpipe.schedules.cli import add_plan_arguments
 from megatron_bitpipe.schedules.simulate import CostModel, simulate
 
 
@@ -59,12 +60,12 @@ def optimal_makespan(
 
     placement = plan.placement
     stages = placement.num_stages
-    # Integer stage costs: scale time by stages per rank-share (S / D).
+    # Integer stage costs: a stage takes t_forward / t_backward units of 1/scale, with scale
+    # the stages per device share (S / D).
     scale = stages // placement.num_ranks
     if scale * placement.num_ranks != stages:
         raise ValueError(f"{stages} stages do not split evenly over {placement.num_ranks} ranks")
-    stage_f, stage_b = t_forward, t_backward  # per stage, in units of 1/scale
-    horizon = plan.num_microbatches * stages * (stage_f + stage_b)
+    horizon = plan.num_microbatches * stages * (t_forward + t_backward)
     model = cp_model.CpModel()
     busy = {rank: [] for rank in range(placement.num_ranks)}
     alive = {rank: [] for rank in range(placement.num_ranks)}
@@ -74,22 +75,22 @@ def optimal_makespan(
             rank = placement.location(pipeline, stage).rank
             f = forward[microbatch, stage] = model.NewIntVar(0, horizon, "")
             b = backward[microbatch, stage] = model.NewIntVar(0, horizon, "")
-            busy[rank].append(model.NewFixedSizeIntervalVar(f, stage_f, ""))
-            busy[rank].append(model.NewFixedSizeIntervalVar(b, stage_b, ""))
+            busy[rank].append(model.NewFixedSizeIntervalVar(f, t_forward, ""))
+            busy[rank].append(model.NewFixedSizeIntervalVar(b, t_backward, ""))
             lifetime = model.NewIntVar(0, horizon, "")
-            alive[rank].append(model.NewIntervalVar(f, lifetime, b + stage_b, ""))
+            alive[rank].append(model.NewIntervalVar(f, lifetime, b + t_backward, ""))
             if stage:
-                model.Add(f >= forward[microbatch, stage - 1] + stage_f)
-        model.Add(backward[microbatch, stages - 1] >= forward[microbatch, stages - 1] + stage_f)
+                model.Add(f >= forward[microbatch, stage - 1] + t_forward)
+        model.Add(backward[microbatch, stages - 1] >= forward[microbatch, stages - 1] + t_forward)
         for stage in range(stages - 1):
-            model.Add(backward[microbatch, stage] >= backward[microbatch, stage + 1] + stage_b)
+            model.Add(backward[microbatch, stage] >= backward[microbatch, stage + 1] + t_backward)
     for pipeline in range(placement.num_pipelines):
         order = plan.microbatches_of_pipeline(pipeline)
         for earlier, later in zip(order, order[1:]):
-            model.Add(forward[later, 0] >= forward[earlier, 0] + stage_f)
+            model.Add(forward[later, 0] >= forward[earlier, 0] + t_forward)
     makespan = model.NewIntVar(0, horizon, "")
     for microbatch in range(plan.num_microbatches):
-        model.Add(makespan >= backward[microbatch, 0] + stage_b)
+        model.Add(makespan >= backward[microbatch, 0] + t_backward)
     for rank in busy:
         model.AddNoOverlap(busy[rank])
         if memory_cap is not None:
@@ -117,10 +118,7 @@ def optimal_makespan(
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedule", required=True, choices=("1f1b", "interleaved", "chimera", "bitpipe"))
-    parser.add_argument("--pipeline-model-parallel-size", type=int, required=True)
-    parser.add_argument("--num-microbatches", type=int, required=True)
-    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    add_plan_arguments(parser)
     parser.add_argument("--t-forward", type=int, default=1, help="integer, per device share")
     parser.add_argument("--t-backward", type=int, default=2, help="integer, per device share")
     parser.add_argument("--memory-cap", type=float, default=None, help="Ma in flight per rank (default: none)")
@@ -138,12 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ImportError:
         parser.error("needs ortools: pip install ortools")
     try:
-        plan = generate(
-            args.schedule,
-            args.pipeline_model_parallel_size,
-            args.num_microbatches,
-            virtual_size=args.virtual_pipeline_model_parallel_size,
-        )
+        plan = generate(args.schedule, args.pp, args.num_microbatches, args.vp)
     except ValueError as error:
         parser.error(str(error))
     result = optimal_makespan(plan, args.t_forward, args.t_backward, args.memory_cap, args.time_limit)

@@ -37,16 +37,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags choosing a plan: ``--schedule``, ``--pipeline-model-parallel-size``
+    (``args.pp``), ``--num-microbatches`` (``args.num_microbatches``) and
+    ``--virtual-pipeline-model-parallel-size`` (``args.vp``), as :func:`generate` takes them."""
+    parser.add_argument("--schedule", choices=SCHEDULES, required=True)
+    parser.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp")
+    parser.add_argument("--num-microbatches", "-N", type=int, required=True, dest="num_microbatches")
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, dest="vp",
+                        help="chunks per rank (interleaved only; default 2)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m megatron_bitpipe.schedules", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, help_text in (("simulate", "validate and simulate a schedule"), ("plan", "print per-rank actions")):
         sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("--schedule", choices=SCHEDULES, required=True)
-        sub.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp")
-        sub.add_argument("--num-microbatches", "-N", type=int, required=True, dest="num_microbatches")
-        sub.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, dest="vp",
-                         help="chunks per rank (interleaved only; default 2)")
+        add_plan_arguments(sub)
         sub.add_argument("--forward-only", action="store_true", help="evaluation plan (forwards only)")
         if name == "simulate":
             sub.add_argument("--costs", metavar="FILE", help="JSON cost file (CostModel fields)")
