@@ -7,9 +7,10 @@ local chunk hold each stage), see :mod:`megatron_bitpipe.schedules.comm`.
 
 Invariants of a valid plan (checked by :func:`megatron_bitpipe.schedules.validate.validate_plan`):
 
-* every rank runs exactly one ``F`` and one ``B`` for each (chunk, micro-batch) pair that
-  its chunks own, ``F`` before ``B``;
-* ``SYNC(chunk)`` appears once per chunk, after that chunk's last ``B``;
+* every rank runs exactly one ``F`` for each (chunk, micro-batch) pair that its chunks
+  own and, in a training plan, either one ``B`` after it or a split backward: one ``I``
+  after the ``F`` and one ``W`` after the ``I``;
+* ``SYNC(chunk)`` appears once per chunk, after that chunk's last ``B`` or ``W``;
 * a micro-batch runs on exactly one pipeline (``microbatch_pipeline``), so a chunk only
   sees the micro-batches of the pipeline it belongs to.
 """
@@ -26,14 +27,27 @@ from .placement import Placement
 class ActionType(str, enum.Enum):
     """What a rank does in one action.
 
-    ``BACKWARD`` is the full backward (input and weight gradients). A split into an
-    input-gradient and a weight-gradient action (zero-bubble style) would add two
-    members here; the simulator and validator key on these values only.
+    ``BACKWARD`` is the full backward (input and weight gradients). A *split* backward
+    (zero-bubble style) runs the same work as two actions: ``BACKWARD_INPUT`` computes
+    the input gradient — the part the previous stage waits for — and ``BACKWARD_WEIGHT``,
+    later, the weight gradients of the same (chunk, micro-batch).
     """
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"  #: input gradient only (sent upstream like ``B``'s)
+    BACKWARD_WEIGHT = "W"  #: the deferred weight gradients of an earlier ``I``
     SYNC = "S"  #: start the asynchronous gradient all-reduce of one chunk
+
+    @property
+    def computes_input_grad(self) -> bool:
+        """True for the actions that produce the gradient sent to the previous stage."""
+        return self in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT)
+
+    @property
+    def ends_backward(self) -> bool:
+        """True for the actions after which a (chunk, micro-batch)'s gradients are complete."""
+        return self in (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT)
 
     def __str__(self) -> str:
         return self.value
@@ -41,6 +55,8 @@ class ActionType(str, enum.Enum):
 
 F = ActionType.FORWARD
 B = ActionType.BACKWARD
+I = ActionType.BACKWARD_INPUT
+W = ActionType.BACKWARD_WEIGHT
 SYNC = ActionType.SYNC
 
 
@@ -49,7 +65,7 @@ class Action:
     """One step of a rank's plan.
 
     Attributes:
-        type: forward, backward or gradient sync.
+        type: forward, backward (whole, or its input / weight part) or gradient sync.
         chunk: local model-chunk index on the rank (0-based).
         microbatch: global micro-batch index in ``[0, N)``; ``None`` for ``SYNC``.
     """
@@ -62,6 +78,14 @@ class Action:
         if (self.type is SYNC) != (self.microbatch is None):
             raise ValueError(f"{self.type} action needs microbatch={'None' if self.type is SYNC else 'an int'}")
 
+    @property
+    def comm_key(self) -> "Action":
+        """The action as its neighbouring stages see it: an ``I`` receives and sends what
+        the whole ``B`` would, so both have the key ``B(chunk, micro-batch)``."""
+        if self.type is ActionType.BACKWARD_INPUT:
+            return Action(ActionType.BACKWARD, self.chunk, self.microbatch)
+        return self
+
     def __str__(self) -> str:
         if self.type is SYNC:
             return f"S{self.chunk}"
@@ -69,7 +93,7 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        """Inverse of ``str``: ``"F1.3"`` → F(chunk 1, micro-batch 3), ``"S2"`` → SYNC(2)."""
+        """Inverse of ``str``: ``"F1.3"`` → F(chunk 1, micro-batch 3), ``"W0.2"``, ``"S2"`` → SYNC(2)."""
         kind, rest = ActionType(text[0]), text[1:]
         if kind is SYNC:
             return cls(kind, int(rest))

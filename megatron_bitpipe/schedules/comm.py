@@ -4,7 +4,9 @@ Nothing here is written per schedule. A forward of stage ``s`` receives the acti
 of stage ``s-1`` and sends its output to stage ``s+1``; a backward receives the gradient
 from stage ``s+1`` and sends the input gradient to stage ``s-1``. Where the neighbouring
 stage lives on the same rank (the turn of a V) the hand-over is local and no message is
-sent.
+sent. In a split backward the input-gradient action ``I`` communicates exactly as ``B``
+does and the weight-gradient action ``W`` not at all; transfers name their producer and
+consumer by :attr:`~.actions.Action.comm_key` (``B`` for both forms).
 
 Messages travel on *channels*. A channel is identified by (payload, pipeline, source
 rank, destination rank); within a channel messages must be received in the order they
@@ -63,11 +65,13 @@ class Transfer:
 
     @property
     def producer(self) -> Action:
+        """The producing action's :attr:`~.actions.Action.comm_key`."""
         kind = ActionType.FORWARD if self.payload is Payload.ACTIVATION else ActionType.BACKWARD
         return Action(kind, self.src.chunk, self.microbatch)
 
     @property
     def consumer(self) -> Action:
+        """The consuming action's :attr:`~.actions.Action.comm_key`."""
         kind = ActionType.FORWARD if self.payload is Payload.ACTIVATION else ActionType.BACKWARD
         return Action(kind, self.dst.chunk, self.microbatch)
 
@@ -81,8 +85,8 @@ def _neighbour(placement: Placement, rank: int, chunk: int, step: int) -> Option
 
 
 def received_by(placement: Placement, rank: int, action: Action) -> Optional[Transfer]:
-    """The transfer ``action`` on ``rank`` consumes, or None (first-stage F, last-stage B, SYNC)."""
-    if action.type is ActionType.SYNC:
+    """The transfer ``action`` on ``rank`` consumes, or None (first-stage F, last-stage B, W, SYNC)."""
+    if action.type in (ActionType.SYNC, ActionType.BACKWARD_WEIGHT):
         return None
     forward = action.type is ActionType.FORWARD
     found = _neighbour(placement, rank, action.chunk, -1 if forward else +1)
@@ -94,8 +98,8 @@ def received_by(placement: Placement, rank: int, action: Action) -> Optional[Tra
 
 
 def sent_by(placement: Placement, rank: int, action: Action) -> Optional[Transfer]:
-    """The transfer ``action`` on ``rank`` produces, or None (last-stage F, first-stage B, SYNC)."""
-    if action.type is ActionType.SYNC:
+    """The transfer ``action`` on ``rank`` produces, or None (last-stage F, first-stage B, W, SYNC)."""
+    if action.type in (ActionType.SYNC, ActionType.BACKWARD_WEIGHT):
         return None
     forward = action.type is ActionType.FORWARD
     found = _neighbour(placement, rank, action.chunk, +1 if forward else -1)
