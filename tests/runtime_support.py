@@ -53,6 +53,7 @@ class Case:
     overlap_grad_reduce: bool = True
     sequence_parallel: bool = False
     tensor_parallel_mode: str = "1d"
+    split_backward: bool = False
 
     @property
     def world_size(self) -> int:
@@ -172,7 +173,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
 
 
 def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
-    """Train ``case`` through ``make_forward_backward_func(case.schedule)`` on this rank."""
+    """Train ``case`` through ``make_forward_backward_func(case.schedule, case.split_backward)`` on this rank."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_bitpipe import schedules
@@ -203,7 +204,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     )
     groups = model.groups
     optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))
-    forward_backward = make_forward_backward_func(case.schedule)
+    forward_backward = make_forward_backward_func(case.schedule, split_backward=case.split_backward)
 
     def full(tensor_of=lambda p: p) -> Dict[str, torch.Tensor]:
         return merge_full(

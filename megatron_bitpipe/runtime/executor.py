@@ -10,8 +10,21 @@ times — and for every action does what megatron-core's own schedules do for a 
   rank, or keep it for the next chunk of this rank;
 * ``B(c, m)``: take the output gradient (none at the loss stage), run megatron's
   ``backward_step``, hand the input gradient on the same way;
+* split backward (:mod:`.weight_grad`): the ``F`` of a micro-batch whose backward the plan
+  splits runs inside :func:`~.weight_grad.deferring`, so deferrable linears leave their
+  weight gradients out of the graph; ``I(c, m)`` is ``B`` with those weight gradients
+  collected (by (chunk, micro-batch)) instead of computed, and ``W(c, m)`` runs them. After
+  ``I`` the activation state is released as after ``B``, except what the deferred work holds
+  (each linear's input and output gradient) until ``W``. Transfers are keyed by
+  :attr:`~megatron_bitpipe.schedules.actions.Action.comm_key`, so ``I`` receives and sends
+  what ``B`` would;
 * ``SYNC(c)``: start chunk ``c``'s asynchronous gradient all-reduce (megatron DDP's
-  ``start_grad_sync``) — every backward of the chunk is done by then.
+  ``start_grad_sync``) — every backward of the chunk is done by then, and no deferred
+  weight gradient still due adds to one of its parameters (a tied LM head on another chunk
+  adds to the embedding chunk's weight: its ``W`` must come first; RuntimeError otherwise).
+
+At the end of the step nothing may be left: no unconsumed received or handed-over tensor,
+no activation kept for a backward, no deferred weight-gradient work.
 
 Communication follows the placement (:mod:`megatron_bitpipe.schedules.comm`), one process
 group per channel (:meth:`~megatron_bitpipe.runtime.groups.PipelineGroups.channel_group`).
@@ -48,6 +61,7 @@ from ..schedules.actions import Action, ActionType, SchedulePlan
 from ..schedules.comm import Payload, Transfer, received_by, sent_by
 from .groups import PipelineGroups
 from .layout import ChunkSpec, chunk_specs
+from .weight_grad import WeightGradWork, deferring
 
 __all__ = ["MicrobatchSource", "PlanExecutor"]
 
@@ -157,7 +171,9 @@ class PlanExecutor:
         self.first_val_step = first_val_step
         self.rank = groups.pp_rank
         self.specs: List[ChunkSpec] = chunk_specs(plan.placement, config.num_layers, self.rank)
-        self.forward_only = not any(a.type is ActionType.BACKWARD for a in plan.actions[self.rank])
+        actions = plan.actions[self.rank]
+        self.forward_only = not any(a.type.computes_input_grad for a in actions)
+        self._split = {(a.chunk, a.microbatch) for a in actions if a.type is ActionType.BACKWARD_INPUT}
         self.model_type = get_model_type(self.chunks[0])
         self.cp_size = groups.rank_pgs.cp.size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -166,6 +182,7 @@ class PlanExecutor:
         self._sends: Dict[Tuple[ActionType, int, int], _PendingSend] = {}
         self._activations: Dict[Tuple[int, int], _Activations] = {}
         self._forwarded_chunks: set = set()
+        self._deferred: Dict[Tuple[int, int], WeightGradWork] = {}
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -177,8 +194,10 @@ class PlanExecutor:
             self._post_receive(action)
             if action.type is ActionType.FORWARD:
                 self._forward(action, result)
-            elif action.type is ActionType.BACKWARD:
+            elif action.type.computes_input_grad:
                 self._backward(action)
+            elif action.type is ActionType.BACKWARD_WEIGHT:
+                self._deferred.pop((action.chunk, action.microbatch)).run()
             else:
                 self._sync(action)
             if self.config.overlap_p2p_comm and index + 1 < len(actions):
@@ -186,10 +205,11 @@ class PlanExecutor:
             result.trace.append(str(action))
             self._reap_sends(wait=False)
         self._reap_sends(wait=True)
-        if self._received or self._handed_over or (self._activations and not self.forward_only):
+        if self._received or self._handed_over or self._deferred or (self._activations and not self.forward_only):
             raise RuntimeError(
                 f"rank {self.rank}: plan left unconsumed tensors: received {sorted(map(str, self._received))}, "
-                f"handed over {sorted(map(str, self._handed_over))}, activations {sorted(self._activations)}"
+                f"handed over {sorted(map(str, self._handed_over))}, activations {sorted(self._activations)}, "
+                f"deferred weight gradients {sorted(self._deferred)}"
             )
         self.source.finish()
         return result
@@ -203,20 +223,24 @@ class PlanExecutor:
         first_of_chunk = chunk not in self._forwarded_chunks
         self._forwarded_chunks.add(chunk)
         store: List[object] = []
-        output, num_tokens = forward_step(
-            self.forward_step_func,
-            self.source.iterator_for(microbatch),
-            self.chunks[chunk],
-            self.loss_divisor,
-            input_tensor,
-            store,
-            self.config,
-            self.cp_size,
-            self.collect_non_loss_data,
-            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first_of_chunk),
-            current_microbatch=microbatch,
-            is_last_stage=spec.post_process,
-        )
+        deferral = contextlib.nullcontext()
+        if (chunk, microbatch) in self._split:
+            deferral = deferring(self._deferred.setdefault((chunk, microbatch), WeightGradWork()))
+        with deferral:
+            output, num_tokens = forward_step(
+                self.forward_step_func,
+                self.source.iterator_for(microbatch),
+                self.chunks[chunk],
+                self.loss_divisor,
+                input_tensor,
+                store,
+                self.config,
+                self.cp_size,
+                self.collect_non_loss_data,
+                is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first_of_chunk),
+                current_microbatch=microbatch,
+                is_last_stage=spec.post_process,
+            )
         if spec.post_process:
             result.num_tokens += num_tokens
             if store:
@@ -234,11 +258,22 @@ class PlanExecutor:
         if pending is not None:  # the output must be sent (and deallocated) before its backward
             pending.work.wait()
             self._finish_send(pending)
-        input_grad = backward_step(saved.input, saved.output, output_grad, self.model_type, self.config)
+        deferral = contextlib.nullcontext()
+        if action.type is ActionType.BACKWARD_INPUT:  # recomputed forwards defer too
+            deferral = deferring(self._deferred[(chunk, microbatch)])
+        with deferral:
+            input_grad = backward_step(saved.input, saved.output, output_grad, self.model_type, self.config)
         if not self.specs[chunk].pre_process:
             self._hand_on(action, input_grad, output_of_forward=False)
 
     def _sync(self, action: Action) -> None:
+        own = {id(p) for p in self.chunks[action.chunk].parameters()}
+        for key, work in self._deferred.items():
+            if any(id(w) in own for w in work.weights()):
+                raise RuntimeError(
+                    f"rank {self.rank}: plan runs {action} before W{key[0]}.{key[1]}, whose deferred weight "
+                    f"gradients add to chunk {action.chunk}'s parameters (tied weights)"
+                )
         if self.eager_sync:
             self.chunks[action.chunk].start_grad_sync()
 
@@ -261,7 +296,7 @@ class PlanExecutor:
         if transfer is None:
             return None
         if transfer.is_local:
-            return self._handed_over.pop(action)
+            return self._handed_over.pop(action.comm_key)
         work, buffer = self._received.pop(action)
         work.wait()
         return buffer

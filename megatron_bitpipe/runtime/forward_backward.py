@@ -38,13 +38,15 @@ from ..schedules.actions import SchedulePlan
 from .executor import MicrobatchSource, PlanExecutor, StepResult, no_sync_all
 from .groups import PipelineGroups
 from .replicas import microbatches_per_replica, stage_order
+from .weight_grad import enable_split_backward
 
 __all__ = ["forward_backward_bitpipe", "make_forward_backward_func", "pipeline_groups_of", "last_step"]
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(schedule: str, num_ranks: int, num_microbatches: int, forward_only: bool) -> SchedulePlan:
-    plan = schedules.generate(schedule, num_ranks, num_microbatches, forward_only=forward_only)
+def _plan(schedule: str, num_ranks: int, num_microbatches: int, forward_only: bool, split_backward: bool) -> SchedulePlan:
+    split = dict(split_backward=True) if split_backward and not forward_only else {}
+    plan = schedules.generate(schedule, num_ranks, num_microbatches, forward_only=forward_only, **split)
     schedules.validate_plan(plan)
     return plan
 
@@ -68,8 +70,14 @@ def last_step() -> Optional[StepResult]:
     return _LAST.get("result")
 
 
-def make_forward_backward_func(schedule: str) -> Callable:
-    """A megatron-core forward_backward_func executing ``schedule``'s plans."""
+def make_forward_backward_func(schedule: str, split_backward: bool = False) -> Callable:
+    """A megatron-core forward_backward_func executing ``schedule``'s plans.
+
+    ``split_backward``: every backward runs as ``I`` (input gradient) and, later, ``W``
+    (weight gradients), the plan placing the ``W``'s into bubbles; the chunks' linears are
+    made deferrable on the first call (:func:`~.weight_grad.enable_split_backward`, which
+    raises for Transformer Engine and Optimus 2D layers). Same gradients as without.
+    """
 
     def forward_backward(
         *,
@@ -93,7 +101,9 @@ def make_forward_backward_func(schedule: str) -> Callable:
         config = get_model_config(chunks[0])
         placement = groups.placement
         _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length)
-        plan = _plan(schedule, placement.num_ranks, num_microbatches, forward_only)
+        if split_backward:
+            enable_split_backward(chunks)
+        plan = _plan(schedule, placement.num_ranks, num_microbatches, forward_only, split_backward)
         if plan.placement != placement:
             raise ValueError(f"{schedule} plans use the {plan.placement.name} placement; the chunks were built for {placement.name}")
         divisor = microbatches_per_replica(num_microbatches, placement)
@@ -124,7 +134,7 @@ def make_forward_backward_func(schedule: str) -> Callable:
         _LAST["result"] = result
         return [result.losses[m] for m in sorted(result.losses)]
 
-    forward_backward.__name__ = f"forward_backward_{schedule}"
+    forward_backward.__name__ = f"forward_backward_{schedule}{'_split' if split_backward else ''}"
     forward_backward.__qualname__ = forward_backward.__name__
     forward_backward.__doc__ = f"megatron-core forward_backward_func running the {schedule} schedule."
     return forward_backward
