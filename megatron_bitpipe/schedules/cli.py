@@ -75,7 +75,7 @@ def read_cost_file(path: str) -> Dict[str, float]:
     with open(path, encoding="utf-8") as handle:
         loaded = json.load(handle)
     known = {f.name for f in fields(CostModel)}
-    return {k: float(v) for k, v in loaded.items() if k in known}
+    return {k: float(v) for k, v in loaded.items() if k in known and v is not None}
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:
