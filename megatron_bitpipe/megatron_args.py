@@ -6,6 +6,9 @@
 * ``--pipeline-schedule {default,1f1b,interleaved,bitpipe}`` — ``default`` keeps
   megatron-core's choice (interleaved when ``--virtual-pipeline-model-parallel-size`` is
   set, else 1F1B);
+* ``--split-backward`` — with ``bitpipe``: run every backward as the input gradient and,
+  later, the weight gradients, placed into the pipeline's bubbles
+  (:mod:`megatron_bitpipe.schedules.split_backward`); megatron-core's local layers only;
 * ``--tensor-parallel-mode {1d,optimus2d}`` (:mod:`megatron_bitpipe.optimus.args`).
 
 :func:`validate_bitpipe_args` checks a parsed namespace (Megatron-LM's argument names)
@@ -36,6 +39,13 @@ def add_bitpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="pipeline schedule: bitpipe (bidirectional V, two weight replicas), 1f1b, "
         "interleaved (needs --virtual-pipeline-model-parallel-size), or default "
         "(megatron-core's own choice).",
+    )
+    group.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="with --pipeline-schedule bitpipe: compute each backward's input gradient first and its "
+        "weight gradients later, in the pipeline bubbles (zero-bubble style; same math). Needs "
+        "--transformer-impl local and --tensor-parallel-mode 1d.",
     )
     return add_optimus_args(parser)
 
@@ -97,6 +107,13 @@ def validate_bitpipe_args(args: argparse.Namespace) -> None:
         problems.append("--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size >= 2")
     elif schedule == "1f1b" and vp not in (None, 1):
         problems.append("--pipeline-schedule 1f1b runs one chunk per rank: unset --virtual-pipeline-model-parallel-size")
+    if getattr(args, "split_backward", False):
+        if schedule != "bitpipe":
+            problems.append(f"--split-backward needs --pipeline-schedule bitpipe (got {schedule})")
+        if getattr(args, "transformer_impl", "local") == "transformer_engine":
+            problems.append("--split-backward defers the weight gradients of megatron-core's local layers: use --transformer-impl local")
+        if getattr(args, "tensor_parallel_mode", "1d") != "1d":
+            problems.append("--split-backward is not supported with --tensor-parallel-mode optimus2d")
     try:
         validate_optimus_args(args)
     except ValueError as error:

@@ -61,7 +61,7 @@ def cost_model(t_forward: float, t_backward: float, p2p: Dict[str, float], t_syn
 def write_cost_file(path: str, costs: CostModel) -> None:
     """Write ``costs`` as a JSON object with exactly CostModel's fields."""
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(asdict(costs), handle, indent=2)
+        json.dump({k: v for k, v in asdict(costs).items() if v is not None}, handle, indent=2)
         handle.write("\n")
 
 

@@ -8,7 +8,8 @@ no data or tensor parallelism, fp16):
 * BERT: 64 layers, hidden 2560, 64 heads, sequence 512, micro-batch 4, global batch 32.
 
 For each, the simulator times one step of every schedule (1F1B, interleaved v=2, Chimera,
-BitPipe) under a cost model and reports samples/s = N x micro-batch / step time (the
+BitPipe, and BitPipe with a split backward, its ``W``'s placed for the same costs) under a
+cost model and reports samples/s = N x micro-batch / step time (the
 optimizer step is not included), for the README's number of micro-batches N and for 4D.
 
 Costs come from ``--costs FILE`` (written by ``scripts/calibrate_gpu.py`` for that model's
@@ -45,7 +46,7 @@ MODELS: Dict[str, dict] = {
     "gpt": dict(shape=TransformerShape(96, 3072, 32, 1024, 1), global_batch_size=16),
     "bert": dict(shape=TransformerShape(64, 2560, 64, 512, 4), global_batch_size=32),
 }
-SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe")
+SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split")  # "+split": split_backward=True
 BASELINE = "interleaved"
 
 
@@ -62,9 +63,10 @@ def predict(model: str, base: schedules.CostModel, microbatch_counts: Sequence[i
     rows = []
     for num_microbatches in microbatch_counts:
         for schedule in SCHEDULES:
-            plan = schedules.generate(schedule, PIPELINE_SIZE, num_microbatches)
+            name, split = schedule.removesuffix("+split"), schedule.endswith("+split")
+            costs = schedule_costs(base, name, PIPELINE_SIZE)
+            plan = schedules.generate(name, PIPELINE_SIZE, num_microbatches, split_backward=split, costs=costs)
             schedules.validate_plan(plan)
-            costs = schedule_costs(base, schedule, PIPELINE_SIZE)
             result = schedules.simulate(plan, costs)
             rows.append(
                 dict(

@@ -100,3 +100,15 @@ def test_register_installs_a_given_bitpipe_function():
         assert core_pp.get_forward_backward_func() is forward_backward_bitpipe
     finally:
         megatron_bitpipe.unregister()
+
+
+def test_split_backward_rules():
+    megatron_bitpipe.validate_bitpipe_args(parse("--pipeline-schedule", "bitpipe", "--split-backward"))
+    with pytest.raises(BitPipeConfigError) as info:
+        megatron_bitpipe.validate_bitpipe_args(
+            parse("--split-backward", "--tensor-parallel-mode", "optimus2d", transformer_impl="transformer_engine",
+                  tensor_model_parallel_size=4, world_size=16)
+        )
+    text = str(info.value)
+    assert "--split-backward needs --pipeline-schedule bitpipe (got default)" in text
+    assert "use --transformer-impl local" in text and "--tensor-parallel-mode optimus2d" in text

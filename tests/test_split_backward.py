@@ -1,261 +1,130 @@
-"""Split backward (``I`` = input gradient, ``W`` = deferred weight gradients) on the runtime.
-
-* the deferrable linear (megatron's column- and row-parallel linears, bias, TP=1) gives the
-  input and bias gradients in ``I`` and, after ``W``, the weight gradient megatron's own
-  linear gives — into ``.grad``, or into ``main_grad`` with gradient-accumulation fusion;
-* BitPipe with every ``B`` split equals single-process training (loss, every gradient,
-  weights after 3 Adam steps, replicas identical, evaluation, tied embeddings), with each
-  ``W`` right after its ``I`` and with every ``W`` deferred to just before its chunk's
-  ``SYNC`` (long-lived deferred work, out-of-order ``W``'s); TP=2 with sequence parallelism;
-* layers whose weight gradients cannot be deferred are refused naming the flag.
-
-Until ``schedules.generate`` has ``split_backward`` the split plans are derived here from
-the plain ones (:func:`split_plan`).
-"""
+"""Split backward (I + W) in plans, validation, simulation and the placement of W's."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections import defaultdict
-from typing import List
+import json
+import subprocess
+import sys
 
 import pytest
-import torch
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.schedules import CostModel, PlanError, SCHEDULES, generate, simulate, validate_plan
+from megatron_bitpipe.schedules.actions import Action, ActionType, make_plan
+from megatron_bitpipe.schedules.placement import looped
+from megatron_bitpipe.schedules.split_backward import split_backward
 
-from runtime_support import STEPS, Case, assert_equals_reference, pipeline, reference
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitCase(Case):
-    """``late``: every ``W`` of a chunk just before its ``SYNC`` instead of right after its ``I``."""
-
-    split_backward: bool = True
-    late: bool = False
+F, B, I, W, SYNC = (ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT,
+                    ActionType.BACKWARD_WEIGHT, ActionType.SYNC)
+GRID = [(2, 2), (2, 6), (4, 4), (4, 6), (4, 8), (4, 16), (8, 8), (8, 12), (8, 32)]  # even N >= D
 
 
-CASES_2 = [
-    SplitCase("split_bitpipe_pp2_n2", "bitpipe", pp=2, n=2),
-    SplitCase("split_bitpipe_pp2_n4_late", "bitpipe", pp=2, n=4, late=True),
-]
-CASES_4 = [
-    SplitCase("split_bitpipe_pp4_n4", "bitpipe", pp=4, n=4),
-    SplitCase("split_bitpipe_pp4_n8_late", "bitpipe", pp=4, n=8, late=True),
-    SplitCase("split_bitpipe_tp2_sp_pp2_n4_late", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True, late=True),
-]
+def parse(line: str):
+    return [Action.parse(token) for token in line.split()]
 
 
-def split_plan(plan, late: bool):
-    """``plan`` with every ``B(c, m)`` replaced by ``I(c, m)`` and a ``W(c, m)`` right after it,
-    or (``late``) with the chunk's ``W``'s in ``I`` order just before its ``SYNC``."""
-    from megatron_bitpipe.schedules.actions import Action, ActionType
-
-    actions = []
-    for rank_actions in plan.actions:
-        out, pending = [], defaultdict(list)
-        for action in rank_actions:
-            if action.type is ActionType.BACKWARD:
-                out.append(Action(ActionType.BACKWARD_INPUT, action.chunk, action.microbatch))
-                weight = Action(ActionType.BACKWARD_WEIGHT, action.chunk, action.microbatch)
-                (pending[action.chunk] if late else out).append(weight)
-            else:
-                if action.type is ActionType.SYNC:
-                    out.extend(pending.pop(action.chunk, []))
-                out.append(action)
-        actions.append(tuple(out))
-    return dataclasses.replace(plan, actions=tuple(actions))
+def two_rank_plan(rank0: str, rank1: str):
+    """1F1B placement, 2 ranks, 2 micro-batches, hand-written action lists."""
+    return make_plan("manual", looped(2), 2, [0, 0], [parse(rank0), parse(rank1)])
 
 
-def _run_cases(cases: List[SplitCase]) -> dict:
-    from megatron_bitpipe.runtime import forward_backward
-    from megatron_bitpipe.runtime.weight_grad import WeightGradWork
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-
-    enable_cpu_megatron()
-    plain = forward_backward._plan
-    run_work = WeightGradWork.run
-    deferred = []
-
-    def counted_run(work):
-        deferred.append(len(work))
-        run_work(work)
-
-    WeightGradWork.run = counted_run
-    out = {}
-    for case in cases:
-        served = []
-        deferred.clear()
-
-        def derived(schedule, num_ranks, num_microbatches, forward_only, split_backward, case=case, served=served):
-            plan = plain(schedule, num_ranks, num_microbatches, forward_only, False)
-            served.append(split_backward and not forward_only)
-            return split_plan(plan, case.late) if served[-1] else plan
-
-        forward_backward._plan = derived
-        out[case.name] = pipeline(case)
-        out[case.name]["split_plans_served"] = served
-        out[case.name]["deferred_per_W"] = list(deferred)
-    return out
+@pytest.mark.parametrize(
+    "schedule,D,N",
+    [(s, D, N) for s in SCHEDULES for D, N in GRID if s != "interleaved" or N % D == 0],  # interleaved: N = kD
+)
+def test_split_plans_are_valid_and_keep_the_forward_and_input_gradient_order(schedule, D, N):
+    plan = generate(schedule, D, N)
+    split = generate(schedule, D, N, split_backward=True)
+    validate_plan(split)
+    assert split.meta["split_backward"] and split.name == f"{schedule}+split"
+    for whole, parts in zip(plan.actions, split.actions):
+        assert [a.comm_key for a in parts if a.type in (F, I)] == [a for a in whole if a.type in (F, B)]
+        assert not any(a.type is B for a in parts)
+    unsplit, result = simulate(plan), simulate(split)
+    assert result.makespan <= unsplit.makespan + 1e-9
+    assert max(result.peak_activations) <= max(unsplit.peak_activations) + 1e-9
+    assert sum(result.busy) == pytest.approx(sum(unsplit.busy))  # same work, only reordered
 
 
-def _reference_runs(keys) -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-
-    enable_cpu_megatron()
-    return {key: reference(*key) for key in keys}
-
-
-@pytest.fixture(scope="module")
-def references() -> dict:
-    keys = sorted({c.reference_key for c in CASES_2 + CASES_4})
-    return launch(_reference_runs, 1, keys, timeout=300)[0]
+@pytest.mark.parametrize("D,N", [(4, 4), (4, 16), (8, 8), (8, 16), (8, 32)])
+def test_bitpipe_with_split_backward_is_the_fastest_plan(D, N):
+    ours = simulate(generate("bitpipe", D, N, split_backward=True)).makespan
+    for schedule in SCHEDULES:
+        for split in (False, True):
+            if (schedule, split) != ("bitpipe", True):
+                assert ours < simulate(generate(schedule, D, N, split_backward=split)).makespan
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> List[dict]:
-    return launch(_run_cases, 2, CASES_2, timeout=400)
+def test_bitpipe_split_beats_interleaved_by_more_than_the_unsplit_bound_at_n_equal_d():
+    # Unsplit, 34.5 / 30 = 1.15 is the most any order on BitPipe's placement reaches at D = N = 8.
+    interleaved = simulate(generate("interleaved", 8, 8)).makespan
+    assert interleaved / simulate(generate("bitpipe", 8, 8)).makespan == pytest.approx(1.15)
+    assert interleaved / simulate(generate("bitpipe", 8, 8, split_backward=True)).makespan > 1.3
 
 
-@pytest.fixture(scope="module")
-def four_ranks() -> List[dict]:
-    return launch(_run_cases, 4, CASES_4, timeout=600)
+def test_simulator_costs_and_memory_of_a_split_backward():
+    plan = two_rank_plan("F0.0 F0.1 I0.0 I0.1 W0.0 W0.1 S0", "F0.0 I0.0 F0.1 I0.1 W0.1 W0.0 S0")
+    validate_plan(plan)
+    result = simulate(plan, CostModel(t_forward=2, t_backward=3, t_weight=1))
+    starts = {(e.rank, str(e.action)): (e.start, e.end) for e in result.events}
+    assert starts[(1, "I0.0")] == (4, 6)  # I costs t_B - t_W
+    assert starts[(0, "I0.0")] == (6, 8)  # waits for rank 1's input gradient
+    assert starts[(1, "W0.1")] == (10, 11)  # W costs t_W, needs nothing from other ranks
+    assert starts[(0, "W0.1")] == (13, 14)
+    assert result.peak_activations == [2, 2]  # counted until W, not I
+    half = simulate(plan, CostModel(t_forward=2, t_backward=3))
+    assert {e.end - e.start for e in half.events if e.action.type is W} == {1.5}
 
 
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_split_backward_equals_single_process_training(case, references, two_ranks, four_ranks):
-    records = [r[case.name] for r in (two_ranks if case in CASES_2 else four_ranks)]
-    assert_equals_reference(case, records, references[case.reference_key])
+@pytest.mark.parametrize(
+    "rank0,message",
+    [
+        ("F0.0 F0.1 B0.0 I0.0 W0.0 I0.1 W0.1 S0", "B0.0 and a split backward"),
+        ("F0.0 F0.1 W0.0 I0.0 I0.1 W0.1 S0", "W0.0 at position 2 runs before I0.0"),
+        ("F0.0 F0.1 I0.0 I0.1 W0.1 S0", "missing W0.0"),
+        ("F0.0 F0.1 I0.0 I0.1 W0.0 S0 W0.1", "S0 issued before the chunk's last backward"),
+    ],
+)
+def test_validation_names_a_broken_split(rank0, message):
+    plan = two_rank_plan(rank0, "F0.0 I0.0 W0.0 F0.1 I0.1 W0.1 S0")
+    with pytest.raises(PlanError, match=message):
+        validate_plan(plan)
 
 
-def test_training_steps_ran_split_plans(two_ranks, four_ranks):
-    """Every training step got a split plan, the evaluation a plain forward-only one, and
-    every ``W`` ran deferred linear weight gradients (4 per transformer layer of the chunk)."""
-    for records in (two_ranks, four_ranks):
-        for record in records:
-            for name, result in record.items():
-                assert result["split_plans_served"] == [True] * STEPS + [False], name
-                assert result["deferred_per_W"] and min(result["deferred_per_W"]) >= 4, name
+def test_activation_limit_and_cost_ratios_shape_the_placement():
+    plan = generate("1f1b", 4, 8)
+    own_peaks = simulate(plan).peak_activations  # [4, 3, 2, 1]: the forward order is kept
+    for limit in (3, 2):
+        tight = split_backward(plan, activation_limit=limit)
+        validate_plan(tight)
+        assert all(p <= max(limit, own) for p, own in zip(simulate(tight).peak_activations, own_peaks))
+    assert max(simulate(split_backward(plan, activation_limit=100)).peak_activations) == 8  # W's all deferred
+    # all weight gradient (t_weight = t_backward): W's still land in the bubbles
+    heavy = CostModel(t_forward=1, t_backward=2, t_weight=2)
+    assert simulate(split_backward(plan, heavy), heavy).makespan <= simulate(plan, heavy).makespan
+    with pytest.raises(PlanError, match="no whole backward"):
+        split_backward(generate("bitpipe", 4, 4, forward_only=True))
+    assert generate("bitpipe", 4, 4, forward_only=True, split_backward=True).meta.get("split_backward") is None
 
 
-def test_late_plans_defer_weight_gradients_past_later_backwards():
-    """The ``late`` variant really runs ``W``'s long after their ``I`` (others' ``I`` between)."""
-    from megatron_bitpipe import schedules
-
-    for case in CASES_2 + CASES_4:
-        plan = split_plan(schedules.generate(case.schedule, case.pp, case.n), case.late)
-        for actions in plan.actions:
-            names = [str(a) for a in actions]
-            assert not any(a.startswith("B") for a in names)
-            assert sum(a.startswith("I") for a in names) == sum(a.startswith("W") for a in names) > 0
-            if case.late:
-                gaps = [names.index("W" + a[1:]) - i for i, a in enumerate(names) if a.startswith("I")]
-                assert max(gaps) > 2
+def test_cost_model_rejects_a_weight_part_larger_than_the_backward():
+    with pytest.raises(ValueError, match="t_weight"):
+        CostModel(t_backward=2, t_weight=3)
 
 
-# -- the deferrable linear, one process ---------------------------------------------------------
-
-
-def _linear_checks() -> dict:
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.tensor_parallel import layers as megatron_layers
-
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.weight_grad import WeightGradWork, deferring, enable_split_backward
-    from megatron_bitpipe.testing import gpt
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-
-    enable_cpu_megatron()
-    pg = gpt.build_process_groups(gpt.ParallelGrid())
-    init_megatron_state(pg, 7)
-    config = gpt.tiny_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=2)
-
-    def make(kind, fusion=False):
-        torch.manual_seed(3)
-        common = dict(config=config, init_method=torch.nn.init.normal_, bias=True, skip_bias_add=False, tp_group=pg.tp)
-        if kind == "column":
-            layer = ColumnParallelLinear(8, 12, gather_output=False, **common)
-        else:
-            layer = RowParallelLinear(8, 12, input_is_parallel=True, **common)
-        layer.gradient_accumulation_fusion = fusion
-        if fusion:
-            layer.weight.main_grad = torch.zeros_like(layer.weight)
-        return layer
-
-    torch.manual_seed(5)
-    x = torch.randn(4, 2, 8)
-    g = torch.randn(4, 2, 12)
-    out = {}
-    for kind in ("column", "row"):
-        for fusion in (False, True):
-            name = f"{kind}{'_fused' if fusion else ''}"
-            ref, split = make(kind, fusion), make(kind, fusion)
-            assert enable_split_backward([split]) == enable_split_backward([split]) == 1
-            x_ref, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
-            ref(x_ref)[0].backward(g)
-            work = WeightGradWork()
-            with deferring(work):
-                y = split(x_split)[0]
-            y.backward(g)
-            weight_grad = split.weight.main_grad if fusion else split.weight.grad
-            record = {
-                "output": torch.equal(y, ref(x)[0]),
-                "input_grad": torch.equal(x_split.grad, x_ref.grad),
-                "bias_grad_in_I": torch.equal(split.bias.grad, ref.bias.grad),
-                "weight_grad_waits": (weight_grad is None or not weight_grad.any()) and len(work) == 1,
-            }
-            work.run()
-            ref_weight_grad = ref.weight.main_grad if fusion else ref.weight.grad
-            weight_grad = split.weight.main_grad if fusion else split.weight.grad
-            record["weight_grad_after_W"] = torch.allclose(weight_grad, ref_weight_grad, rtol=1e-6, atol=0)
-            record["work_empty"] = len(work) == 0
-            # outside the context: megatron's own function, weight gradient at once
-            split.zero_grad()
-            ref.zero_grad()
-            if fusion:
-                split.weight.main_grad.zero_()
-                ref.weight.main_grad.zero_()
-            split(x)[0].backward(g)
-            ref(x)[0].backward(g)
-            plain = split.weight.main_grad if fusion else split.weight.grad
-            record["outside_is_megatron"] = torch.equal(plain, ref.weight.main_grad if fusion else ref.weight.grad)
-            out[name] = record
-    return out
-
-
-class _FakeFusedKernel:
-    """Stands in for apex's ``fused_weight_gradient_mlp_cuda``: main_grad += gradᵀ · input."""
-
-    @staticmethod
-    def wgrad_gemm_accum_fp32(input_2d, grad_2d, main_grad):
-        main_grad.add_(grad_2d.t().matmul(input_2d))
-
-    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
-
-
-def _linear_checks_with_fake_fusion() -> dict:
-    from megatron.core.tensor_parallel import layers as megatron_layers
-
-    megatron_layers._grad_accum_fusion_available = True
-    megatron_layers.fused_weight_gradient_mlp_cuda = _FakeFusedKernel
-    return _linear_checks()
-
-
-def test_deferrable_linear_matches_megatron():
-    results = launch(_linear_checks_with_fake_fusion, 1, timeout=120)[0]
-    assert set(results) == {"column", "column_fused", "row", "row_fused"}
-    for name, checks in results.items():
-        assert all(checks.values()), f"{name}: {checks}"
-
-
-def test_layers_that_cannot_defer_are_refused_naming_the_flag():
-    from megatron_bitpipe.optimus.layers import OptimusLinear
-    from megatron_bitpipe.runtime.weight_grad import SplitBackwardError, enable_split_backward
-
-    te_layer = type("TELayerNormColumnParallelLinear", (torch.nn.Module,), {"__module__": "megatron.core.extensions.transformer_engine"})
-    with pytest.raises(SplitBackwardError, match="--transformer-impl local"):
-        enable_split_backward([torch.nn.Sequential(te_layer())])
-    optimus = OptimusLinear.__new__(OptimusLinear)
-    torch.nn.Module.__init__(optimus)
-    with pytest.raises(SplitBackwardError, match="--tensor-parallel-mode"):
-        enable_split_backward([torch.nn.Sequential(torch.nn.Linear(2, 2), optimus)])
+def test_cli_split_backward(tmp_path):
+    run = [sys.executable, "-m", "megatron_bitpipe.schedules"]
+    out = subprocess.run(
+        run + ["simulate", "--schedule", "bitpipe", "-D", "4", "-N", "8", "--split-backward", "--t-weight", "0.5",
+               "--json", "--trace", str(tmp_path / "t.json")],
+        capture_output=True, text=True, check=True,
+    )
+    summary = json.loads(out.stdout)
+    assert summary["schedule"] == "bitpipe+split" and summary["costs"]["t_weight"] == 0.5 and summary["valid"]
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert any(e.get("cat") == "backward_weight" for e in trace["traceEvents"])
+    bad = subprocess.run(run + ["simulate", "--schedule", "bitpipe", "-D", "4", "-N", "4", "--t-weight", "3"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--t-weight" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    listing = subprocess.run(run + ["plan", "--schedule", "1f1b", "-D", "2", "-N", "2", "--split-backward"],
+                             capture_output=True, text=True, check=True).stdout
+    assert "I0.0" in listing and "W0.0" in listing and "B0.0" not in listing

@@ -7,7 +7,8 @@ implies all communication); :func:`~.validate.validate_plan` checks it,
 :mod:`.render` draws it and the runtime executes it.
 
 ``generate(name, D, N, ...)`` is the one entry point that the command line, the
-benchmarks and the runtime use.
+benchmarks and the runtime use; ``split_backward=True`` runs every backward as an
+input-gradient and a later weight-gradient action (:mod:`.split_backward`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from . import bitpipe, chimera, interleaved, one_f_one_b
+from .split_backward import split_backward as _split_backward
 from .actions import Action, ActionType, SchedulePlan
 from .errors import PlanError, ScheduleConfigError
 from .placement import Placement, StageLocation
@@ -36,12 +38,23 @@ def generate(
     num_microbatches: int,
     virtual_size: Optional[int] = None,
     forward_only: bool = False,
+    split_backward: bool = False,
+    costs: Optional[CostModel] = None,
 ) -> SchedulePlan:
     """Plan of ``schedule`` for ``num_ranks`` pipeline ranks and ``num_microbatches``.
 
     ``virtual_size`` (chunks per rank) applies to ``interleaved`` only (default 2).
-    Raises :class:`ScheduleConfigError` naming the offending flag.
+    ``split_backward`` places weight-gradient actions for ``costs`` (default
+    :class:`CostModel`: ``t_B = 2 t_F``, half of it weight gradients); it does nothing
+    to a forward-only plan. Raises :class:`ScheduleConfigError` naming the offending flag.
     """
+    plan = _generate(schedule, num_ranks, num_microbatches, virtual_size, forward_only)
+    return _split_backward(plan, costs) if split_backward and not forward_only else plan
+
+
+def _generate(
+    schedule: str, num_ranks: int, num_microbatches: int, virtual_size: Optional[int], forward_only: bool
+) -> SchedulePlan:
     if schedule not in GENERATORS:
         raise ScheduleConfigError(f"--schedule: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
     if schedule == "interleaved":

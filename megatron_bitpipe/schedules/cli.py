@@ -25,6 +25,7 @@ from .validate import validate_plan
 _COST_FLAGS = {
     "t_forward": "--t-forward",
     "t_backward": "--t-backward",
+    "t_weight": "--t-weight",
     "t_p2p": "--t-p2p",
     "p2p_bytes": "--p2p-bytes",
     "p2p_bandwidth": "--p2p-bandwidth",
@@ -39,13 +40,16 @@ class _Parser(argparse.ArgumentParser):
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags choosing a plan: ``--schedule``, ``--pipeline-model-parallel-size``
-    (``args.pp``), ``--num-microbatches`` (``args.num_microbatches``) and
-    ``--virtual-pipeline-model-parallel-size`` (``args.vp``), as :func:`generate` takes them."""
+    (``args.pp``), ``--num-microbatches`` (``args.num_microbatches``),
+    ``--virtual-pipeline-model-parallel-size`` (``args.vp``) and ``--split-backward``,
+    as :func:`generate` takes them."""
     parser.add_argument("--schedule", choices=SCHEDULES, required=True)
     parser.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp")
     parser.add_argument("--num-microbatches", "-N", type=int, required=True, dest="num_microbatches")
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, dest="vp",
                         help="chunks per rank (interleaved only; default 2)")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="run each backward as input gradient (I) + deferred weight gradients (W)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,7 +75,7 @@ def read_cost_file(path: str) -> Dict[str, float]:
     with open(path, encoding="utf-8") as handle:
         loaded = json.load(handle)
     known = {f.name for f in fields(CostModel)}
-    return {k: float(v) for k, v in loaded.items() if k in known}
+    return {k: float(v) for k, v in loaded.items() if k in known and v is not None}
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:
@@ -84,18 +88,19 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     try:
         return CostModel(**values)
     except ValueError as exc:
-        raise ScheduleConfigError(f"--t-forward/--t-backward: {exc}") from None
+        raise ScheduleConfigError(f"--t-forward/--t-backward/--t-weight: {exc}") from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        plan = generate(args.schedule, args.pp, args.num_microbatches, args.vp, args.forward_only)
+        costs = cost_model(args) if args.command == "simulate" else None
+        plan = generate(args.schedule, args.pp, args.num_microbatches, args.vp, args.forward_only,
+                        args.split_backward, costs)
         if args.command == "plan":
             print(plan.format())
             return 0
-        costs = cost_model(args)
         validate_plan(plan)
         result = simulate(plan, costs)
     except (ScheduleConfigError, OSError, json.JSONDecodeError) as exc:

@@ -5,7 +5,8 @@
   interleaved schedules);
 * :func:`lockstep_order` — the per-rank order of a round-based timetable, in which every
   micro-batch advances one stage per round (the bidirectional schedules);
-* :func:`with_eager_syncs` — each chunk's ``SYNC`` right after the chunk's last backward,
+* :func:`with_eager_syncs` — each chunk's ``SYNC`` right after the chunk's last backward
+  (or weight-gradient action of a split backward),
   which is where its gradient all-reduce can start.
 """
 
@@ -43,12 +44,12 @@ def one_f_one_b(
 
 
 def with_eager_syncs(actions: Sequence[Action]) -> List[Action]:
-    """Insert ``SYNC(c)`` directly after the last backward of each chunk ``c``."""
-    last_backward = {a.chunk: i for i, a in enumerate(actions) if a.type is ActionType.BACKWARD}
+    """Insert ``SYNC(c)`` directly after the last backward (``B`` or ``W``) of each chunk ``c``."""
+    last_backward = {a.chunk: i for i, a in enumerate(actions) if a.type.ends_backward}
     out: List[Action] = []
     for i, action in enumerate(actions):
         out.append(action)
-        if action.type is ActionType.BACKWARD and last_backward[action.chunk] == i:
+        if action.type.ends_backward and last_backward[action.chunk] == i:
             out.append(Action(ActionType.SYNC, action.chunk))
     return out
 

@@ -1,8 +1,9 @@
 """Pictures of a simulated step: a Gantt chart (PNG) and a Chrome trace (JSON).
 
 Colours encode the pipeline (direction) of each micro-batch; forwards are light,
-backwards dark, gradient all-reduces (``SYNC``) are drawn on a thin lane under each
-rank. Chrome traces (``chrome://tracing`` / Perfetto) use one simulator time unit per
+backwards (``B``, or the input-gradient part ``I`` of a split backward) dark and
+weight-gradient actions (``W``) mid-tone and hatched; gradient all-reduces (``SYNC``) are drawn on
+a thin lane under each rank. Chrome traces (``chrome://tracing`` / Perfetto) use one simulator time unit per
 millisecond, so costs given in milliseconds read naturally.
 """
 
@@ -14,8 +15,10 @@ from typing import Dict, List
 from .actions import ActionType
 from .simulate import SimulationResult
 
-#: (forward, backward) colours per pipeline: blue for the down / only pipeline, orange for up.
-PIPELINE_COLOURS = (("#9ecae1", "#2171b5"), ("#fdae6b", "#d94801"))
+#: (forward, backward or input gradient, weight gradient) colours per pipeline: blue for the
+#: down / only pipeline, orange for up.
+PIPELINE_COLOURS = (("#9ecae1", "#2171b5", "#4292c6"), ("#fdae6b", "#d94801", "#f16913"))
+_SHADE = {ActionType.FORWARD: 0, ActionType.BACKWARD: 1, ActionType.BACKWARD_INPUT: 1, ActionType.BACKWARD_WEIGHT: 2}
 SYNC_COLOUR = "#41ab5d"
 
 
@@ -61,9 +64,11 @@ def plot_gantt(result: SimulationResult, path: str, title: str | None = None) ->
     row_height, sync_height = 0.62, 0.16
     for event in result.events:
         forward = event.action.type is ActionType.FORWARD
-        colour = PIPELINE_COLOURS[event.pipeline % 2][0 if forward else 1]
+        colour = PIPELINE_COLOURS[event.pipeline % 2][_SHADE[event.action.type]]
         y = num_ranks - 1 - event.rank
-        ax.barh(y, event.end - event.start, left=event.start, height=row_height, color=colour, edgecolor="white", linewidth=0.6)
+        hatch = "///" if event.action.type is ActionType.BACKWARD_WEIGHT else None
+        ax.barh(y, event.end - event.start, left=event.start, height=row_height, color=colour, edgecolor="white",
+                linewidth=0.6, hatch=hatch)
         if event.end - event.start >= 0.4:
             ax.text(
                 (event.start + event.end) / 2, y, str(event.action.microbatch),
@@ -81,12 +86,14 @@ def plot_gantt(result: SimulationResult, path: str, title: str | None = None) ->
         f"bubble {100 * result.bubble_ratio:.1f}%, makespan {result.makespan:g}"
     )
     ax.set_title(heading)
-    legend = [Patch(color=PIPELINE_COLOURS[p][k], label=f"{'F' if k == 0 else 'B'} {name}")
+    kinds = sorted({e.action.type for e in result.events}, key=lambda t: "FBIW".index(t.value))
+    legend = [Patch(facecolor=PIPELINE_COLOURS[p][_SHADE[kind]], edgecolor="white",
+                    hatch="///" if kind is ActionType.BACKWARD_WEIGHT else None, label=f"{kind.value} {name}")
               for p, name in enumerate(["down / pipeline 0", "up / pipeline 1"][: plan.placement.num_pipelines])
-              for k in (0, 1)]
+              for kind in kinds]
     if result.sync_events:
         legend.append(Patch(color=SYNC_COLOUR, label="gradient all-reduce (SYNC)"))
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(legend), fontsize=8, frameon=False)
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=min(len(legend), 4), fontsize=8, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -4,8 +4,10 @@ Execution model (the same one the runtime implements):
 
 * each rank runs its actions in plan order, one at a time;
 * a forward starts when the rank is free and its input activation has arrived; a
-  backward when the rank is free and the output gradient has arrived (the loss stage
-  needs only its own forward, which the plan orders before it);
+  backward (``B``, or the input-gradient part ``I`` of a split backward) when the rank
+  is free and the output gradient has arrived (the loss stage needs only its own
+  forward, which the plan orders before it); a weight-gradient action ``W`` when the
+  rank is free (its ``I`` ran earlier on the same rank);
 * a message is sent as soon as its producer finishes and arrives ``message_time``
   later; sends never block the sender; a local V-turn hand-over costs nothing;
 * ``SYNC(chunk)`` costs the rank no compute time: it *issues* an asynchronous
@@ -16,7 +18,10 @@ Execution model (the same one the runtime implements):
 The step ends when every rank has finished computing and every all-reduce has
 completed. Bubble ratio is ``1 - busy / makespan`` averaged over ranks. Activations
 are counted in units of ``Ma`` — one micro-batch's activations through ``L / D``
-layers — so a forward of a stage adds ``stage_weight`` Ma until its backward.
+layers — so a forward of a stage adds ``stage_weight`` Ma until its backward. A split
+backward keeps them counted until its ``W``: an upper bound (the deferred weight
+gradients need the inputs and output gradients of the linear layers, not everything the
+forward saved), and exactly what the emulated layers of the benchmark hold.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ class CostModel:
         t_forward: forward of one micro-batch through ``L / D`` layers (one device's
             share of one replica). A stage's cost is this times its ``stage_weight``.
         t_backward: full backward (input + weight gradients) of the same layers.
+        t_weight: the weight-gradient part of ``t_backward`` — the cost of ``W`` in a split
+            backward, whose ``I`` costs ``t_backward - t_weight``; ``None`` means half of
+            ``t_backward``. Plans without a split backward do not use it.
         t_p2p: latency of one point-to-point message.
         p2p_bytes: bytes of one message (activation or gradient of one micro-batch at a
             stage boundary); with ``p2p_bandwidth`` gives the bandwidth term.
@@ -47,6 +55,7 @@ class CostModel:
 
     t_forward: float = 1.0
     t_backward: float = 2.0
+    t_weight: Optional[float] = None
     t_p2p: float = 0.0
     p2p_bytes: float = 0.0
     p2p_bandwidth: float = 0.0
@@ -54,10 +63,17 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if value < 0:
+            if value is not None and value < 0:
                 raise ValueError(f"cost {name} must be >= 0, got {value}")
         if self.t_forward + self.t_backward <= 0:
             raise ValueError("t_forward + t_backward must be > 0")
+        if self.t_weight is not None and self.t_weight > self.t_backward:
+            raise ValueError(f"t_weight ({self.t_weight}) is part of t_backward ({self.t_backward}) and cannot exceed it")
+
+    @property
+    def weight_time(self) -> float:
+        """Cost of the weight-gradient part of a backward of ``L / D`` layers."""
+        return self.t_backward / 2 if self.t_weight is None else self.t_weight
 
     @property
     def message_time(self) -> float:
@@ -66,11 +82,14 @@ class CostModel:
         return self.t_p2p + bandwidth_term
 
     def compute_time(self, action: Action, stage_weight: float) -> float:
-        if action.type is ActionType.FORWARD:
-            return self.t_forward * stage_weight
-        if action.type is ActionType.BACKWARD:
-            return self.t_backward * stage_weight
-        return 0.0
+        """Time of ``action`` on a stage holding ``stage_weight`` device shares (0 for SYNC)."""
+        per_share = {
+            ActionType.FORWARD: self.t_forward,
+            ActionType.BACKWARD: self.t_backward,
+            ActionType.BACKWARD_INPUT: self.t_backward - self.weight_time,
+            ActionType.BACKWARD_WEIGHT: self.weight_time,
+        }
+        return per_share.get(action.type, 0.0) * stage_weight
 
 
 @dataclass(frozen=True)
@@ -148,9 +167,9 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
 
     def input_ready(rank: int, action: Action) -> Optional[float]:
         """Arrival time of the action's input, or None if its producer has not run yet."""
-        if action.type is ActionType.BACKWARD:
-            own_forward = finish.get((rank, Action(ActionType.FORWARD, action.chunk, action.microbatch)))
-            if own_forward is None:
+        if action.type is not ActionType.FORWARD:
+            earlier = ActionType.FORWARD if action.type.computes_input_grad else ActionType.BACKWARD
+            if (rank, Action(earlier, action.chunk, action.microbatch)) not in finish:
                 return None
         transfer = received_by(placement, rank, action)
         if transfer is None:
@@ -175,7 +194,7 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                         break
                     start = max(clock[rank], ready)
                     end = start + costs.compute_time(action, weight)
-                    finish[(rank, action)] = end
+                    finish[(rank, action.comm_key)] = end
                     clock[rank] = end
                     busy[rank] += end - start
                     pipeline = placement.role(rank, action.chunk).pipeline
@@ -183,7 +202,7 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                     if action.type is ActionType.FORWARD:
                         in_flight[rank] += weight
                         peak[rank] = max(peak[rank], in_flight[rank])
-                    else:
+                    elif action.type.ends_backward:
                         in_flight[rank] -= weight
                 cursor[rank] += 1
                 progressed = True
@@ -228,9 +247,11 @@ def _deadlock_message(plan: SchedulePlan, blocked: List[int], cursor: List[int],
     lines = [f"plan '{plan.name}' deadlocks (D={plan.num_ranks}, N={plan.num_microbatches}):"]
     for rank in blocked:
         action = plan.actions[rank][cursor[rank]]
-        if action.type is ActionType.BACKWARD and (rank, Action(ActionType.FORWARD, action.chunk, action.microbatch)) not in finish:
-            lines.append(f"  rank {rank} at {action}: its forward F{action.chunk}.{action.microbatch} has not run")
-            continue
+        if action.type is not ActionType.FORWARD:
+            earlier = ActionType.FORWARD if action.type.computes_input_grad else ActionType.BACKWARD_INPUT
+            if (rank, Action(earlier, action.chunk, action.microbatch).comm_key) not in finish:
+                lines.append(f"  rank {rank} at {action}: its {Action(earlier, action.chunk, action.microbatch)} has not run")
+                continue
         transfer = received_by(plan.placement, rank, action)
         lines.append(
             f"  rank {rank} at {action}: waits for the {transfer.payload.value} of micro-batch "

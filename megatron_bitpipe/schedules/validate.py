@@ -2,9 +2,10 @@
 
 :func:`validate_plan` runs three checks:
 
-1. structure — every rank runs ``F`` (and, for training plans, ``B``) exactly once for
-   each (chunk, micro-batch) its chunks own, ``F`` before ``B``; each chunk issues one
-   ``SYNC`` after its last ``B``; micro-batches only visit chunks of their pipeline;
+1. structure — every rank runs ``F`` exactly once for each (chunk, micro-batch) its
+   chunks own and, for training plans, a backward after it: one ``B``, or one ``I``
+   and a later ``W``; each chunk issues one ``SYNC`` after its last ``B`` or ``W``;
+   micro-batches only visit chunks of their pipeline;
 2. channels — on every channel (payload, pipeline, src rank, dst rank) the receiver
    consumes messages in the order the sender produces them;
 3. progress — executing the plan with the simulator's dependency rules reaches the end
@@ -24,7 +25,7 @@ from .simulate import CostModel, simulate
 
 def is_training_plan(plan: SchedulePlan) -> bool:
     """True if the plan runs backwards (False for forward-only / evaluation plans)."""
-    return any(a.type is ActionType.BACKWARD for _, a in plan)
+    return any(a.type.computes_input_grad for _, a in plan)
 
 
 def check_structure(plan: SchedulePlan) -> None:
@@ -69,18 +70,34 @@ def check_structure(plan: SchedulePlan) -> None:
                     raise PlanError(f"rank {rank}: missing {forward}")
                 if not training:
                     continue
-                backward = Action(ActionType.BACKWARD, chunk, m)
-                if backward not in position:
-                    raise PlanError(f"rank {rank}: missing {backward}")
-                if position[backward] < position[forward]:
-                    raise PlanError(f"rank {rank}: {backward} at position {position[backward]} runs before {forward}")
-                last_backward = max(last_backward, position[backward])
+                last_backward = max(last_backward, _check_backward(rank, forward, position))
             if training:
                 sync = Action(ActionType.SYNC, chunk)
                 if sync not in position:
                     raise PlanError(f"rank {rank}: missing {sync} for chunk {chunk}")
                 if position[sync] < last_backward:
                     raise PlanError(f"rank {rank}: {sync} issued before the chunk's last backward")
+
+
+def _check_backward(rank: int, forward: Action, position: Dict[Action, int]) -> int:
+    """Check the backward of ``forward``'s (chunk, micro-batch): ``B``, or ``I`` then ``W``,
+    after the forward. Return the position of the action that completes it."""
+    whole, input_grad, weight_grad = (
+        Action(kind, forward.chunk, forward.microbatch)
+        for kind in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)
+    )
+    split = input_grad in position or weight_grad in position
+    if whole in position and split:
+        raise PlanError(f"rank {rank}: {whole} and a split backward ({input_grad}/{weight_grad}) of the same micro-batch")
+    steps = (input_grad, weight_grad) if split else (whole,)
+    previous = forward
+    for step in steps:
+        if step not in position:
+            raise PlanError(f"rank {rank}: missing {step}")
+        if position[step] < position[previous]:
+            raise PlanError(f"rank {rank}: {step} at position {position[step]} runs before {previous}")
+        previous = step
+    return position[previous]
 
 
 def check_channels(plan: SchedulePlan) -> None:

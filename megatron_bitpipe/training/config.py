@@ -53,7 +53,8 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
     """The model config from the flags; ``overrides`` replace fields (task specifics)."""
     gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
-    impl = args.transformer_impl or ("transformer_engine" if gpu and _have_transformer_engine() else "local")
+    te_default = gpu and _have_transformer_engine() and not args.split_backward  # the split defers local layers' W
+    impl = args.transformer_impl or ("transformer_engine" if te_default else "local")
     vp = args.virtual_pipeline_model_parallel_size if args.schedule == "interleaved" else None
     fields = dict(
         num_layers=args.num_layers,

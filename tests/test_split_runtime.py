@@ -1,0 +1,261 @@
+"""Split backward (``I`` = input gradient, ``W`` = deferred weight gradients) on the runtime.
+
+* the deferrable linear (megatron's column- and row-parallel linears, bias, TP=1) gives the
+  input and bias gradients in ``I`` and, after ``W``, the weight gradient megatron's own
+  linear gives — into ``.grad``, or into ``main_grad`` with gradient-accumulation fusion;
+* BitPipe with every ``B`` split equals single-process training (loss, every gradient,
+  weights after 3 Adam steps, replicas identical, evaluation, tied embeddings), with each
+  ``W`` right after its ``I`` and with every ``W`` deferred to just before its chunk's
+  ``SYNC`` (long-lived deferred work, out-of-order ``W``'s); TP=2 with sequence parallelism;
+* layers whose weight gradients cannot be deferred are refused naming the flag.
+
+Until ``schedules.generate`` has ``split_backward`` the split plans are derived here from
+the plain ones (:func:`split_plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import List
+
+import pytest
+import torch
+
+from megatron_bitpipe.testing.launcher import launch
+
+from runtime_support import STEPS, Case, assert_equals_reference, pipeline, reference
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitCase(Case):
+    """``late``: every ``W`` of a chunk just before its ``SYNC`` instead of right after its ``I``."""
+
+    split_backward: bool = True
+    late: bool = False
+
+
+CASES_2 = [
+    SplitCase("split_bitpipe_pp2_n2", "bitpipe", pp=2, n=2),
+    SplitCase("split_bitpipe_pp2_n4_late", "bitpipe", pp=2, n=4, late=True),
+]
+CASES_4 = [
+    SplitCase("split_bitpipe_pp4_n4", "bitpipe", pp=4, n=4),
+    SplitCase("split_bitpipe_pp4_n8_late", "bitpipe", pp=4, n=8, late=True),
+    SplitCase("split_bitpipe_tp2_sp_pp2_n4_late", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True, late=True),
+]
+
+
+def split_plan(plan, late: bool):
+    """``plan`` with every ``B(c, m)`` replaced by ``I(c, m)`` and a ``W(c, m)`` right after it,
+    or (``late``) with the chunk's ``W``'s in ``I`` order just before its ``SYNC``."""
+    from megatron_bitpipe.schedules.actions import Action, ActionType
+
+    actions = []
+    for rank_actions in plan.actions:
+        out, pending = [], defaultdict(list)
+        for action in rank_actions:
+            if action.type is ActionType.BACKWARD:
+                out.append(Action(ActionType.BACKWARD_INPUT, action.chunk, action.microbatch))
+                weight = Action(ActionType.BACKWARD_WEIGHT, action.chunk, action.microbatch)
+                (pending[action.chunk] if late else out).append(weight)
+            else:
+                if action.type is ActionType.SYNC:
+                    out.extend(pending.pop(action.chunk, []))
+                out.append(action)
+        actions.append(tuple(out))
+    return dataclasses.replace(plan, actions=tuple(actions))
+
+
+def _run_cases(cases: List[SplitCase]) -> dict:
+    from megatron_bitpipe.runtime import forward_backward
+    from megatron_bitpipe.runtime.weight_grad import WeightGradWork
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    plain = forward_backward._plan
+    run_work = WeightGradWork.run
+    deferred = []
+
+    def counted_run(work):
+        deferred.append(len(work))
+        run_work(work)
+
+    WeightGradWork.run = counted_run
+    out = {}
+    for case in cases:
+        served = []
+        deferred.clear()
+
+        def derived(schedule, num_ranks, num_microbatches, forward_only, split_backward, case=case, served=served):
+            plan = plain(schedule, num_ranks, num_microbatches, forward_only, False)
+            served.append(split_backward and not forward_only)
+            return split_plan(plan, case.late) if served[-1] else plan
+
+        forward_backward._plan = derived
+        out[case.name] = pipeline(case)
+        out[case.name]["split_plans_served"] = served
+        out[case.name]["deferred_per_W"] = list(deferred)
+    return out
+
+
+def _reference_runs(keys) -> dict:
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    return {key: reference(*key) for key in keys}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    keys = sorted({c.reference_key for c in CASES_2 + CASES_4})
+    return launch(_reference_runs, 1, keys, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> List[dict]:
+    return launch(_run_cases, 2, CASES_2, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> List[dict]:
+    return launch(_run_cases, 4, CASES_4, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
+def test_split_backward_equals_single_process_training(case, references, two_ranks, four_ranks):
+    records = [r[case.name] for r in (two_ranks if case in CASES_2 else four_ranks)]
+    assert_equals_reference(case, records, references[case.reference_key])
+
+
+def test_training_steps_ran_split_plans(two_ranks, four_ranks):
+    """Every training step got a split plan, the evaluation a plain forward-only one, and
+    every ``W`` ran deferred linear weight gradients (4 per transformer layer of the chunk)."""
+    for records in (two_ranks, four_ranks):
+        for record in records:
+            for name, result in record.items():
+                assert result["split_plans_served"] == [True] * STEPS + [False], name
+                assert result["deferred_per_W"] and min(result["deferred_per_W"]) >= 4, name
+
+
+def test_late_plans_defer_weight_gradients_past_later_backwards():
+    """The ``late`` variant really runs ``W``'s long after their ``I`` (others' ``I`` between)."""
+    from megatron_bitpipe import schedules
+
+    for case in CASES_2 + CASES_4:
+        plan = split_plan(schedules.generate(case.schedule, case.pp, case.n), case.late)
+        for actions in plan.actions:
+            names = [str(a) for a in actions]
+            assert not any(a.startswith("B") for a in names)
+            assert sum(a.startswith("I") for a in names) == sum(a.startswith("W") for a in names) > 0
+            if case.late:
+                gaps = [names.index("W" + a[1:]) - i for i, a in enumerate(names) if a.startswith("I")]
+                assert max(gaps) > 2
+
+
+# -- the deferrable linear, one process ---------------------------------------------------------
+
+
+def _linear_checks() -> dict:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel import layers as megatron_layers
+
+    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.runtime.weight_grad import WeightGradWork, deferring, enable_split_backward
+    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    pg = gpt.build_process_groups(gpt.ParallelGrid())
+    init_megatron_state(pg, 7)
+    config = gpt.tiny_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=2)
+
+    def make(kind, fusion=False):
+        torch.manual_seed(3)
+        common = dict(config=config, init_method=torch.nn.init.normal_, bias=True, skip_bias_add=False, tp_group=pg.tp)
+        if kind == "column":
+            layer = ColumnParallelLinear(8, 12, gather_output=False, **common)
+        else:
+            layer = RowParallelLinear(8, 12, input_is_parallel=True, **common)
+        layer.gradient_accumulation_fusion = fusion
+        if fusion:
+            layer.weight.main_grad = torch.zeros_like(layer.weight)
+        return layer
+
+    torch.manual_seed(5)
+    x = torch.randn(4, 2, 8)
+    g = torch.randn(4, 2, 12)
+    out = {}
+    for kind in ("column", "row"):
+        for fusion in (False, True):
+            name = f"{kind}{'_fused' if fusion else ''}"
+            ref, split = make(kind, fusion), make(kind, fusion)
+            assert enable_split_backward([split]) == enable_split_backward([split]) == 1
+            x_ref, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ref(x_ref)[0].backward(g)
+            work = WeightGradWork()
+            with deferring(work):
+                y = split(x_split)[0]
+            y.backward(g)
+            weight_grad = split.weight.main_grad if fusion else split.weight.grad
+            record = {
+                "output": torch.equal(y, ref(x)[0]),
+                "input_grad": torch.equal(x_split.grad, x_ref.grad),
+                "bias_grad_in_I": torch.equal(split.bias.grad, ref.bias.grad),
+                "weight_grad_waits": (weight_grad is None or not weight_grad.any()) and len(work) == 1,
+            }
+            work.run()
+            ref_weight_grad = ref.weight.main_grad if fusion else ref.weight.grad
+            weight_grad = split.weight.main_grad if fusion else split.weight.grad
+            record["weight_grad_after_W"] = torch.allclose(weight_grad, ref_weight_grad, rtol=1e-6, atol=0)
+            record["work_empty"] = len(work) == 0
+            # outside the context: megatron's own function, weight gradient at once
+            split.zero_grad()
+            ref.zero_grad()
+            if fusion:
+                split.weight.main_grad.zero_()
+                ref.weight.main_grad.zero_()
+            split(x)[0].backward(g)
+            ref(x)[0].backward(g)
+            plain = split.weight.main_grad if fusion else split.weight.grad
+            record["outside_is_megatron"] = torch.equal(plain, ref.weight.main_grad if fusion else ref.weight.grad)
+            out[name] = record
+    return out
+
+
+class _FakeFusedKernel:
+    """Stands in for apex's ``fused_weight_gradient_mlp_cuda``: main_grad += gradᵀ · input."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(input_2d, grad_2d, main_grad):
+        main_grad.add_(grad_2d.t().matmul(input_2d))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def _linear_checks_with_fake_fusion() -> dict:
+    from megatron.core.tensor_parallel import layers as megatron_layers
+
+    megatron_layers._grad_accum_fusion_available = True
+    megatron_layers.fused_weight_gradient_mlp_cuda = _FakeFusedKernel
+    return _linear_checks()
+
+
+def test_deferrable_linear_matches_megatron():
+    results = launch(_linear_checks_with_fake_fusion, 1, timeout=120)[0]
+    assert set(results) == {"column", "column_fused", "row", "row_fused"}
+    for name, checks in results.items():
+        assert all(checks.values()), f"{name}: {checks}"
+
+
+def test_layers_that_cannot_defer_are_refused_naming_the_flag():
+    from megatron_bitpipe.optimus.layers import OptimusLinear
+    from megatron_bitpipe.runtime.weight_grad import SplitBackwardError, enable_split_backward
+
+    te_layer = type("TELayerNormColumnParallelLinear", (torch.nn.Module,), {"__module__": "megatron.core.extensions.transformer_engine"})
+    with pytest.raises(SplitBackwardError, match="--transformer-impl local"):
+        enable_split_backward([torch.nn.Sequential(te_layer())])
+    optimus = OptimusLinear.__new__(OptimusLinear)
+    torch.nn.Module.__init__(optimus)
+    with pytest.raises(SplitBackwardError, match="--tensor-parallel-mode"):
+        enable_split_backward([torch.nn.Sequential(torch.nn.Linear(2, 2), optimus)])
