@@ -4,13 +4,11 @@
   input and bias gradients in ``I`` and, after ``W``, the weight gradient megatron's own
   linear gives — into ``.grad``, or into ``main_grad`` with gradient-accumulation fusion;
 * BitPipe with every ``B`` split equals single-process training (loss, every gradient,
-  weights after 3 Adam steps, replicas identical, evaluation, tied embeddings), with each
-  ``W`` right after its ``I`` and with every ``W`` deferred to just before its chunk's
-  ``SYNC`` (long-lived deferred work, out-of-order ``W``'s); TP=2 with sequence parallelism;
+  weights after 3 Adam steps, replicas identical, evaluation, tied embeddings): with the
+  plans of ``schedules.generate(..., split_backward=True)``, and with a variant derived here
+  (:func:`late_split_plan`) that defers every ``W`` to just before its chunk's ``SYNC``
+  (long-lived deferred work, ``W``'s long after their ``I``); TP=2 with sequence parallelism;
 * layers whose weight gradients cannot be deferred are refused naming the flag.
-
-Until ``schedules.generate`` has ``split_backward`` the split plans are derived here from
-the plain ones (:func:`split_plan`).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from runtime_support import STEPS, Case, assert_equals_reference, pipeline, refe
 
 @dataclasses.dataclass(frozen=True)
 class SplitCase(Case):
-    """``late``: every ``W`` of a chunk just before its ``SYNC`` instead of right after its ``I``."""
+    """``late``: the plan of :func:`late_split_plan` instead of the generator's split plan."""
 
     split_backward: bool = True
     late: bool = False
@@ -46,9 +44,9 @@ CASES_4 = [
 ]
 
 
-def split_plan(plan, late: bool):
-    """``plan`` with every ``B(c, m)`` replaced by ``I(c, m)`` and a ``W(c, m)`` right after it,
-    or (``late``) with the chunk's ``W``'s in ``I`` order just before its ``SYNC``."""
+def late_split_plan(plan):
+    """``plan`` with every ``B(c, m)`` replaced by ``I(c, m)`` and chunk ``c``'s ``W``'s, in
+    ``I`` order, just before its ``SYNC``."""
     from megatron_bitpipe.schedules.actions import Action, ActionType
 
     actions = []
@@ -57,8 +55,7 @@ def split_plan(plan, late: bool):
         for action in rank_actions:
             if action.type is ActionType.BACKWARD:
                 out.append(Action(ActionType.BACKWARD_INPUT, action.chunk, action.microbatch))
-                weight = Action(ActionType.BACKWARD_WEIGHT, action.chunk, action.microbatch)
-                (pending[action.chunk] if late else out).append(weight)
+                pending[action.chunk].append(Action(ActionType.BACKWARD_WEIGHT, action.chunk, action.microbatch))
             else:
                 if action.type is ActionType.SYNC:
                     out.extend(pending.pop(action.chunk, []))
@@ -88,9 +85,10 @@ def _run_cases(cases: List[SplitCase]) -> dict:
         deferred.clear()
 
         def derived(schedule, num_ranks, num_microbatches, forward_only, split_backward, case=case, served=served):
-            plan = plain(schedule, num_ranks, num_microbatches, forward_only, False)
             served.append(split_backward and not forward_only)
-            return split_plan(plan, case.late) if served[-1] else plan
+            if not (case.late and served[-1]):
+                return plain(schedule, num_ranks, num_microbatches, forward_only, split_backward)
+            return late_split_plan(plain(schedule, num_ranks, num_microbatches, forward_only, False))
 
         forward_backward._plan = derived
         out[case.name] = pipeline(case)
@@ -138,19 +136,20 @@ def test_training_steps_ran_split_plans(two_ranks, four_ranks):
                 assert result["deferred_per_W"] and min(result["deferred_per_W"]) >= 4, name
 
 
-def test_late_plans_defer_weight_gradients_past_later_backwards():
-    """The ``late`` variant really runs ``W``'s long after their ``I`` (others' ``I`` between)."""
+def test_late_plans_are_valid_and_defer_weight_gradients_past_later_backwards():
+    """The ``late`` variant is a valid plan that runs ``W``'s long after their ``I``."""
     from megatron_bitpipe import schedules
 
     for case in CASES_2 + CASES_4:
-        plan = split_plan(schedules.generate(case.schedule, case.pp, case.n), case.late)
+        if not case.late:
+            continue
+        plan = late_split_plan(schedules.generate(case.schedule, case.pp, case.n))
+        schedules.validate_plan(plan)
         for actions in plan.actions:
             names = [str(a) for a in actions]
             assert not any(a.startswith("B") for a in names)
-            assert sum(a.startswith("I") for a in names) == sum(a.startswith("W") for a in names) > 0
-            if case.late:
-                gaps = [names.index("W" + a[1:]) - i for i, a in enumerate(names) if a.startswith("I")]
-                assert max(gaps) > 2
+            gaps = [names.index("W" + a[1:]) - i for i, a in enumerate(names) if a.startswith("I")]
+            assert len(gaps) == sum(a.startswith("W") for a in names) > 0 and max(gaps) > 2
 
 
 # -- the deferrable linear, one process ---------------------------------------------------------
@@ -241,11 +240,83 @@ def _linear_checks_with_fake_fusion() -> dict:
     return _linear_checks()
 
 
-def test_deferrable_linear_matches_megatron():
-    results = launch(_linear_checks_with_fake_fusion, 1, timeout=120)[0]
+def _emulated_layer_checks() -> dict:
+    """Two emulated layers (backward 0.2 s, of which weight gradients 0.15 s) on an
+    asynchronous emulated device, backward split: device time and live activations after
+    ``I`` and after ``W``, gradients against the whole backward."""
+    import time
+
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_bitpipe.runtime.weight_grad import WeightGradWork, deferring
+    from megatron_bitpipe.testing.emulation import EmulatedDevice, emulated_layer_spec
+    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.testing.measure import LiveActivationMeter
+
+    config = tiny_gpt_config(num_layers=2, hidden_size=8, num_attention_heads=2)
+    spec = emulated_layer_spec(0.0, 0.2, 0.15)
+    layers = [build_module(spec, config=config, layer_number=i + 1) for i in range(2)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.uniform_(-1, 1)
+    x = torch.randn(4, 3, 8, requires_grad=True)
+
+    def run():
+        hidden = x
+        for layer in layers:
+            hidden, _ = layer(hidden_states=hidden)
+        return (hidden * hidden).sum()
+
+    run().backward()
+    whole = [x.grad.clone()] + [layer.weight.grad.clone() for layer in layers]
+    x.grad = None
+    for layer in layers:
+        layer.weight.grad = None
+    facts = {}
+    work = WeightGradWork()
+    meter = LiveActivationMeter([layer.weight for layer in layers])
+    with EmulatedDevice(asynchronous=True) as device, meter:
+        with deferring(work):
+            loss = run()
+        start = time.perf_counter()
+        loss.backward()
+        facts["I_s"] = device.free_at - start
+        facts["held_after_I"] = meter.live_layer_bytes
+        facts["weight_grads_after_I"] = [layer.weight.grad for layer in layers]
+        before = max(device.free_at, time.perf_counter())
+        work.run()
+        facts["W_s"] = device.free_at - before
+        facts["held_after_W"] = meter.live_layer_bytes
+    split = [x.grad] + [layer.weight.grad for layer in layers]
+    facts["grads_equal"] = all(torch.allclose(a, b) for a, b in zip(split, whole))
+    facts["x_bytes"] = x.numel() * 4
+    return facts
+
+
+def _single_process_checks() -> dict:
+    linears = _linear_checks_with_fake_fusion()
+    return {"linears": linears, "emulated": _emulated_layer_checks()}
+
+
+@pytest.fixture(scope="module")
+def single_process() -> dict:
+    return launch(_single_process_checks, 1, timeout=120)[0]
+
+
+def test_deferrable_linear_matches_megatron(single_process):
+    results = single_process["linears"]
     assert set(results) == {"column", "column_fused", "row", "row_fused"}
     for name, checks in results.items():
         assert all(checks.values()), f"{name}: {checks}"
+
+
+def test_emulated_layer_splits_time_and_holds_its_input_until_w(single_process):
+    facts = single_process["emulated"]
+    assert facts["grads_equal"]
+    assert facts["weight_grads_after_I"] == [None, None]
+    assert 2 * 0.05 <= facts["I_s"] < 2 * 0.05 + 0.05  # input-gradient part of both layers
+    assert 2 * 0.15 <= facts["W_s"] < 2 * 0.15 + 0.05
+    assert facts["held_after_I"] >= facts["x_bytes"] and facts["held_after_W"] == 0
 
 
 def test_layers_that_cannot_defer_are_refused_naming_the_flag():

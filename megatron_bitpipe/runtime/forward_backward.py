@@ -45,8 +45,9 @@ __all__ = ["forward_backward_bitpipe", "make_forward_backward_func", "pipeline_g
 
 @functools.lru_cache(maxsize=64)
 def _plan(schedule: str, num_ranks: int, num_microbatches: int, forward_only: bool, split_backward: bool) -> SchedulePlan:
-    split = dict(split_backward=True) if split_backward and not forward_only else {}
-    plan = schedules.generate(schedule, num_ranks, num_microbatches, forward_only=forward_only, **split)
+    plan = schedules.generate(
+        schedule, num_ranks, num_microbatches, forward_only=forward_only, split_backward=split_backward
+    )
     schedules.validate_plan(plan)
     return plan
 

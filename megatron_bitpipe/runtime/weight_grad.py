@@ -61,7 +61,14 @@ from megatron.core.utils import get_tensor_model_parallel_group_if_none, prepare
 
 from ..optimus.layers import OptimusLinear
 
-__all__ = ["WeightGradWork", "deferring", "active_work", "enable_split_backward", "SplitBackwardError"]
+__all__ = [
+    "WeightGradWork",
+    "deferring",
+    "active_work",
+    "accumulate_weight_grad",
+    "enable_split_backward",
+    "SplitBackwardError",
+]
 
 
 class SplitBackwardError(ValueError):
@@ -184,9 +191,15 @@ def _weight_grad_closure(param, input, grad_output, fusion: bool, sequence_paral
         if fusion and hasattr(param, "main_grad"):
             _fused_accumulate(input_2d, grad_2d, param.main_grad)
         else:
-            torch.autograd.backward(param, grad_2d.t().matmul(input_2d))
+            accumulate_weight_grad(param, grad_2d.t().matmul(input_2d))
 
     return weight_grad
+
+
+def accumulate_weight_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``param`` as autograd would: through its gradient accumulator, so
+    ``.grad`` accumulates and the hooks on it (megatron DDP's ``main_grad += grad``) run."""
+    torch.autograd.backward(param, grad)
 
 
 def _fused_accumulate(input_2d, grad_2d, main_grad) -> None:

@@ -36,6 +36,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
+from ..runtime.weight_grad import accumulate_weight_grad, active_work
 from .measure import LiveActivationMeter
 
 __all__ = ["EmulatedDevice", "EmulatedTransformerLayer", "emulated_layer_spec", "sleep_until"]
@@ -200,15 +201,21 @@ class _TimedLayer(torch.autograd.Function):
     """``y = x + x * w``, whose forward takes ``forward_s`` and backward ``backward_s`` of
     emulated device time (:class:`EmulatedDevice`; a blocking sleep when none is active).
 
+    Split backward (``deferral`` = (the Parameter ``w``, the active
+    :class:`~megatron_bitpipe.runtime.weight_grad.WeightGradWork`), ``weight`` then arrives
+    detached, as for megatron's linears): the backward takes ``backward_s - weight_s`` and
+    defers a closure that takes ``weight_s`` and adds ``w``'s gradient; it holds ``x`` (and
+    the layer activation the meter counts) until it runs.
+
     Durations count from the entry of each pass, so the little real compute inside is part
     of the configured time instead of adding to it.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, forward_s: float, backward_s: float):
+    def forward(ctx, x, weight, forward_s: float, backward_s: float, weight_s: float, deferral):
         launched_at = time.perf_counter()
         ctx.save_for_backward(x, weight)
-        ctx.backward_s = backward_s
+        ctx.backward_s, ctx.weight_s, ctx.deferral = backward_s, weight_s, deferral
         y = x + x * weight
         _compute(forward_s, launched_at)
         return y
@@ -218,9 +225,28 @@ class _TimedLayer(torch.autograd.Function):
         launched_at = time.perf_counter()
         x, weight = ctx.saved_tensors
         grad_x = grad + grad * weight
-        grad_weight = (grad * x).reshape(-1, x.shape[-1]).sum(dim=0)
-        _compute(ctx.backward_s, launched_at)
-        return grad_x, grad_weight, None, None
+        if ctx.deferral is None:
+            _compute(ctx.backward_s, launched_at)
+            return grad_x, _weight_grad(grad, x), None, None, None, None
+        param, work = ctx.deferral
+        weight_s = ctx.weight_s
+        meter = LiveActivationMeter.current()
+        held = meter.hold(x) if meter is not None else None  # x stays live for the meter until W
+
+        def weight_grad() -> None:
+            nonlocal held
+            started = time.perf_counter()
+            accumulate_weight_grad(param, _weight_grad(grad, x))
+            _compute(weight_s, started)
+            held = None
+
+        work.add(param, weight_grad)
+        _compute(ctx.backward_s - weight_s, launched_at)
+        return grad_x, None, None, None, None, None
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (grad * x).reshape(-1, x.shape[-1]).sum(dim=0)
 
 
 class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
@@ -241,6 +267,7 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         vp_stage: Optional[int] = None,
         forward_seconds: float = 0.0,
         backward_seconds: float = 0.0,
+        weight_seconds: float = 0.0,
         **unused,
     ):
         super().__init__(config)
@@ -248,6 +275,7 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage, pp_rank)
         self.forward_seconds = forward_seconds
         self.backward_seconds = backward_seconds
+        self.weight_seconds = weight_seconds
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype, device=device))
 
@@ -255,15 +283,29 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         meter = LiveActivationMeter.current()
         if meter is not None:
             meter.mark_layer_activation(hidden_states)
-        output = _TimedLayer.apply(hidden_states, self.weight, self.forward_seconds, self.backward_seconds)
-        return output, context
+        work = active_work()
+        weight, deferral = self.weight, None
+        if work is not None:
+            weight, deferral = self.weight.detach(), (self.weight, work)
+        times = (self.forward_seconds, self.backward_seconds, self.weight_seconds)
+        return _TimedLayer.apply(hidden_states, weight, *times, deferral), context
 
 
-def emulated_layer_spec(forward_seconds: float, backward_seconds: float) -> ModuleSpec:
-    """GPT layer spec whose every layer sleeps ``forward_seconds`` / ``backward_seconds``."""
-    if forward_seconds < 0 or backward_seconds < 0:
-        raise ValueError(f"sleep times must be >= 0, got {forward_seconds}, {backward_seconds}")
+def emulated_layer_spec(forward_seconds: float, backward_seconds: float, weight_seconds: Optional[float] = None) -> ModuleSpec:
+    """GPT layer spec whose every layer sleeps ``forward_seconds`` / ``backward_seconds``.
+
+    ``weight_seconds`` (default half of ``backward_seconds``): the part of the backward that
+    is weight gradients — with a split backward ``I`` takes ``backward_seconds -
+    weight_seconds`` and ``W`` ``weight_seconds``; a whole backward takes ``backward_seconds``.
+    """
+    if weight_seconds is None:
+        weight_seconds = backward_seconds / 2
+    if forward_seconds < 0 or backward_seconds < 0 or not 0 <= weight_seconds <= backward_seconds:
+        raise ValueError(
+            f"sleep times must be >= 0 with weight_seconds <= backward_seconds, got "
+            f"{forward_seconds}, {backward_seconds}, {weight_seconds}"
+        )
     return ModuleSpec(
         module=EmulatedTransformerLayer,
-        params={"forward_seconds": forward_seconds, "backward_seconds": backward_seconds},
+        params={"forward_seconds": forward_seconds, "backward_seconds": backward_seconds, "weight_seconds": weight_seconds},
     )

@@ -120,6 +120,12 @@ class LiveActivationMeter:
         if torch.is_grad_enabled():
             self._pending_layer.add(_storage_key(tensor))
 
+    def hold(self, tensor: torch.Tensor) -> _Held:
+        """Count ``tensor`` as saved (live) again until the returned handle is dropped — for
+        work that keeps a saved tensor past the backward that released it (a deferred
+        weight gradient); a marked layer activation stays one."""
+        return self._pack(tensor)
+
     def _pack(self, tensor: torch.Tensor) -> _Held:
         key = _storage_key(tensor)
         if key in self._excluded:
