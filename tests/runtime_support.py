@@ -172,6 +172,22 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
     return train_single_process(model, config, pg, clip_grad, run, gpt_batches, global_microbatches)
 
 
+def _reference_runs(keys) -> dict:
+    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    return {key: reference(*key) for key in keys}
+
+
+def launch_references(cases, timeout: float = 300) -> dict:
+    """The single-process :func:`reference` of every distinct ``case.reference_key``, by key
+    (one launched process)."""
+    from megatron_bitpipe.testing.launcher import launch
+
+    keys = sorted({c.reference_key for c in cases})
+    return launch(_reference_runs, 1, keys, timeout=timeout)[0]
+
+
 def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     """Train ``case`` through ``make_forward_backward_func(case.schedule, case.split_backward)`` on this rank."""
     from megatron.core.distributed import DistributedDataParallelConfig

@@ -22,7 +22,7 @@ import torch
 
 from megatron_bitpipe.testing.launcher import launch
 
-from runtime_support import STEPS, Case, assert_equals_reference, pipeline, reference
+from runtime_support import STEPS, Case, assert_equals_reference, launch_references, pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +97,9 @@ def _run_cases(cases: List[SplitCase]) -> dict:
     return out
 
 
-def _reference_runs(keys) -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-
-    enable_cpu_megatron()
-    return {key: reference(*key) for key in keys}
-
-
 @pytest.fixture(scope="module")
 def references() -> dict:
-    keys = sorted({c.reference_key for c in CASES_2 + CASES_4})
-    return launch(_reference_runs, 1, keys, timeout=300)[0]
+    return launch_references(CASES_2 + CASES_4)
 
 
 @pytest.fixture(scope="module")
