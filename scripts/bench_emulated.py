@@ -19,6 +19,9 @@ schedule runs on the same emulated model, built the way each runtime builds it:
   for interleaved);
 * ``bitpipe``, ``chimera`` — this package's ``make_forward_backward_func`` on
   ``build_pipeline_model`` chunks (overlapped p2p, eager per-chunk gradient sync);
+* ``bitpipe-split`` — BitPipe with a split backward (``--split-backward``): each emulated
+  layer's backward time is ``t_B - t_W`` in ``I`` and ``t_W`` (``--t-weight``, default half
+  of ``t_B``) in the deferred ``W``; its ``W``'s are placed for ``CostModel(t_F, t_B, t_W)``;
 * optionally ``plan-1f1b``, ``plan-interleaved`` — megatron's schedules as plans on this
   package's executor (separates the schedule from the runtime executing it).
 
@@ -53,10 +56,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
-PLAN_SCHEDULES = ("bitpipe", "chimera", "plan-1f1b", "plan-interleaved")
+PLAN_SCHEDULES = ("bitpipe", "bitpipe-split", "chimera", "plan-1f1b", "plan-interleaved")
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 SCHEDULES = MEGATRON_SCHEDULES + PLAN_SCHEDULES
-DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe")
+DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe-split")
 BASELINE = "interleaved"
 SEED = 1234
 
@@ -66,11 +69,13 @@ class Settings:
     """What every rank needs to know (picklable). Times in milliseconds.
 
     ``t_forward`` / ``t_backward``: one micro-batch through one device's share of the model
-    (``layers_per_rank`` layers), the simulator's cost unit.
+    (``layers_per_rank`` layers), the simulator's cost unit; ``t_weight``: the part of
+    ``t_backward`` a split backward defers to ``W`` (None: half).
     """
 
     t_forward: float = 30.0
     t_backward: float = 60.0
+    t_weight: Optional[float] = None
     layers_per_rank: int = 2
     hidden_size: int = 32
     num_attention_heads: int = 4
@@ -85,10 +90,27 @@ class Settings:
     def num_layers(self, pipeline_size: int) -> int:
         return self.layers_per_rank * pipeline_size
 
+    def compute_costs(self, **communication):
+        """CostModel of the emulated compute (and ``communication`` fields, e.g. t_p2p)."""
+        from megatron_bitpipe.schedules import CostModel
+
+        return CostModel(t_forward=self.t_forward, t_backward=self.t_backward, t_weight=self.t_weight, **communication)
+
     @property
     def message_bytes(self) -> int:
         """One activation (or gradient) crossing ranks: [s, b, h] fp32."""
         return 4 * self.seq_length * self.micro_batch_size * self.hidden_size
+
+
+def plan_of(schedule: str, settings: Settings, pipeline_size: int, num_microbatches: int):
+    """The plan a plan-executed ``schedule`` runs (``bitpipe-split``: W's placed for the
+    emulated compute costs); raises ScheduleConfigError for an unsupported N."""
+    from megatron_bitpipe import schedules
+
+    name = schedule.removeprefix("plan-").removesuffix("-split")
+    split = schedule.endswith("-split")
+    return schedules.generate(name, pipeline_size, num_microbatches, split_backward=split,
+                              costs=settings.compute_costs() if split else None)
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -98,7 +120,8 @@ def _layer_spec(settings: Settings):
     from megatron_bitpipe.testing.emulation import emulated_layer_spec
 
     per_layer = 1e-3 / settings.layers_per_rank
-    return emulated_layer_spec(settings.t_forward * per_layer, settings.t_backward * per_layer)
+    weight = None if settings.t_weight is None else settings.t_weight * per_layer
+    return emulated_layer_spec(settings.t_forward * per_layer, settings.t_backward * per_layer, weight)
 
 
 def _config(settings: Settings, pipeline_size: int, **overrides):
@@ -186,7 +209,8 @@ def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runn
     from megatron_bitpipe.runtime.groups import ParallelGrid
     from megatron_bitpipe.testing.gpt import gpt_forward_step
 
-    name = schedule.removeprefix("plan-")
+    name = schedule.removeprefix("plan-").removesuffix("-split")
+    split = schedule.endswith("-split")
     placement = schedules.generate(name, pipeline_size, pipeline_size).placement  # the same for every N
     config = _config(settings, pipeline_size, overlap_p2p_comm=True)
     model = build_pipeline_model(
@@ -199,7 +223,7 @@ def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runn
         share_embeddings_and_output_weights=False,
         layer_spec=_layer_spec(settings),
     )
-    forward_backward = make_forward_backward_func(name)
+    forward_backward = make_forward_backward_func(name, split, settings.compute_costs() if split else None)
 
     def step(batches, num_microbatches):
         forward_backward(
@@ -297,28 +321,26 @@ def valid_microbatches(schedule: str, pipeline_size: int, num_microbatches: int)
     from megatron_bitpipe import schedules
 
     try:
-        schedules.generate(schedule.removeprefix("plan-"), pipeline_size, num_microbatches)
+        plan_of(schedule, Settings(), pipeline_size, num_microbatches)
     except schedules.ScheduleConfigError:
         return False
     return True
 
 
-def predict(schedule: str, pipeline_size: int, num_microbatches: int, costs):
+def predict(schedule: str, settings: Settings, pipeline_size: int, num_microbatches: int, costs):
     """The simulator's :class:`~megatron_bitpipe.schedules.SimulationResult` for the plan
     that ``schedule`` runs, under ``costs`` (a CostModel)."""
     from megatron_bitpipe import schedules
 
-    plan = schedules.generate(schedule.removeprefix("plan-"), pipeline_size, num_microbatches)
+    plan = plan_of(schedule, settings, pipeline_size, num_microbatches)
     schedules.validate_plan(plan)
     return schedules.simulate(plan, costs)
 
 
 def summarize(settings: Settings, pipeline_size: int, per_rank: List[dict]) -> List[dict]:
     """Rows for one pipeline size from every rank's records (see the module docstring)."""
-    from megatron_bitpipe.schedules import CostModel
-
     calibration = per_rank[0]["calibration"]
-    costs = CostModel(t_forward=settings.t_forward, t_backward=settings.t_backward, **calibration)
+    costs = settings.compute_costs(**calibration)
     activation_unit = settings.layers_per_rank * settings.message_bytes  # bytes of one Ma
     rows = []
     for index, run in enumerate(per_rank[0]["runs"]):
@@ -328,7 +350,7 @@ def summarize(settings: Settings, pipeline_size: int, per_rank: List[dict]) -> L
             for k in range(settings.repeats)
         ]
         schedule, num_microbatches = run["schedule"], run["num_microbatches"]
-        simulated = predict(schedule, pipeline_size, num_microbatches, costs)
+        simulated = predict(schedule, settings, pipeline_size, num_microbatches, costs)
         step_time = statistics.median(steps)
         rows.append(
             dict(
@@ -420,7 +442,8 @@ def run_conditions(rows: List[dict], elapsed: float) -> str:
     p2p = {r["pp"]: r["costs"]["t_p2p"] for r in rows}
     p2p_text = ", ".join(f"{t:.2f} ms (D={d})" for d, t in sorted(p2p.items()))
     return (
-        f"Costs per device share: t_F = {costs['t_forward']:g} ms, t_B = {costs['t_backward']:g} ms; measured p2p "
+        f"Costs per device share: t_F = {costs['t_forward']:g} ms, t_B = {costs['t_backward']:g} ms "
+        f"(split backward: t_W = {costs['t_weight'] if costs['t_weight'] is not None else costs['t_backward'] / 2:g} ms of it); measured p2p "
         f"one-way time {p2p_text}. "
         f"Median of {len(rows[0]['step_times'])} steps per run, {rows[0]['device']} emulated device, "
         f"{os.cpu_count()} CPU cores with a 1-minute load average of {min(loads):.1f}-{max(loads):.1f} "
@@ -506,6 +529,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", metavar="FILE", help="JSON cost file: t_forward / t_backward (ms) are emulated")
     parser.add_argument("--t-forward", type=float, help=f"ms per micro-batch and device share (default {Settings.t_forward})")
     parser.add_argument("--t-backward", type=float, help=f"ms (default {Settings.t_backward})")
+    parser.add_argument("--t-weight", type=float, help="ms of --t-backward that bitpipe-split defers to W (default half)")
     parser.add_argument("--layers-per-rank", type=int, default=Settings.layers_per_rank, help="even; L = this x D")
     parser.add_argument("--device", choices=("async", "blocking"), default="async",
                         help="emulated device: CUDA-stream semantics (default) or a blocking sleep per layer")
@@ -533,6 +557,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     t_backward = args.t_backward if args.t_backward is not None else costs.get("t_backward", Settings.t_backward)
     if t_forward < 0 or t_backward < 0 or t_forward + t_backward <= 0:
         raise ValueError("--t-forward/--t-backward: must be >= 0 with a positive sum")
+    t_weight = args.t_weight if args.t_weight is not None else costs.get("t_weight")
+    if t_weight is not None and not 0 <= t_weight <= t_backward:
+        raise ValueError(f"--t-weight: must be between 0 and --t-backward ({t_backward:g})")
     if args.layers_per_rank < 2 or args.layers_per_rank % 2:
         raise ValueError("--layers-per-rank: must be even and >= 2 (interleaved and BitPipe chunks hold half a rank's layers)")
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
@@ -542,6 +569,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         Settings(),
         t_forward=t_forward,
         t_backward=t_backward,
+        t_weight=t_weight,
         layers_per_rank=args.layers_per_rank,
         asynchronous=args.device == "async",
         repeats=repeats,

@@ -84,11 +84,11 @@ def _run_cases(cases: List[SplitCase]) -> dict:
         served = []
         deferred.clear()
 
-        def derived(schedule, num_ranks, num_microbatches, forward_only, split_backward, case=case, served=served):
+        def derived(schedule, num_ranks, num_microbatches, forward_only, split_backward, costs, case=case, served=served):
             served.append(split_backward and not forward_only)
             if not (case.late and served[-1]):
-                return plain(schedule, num_ranks, num_microbatches, forward_only, split_backward)
-            return late_split_plan(plain(schedule, num_ranks, num_microbatches, forward_only, False))
+                return plain(schedule, num_ranks, num_microbatches, forward_only, split_backward, costs)
+            return late_split_plan(plain(schedule, num_ranks, num_microbatches, forward_only, False, costs))
 
         forward_backward._plan = derived
         out[case.name] = pipeline(case)

@@ -44,9 +44,12 @@ __all__ = ["forward_backward_bitpipe", "make_forward_backward_func", "pipeline_g
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(schedule: str, num_ranks: int, num_microbatches: int, forward_only: bool, split_backward: bool) -> SchedulePlan:
+def _plan(
+    schedule: str, num_ranks: int, num_microbatches: int, forward_only: bool, split_backward: bool,
+    costs: Optional[schedules.CostModel],
+) -> SchedulePlan:
     plan = schedules.generate(
-        schedule, num_ranks, num_microbatches, forward_only=forward_only, split_backward=split_backward
+        schedule, num_ranks, num_microbatches, forward_only=forward_only, split_backward=split_backward, costs=costs
     )
     schedules.validate_plan(plan)
     return plan
@@ -71,13 +74,17 @@ def last_step() -> Optional[StepResult]:
     return _LAST.get("result")
 
 
-def make_forward_backward_func(schedule: str, split_backward: bool = False) -> Callable:
+def make_forward_backward_func(
+    schedule: str, split_backward: bool = False, costs: Optional[schedules.CostModel] = None
+) -> Callable:
     """A megatron-core forward_backward_func executing ``schedule``'s plans.
 
     ``split_backward``: every backward runs as ``I`` (input gradient) and, later, ``W``
-    (weight gradients), the plan placing the ``W``'s into bubbles; the chunks' linears are
-    made deferrable on the first call (:func:`~.weight_grad.enable_split_backward`, which
-    raises for Transformer Engine and Optimus 2D layers). Same gradients as without.
+    (weight gradients), the plan placing the ``W``'s into bubbles for ``costs`` (default
+    :class:`~megatron_bitpipe.schedules.CostModel`; only the ratios matter); the chunks'
+    linears are made deferrable on the first call
+    (:func:`~.weight_grad.enable_split_backward`, which raises for Transformer Engine and
+    Optimus 2D layers). Same gradients as without.
     """
 
     def forward_backward(
@@ -104,7 +111,7 @@ def make_forward_backward_func(schedule: str, split_backward: bool = False) -> C
         _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length)
         if split_backward:
             enable_split_backward(chunks)
-        plan = _plan(schedule, placement.num_ranks, num_microbatches, forward_only, split_backward)
+        plan = _plan(schedule, placement.num_ranks, num_microbatches, forward_only, split_backward, costs)
         if plan.placement != placement:
             raise ValueError(f"{schedule} plans use the {plan.placement.name} placement; the chunks were built for {placement.name}")
         divisor = microbatches_per_replica(num_microbatches, placement)
