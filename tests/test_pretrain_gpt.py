@@ -65,6 +65,8 @@ def runs(tmp_path_factory) -> dict:
         run_script(4, [*MODEL, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--save", str(ckpt_bitpipe), *save, *log("bitpipe")])
     ).stdout
     checked(run_script(2, [*MODEL, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", *log("interleaved")]))
+    split = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--split-backward"]
+    launch(train_in_process, 2, "gpt", [*MODEL, *split, *log("bitpipe_split")], timeout=300)
     stdout["single"] = checked(
         run_script(1, [*MODEL, "--save", str(ckpt_single), *save, "--tensorboard-dir", str(out / "tb"), *log("single")])
     ).stdout
@@ -95,7 +97,7 @@ def _assert_same(actual: Dict[int, dict], expected: Dict[int, dict], iterations,
     assert_same_records(actual, expected, iterations, ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples"), exact)
 
 
-@pytest.mark.parametrize("layout", ["bitpipe", "interleaved", "optimus"])
+@pytest.mark.parametrize("layout", ["bitpipe", "bitpipe_split", "interleaved", "optimus"])
 def test_every_layout_trains_like_a_single_process(runs, layout):
     single = runs["records"]["single"]
     assert sorted(single) == list(range(1, ITERS + 1))

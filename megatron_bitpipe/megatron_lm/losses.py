@@ -15,7 +15,7 @@ tensor (exact for token counts below 2**53) and come back with their own dtypes.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -74,13 +74,14 @@ def gather_losses_on_last_stage(reports: List[Report], microbatches: List[int], 
     return [_unflatten(row, reports[0]) for row in rows]
 
 
-def forward_backward_for_megatron_lm(**kwargs) -> list:
-    """:func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe` whose loss
-    reports end up on the last pipeline stage (module docstring). Same keyword arguments.
+def forward_backward_for_megatron_lm(*, bitpipe_func: Callable = forward_backward_bitpipe, **kwargs) -> list:
+    """``bitpipe_func`` (:func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe`,
+    or its split-backward variant) whose loss reports end up on the last pipeline stage
+    (module docstring). Otherwise megatron's keyword arguments.
 
     With ``collect_non_loss_data`` the reports are returned where they were computed.
     """
-    reports = forward_backward_bitpipe(**kwargs)
+    reports = bitpipe_func(**kwargs)
     if kwargs.get("collect_non_loss_data"):
         return reports
     model = kwargs["model"]

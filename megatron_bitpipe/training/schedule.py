@@ -4,6 +4,7 @@
 ``args.schedule``  forward_backward function                              placement
 ================  ======================================================  ==================
 bitpipe           :func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe`  bidirectional V
+                  (``--split-backward``: ``make_forward_backward_func("bitpipe", split_backward=True)``)
 no_pipelining     megatron-core ``forward_backward_no_pipelining``         looped, 1 rank
 1f1b              megatron-core ``forward_backward_pipelining_without_interleaving``  looped
 interleaved       megatron-core ``forward_backward_pipelining_with_interleaving``  looped, v chunks
@@ -25,7 +26,7 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ..runtime.build import PipelineModel
-from ..runtime.forward_backward import forward_backward_bitpipe
+from ..runtime.forward_backward import forward_backward_bitpipe, make_forward_backward_func
 
 __all__ = ["Schedule"]
 
@@ -48,6 +49,8 @@ class Schedule:
         self.args = args
         self.model = model
         self.function = _FUNCTIONS[args.schedule]
+        if args.schedule == "bitpipe" and args.split_backward:
+            self.function = make_forward_backward_func("bitpipe", split_backward=True)
         config = model.config
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
