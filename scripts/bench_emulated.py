@@ -102,15 +102,19 @@ class Settings:
         return 4 * self.seq_length * self.micro_batch_size * self.hidden_size
 
 
+def plan_choice(schedule: str, settings: Settings) -> tuple:
+    """``(generator name, split_backward, costs)`` of a plan-executed ``schedule``: its
+    ``-split`` variant places W's for the emulated compute costs."""
+    split = schedule.endswith("-split")
+    return schedule.removeprefix("plan-").removesuffix("-split"), split, settings.compute_costs() if split else None
+
+
 def plan_of(schedule: str, settings: Settings, pipeline_size: int, num_microbatches: int):
-    """The plan a plan-executed ``schedule`` runs (``bitpipe-split``: W's placed for the
-    emulated compute costs); raises ScheduleConfigError for an unsupported N."""
+    """The plan a plan-executed ``schedule`` runs; raises ScheduleConfigError for an unsupported N."""
     from megatron_bitpipe import schedules
 
-    name = schedule.removeprefix("plan-").removesuffix("-split")
-    split = schedule.endswith("-split")
-    return schedules.generate(name, pipeline_size, num_microbatches, split_backward=split,
-                              costs=settings.compute_costs() if split else None)
+    name, split, costs = plan_choice(schedule, settings)
+    return schedules.generate(name, pipeline_size, num_microbatches, split_backward=split, costs=costs)
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -209,8 +213,7 @@ def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runn
     from megatron_bitpipe.runtime.groups import ParallelGrid
     from megatron_bitpipe.testing.gpt import gpt_forward_step
 
-    name = schedule.removeprefix("plan-").removesuffix("-split")
-    split = schedule.endswith("-split")
+    name, split, costs = plan_choice(schedule, settings)
     placement = schedules.generate(name, pipeline_size, pipeline_size).placement  # the same for every N
     config = _config(settings, pipeline_size, overlap_p2p_comm=True)
     model = build_pipeline_model(
@@ -223,7 +226,7 @@ def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runn
         share_embeddings_and_output_weights=False,
         layer_spec=_layer_spec(settings),
     )
-    forward_backward = make_forward_backward_func(name, split, settings.compute_costs() if split else None)
+    forward_backward = make_forward_backward_func(name, split, costs)
 
     def step(batches, num_microbatches):
         forward_backward(
@@ -321,7 +324,7 @@ def valid_microbatches(schedule: str, pipeline_size: int, num_microbatches: int)
     from megatron_bitpipe import schedules
 
     try:
-        plan_of(schedule, Settings(), pipeline_size, num_microbatches)
+        schedules.generate(plan_choice(schedule, Settings())[0], pipeline_size, num_microbatches)
     except schedules.ScheduleConfigError:
         return False
     return True
@@ -437,13 +440,15 @@ def markdown_table(rows: List[dict]) -> str:
 
 def run_conditions(rows: List[dict], elapsed: float) -> str:
     """One paragraph: costs, repeats, device model, machine load, wall time."""
+    from megatron_bitpipe.schedules import CostModel
+
     costs = rows[0]["costs"]
     loads = [x for r in rows for x in r["load_average"]]
     p2p = {r["pp"]: r["costs"]["t_p2p"] for r in rows}
     p2p_text = ", ".join(f"{t:.2f} ms (D={d})" for d, t in sorted(p2p.items()))
     return (
         f"Costs per device share: t_F = {costs['t_forward']:g} ms, t_B = {costs['t_backward']:g} ms "
-        f"(split backward: t_W = {costs['t_weight'] if costs['t_weight'] is not None else costs['t_backward'] / 2:g} ms of it); measured p2p "
+        f"(split backward: t_W = {CostModel(**costs).weight_time:g} ms of it); measured p2p "
         f"one-way time {p2p_text}. "
         f"Median of {len(rows[0]['step_times'])} steps per run, {rows[0]['device']} emulated device, "
         f"{os.cpu_count()} CPU cores with a 1-minute load average of {min(loads):.1f}-{max(loads):.1f} "

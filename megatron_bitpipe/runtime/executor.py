@@ -223,10 +223,7 @@ class PlanExecutor:
         first_of_chunk = chunk not in self._forwarded_chunks
         self._forwarded_chunks.add(chunk)
         store: List[object] = []
-        deferral = contextlib.nullcontext()
-        if (chunk, microbatch) in self._split:
-            deferral = deferring(self._deferred.setdefault((chunk, microbatch), WeightGradWork()))
-        with deferral:
+        with self._deferral(chunk, microbatch):
             output, num_tokens = forward_step(
                 self.forward_step_func,
                 self.source.iterator_for(microbatch),
@@ -258,13 +255,17 @@ class PlanExecutor:
         if pending is not None:  # the output must be sent (and deallocated) before its backward
             pending.work.wait()
             self._finish_send(pending)
-        deferral = contextlib.nullcontext()
-        if action.type is ActionType.BACKWARD_INPUT:  # recomputed forwards defer too
-            deferral = deferring(self._deferred[(chunk, microbatch)])
-        with deferral:
+        with self._deferral(chunk, microbatch):  # in I, recomputed forwards defer too
             input_grad = backward_step(saved.input, saved.output, output_grad, self.model_type, self.config)
         if not self.specs[chunk].pre_process:
             self._hand_on(action, input_grad, output_of_forward=False)
+
+    def _deferral(self, chunk: int, microbatch: int):
+        """The context of an ``F`` or ``I`` of (chunk, micro-batch): :func:`~.weight_grad.deferring`
+        into the work its ``W`` will run if the plan splits its backward, else nothing."""
+        if (chunk, microbatch) not in self._split:
+            return contextlib.nullcontext()
+        return deferring(self._deferred.setdefault((chunk, microbatch), WeightGradWork()))
 
     def _sync(self, action: Action) -> None:
         own = {id(p) for p in self.chunks[action.chunk].parameters()}

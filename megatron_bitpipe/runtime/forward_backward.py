@@ -25,6 +25,7 @@ One step:
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable, Iterator, List, Optional, Union
 
 import torch
@@ -82,10 +83,11 @@ def make_forward_backward_func(
     ``split_backward``: every backward runs as ``I`` (input gradient) and, later, ``W``
     (weight gradients), the plan placing the ``W``'s into bubbles for ``costs`` (default
     :class:`~megatron_bitpipe.schedules.CostModel`; only the ratios matter); the chunks'
-    linears are made deferrable on the first call
+    linears are made deferrable on the first call with each chunk
     (:func:`~.weight_grad.enable_split_backward`, which raises for Transformer Engine and
     Optimus 2D layers). Same gradients as without.
     """
+    split_enabled: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
     def forward_backward(
         *,
@@ -109,8 +111,9 @@ def make_forward_backward_func(
         config = get_model_config(chunks[0])
         placement = groups.placement
         _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length)
-        if split_backward:
+        if split_backward and not all(c in split_enabled for c in chunks):
             enable_split_backward(chunks)
+            split_enabled.update(chunks)
         plan = _plan(schedule, placement.num_ranks, num_microbatches, forward_only, split_backward, costs)
         if plan.placement != placement:
             raise ValueError(f"{schedule} plans use the {plan.placement.name} placement; the chunks were built for {placement.name}")

@@ -19,6 +19,7 @@ from .simulate import SimulationResult
 #: down / only pipeline, orange for up.
 PIPELINE_COLOURS = (("#9ecae1", "#2171b5", "#4292c6"), ("#fdae6b", "#d94801", "#f16913"))
 _SHADE = {ActionType.FORWARD: 0, ActionType.BACKWARD: 1, ActionType.BACKWARD_INPUT: 1, ActionType.BACKWARD_WEIGHT: 2}
+_HATCH = {ActionType.BACKWARD_WEIGHT: "///"}
 SYNC_COLOUR = "#41ab5d"
 
 
@@ -66,9 +67,8 @@ def plot_gantt(result: SimulationResult, path: str, title: str | None = None) ->
         forward = event.action.type is ActionType.FORWARD
         colour = PIPELINE_COLOURS[event.pipeline % 2][_SHADE[event.action.type]]
         y = num_ranks - 1 - event.rank
-        hatch = "///" if event.action.type is ActionType.BACKWARD_WEIGHT else None
         ax.barh(y, event.end - event.start, left=event.start, height=row_height, color=colour, edgecolor="white",
-                linewidth=0.6, hatch=hatch)
+                linewidth=0.6, hatch=_HATCH.get(event.action.type))
         if event.end - event.start >= 0.4:
             ax.text(
                 (event.start + event.end) / 2, y, str(event.action.microbatch),
@@ -88,7 +88,7 @@ def plot_gantt(result: SimulationResult, path: str, title: str | None = None) ->
     ax.set_title(heading)
     kinds = sorted({e.action.type for e in result.events}, key=lambda t: "FBIW".index(t.value))
     legend = [Patch(facecolor=PIPELINE_COLOURS[p][_SHADE[kind]], edgecolor="white",
-                    hatch="///" if kind is ActionType.BACKWARD_WEIGHT else None, label=f"{kind.value} {name}")
+                    hatch=_HATCH.get(kind), label=f"{kind.value} {name}")
               for p, name in enumerate(["down / pipeline 0", "up / pipeline 1"][: plan.placement.num_pipelines])
               for kind in kinds]
     if result.sync_events:

@@ -92,15 +92,30 @@ class CostModel:
         return per_share.get(action.type, 0.0) * stage_weight
 
 
+def same_rank_prerequisite(action: Action) -> Optional[Action]:
+    """The action of the same rank that must have run before ``action``: the forward of a
+    ``B`` or ``I``, the ``I`` of a ``W``; None for ``F`` and ``SYNC``."""
+    if action.type.computes_input_grad:
+        return Action(ActionType.FORWARD, action.chunk, action.microbatch)
+    if action.type is ActionType.BACKWARD_WEIGHT:
+        return Action(ActionType.BACKWARD_INPUT, action.chunk, action.microbatch)
+    return None
+
+
 @dataclass(frozen=True)
 class Event:
-    """One interval of the timeline: a compute action, or a gradient all-reduce (``SYNC``)."""
+    """One interval of the timeline: a compute action, or a gradient all-reduce (``SYNC``).
+
+    ``ready`` is when the action could have started had the rank been free: its
+    :func:`same_rank_prerequisite` done and its input message arrived (0 for ``SYNC``).
+    """
 
     rank: int
     action: Action
     start: float
     end: float
     pipeline: int
+    ready: float = 0.0
 
 
 @dataclass
@@ -166,18 +181,19 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     sync_issue: Dict[Tuple[int, int], float] = {}
 
     def input_ready(rank: int, action: Action) -> Optional[float]:
-        """Arrival time of the action's input, or None if its producer has not run yet."""
-        if action.type is not ActionType.FORWARD:
-            earlier = ActionType.FORWARD if action.type.computes_input_grad else ActionType.BACKWARD
-            if (rank, Action(earlier, action.chunk, action.microbatch)) not in finish:
-                return None
+        """When the action's prerequisite on this rank is done and its input has arrived, or
+        None if either has not run yet."""
+        before = same_rank_prerequisite(action)
+        own = 0.0 if before is None else finish.get((rank, before.comm_key))
+        if own is None:
+            return None
         transfer = received_by(placement, rank, action)
         if transfer is None:
-            return 0.0
+            return own
         produced = finish.get((transfer.src.rank, transfer.producer))
         if produced is None:
             return None
-        return produced + (0.0 if transfer.is_local else message_time)
+        return max(own, produced + (0.0 if transfer.is_local else message_time))
 
     progressed = True
     while progressed:
@@ -198,7 +214,7 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                     clock[rank] = end
                     busy[rank] += end - start
                     pipeline = placement.role(rank, action.chunk).pipeline
-                    events.append(Event(rank, action, start, end, pipeline))
+                    events.append(Event(rank, action, start, end, pipeline, ready))
                     if action.type is ActionType.FORWARD:
                         in_flight[rank] += weight
                         peak[rank] = max(peak[rank], in_flight[rank])
@@ -247,11 +263,10 @@ def _deadlock_message(plan: SchedulePlan, blocked: List[int], cursor: List[int],
     lines = [f"plan '{plan.name}' deadlocks (D={plan.num_ranks}, N={plan.num_microbatches}):"]
     for rank in blocked:
         action = plan.actions[rank][cursor[rank]]
-        if action.type is not ActionType.FORWARD:
-            earlier = ActionType.FORWARD if action.type.computes_input_grad else ActionType.BACKWARD_INPUT
-            if (rank, Action(earlier, action.chunk, action.microbatch).comm_key) not in finish:
-                lines.append(f"  rank {rank} at {action}: its {Action(earlier, action.chunk, action.microbatch)} has not run")
-                continue
+        before = same_rank_prerequisite(action)
+        if before is not None and (rank, before.comm_key) not in finish:
+            lines.append(f"  rank {rank} at {action}: its {before} has not run")
+            continue
         transfer = received_by(plan.placement, rank, action)
         lines.append(
             f"  rank {rank} at {action}: waits for the {transfer.payload.value} of micro-batch "

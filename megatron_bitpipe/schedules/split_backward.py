@@ -33,7 +33,6 @@ from collections import deque
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from .actions import Action, ActionType, SchedulePlan, make_plan
-from .comm import received_by
 from .compose import with_eager_syncs
 from .errors import PlanError
 from .simulate import CostModel, SimulationResult, simulate
@@ -99,7 +98,7 @@ def _place_weight_grads(
 ) -> List[Action]:
     """One rank's forwards and input gradients with its ``W``'s placed (see module doc)."""
     weight = plan.placement.stage_weight
-    w_time = costs.compute_time(Action(ActionType.BACKWARD_WEIGHT, 0, 0), weight)
+    w_time = costs.weight_time * weight
     clock, in_flight = 0.0, 0.0
     pending: Deque[Action] = deque()
     out: List[Action] = []
@@ -130,24 +129,7 @@ def _place_weight_grads(
 
 def _arrivals(result: SimulationResult) -> Arrivals:
     """When each forward's / input gradient's input reached its rank in a simulated step."""
-    placement, message_time = result.plan.placement, result.costs.message_time
-    finished = {(e.rank, e.action.comm_key): e.end for e in result.events}
-    arrivals: Arrivals = {}
-    for event in result.events:
-        action = event.action
-        if action.type is ActionType.BACKWARD_WEIGHT:
-            continue
-        own_forward = (
-            finished[(event.rank, Action(ActionType.FORWARD, action.chunk, action.microbatch))]
-            if action.type is not ActionType.FORWARD else 0.0
-        )
-        transfer = received_by(placement, event.rank, action)
-        if transfer is None:
-            arrivals[(event.rank, action)] = own_forward
-            continue
-        produced = finished[(transfer.src.rank, transfer.producer)]
-        arrivals[(event.rank, action)] = max(own_forward, produced + (0.0 if transfer.is_local else message_time))
-    return arrivals
+    return {(e.rank, e.action): e.ready for e in result.events if e.action.type is not ActionType.BACKWARD_WEIGHT}
 
 
 def _with_actions(plan: SchedulePlan, actions: Sequence[Sequence[Action]]) -> SchedulePlan:
