@@ -37,6 +37,9 @@ class OptimusSelfAttention(SelfAttention):
     ``heads/q`` heads of its ``b/q`` sequences. ``attention_mask`` may cover the whole
     micro-batch (``[b, 1, s, s]``, this rank's batch block is taken), the local block, or
     broadcast (batch dimension 1).
+
+    Other keywords megatron-core's ``TransformerLayer`` passes its attention
+    (``pp_layer_offset`` since 0.17, ``name`` since 0.18) go to ``SelfAttention`` unchanged.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class OptimusSelfAttention(SelfAttention):
         pg_collection=None,
         *,
         mesh: OptimusMesh,
+        **layer_kwargs,
     ):
         if pg_collection is None:
             raise ValueError("OptimusSelfAttention needs the model's pg_collection")
@@ -61,6 +65,7 @@ class OptimusSelfAttention(SelfAttention):
             attn_mask_type=attn_mask_type,
             cp_comm_type=cp_comm_type,
             pg_collection=row_parallel_groups,
+            **layer_kwargs,
         )
         self.mesh = mesh
 

@@ -51,8 +51,8 @@ class OptimusLinear(torch.nn.Module):
     megatron-core: with ``skip_bias_add`` the bias is returned for the caller to add.
 
     Megatron arguments with no 2-D meaning (``gather_output``, ``input_is_parallel``,
-    ``tp_group``, ``tp_comm_buffer_name``) are accepted and ignored; the mesh replaces the
-    TP group. Expert (MoE) linears and gathered outputs are not supported.
+    ``tp_group``, ``tp_comm_buffer_name``, and ``name``, the module path megatron-core 0.18+
+    passes) are accepted and ignored; the mesh replaces the TP group. Expert (MoE) linears and gathered outputs are not supported.
     """
 
     def __init__(
@@ -71,13 +71,14 @@ class OptimusLinear(torch.nn.Module):
         input_is_parallel: bool = True,
         tp_comm_buffer_name: Optional[str] = None,
         tp_group=None,
+        name: Optional[str] = None,
     ):
         super().__init__()
         if is_expert:
             raise ValueError("Optimus 2D does not support expert (MoE) linear layers")
         if gather_output:
             raise ValueError("Optimus 2D linear layers keep their output partitioned")
-        del input_is_parallel, tp_comm_buffer_name, tp_group  # no 2-D meaning, see docstring
+        del input_is_parallel, tp_comm_buffer_name, tp_group, name  # no 2-D meaning, see docstring
         side = mesh.side
         self.mesh = mesh
         self.input_size, self.output_size = input_size, output_size

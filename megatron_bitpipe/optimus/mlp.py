@@ -29,11 +29,18 @@ from megatron_bitpipe.optimus.recompute import recomputed
 
 class OptimusMLP(MLP):
     """megatron-core ``MLP`` on ``[s, b/q, h/q]`` blocks with the activation recomputed in
-    backward. Same constructor (the spec passes the Optimus linears), dense layers only."""
+    backward. Same constructor (the spec passes the Optimus linears and the mesh's
+    ``tp_group``), dense layers only.
 
-    def __init__(self, config, submodules, is_expert: bool = False, **kwargs):
+    megatron-core 0.18+ ``TransformerLayer`` also passes ``pg_collection`` (its group is the
+    spec's ``tp_group`` here) and ``is_mtp_layer`` (multi-token prediction is not supported).
+    """
+
+    def __init__(self, config, submodules, is_expert: bool = False, *, pg_collection=None, is_mtp_layer: bool = False, **kwargs):
         if is_expert or config.use_te_activation_func:
             raise ValueError("Optimus 2D MLPs are dense and use config.activation_func")
+        if is_mtp_layer:
+            raise ValueError("Optimus 2D does not support multi-token prediction layers")
         super().__init__(config, submodules, is_expert=is_expert, **kwargs)
 
     def activation(self, z: torch.Tensor) -> torch.Tensor:

@@ -49,14 +49,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel.schedules import (
-    backward_step,
-    check_first_val_step,
-    deallocate_output_tensor,
-    forward_step,
-)
-from megatron.core.utils import get_model_type
+from megatron.core.pipeline_parallel.schedules import check_first_val_step, deallocate_output_tensor, forward_step
 
+from ..megatron_compat import backward_step
 from ..schedules.actions import Action, ActionType, SchedulePlan
 from ..schedules.comm import Payload, Transfer, received_by, sent_by
 from .groups import PipelineGroups
@@ -174,7 +169,6 @@ class PlanExecutor:
         actions = plan.actions[self.rank]
         self.forward_only = not any(a.type.computes_input_grad for a in actions)
         self._split = {(a.chunk, a.microbatch) for a in actions if a.type is ActionType.BACKWARD_INPUT}
-        self.model_type = get_model_type(self.chunks[0])
         self.cp_size = groups.rank_pgs.cp.size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self._received: Dict[Action, Tuple[object, torch.Tensor]] = {}
@@ -256,7 +250,7 @@ class PlanExecutor:
             pending.work.wait()
             self._finish_send(pending)
         with self._deferral(chunk, microbatch):  # in I, recomputed forwards defer too
-            input_grad = backward_step(saved.input, saved.output, output_grad, self.model_type, self.config)
+            input_grad = backward_step(saved.input, saved.output, output_grad, self.config)
         if not self.specs[chunk].pre_process:
             self._hand_on(action, input_grad, output_of_forward=False)
 

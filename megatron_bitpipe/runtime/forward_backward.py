@@ -31,8 +31,7 @@ from typing import Callable, Iterator, List, Optional, Union
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.enums import ModelType
-from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from .. import schedules
 from ..schedules.actions import SchedulePlan
@@ -157,8 +156,6 @@ forward_backward_bitpipe = make_forward_backward_func("bitpipe")
 def _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length) -> None:
     if len(chunks) != placement.chunks_per_rank:
         raise ValueError(f"{schedule} runs {placement.chunks_per_rank} model chunks per rank, got {len(chunks)}")
-    if get_model_type(chunks[0]) == ModelType.encoder_and_decoder:
-        raise ValueError(f"{schedule} does not support encoder-decoder models")
     if decoder_seq_length is not None and decoder_seq_length != seq_length:
         raise ValueError(f"{schedule} does not support a decoder sequence length different from --seq-length")
     if getattr(config, "variable_seq_lengths", False):

@@ -20,6 +20,10 @@ and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` before clipping.
     allocated on it (the device mode turns index 0 into the CPU).
   - ``torch.cuda.synchronize`` -> no-op: called after every batched p2p exchange
     (``batch_p2p_comm`` with ``batch_p2p_sync``, megatron's defaults).
+  - ``torch.cuda.Stream``, ``torch.cuda.current_stream`` and ``torch.cuda.stream`` -> a
+    stand-in stream that orders nothing (:class:`CpuStream`; the CPU runs in program order):
+    megatron DDP's gradient reduction waits on the current stream (0.19) and Megatron-LM's
+    ``get_model`` builds DDP on a side stream.
   - ``torch.cuda.get_rng_state`` / ``torch.cuda.random.get_rng_state`` ->
     ``torch.get_rng_state``, ``torch.cuda.manual_seed`` -> ``torch.manual_seed`` of the CPU
     default generator, and megatron's ``tensor_parallel.random._set_cuda_rng_state`` ->
@@ -53,6 +57,7 @@ Config choices that avoid further patches are documented in :mod:`megatron_bitpi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any, Callable, Dict, Tuple
@@ -61,7 +66,7 @@ import torch
 import torch._dynamo
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-__all__ = ["CpuDeviceMode", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
+__all__ = ["CpuDeviceMode", "CpuStream", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
 
 _CPU = torch.device("cpu")
 _CUDA_TYPE_NAMES = {
@@ -122,6 +127,23 @@ class CpuDeviceMode(TorchFunctionMode):
         return result
 
 
+class CpuStream:
+    """Stand-in for a CUDA stream: the CPU executes everything in program order, so every
+    wait and synchronisation is already satisfied."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _DropRngWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return _RNG_WARNING not in record.getMessage()
@@ -167,6 +189,11 @@ def _patches() -> list:
         (torch.cuda, "current_device", lambda: 0),
         # Called after batched p2p (batch_p2p_sync) and when freeing / allocating buffers.
         (torch.cuda, "synchronize", lambda device=None: None),
+        # DDP's gradient reduction waits on the current stream; Megatron-LM's get_model builds
+        # DDP inside a side stream.
+        (torch.cuda, "Stream", CpuStream),
+        (torch.cuda, "current_stream", lambda device=None: CpuStream()),
+        (torch.cuda, "stream", lambda stream: contextlib.nullcontext()),
         # RNG tracker and model_parallel_cuda_manual_seed read the "CUDA" generator state.
         (torch.cuda, "get_rng_state", _get_rng_state),
         (torch.cuda.random, "get_rng_state", _get_rng_state),

@@ -17,9 +17,7 @@ Megatron-LM's start-up (tag core_v0.16.1), each needed on a CPU-only torch:
 * ``_compile_dependencies`` builds the dataset index helpers (kept: ``make`` in the checkout's
   ``megatron/core/datasets``, needs pybind11 and a C++ compiler) and the fused CUDA kernels
   (skipped: there is no nvcc);
-* ``set_jit_fusion_options`` warms up fused kernels on the GPU: skipped;
-* ``get_model`` creates megatron DDP on a side CUDA stream: ``torch.cuda.Stream``,
-  ``current_stream`` and ``stream`` become stand-ins that order nothing (the CPU runs in order).
+* ``set_jit_fusion_options`` warms up fused kernels on the GPU: skipped.
 
 :data:`CPU_FLAGS` are the Megatron-LM flags that keep a run off CUDA-only code paths (no fused
 kernels, no Transformer Engine, weights created on the CPU, gloo); pass them too. Production
@@ -28,7 +26,6 @@ code never imports this module.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -44,19 +41,6 @@ CPU_FLAGS = (
     "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
     "--no-rope-fusion --distributed-backend gloo"
 ).split()
-
-
-class _Stream:
-    """Stand-in for ``torch.cuda.Stream``: the CPU executes everything in program order."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
 
 
 def _compile_dataset_helpers() -> None:
@@ -113,9 +97,6 @@ def enable_cpu_megatron_lm() -> None:
     torch.cuda.set_device = lambda device: None
     initialize._compile_dependencies = _compile_dataset_helpers
     training.set_jit_fusion_options = lambda: None
-    torch.cuda.Stream = _Stream
-    torch.cuda.current_stream = lambda device=None: _Stream()
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -25,11 +25,11 @@ uses the null tokenizer of ``--vocab-size`` tokens (plus end-of-document).
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
 
 __all__ = ["build_tokenizer", "indexed_datasets", "microbatches", "collate"]
@@ -37,27 +37,17 @@ __all__ = ["build_tokenizer", "indexed_datasets", "microbatches", "collate"]
 
 def build_tokenizer(args: argparse.Namespace):
     """megatron-core's tokenizer for the flags; BitPipeConfigError naming the flag if it fails."""
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build
-
-    settings = SimpleNamespace(
-        tokenizer_type=args.tokenizer_type or "NullTokenizer",
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
-        vocab_size=args.vocab_size,
-        tokenizer_metadata=None,
-        tokenizer_special_tokens=None,
-        tokenizer_hf_use_fast=True,
-        tokenizer_hf_include_special_tokens=False,
-        trust_remote_code=False,
-        tokenizer_sentencepiece_legacy=False,
-        tiktoken_pattern=None,
-        tiktoken_num_special_tokens=1000,
-    )
+    tokenizer_type = args.tokenizer_type or "NullTokenizer"
     try:
-        return megatron_build(settings)
+        return megatron_compat.build_tokenizer(
+            tokenizer_type,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            tokenizer_model=args.tokenizer_model,
+            vocab_size=args.vocab_size,
+        )
     except Exception as error:  # noqa: BLE001 - missing files or libraries: say which flag
-        raise BitPipeConfigError(f"--tokenizer-type {settings.tokenizer_type}: cannot build the tokenizer: {error}") from error
+        raise BitPipeConfigError(f"--tokenizer-type {tokenizer_type}: cannot build the tokenizer: {error}") from error
 
 
 def indexed_datasets(args: argparse.Namespace, tokenizer, dataset_class, config_class, **fields) -> Tuple[object, Optional[object]]:
