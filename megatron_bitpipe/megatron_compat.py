@@ -13,6 +13,9 @@ patch release in the range behaves like its neighbours:
   ``megatron.core.tokenizers.utils.build_tokenizer`` (0.17) and renamed the settings it reads
   (``tokenizer_special_tokens`` -> ``special_tokens``, ``tokenizer_hf_use_fast`` ->
   ``not tokenizer_hf_no_use_fast``, ...); the settings given here carry both spellings.
+* :func:`linear_weight_shards`, :func:`linear_call_is_plain` — 0.19's tensor-parallel linears
+  can shard their weight over a rematerialisation group (``gtp_remat_size``, passed to the
+  linear's ``_forward_impl``); before 0.19 there is no such sharding.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import schedules as _schedules
 
-__all__ = ["backward_step", "build_tokenizer"]
+__all__ = ["backward_step", "build_tokenizer", "linear_weight_shards", "linear_call_is_plain"]
 
 _BACKWARD_STEP_TAKES_MODEL_TYPE = "model_type" in inspect.signature(_schedules.backward_step).parameters
 
@@ -85,3 +88,15 @@ def build_tokenizer(
         rank=None,
     )
     return module.build_tokenizer(settings)
+
+
+def linear_weight_shards(linear: torch.nn.Module) -> int:
+    """How many ranks hold a shard of a megatron tensor-parallel linear's weight beyond tensor
+    parallelism (0.19's GTP rematerialisation group); 1 when the weight is whole."""
+    return getattr(linear, "gtp_remat_size", 1)
+
+
+def linear_call_is_plain(newer_keywords: dict) -> bool:
+    """Whether the keywords a megatron linear passes its ``_forward_impl`` beyond 0.16's
+    (``gtp_remat_size`` since 0.19) ask for nothing beyond 0.16's behaviour."""
+    return all(name == "gtp_remat_size" and value == 1 for name, value in newer_keywords.items())

@@ -159,7 +159,11 @@ def test_checkpoint_holds_one_logical_model(runs):
 @pytest.mark.parametrize("layout,iteration", [("optimus", SAVE_AT), ("single", SAVE_AT), ("tp2_1f1b", ITERS)])
 def test_every_layout_saves_the_same_logical_model(runs, layout, iteration):
     """Gathering Optimus 2D blocks, 1-D TP blocks (and the tied copy on the last stage, after a
-    resume) and BitPipe's replicas gives the same full weights and Adam moments."""
+    resume) and BitPipe's replicas gives the same full weights and Adam moments.
+
+    The moments are sums of fp32 gradients added up in a different order by each layout: their
+    rounding error scales with the tensor's magnitude (measured: up to 8e-7 of its largest
+    element), so an element that cancels to near zero is compared against 1e-5 of that."""
     import torch
 
     reference = _full_model(runs["ckpt"], iteration)
@@ -167,7 +171,8 @@ def test_every_layout_saves_the_same_logical_model(runs, layout, iteration):
     assert other.keys() == reference.keys()
     for name, entry in reference.items():
         assert other[name]["step"] == entry["step"] == iteration
-        for key, atol in (("param", 1e-7), ("exp_avg", 1e-9), ("exp_avg_sq", 1e-12)):
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            atol = 1e-7 if key == "param" else 1e-5 * entry[key].abs().max().item()
             torch.testing.assert_close(other[name][key], entry[key], rtol=1e-4, atol=atol, msg=lambda m: f"{name} {key}: {m}")
 
 

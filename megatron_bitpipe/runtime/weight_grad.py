@@ -59,6 +59,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.utils import get_tensor_model_parallel_group_if_none, prepare_input_tensors_for_wgrad_compute
 
+from .. import megatron_compat
 from ..optimus.layers import OptimusLinear
 
 __all__ = [
@@ -215,7 +216,12 @@ def _fused_accumulate(input_2d, grad_2d, main_grad) -> None:
 
 class _DeferrableForwardImpl:
     """``_forward_impl`` of one linear: megatron's own outside :func:`deferring`, the
-    deferred-weight-gradient function inside it."""
+    deferred-weight-gradient function inside it.
+
+    Keywords newer megatron-core releases add to the call (``gtp_remat_size`` in 0.19) go to
+    megatron's function unchanged; deferring needs them at their neutral values
+    (:func:`~megatron_bitpipe.megatron_compat.linear_call_is_plain`).
+    """
 
     def __init__(self, original: Callable):
         self.original = original
@@ -231,13 +237,17 @@ class _DeferrableForwardImpl:
         grad_output_buffer=None,
         wgrad_deferral_limit=None,
         tp_group=None,
+        **newer_keywords,
     ):
         work = active_work()
         if work is None or not weight.requires_grad:
             return self.original(
                 input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                 grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group,
+                **newer_keywords,
             )
+        if not megatron_compat.linear_call_is_plain(newer_keywords):
+            raise SplitBackwardError(f"split backward cannot defer a linear called with {newer_keywords}")
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         return _DeferredWeightGradLinear.apply(
             input, weight.detach(), bias, _Target(weight, work), gradient_accumulation_fusion, allreduce_dgrad,
@@ -251,8 +261,9 @@ def enable_split_backward(chunks: Sequence[torch.nn.Module]) -> int:
     Idempotent. Returns how many linears defer. Raises :class:`SplitBackwardError` (before
     changing anything) for layers whose weight gradients cannot be split: Transformer Engine
     layers (use ``--transformer-impl local``), Optimus 2D layers (``--tensor-parallel-mode
-    optimus2d`` is not supported with the split backward) and megatron's own embedding-wgrad
-    deferral (``--defer-embedding-wgrad-compute``).
+    optimus2d`` is not supported with the split backward), megatron's own embedding-wgrad
+    deferral (``--defer-embedding-wgrad-compute``) and linears whose weight is sharded for
+    rematerialisation (megatron-core 0.19's ``gtp_weight_remat_size`` > 1).
     """
     linears = []
     for chunk in chunks:
@@ -271,6 +282,11 @@ def enable_split_backward(chunks: Sequence[torch.nn.Module]) -> int:
                 if getattr(module.config, "defer_embedding_wgrad_compute", False):
                     raise SplitBackwardError(
                         "split backward defers every weight gradient itself: drop --defer-embedding-wgrad-compute"
+                    )
+                if megatron_compat.linear_weight_shards(module) > 1:
+                    raise SplitBackwardError(
+                        f"split backward: {name} shards its weight for rematerialisation (gtp_weight_remat_size > 1), "
+                        "which the deferred weight gradients do not support"
                     )
                 linears.append(module)
     for module in linears:
