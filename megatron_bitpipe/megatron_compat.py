@@ -1,8 +1,8 @@
-"""The megatron-core API differences between the supported releases, 0.16 through 0.19.
+"""The API differences between the supported megatron-core releases, 0.16 through 0.19, and
+between Megatron-LM's training code at tags core_v0.16.1 through core_v0.19.0.
 
-Every place where megatron-bitpipe calls a megatron-core function whose signature or location
-changed between 0.16.1 and 0.19.x goes through this module; the rest of the package is
-written against one API. Each difference is detected from the installed megatron-core itself
+Every place where megatron-bitpipe calls a function whose signature or location changed goes
+through this module; the rest of the package is written against one API. Each difference is detected from the installed megatron-core itself
 (a parameter or a module that exists or not), never from its version string, so an untested
 patch release in the range behaves like its neighbours:
 
@@ -16,20 +16,33 @@ patch release in the range behaves like its neighbours:
 * :func:`linear_weight_shards`, :func:`linear_call_is_plain` — 0.19's tensor-parallel linears
   can shard their weight over a rematerialisation group (``gtp_remat_size``, passed to the
   linear's ``_forward_impl``); before 0.19 there is no such sharding.
+* :func:`megatron_lm_functions` — where Megatron-LM's training code looks up what the runtime
+  route wraps (argument parsing, batch broadcast, model builders), and :func:`with_keyword`
+  for calls whose arguments moved between positions and keywords.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from types import SimpleNamespace
-from typing import Optional
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
+from typing import Optional, Tuple
 
 import torch
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import schedules as _schedules
 
-__all__ = ["backward_step", "build_tokenizer", "linear_weight_shards", "linear_call_is_plain"]
+__all__ = [
+    "backward_step",
+    "build_tokenizer",
+    "linear_weight_shards",
+    "linear_call_is_plain",
+    "MegatronLMFunctions",
+    "megatron_lm_functions",
+    "builder_model_config",
+    "with_keyword",
+]
 
 _BACKWARD_STEP_TAKES_MODEL_TYPE = "model_type" in inspect.signature(_schedules.backward_step).parameters
 
@@ -100,3 +113,69 @@ def linear_call_is_plain(newer_keywords: dict) -> bool:
     """Whether the keywords a megatron linear passes its ``_forward_impl`` beyond 0.16's
     (``gtp_remat_size`` since 0.19) ask for nothing beyond 0.16's behaviour."""
     return all(name == "gtp_remat_size" and value == 1 for name, value in newer_keywords.items())
+
+
+# Megatron-LM's training code (a checkout's ``megatron.training``) -------------------------
+
+
+@dataclass(frozen=True)
+class MegatronLMFunctions:
+    """Where a Megatron-LM checkout's training code looks up the functions the plugin wraps.
+
+    * ``argument_modules``: the modules through whose ``parse_args`` / ``validate_args``
+      Megatron-LM's start-up parses the command line — ``initialize`` (imported there by name;
+      ``initialize_megatron`` parses, core_v0.16/0.17) and ``arguments`` (its own
+      ``parse_and_validate_args``, called by the scripts since core_v0.18);
+    * ``batch_modules``: the modules holding ``get_batch_on_this_tp_rank`` as a module
+      attribute — ``megatron.training.utils`` up to core_v0.17, ``megatron.core.utils`` since
+      core_v0.18, plus ``training`` where it imports it by name (its dummy step, core_v0.19);
+    * ``model_builders``: the model-builder classes of Megatron-LM's config container
+      (core_v0.19 ``pretrain_gpt.py`` builds through ``GPTModelBuilder``, the hybrid scripts
+      through ``HybridModelBuilder``; before, every script goes through ``training.get_model``)
+      and ``gpt_builder``, the one that builds ``GPTModel`` (None before core_v0.19).
+    """
+
+    argument_modules: Tuple[ModuleType, ...]
+    training: ModuleType
+    batch_modules: Tuple[ModuleType, ...]
+    model_builders: Tuple[type, ...]
+    gpt_builder: Optional[type]
+
+
+def megatron_lm_functions() -> MegatronLMFunctions:
+    """The :class:`MegatronLMFunctions` of the checkout on ``sys.path`` (imports its training code)."""
+    import megatron.core.utils as core_utils
+    import megatron.training.arguments as arguments
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+    import megatron.training.utils as training_utils
+
+    argument_modules = tuple(module for module in (arguments, initialize) if hasattr(module, "parse_args"))
+    home = training_utils if "get_batch_on_this_tp_rank" in vars(training_utils) else core_utils
+    get_batch = home.get_batch_on_this_tp_rank
+    batch_modules = tuple(
+        module for module in (home, training) if getattr(module, "get_batch_on_this_tp_rank", None) is get_batch
+    )
+    try:
+        models = importlib.import_module("megatron.training.models")
+    except ModuleNotFoundError:
+        builders, gpt_builder = (), None
+    else:
+        builders, gpt_builder = (models.GPTModelBuilder, models.HybridModelBuilder), models.GPTModelBuilder
+    return MegatronLMFunctions(argument_modules, training, batch_modules, builders, gpt_builder)
+
+
+def builder_model_config(builder):
+    """The ``ModelConfig`` a Megatron-LM model builder (core_v0.19) was created with; the
+    builders keep it as ``_model_config`` and offer no accessor."""
+    return builder._model_config
+
+
+def with_keyword(function, name: str, args: tuple, kwargs: dict, change) -> Tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call of ``function`` with argument ``name`` (given by position or
+    keyword, or at its default) replaced by ``change(value)``: Megatron-LM's releases pass
+    ``get_batch_on_this_tp_rank``'s ``mtp_on_this_rank`` either way."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    bound.arguments[name] = change(bound.arguments[name])
+    return bound.args, bound.kwargs

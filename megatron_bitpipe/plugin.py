@@ -1,7 +1,7 @@
 """Installing the BitPipe schedule where megatron-core and Megatron-LM look it up.
 
-megatron-core's ``get_forward_backward_func(pp_size, vp_size)`` is a fixed choice between
-its own schedules, and Megatron-LM's ``training.py`` imports it by name. :func:`register`
+megatron-core's ``get_forward_backward_func`` is a fixed choice between its own schedules
+(its arguments: ``pp_size, vp_size``, and since 0.19 ``schedule_pg_collection``), and Megatron-LM's ``training.py`` imports it by name. :func:`register`
 replaces that function — in ``megatron.core.pipeline_parallel``, its ``schedules`` module
 and, when imported, ``megatron.training.training`` — with one that returns
 :func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe` while the
@@ -27,14 +27,15 @@ def selected_schedule() -> Optional[str]:
     return _state["schedule"]
 
 
-def _get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
+def _get_forward_backward_func(*args, **kwargs) -> Callable:
+    """megatron-core's ``get_forward_backward_func``; the arguments go to the original unchanged."""
     if _state["schedule"] == "bitpipe":
         if _state["bitpipe"] is not None:
             return _state["bitpipe"]
         from .runtime.forward_backward import forward_backward_bitpipe
 
         return forward_backward_bitpipe
-    return _state["original"](pp_size, vp_size)
+    return _state["original"](*args, **kwargs)
 
 
 def register(schedule: str = "bitpipe", *, bitpipe_func: Optional[Callable] = None) -> None:

@@ -3,8 +3,10 @@
     python -m megatron_bitpipe.run <Megatron-LM>/pretrain_gpt.py [Megatron-LM flags] --pipeline-schedule bitpipe
     torchrun --nproc-per-node 8 -m megatron_bitpipe.run <Megatron-LM>/pretrain_gpt.py [...]
 
-The script is found as given or, if that path does not exist, under ``$MEGATRON_LM_PATH``; its
-checkout must be tag core_v0.16.1 (:mod:`megatron_bitpipe.megatron_lm.checkout`). Then, as
+The script is found as given or, if that path does not exist, under ``$MEGATRON_LM_PATH``. Its
+checkout should be a tested tag, core_v0.16.1 or core_v0.19.0
+(:mod:`megatron_bitpipe.megatron_lm.checkout`); another version gets one warning line (from
+the rank-0 process) and runs. Then, as
 ``python <script>`` would, the script's directory goes first on ``sys.path`` (plus the
 checkout root, if different), so ``megatron.training`` and ``megatron.core`` come from the
 checkout; :func:`megatron_bitpipe.megatron_lm.hooks.install` wires the plugin into
@@ -12,24 +14,24 @@ Megatron-LM's training code, and the script runs as ``__main__`` with ``sys.argv
 ``[script, flags...]``.
 
 Errors that are the user's to fix print one ``megatron_bitpipe.run: error: ...`` line on
-stderr and exit with status 2, on every rank, before any communication: a missing or wrong
-checkout, a Python package Megatron-LM's training code imports but is not installed, and
+stderr and exit with status 2, on every rank, before any communication: a missing checkout, a Python package Megatron-LM's training code imports but is not installed, and
 invalid flag combinations (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`).
 """
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from typing import Callable, List, Optional
 
-from .megatron_lm.checkout import ENV_VAR, SUPPORTED_TAG, MegatronLMCheckoutError, resolve_script
+from .megatron_lm.checkout import ENV_VAR, MegatronLMCheckoutError, resolve_script, tested_tags_text, untested_warning
 
 __all__ = ["main"]
 
 USAGE = (
     "usage: python -m megatron_bitpipe.run SCRIPT [Megatron-LM flags] [--pipeline-schedule bitpipe]\n"
-    f"SCRIPT is a Megatron-LM training script (tag {SUPPORTED_TAG}), e.g. /path/to/Megatron-LM/pretrain_gpt.py,\n"
+    f"SCRIPT is a Megatron-LM training script (tag {tested_tags_text()}), e.g. /path/to/Megatron-LM/pretrain_gpt.py,\n"
     f"or a path relative to ${ENV_VAR}."
 )
 
@@ -53,6 +55,9 @@ def main(argv: Optional[List[str]] = None, *, prepare: Optional[Callable[[], Non
         script, checkout = resolve_script(argv[0])
     except MegatronLMCheckoutError as error:
         return _error(str(error))
+    warning = untested_warning(checkout)
+    if warning is not None and os.environ.get("RANK", "0") == "0":
+        print(f"megatron_bitpipe.run: warning: {warning}", file=sys.stderr, flush=True)
     for path in dict.fromkeys([str(checkout.root), str(script.parent)]):
         if path not in sys.path:
             sys.path.insert(0, path)

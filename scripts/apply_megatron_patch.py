@@ -3,18 +3,20 @@
 
     python scripts/apply_megatron_patch.py [CHECKOUT] [--check | --revert]
 
-CHECKOUT defaults to ``$MEGATRON_LM_PATH``. The checkout must be tag core_v0.16.1 (its
-``megatron/core/package_info.py`` says 0.16.1). The patch is
-``patches/megatron-lm-core_v0.16.1.patch`` next to this script's directory; ``git apply``
-does the work (the checkout need not be a git repository).
+CHECKOUT defaults to ``$MEGATRON_LM_PATH``. There is one patch per tested Megatron-LM tag,
+``patches/megatron-lm-<tag>.patch`` (core_v0.16.1, core_v0.19.0); the checkout's
+``megatron/core/package_info.py`` tells which tag it is. A checkout of another version gets
+one warning line and the patch of the nearest tested version (then the others): the first
+that applies is used, and the checkout is refused only if none does. ``git apply`` does the
+work (the checkout need not be a git repository).
 
-* default: apply it; a checkout that already carries it is left as it is (idempotent);
-* ``--check``: change nothing, say whether the patch is applied or applies cleanly;
+* default: apply it; a checkout that already carries a patch is left as it is (idempotent);
+* ``--check``: change nothing, say whether a patch is applied or applies cleanly;
 * ``--revert``: remove it again.
 
-Exit status: 0 done (or nothing to do), 1 the patch does not apply to this checkout (files
-changed locally), 2 no usable checkout or bad arguments. Messages name the checkout, the
-expected tag and ``MEGATRON_LM_PATH``.
+Exit status: 0 done (or nothing to do), 1 no patch applies to this checkout (files changed
+locally, or a Megatron-LM version too far from the tested tags), 2 no usable checkout or bad
+arguments. Messages name the checkout, the tested tags and ``MEGATRON_LM_PATH``.
 """
 
 from __future__ import annotations
@@ -24,23 +26,46 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 REPO = Path(__file__).resolve().parent.parent
-PATCH = REPO / "patches" / "megatron-lm-core_v0.16.1.patch"
+PATCHES = REPO / "patches"
 sys.path.insert(0, str(REPO))
 
 from megatron_bitpipe.megatron_lm.checkout import (  # noqa: E402 (after the path set-up)
     ENV_VAR,
-    SUPPORTED_TAG,
+    TESTED_TAGS,
+    Checkout,
     MegatronLMCheckoutError,
     find_checkout,
+    tested_tags_text,
+    untested_warning,
+    version_tuple,
 )
 
 
-def _git_apply(root: Path, *flags: str) -> subprocess.CompletedProcess:
+def patch_of(tag: str) -> Path:
+    return PATCHES / f"megatron-lm-{tag}.patch"
+
+
+def candidate_patches(checkout: Checkout) -> List[Path]:
+    """The patches to try on ``checkout``: its tag's; for another version every tested tag's,
+    the nearest release first."""
+    if checkout.tag is not None:
+        return [patch_of(checkout.tag)]
+
+    def release(version: str) -> float:
+        major, minor, patch = (version_tuple(version) + (0, 0, 0))[:3]
+        return major * 1000 + minor + patch / 1000
+
+    mine = release(checkout.version)
+    return [patch_of(tag) for tag in sorted(TESTED_TAGS, key=lambda tag: abs(release(TESTED_TAGS[tag]) - mine))]
+
+
+def _git_apply(root: Path, patch: Path, *flags: str) -> subprocess.CompletedProcess:
     """``git apply FLAGS PATCH`` run in ``root``; git looks for no repository above ``root``."""
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
-    return subprocess.run(["git", "apply", *flags, str(PATCH)], cwd=root, env=env, capture_output=True, text=True)
+    return subprocess.run(["git", "apply", *flags, str(patch)], cwd=root, env=env, capture_output=True, text=True)
 
 
 def main(argv=None) -> int:
@@ -51,36 +76,51 @@ def main(argv=None) -> int:
     mode.add_argument("--revert", action="store_true", help="remove the patch")
     args = parser.parse_args(argv)
     if not args.checkout:
-        parser.error(f"give the Megatron-LM checkout (tag {SUPPORTED_TAG}) or set {ENV_VAR}")
+        parser.error(f"give the Megatron-LM checkout (tag {tested_tags_text()}) or set {ENV_VAR}")
     try:
-        root = find_checkout(Path(args.checkout)).root
+        checkout = find_checkout(Path(args.checkout))
     except MegatronLMCheckoutError as error:
         print(f"apply_megatron_patch: error: {error}", file=sys.stderr)
         return 2
+    root = checkout.root
+    warning = untested_warning(checkout)
+    if warning is not None:
+        print(f"apply_megatron_patch: warning: {warning}", file=sys.stderr)
+    patches = candidate_patches(checkout)
 
-    applied = _git_apply(root, "--reverse", "--check").returncode == 0
-    if applied and not args.revert:
-        print(f"{root}: the megatron-bitpipe patch is already applied")
+    applied = next((patch for patch in patches if _git_apply(root, patch, "--reverse", "--check").returncode == 0), None)
+    if applied is not None and not args.revert:
+        print(f"{root}: the megatron-bitpipe patch is already applied ({applied.name})")
         return 0
-    if not applied and args.revert:
+    if applied is None and args.revert:
         print(f"{root}: the megatron-bitpipe patch is not applied; nothing to revert")
         return 0
-    check = _git_apply(root, "--check", *(["--reverse"] if args.revert else []))
-    if check.returncode != 0:
-        print(
-            f"apply_megatron_patch: error: {PATCH.name} does not apply to {root} (files changed since tag "
-            f"{SUPPORTED_TAG}?):\n{check.stderr.strip()}",
-            file=sys.stderr,
-        )
-        return 1
+    if args.revert:
+        patch = applied
+    else:
+        failures = {}
+        for candidate in patches:
+            check = _git_apply(root, candidate, "--check")
+            if check.returncode == 0:
+                patch = candidate
+                break
+            failures[candidate.name] = check.stderr.strip()
+        else:
+            reasons = "\n".join(f"{name}:\n{reason}" for name, reason in failures.items())
+            print(
+                f"apply_megatron_patch: error: no megatron-bitpipe patch applies to {root} (megatron-core "
+                f"{checkout.version}; files changed since tag {checkout.tag or tested_tags_text()}?):\n{reasons}",
+                file=sys.stderr,
+            )
+            return 1
     if args.check:
-        print(f"{root}: the megatron-bitpipe patch applies cleanly (not applied yet)")
+        print(f"{root}: the megatron-bitpipe patch applies cleanly ({patch.name}, not applied yet)")
         return 0
-    result = _git_apply(root, *(["--reverse"] if args.revert else []))
+    result = _git_apply(root, patch, *(["--reverse"] if args.revert else []))
     if result.returncode != 0:
         print(f"apply_megatron_patch: error: git apply failed in {root}:\n{result.stderr.strip()}", file=sys.stderr)
         return 1
-    print(f"{root}: megatron-bitpipe patch {'reverted' if args.revert else 'applied'}")
+    print(f"{root}: megatron-bitpipe patch {'reverted' if args.revert else 'applied'} ({patch.name})")
     return 0
 
 

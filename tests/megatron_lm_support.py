@@ -41,8 +41,11 @@ _EVAL = re.compile(r"validation loss at iteration (\d+)( on validation set| on t
 
 
 def fake_checkout(root: Path, version=(0, 16, 1)) -> Path:
-    """A directory that looks like a Megatron-LM checkout of megatron-core ``version``."""
+    """A directory that looks like a Megatron-LM checkout of megatron-core ``version``
+    (``megatron.training`` is a regular package, as in a checkout: it shadows the one the
+    megatron-core 0.19 wheel installs)."""
     (root / "megatron" / "training").mkdir(parents=True)
+    (root / "megatron" / "training" / "__init__.py").write_text("")
     major, minor, patch = version
     (root / "megatron" / "core").mkdir(parents=True)
     (root / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = ''\n")

@@ -1,7 +1,8 @@
 """The Megatron-LM routes' errors and the loss hand-over, without a Megatron-LM checkout.
 
-* checkout errors name the path, ``MEGATRON_LM_PATH`` and the tag core_v0.16.1 (function and
-  ``python -m megatron_bitpipe.run`` exit status 2 with one ``error:`` line);
+* checkout errors name the path, ``MEGATRON_LM_PATH`` and the tested tags core_v0.16.1 and
+  core_v0.19.0 (function and ``python -m megatron_bitpipe.run`` exit status 2 with one
+  ``error:`` line); a checkout of another version gets one ``warning:`` line and runs;
 * incompatible Megatron-LM flags with ``--pipeline-schedule bitpipe`` are all reported at once,
   each by its flag;
 * a model builder that ignores the chunk's config or process groups is refused;
@@ -21,28 +22,37 @@ import torch
 
 from megatron_bitpipe.megatron_args import BitPipeConfigError
 from megatron_bitpipe.megatron_lm.args import add_megatron_lm_args, chain_args_provider, validate_megatron_lm_args
-from megatron_bitpipe.megatron_lm.checkout import MegatronLMCheckoutError, find_checkout, resolve_script
+from megatron_bitpipe.megatron_lm.checkout import MegatronLMCheckoutError, find_checkout, resolve_script, untested_warning
 from megatron_bitpipe.testing.launcher import launch
 
 from megatron_lm_support import REPO, fake_checkout
 
 
 def test_script_missing_without_env(tmp_path):
-    with pytest.raises(MegatronLMCheckoutError, match=r"pretrain_gpt\.py: no such file, and MEGATRON_LM_PATH is not set.*core_v0\.16\.1"):
+    with pytest.raises(MegatronLMCheckoutError, match=r"pretrain_gpt\.py: no such file, and MEGATRON_LM_PATH is not set.*core_v0\.16\.1 or core_v0\.19\.0"):
         resolve_script("pretrain_gpt.py", environ={})
 
 
 def test_env_is_not_a_checkout(tmp_path):
-    with pytest.raises(MegatronLMCheckoutError, match=rf"MEGATRON_LM_PATH={tmp_path} is not a Megatron-LM checkout.*core_v0\.16\.1"):
+    with pytest.raises(MegatronLMCheckoutError, match=rf"MEGATRON_LM_PATH={tmp_path} is not a Megatron-LM checkout.*core_v0\.16\.1 or core_v0\.19\.0"):
         resolve_script("pretrain_gpt.py", environ={"MEGATRON_LM_PATH": str(tmp_path)})
 
 
-def test_wrong_version_names_path_version_and_tag(tmp_path):
-    root = fake_checkout(tmp_path / "Megatron-LM", version=(0, 15, 0))
-    with pytest.raises(MegatronLMCheckoutError, match=rf"{root} is megatron-core 0\.15\.0.*tag core_v0\.16\.1"):
-        resolve_script(str(root / "pretrain_gpt.py"), environ={})
-    with pytest.raises(MegatronLMCheckoutError, match="megatron-core 0.15.0"):
-        resolve_script("pretrain_gpt.py", environ={"MEGATRON_LM_PATH": str(root)})
+def test_tested_tags_are_known_by_their_version_file(tmp_path):
+    # core_v0.19.0's package_info.py records 0.19.1
+    for version, tag in (((0, 16, 1), "core_v0.16.1"), ((0, 19, 1), "core_v0.19.0")):
+        checkout = find_checkout(fake_checkout(tmp_path / tag, version=version))
+        assert checkout.tag == tag and untested_warning(checkout) is None
+
+
+def test_other_version_is_used_with_a_warning(tmp_path):
+    root = fake_checkout(tmp_path / "Megatron-LM", version=(0, 18, 2))
+    script, checkout = resolve_script(str(root / "pretrain_gpt.py"), environ={})
+    assert checkout.version == "0.18.2" and checkout.tag is None
+    warning = untested_warning(checkout)
+    assert f"{root.resolve()} is megatron-core 0.18.2" in warning
+    assert "core_v0.16.1 (megatron-core 0.16.1), core_v0.19.0 (megatron-core 0.19.1); continuing" in warning
+    assert resolve_script("pretrain_gpt.py", environ={"MEGATRON_LM_PATH": str(root)})[1] == checkout
 
 
 def test_script_found_through_env(tmp_path):
@@ -54,26 +64,26 @@ def test_script_found_through_env(tmp_path):
 
 
 def test_run_cli_reports_checkout_errors(tmp_path):
-    """``python -m megatron_bitpipe.run``: exit 2 and one error line, before importing megatron."""
-    root = fake_checkout(tmp_path / "Megatron-LM", version=(0, 17, 0))
+    """``python -m megatron_bitpipe.run``: exit 2 and one error line, before importing megatron;
+    an untested version: one warning line, then the script's checkout is imported."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("MEGATRON_LM_PATH", None)
-    for argv, expected in (
-        ([str(root / "pretrain_gpt.py")], "is megatron-core 0.17.0"),
-        (["pretrain_gpt.py", "--num-layers", "2"], "MEGATRON_LM_PATH is not set"),
-    ):
-        result = subprocess.run(
-            [sys.executable, "-m", "megatron_bitpipe.run", *argv], env=env, capture_output=True, text=True, timeout=60
-        )
-        assert result.returncode == 2, result.stderr
-        assert result.stderr.startswith("megatron_bitpipe.run: error: ") and expected in result.stderr
-        assert "core_v0.16.1" in result.stderr
-    good = fake_checkout(tmp_path / "needs-a-module")
-    (good / "megatron" / "training" / "initialize.py").write_text("import a_module_nobody_installed\n")
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_bitpipe.run", str(good / "pretrain_gpt.py")], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "megatron_bitpipe.run", "pretrain_gpt.py", "--num-layers", "2"],
+        env=env, capture_output=True, text=True, timeout=60,
     )
-    assert result.returncode == 2 and "imports 'a_module_nobody_installed', which is not installed" in result.stderr, result.stderr
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("megatron_bitpipe.run: error: ") and "MEGATRON_LM_PATH is not set" in result.stderr
+    assert "core_v0.16.1 or core_v0.19.0" in result.stderr
+    for name, version in (("needs-a-module", (0, 16, 1)), ("untested", (0, 17, 0))):
+        root = fake_checkout(tmp_path / name, version=version)
+        (root / "megatron" / "training" / "__init__.py").write_text("import a_module_nobody_installed\n")
+        result = subprocess.run(
+            [sys.executable, "-m", "megatron_bitpipe.run", str(root / "pretrain_gpt.py")], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 2 and "imports 'a_module_nobody_installed', which is not installed" in result.stderr, result.stderr
+        warnings = [line for line in result.stderr.splitlines() if line.startswith("megatron_bitpipe.run: warning: ")]
+        assert len(warnings) == (version != (0, 16, 1)), result.stderr
     usage = subprocess.run([sys.executable, "-m", "megatron_bitpipe.run"], env=env, capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "usage: python -m megatron_bitpipe.run SCRIPT" in usage.stderr
 

@@ -1,13 +1,16 @@
-"""Finding a Megatron-LM checkout and checking that it is the version the plugin supports.
+"""Finding a Megatron-LM checkout and telling whether it is a tested release.
 
-A checkout is a directory holding ``megatron/training/`` (Megatron-LM's training loop, not part
-of the megatron-core wheel) and ``megatron/core/package_info.py``. The supported checkout is
-tag :data:`SUPPORTED_TAG`, whose megatron-core version is :data:`SUPPORTED_CORE_VERSION`.
+A checkout is a directory holding ``megatron/training/`` (Megatron-LM's training loop) and
+``megatron/core/package_info.py``. The plugin is tested with the release tags in
+:data:`TESTED_TAGS`; a checkout is recognised by the megatron-core version its
+``package_info.py`` records (tag core_v0.19.0 records 0.19.1: the release bumped the version
+file before tagging). A checkout of another version still runs, after one warning line
+(:func:`untested_warning`).
 
 :func:`resolve_script` turns the script argument of ``python -m megatron_bitpipe.run`` into
 an absolute path and its checkout: an existing path is used as given, otherwise it is looked
 up under ``$MEGATRON_LM_PATH``. Every failure raises :class:`MegatronLMCheckoutError` with a
-message that names the path, ``MEGATRON_LM_PATH`` and the expected tag. Pure Python: nothing
+message that names the path, ``MEGATRON_LM_PATH`` and the tested tags. Pure Python: nothing
 is imported from the checkout.
 """
 
@@ -15,38 +18,56 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple
 
 __all__ = [
-    "SUPPORTED_TAG",
-    "SUPPORTED_CORE_VERSION",
+    "TESTED_TAGS",
     "ENV_VAR",
     "MegatronLMCheckoutError",
     "Checkout",
+    "tested_tags_text",
+    "version_tuple",
     "checkout_version",
     "find_checkout",
     "resolve_script",
+    "untested_warning",
 ]
 
-SUPPORTED_TAG = "core_v0.16.1"
-SUPPORTED_CORE_VERSION = "0.16.1"
+TESTED_TAGS = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.1"}
+"""Megatron-LM release tag -> the megatron-core version its ``package_info.py`` records."""
 ENV_VAR = "MEGATRON_LM_PATH"
 _PACKAGE_INFO = Path("megatron", "core", "package_info.py")
 _TRAINING = Path("megatron", "training")
 
 
 class MegatronLMCheckoutError(RuntimeError):
-    """No usable Megatron-LM checkout: missing, not a checkout, or the wrong version."""
+    """No usable Megatron-LM checkout: missing, or not a checkout."""
+
+
+def tested_tags_text() -> str:
+    """The tested tags for messages: ``core_v0.16.1 or core_v0.19.0``."""
+    return " or ".join(TESTED_TAGS)
+
+
+def version_tuple(version: str) -> Tuple[int, ...]:
+    """``"0.19.1rc0"`` -> ``(0, 19, 1)``: the numeric release, for ordering."""
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split("."))
 
 
 @dataclass(frozen=True)
 class Checkout:
-    """A Megatron-LM checkout of the supported version (``root`` is absolute)."""
+    """A Megatron-LM checkout (``root`` is absolute) and its megatron-core version."""
 
     root: Path
     version: str
+
+    @property
+    def tag(self) -> Optional[str]:
+        """The tested release tag this checkout is, None for any other version."""
+        return next((tag for tag, version in TESTED_TAGS.items() if version == self.version), None)
 
 
 def checkout_version(root: Path) -> str:
@@ -73,12 +94,22 @@ def checkout_version(root: Path) -> str:
     return version + str(values.get("PRE_RELEASE", ""))
 
 
+def untested_warning(checkout: Checkout) -> Optional[str]:
+    """The warning for a checkout that is not a tested tag (None for a tested one)."""
+    if checkout.tag is not None:
+        return None
+    tested = ", ".join(f"{tag} (megatron-core {version})" for tag, version in TESTED_TAGS.items())
+    return (
+        f"the Megatron-LM checkout {checkout.root} is megatron-core {checkout.version} "
+        f"(megatron/core/package_info.py); megatron-bitpipe is tested with tags {tested}; continuing"
+    )
+
+
 def find_checkout(start: Path) -> Checkout:
-    """The supported checkout containing ``start`` (a file or directory inside it, or its root).
+    """The checkout containing ``start`` (a file or directory inside it, or its root).
 
     Walks up from ``start`` to the first directory holding ``megatron/training``; raises
-    :class:`MegatronLMCheckoutError` if there is none or its version is not
-    :data:`SUPPORTED_CORE_VERSION`.
+    :class:`MegatronLMCheckoutError` if there is none or its version cannot be read.
     """
     start = start.resolve()
     for directory in [start, *start.parents] if start.is_dir() else list(start.parents):
@@ -87,16 +118,9 @@ def find_checkout(start: Path) -> Checkout:
     else:
         raise MegatronLMCheckoutError(
             f"{start} is not inside a Megatron-LM checkout (no megatron/training/ in it or above it); "
-            f"clone https://github.com/NVIDIA/Megatron-LM at tag {SUPPORTED_TAG} and set {ENV_VAR} to it"
+            f"clone https://github.com/NVIDIA/Megatron-LM at tag {tested_tags_text()} and set {ENV_VAR} to it"
         )
-    version = checkout_version(directory)
-    if version != SUPPORTED_CORE_VERSION:
-        raise MegatronLMCheckoutError(
-            f"the Megatron-LM checkout {directory} is megatron-core {version} "
-            f"(megatron/core/package_info.py); megatron-bitpipe supports tag {SUPPORTED_TAG} "
-            f"(megatron-core {SUPPORTED_CORE_VERSION}): run git -C {directory} checkout {SUPPORTED_TAG}"
-        )
-    return Checkout(directory, version)
+    return Checkout(directory, checkout_version(directory))
 
 
 def resolve_script(script: str, environ: Optional[Mapping[str, str]] = None) -> tuple[Path, Checkout]:
@@ -113,13 +137,13 @@ def resolve_script(script: str, environ: Optional[Mapping[str, str]] = None) -> 
     if not root:
         raise MegatronLMCheckoutError(
             f"{script}: no such file, and {ENV_VAR} is not set; give the path of a script in a "
-            f"Megatron-LM checkout (tag {SUPPORTED_TAG}), e.g. /path/to/Megatron-LM/pretrain_gpt.py, "
+            f"Megatron-LM checkout (tag {tested_tags_text()}), e.g. /path/to/Megatron-LM/pretrain_gpt.py, "
             f"or set {ENV_VAR}=/path/to/Megatron-LM"
         )
     if not Path(root, _TRAINING).is_dir():
         raise MegatronLMCheckoutError(
             f"{ENV_VAR}={root} is not a Megatron-LM checkout (no megatron/training/ in it); "
-            f"point it at a clone of https://github.com/NVIDIA/Megatron-LM at tag {SUPPORTED_TAG}"
+            f"point it at a clone of https://github.com/NVIDIA/Megatron-LM at tag {tested_tags_text()}"
         )
     candidate = Path(root, script)
     if not candidate.is_file():

@@ -34,12 +34,13 @@ import argparse
 import functools
 from typing import Callable
 
+from ..megatron_compat import megatron_lm_functions, with_keyword
 from ..plugin import register
 from ..runtime.forward_backward import make_forward_backward_func
 from .args import chain_args_provider, layout_independent_init, validate_megatron_lm_args
 from .losses import forward_backward_for_megatron_lm
 
-__all__ = ["PATCH_MARKER", "setup", "get_model", "broadcast_full_batch", "install"]
+__all__ = ["PATCH_MARKER", "setup", "get_model", "build_distributed_models", "broadcast_full_batch", "install"]
 
 PATCH_MARKER = "MEGATRON_BITPIPE_PATCHED"
 """Name the patch defines as True in ``megatron.training.training``."""
@@ -59,15 +60,36 @@ def setup(args: argparse.Namespace) -> None:
 def get_model(megatron_get_model: Callable, model_provider_func: Callable, *args, **kwargs) -> list:
     """Megatron-LM's ``get_model(model_provider_func, model_type, wrap_with_ddp, config,
     pg_collection)`` for the selected schedule; ``megatron_get_model`` is Megatron-LM's own."""
+    from megatron.training import get_args
+
+    from .model import get_bitpipe_model
+
+    if getattr(get_args(), "pipeline_schedule", "default") == "bitpipe":
+        return get_bitpipe_model(model_provider_func, *args, **kwargs)
+    return _seed_only(megatron_get_model(model_provider_func, *args, **kwargs))
+
+
+def build_distributed_models(megatron_build: Callable, builder, *args, **kwargs) -> list:
+    """A Megatron-LM model builder's ``build_distributed_models(pg_collection, ddp_config, ...,
+    wrap_with_ddp, ...)`` (core_v0.19's config container) for the selected schedule;
+    ``megatron_build`` is the builder's own method. BitPipe builds GPTModel chunks only."""
+    from megatron.training import get_args
+
+    from .model import build_bitpipe_model_with
+
+    if getattr(get_args(), "pipeline_schedule", "default") == "bitpipe":
+        return build_bitpipe_model_with(builder, megatron_build, *args, **kwargs)
+    return _seed_only(megatron_build(*args, **kwargs))
+
+
+def _seed_only(model: list) -> list:
+    """``model`` (megatron's own chunks), re-initialised from the seed with ``--layout-independent-init``."""
     from megatron.core import mpu
     from megatron.training import get_args
 
-    from .model import get_bitpipe_model, initialize_chunks_from_seed
+    from .model import initialize_chunks_from_seed
 
     megatron_args = get_args()
-    if getattr(megatron_args, "pipeline_schedule", "default") == "bitpipe":
-        return get_bitpipe_model(model_provider_func, *args, **kwargs)
-    model = megatron_get_model(model_provider_func, *args, **kwargs)
     if layout_independent_init(megatron_args):
         initialize_chunks_from_seed(model, megatron_args.seed, mpu.get_tensor_model_parallel_group())
     return model
@@ -87,15 +109,19 @@ def _wrap(original: Callable, replacement: Callable) -> Callable:
 
 
 def install() -> None:
-    """Route Megatron-LM's functions through this module (the runtime route). Idempotent."""
-    import megatron.training.initialize as initialize
-    import megatron.training.training as training
-    import megatron.training.utils as utils
+    """Route Megatron-LM's functions through this module (the runtime route). Idempotent.
 
-    if hasattr(initialize.parse_args, "megatron_bitpipe_original") or getattr(training, PATCH_MARKER, False):
+    Wraps them where the checkout's training code looks them up
+    (:func:`~megatron_bitpipe.megatron_compat.megatron_lm_functions`).
+    """
+    functions = megatron_lm_functions()
+    training = functions.training
+    if hasattr(training.get_model, "megatron_bitpipe_original") or getattr(training, PATCH_MARKER, False):
         return  # installed already, or the checkout carries the patch route's calls
-    parse_args, validate_args = initialize.parse_args, initialize.validate_args
-    megatron_get_model, get_batch = training.get_model, utils.get_batch_on_this_tp_rank
+    module = functions.argument_modules[0]
+    parse_args, validate_args = module.parse_args, module.validate_args
+    megatron_get_model = training.get_model
+    get_batch = functions.batch_modules[0].get_batch_on_this_tp_rank
 
     def parse_args_with_plugin(extra_args_provider=None, ignore_unknown_args=False):
         return parse_args(chain_args_provider(extra_args_provider), ignore_unknown_args)
@@ -108,10 +134,20 @@ def install() -> None:
     def get_model_with_plugin(model_provider_func, *args, **kwargs):
         return get_model(megatron_get_model, model_provider_func, *args, **kwargs)
 
-    def get_batch_with_plugin(data_iterator, mtp_on_this_rank=False):
-        return get_batch(data_iterator, mtp_on_this_rank=broadcast_full_batch(mtp_on_this_rank))
+    def get_batch_with_plugin(*args, **kwargs):
+        args, kwargs = with_keyword(get_batch, "mtp_on_this_rank", args, kwargs, broadcast_full_batch)
+        return get_batch(*args, **kwargs)
 
-    initialize.parse_args = _wrap(parse_args, parse_args_with_plugin)
-    initialize.validate_args = _wrap(validate_args, validate_args_with_plugin)
+    for module in functions.argument_modules:
+        module.parse_args = _wrap(parse_args, parse_args_with_plugin)
+        module.validate_args = _wrap(validate_args, validate_args_with_plugin)
     training.get_model = _wrap(megatron_get_model, get_model_with_plugin)
-    utils.get_batch_on_this_tp_rank = _wrap(get_batch, get_batch_with_plugin)
+    for module in functions.batch_modules:
+        module.get_batch_on_this_tp_rank = _wrap(get_batch, get_batch_with_plugin)
+    for builder_class in functions.model_builders:
+        megatron_build = builder_class.build_distributed_models
+
+        def build_with_plugin(builder, *args, _megatron_build=megatron_build, **kwargs):
+            return build_distributed_models(functools.partial(_megatron_build, builder), builder, *args, **kwargs)
+
+        builder_class.build_distributed_models = _wrap(megatron_build, build_with_plugin)

@@ -10,9 +10,11 @@
   (:func:`~megatron_bitpipe.runtime.model.chunk_config`), so the V's layer offsets hold;
 * ``pre_process`` / ``post_process``: whether the chunk holds its pipeline's first / last
   stage (embedding on stage 1, final norm + head + loss on stage 2D: both on the edge ranks);
-* ``pg_collection``: the chunk's process groups
-  (:class:`~megatron_bitpipe.runtime.groups.PipelineGroups`: the data-parallel group of a
-  chunk is its grad-sync group, the mirror pair x data parallel).
+* ``pg_collection``: the rank's process groups
+  (:class:`~megatron_bitpipe.runtime.groups.PipelineGroups` ``rank_pgs``, plain data
+  parallelism, which Megatron-LM's loop reads off the model for its loss average and
+  checkpoints); each chunk's DDP reduces over its grad-sync group, the mirror pair x data
+  parallel.
 
 The chunk flow is the runtime's :func:`~megatron_bitpipe.runtime.model.build_chunks` (config
 and placement checks, per-chunk configs and groups, tying) with the ``model_provider`` as the
@@ -35,6 +37,8 @@ The script's ``model_provider`` must pass ``config`` and ``pg_collection`` on to
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Callable, List, Optional
 
 import torch
@@ -42,6 +46,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 
+from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
 from ..runtime.groups import ParallelGrid, PipelineGroups
 from ..runtime.init import initialize_from_seed
@@ -79,21 +84,38 @@ def _check_chunk(chunk: torch.nn.Module, spec: ChunkSpec, pg_collection) -> None
         )
 
 
-def _build(args, model_provider_func: Callable, tie_in_chunk: bool, **kwargs) -> torch.nn.Module:
-    """``model_provider_func(**kwargs)`` with ``--untie-embeddings-and-output-weights`` set
-    unless ``tie_in_chunk``.
+ChunkMaker = Callable[..., torch.nn.Module]
+"""``make(pre_process=, post_process=, config=, pg_collection=, share_embeddings_and_output_weights=)``:
+one chunk, built by Megatron-LM's own model code."""
 
-    Builders read the flag from the global arguments. megatron ties natively only within a
-    chunk or across looped first/last stages (it asserts a head-only chunk is not on the
-    first pipeline rank); no BitPipe chunk holds both ends, so every chunk is built untied
-    and :func:`~megatron_bitpipe.runtime.model.build_chunks` ties the heads afterwards.
-    """
-    untie = args.untie_embeddings_and_output_weights
-    args.untie_embeddings_and_output_weights = not tie_in_chunk
-    try:
-        return model_provider_func(**kwargs)
-    finally:
-        args.untie_embeddings_and_output_weights = untie
+
+def _provider_chunk_maker(args, model_provider_func: Callable) -> ChunkMaker:
+    """Chunks from a script's ``model_provider``, with ``--untie-embeddings-and-output-weights``
+    set while it runs unless the chunk ties (builders read the flag from the global arguments)."""
+
+    def make(*, share_embeddings_and_output_weights: bool, **kwargs) -> torch.nn.Module:
+        untie = args.untie_embeddings_and_output_weights
+        args.untie_embeddings_and_output_weights = not share_embeddings_and_output_weights
+        try:
+            return model_provider_func(**kwargs)
+        finally:
+            args.untie_embeddings_and_output_weights = untie
+
+    return make
+
+
+def _builder_chunk_maker(builder) -> ChunkMaker:
+    """Chunks from a Megatron-LM ``GPTModelBuilder``: one builder per chunk, whose model config
+    carries the chunk's transformer config and tying."""
+    model_config = megatron_compat.builder_model_config(builder)
+
+    def make(*, pre_process: bool, post_process: bool, config, pg_collection, share_embeddings_and_output_weights: bool):
+        chunk_model_config = dataclasses.replace(
+            model_config, transformer=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights
+        )
+        return type(builder)(chunk_model_config).build_model(pg_collection, pre_process=pre_process, post_process=post_process)
+
+    return make
 
 
 def get_bitpipe_model(
@@ -107,32 +129,54 @@ def get_bitpipe_model(
 
     Returns the four chunks (local chunk order of the placement), wrapped like Megatron-LM's
     (fp16/bf16 wrapper, then DDP unless ``wrap_with_ddp`` is false); see the module docstring.
-    Collective over all ranks (process groups, as Megatron-LM's ``get_model``).
+    ``pg_collection`` (Megatron-LM's global groups, given since core_v0.19) is replaced by
+    BitPipe's own groups. Collective over all ranks (process groups, as Megatron-LM's ``get_model``).
     """
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
+    config = config if config is not None else core_transformer_config_from_args(args)
+    return _bitpipe_chunks(args, _provider_chunk_maker(args, model_provider_func), config, model_type, wrap_with_ddp)
+
+
+def build_bitpipe_model_with(builder, megatron_build: Callable, *args, **kwargs) -> List[torch.nn.Module]:
+    """This rank's BitPipe chunks from a Megatron-LM model builder, with the signature and result
+    of its ``build_distributed_models`` (``megatron_build``, the builder's own method, whose
+    arguments ``args`` / ``kwargs`` are). Only builders of GPTModel can place BitPipe's chunks."""
+    from megatron.training import get_args
+
+    if not isinstance(builder, megatron_compat.megatron_lm_functions().gpt_builder):
+        raise BitPipeConfigError(
+            f"--pipeline-schedule bitpipe builds GPTModel chunks (pretrain_gpt.py); {type(builder).__name__} "
+            "picks each pipeline stage's layers in megatron's looped order and cannot hold BitPipe's V stages"
+        )
+    call = inspect.signature(megatron_build).bind(*args, **kwargs)
+    call.apply_defaults()
+    config = megatron_compat.builder_model_config(builder).transformer
+    maker = _builder_chunk_maker(builder)
+    return _bitpipe_chunks(get_args(), maker, config, call.arguments["model_type"], call.arguments["wrap_with_ddp"])
+
+
+def _bitpipe_chunks(args, make: ChunkMaker, config, model_type, wrap_with_ddp: bool) -> List[torch.nn.Module]:
     if model_type != ModelType.encoder_or_decoder:
         raise BitPipeConfigError(f"--pipeline-schedule bitpipe does not support {model_type} models (encoder-decoder)")
-    if pg_collection is not None:
-        raise BitPipeConfigError("--pipeline-schedule bitpipe builds its own process groups; get_model(pg_collection=...) is not supported")
     args.model_type = model_type
     grid = ParallelGrid(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size)
     groups = PipelineGroups.build(grid, bidirectional_v(grid.pp))
-    config = config if config is not None else core_transformer_config_from_args(args)
 
     def make_chunk(chunk_config, spec: ChunkSpec, chunk_pgs, tie_in_chunk: bool) -> torch.nn.Module:
-        chunk = _build(
-            args,
-            model_provider_func,
-            tie_in_chunk,
+        # The model gets the rank's groups (plain data parallelism): Megatron-LM's loop reads its
+        # reductions' groups from the model (core_v0.19: the loss average over data parallelism,
+        # checkpoint writers). The chunk's grad-sync group (``chunk_pgs``) goes to its DDP only.
+        chunk = make(
             pre_process=spec.pre_process,
             post_process=spec.post_process,
             config=chunk_config,
-            pg_collection=chunk_pgs,
+            pg_collection=groups.rank_pgs,
+            share_embeddings_and_output_weights=tie_in_chunk,
         )
-        _check_chunk(chunk, spec, chunk_pgs)
+        _check_chunk(chunk, spec, groups.rank_pgs)
         chunk.model_type = model_type
         for param in chunk.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)

@@ -6,7 +6,7 @@
 is ``python -m megatron_bitpipe.run`` (same arguments, same checks, same hooks) with, once the
 checkout is importable, megatron-core's CPU layer
 (:func:`~megatron_bitpipe.testing.cpu_compat.enable_cpu_megatron`) and these patches of
-Megatron-LM's start-up (tag core_v0.16.1), each needed on a CPU-only torch:
+Megatron-LM's start-up (tags core_v0.16.1 and core_v0.19.0), each needed on a CPU-only torch:
 
 * ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``: passed as true;
 * ``validate_args`` asks the GPU's architecture with tensor parallelism (for
@@ -17,7 +17,10 @@ Megatron-LM's start-up (tag core_v0.16.1), each needed on a CPU-only torch:
 * ``_compile_dependencies`` builds the dataset index helpers (kept: ``make`` in the checkout's
   ``megatron/core/datasets``, needs pybind11 and a C++ compiler) and the fused CUDA kernels
   (skipped: there is no nvcc);
-* ``set_jit_fusion_options`` warms up fused kernels on the GPU: skipped.
+* ``set_jit_fusion_options`` warms up fused kernels on the GPU: skipped;
+* ``typing.override`` (Python 3.12), which tag core_v0.19.0's model builders import, is
+  ``typing_extensions.override`` on Python 3.11 (both only mark a method at definition time):
+  this machine and CI run Python 3.11, where Megatron-LM core_v0.19.0 does not import otherwise.
 
 :data:`CPU_FLAGS` are the Megatron-LM flags that keep a run off CUDA-only code paths (no fused
 kernels, no Transformer Engine, weights created on the CPU, gloo); pass them too. Production
@@ -30,9 +33,11 @@ import os
 import subprocess
 import sys
 import sysconfig
+import typing
 from typing import List, Optional
 
 import torch
+import typing_extensions
 
 __all__ = ["CPU_FLAGS", "enable_cpu_megatron_lm", "main"]
 
@@ -75,6 +80,8 @@ def enable_cpu_megatron_lm() -> None:
 
     Call with the checkout on ``sys.path`` and before the training script starts.
     """
+    if not hasattr(typing, "override"):
+        typing.override = typing_extensions.override
     import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
@@ -96,7 +103,7 @@ def enable_cpu_megatron_lm() -> None:
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda device: None
     initialize._compile_dependencies = _compile_dataset_helpers
-    training.set_jit_fusion_options = lambda: None
+    training.set_jit_fusion_options = lambda *args, **kwargs: None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
