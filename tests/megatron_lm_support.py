@@ -22,17 +22,19 @@ from typing import Dict, List, Tuple
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# Imported unconditionally by Megatron-LM's megatron/training (core_v0.16.1); pybind11 builds
-# its dataset helpers.
+# Imported unconditionally by Megatron-LM's megatron/training (core_v0.16.1, core_v0.19.0);
+# pybind11 builds its dataset helpers.
 MEGATRON_LM_DEPENDENCIES = ("six", "regex", "yaml", "pydantic", "einops", "triton", "pybind11")
 
 # A tiny GPT on mock data: 8 layers (2 x 4 BitPipe stages), global batch of 8 micro-batches,
 # 4 iterations with evaluation after iterations 2 and 4; no dropout, so every layout and
-# schedule computes the same numbers.
+# schedule computes the same numbers. The vocabulary pads to 256 entries at tensor-parallel
+# sizes 1 and 2 at both tags (NullTokenizer has --vocab-size + 1 entries at core_v0.16.1 and
+# --vocab-size at core_v0.19.0; megatron pads to a multiple of 128 x tensor-parallel size).
 TINY_GPT = (
     "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
     "--micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 1e-3 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 128 --hidden-dropout 0 --attention-dropout 0 "
+    "--tokenizer-type NullTokenizer --vocab-size 200 --hidden-dropout 0 --attention-dropout 0 "
     "--log-interval 1 --eval-interval 2 --eval-iters 1"
 ).split()
 
@@ -57,7 +59,7 @@ def checkout_or_skip() -> Path:
     """The Megatron-LM checkout named by ``MEGATRON_LM_PATH``; skip the test without one."""
     root = os.environ.get("MEGATRON_LM_PATH")
     if not root:
-        pytest.skip("MEGATRON_LM_PATH is not set: point it at a Megatron-LM checkout (tag core_v0.16.1) to run these tests")
+        pytest.skip("MEGATRON_LM_PATH is not set: point it at a Megatron-LM checkout (tag core_v0.16.1 or core_v0.19.0) to run these tests")
     missing = [name for name in MEGATRON_LM_DEPENDENCIES if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"Megatron-LM's training code needs {', '.join(missing)}: pip install {' '.join(missing).replace('yaml', 'pyyaml')}")

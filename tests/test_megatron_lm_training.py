@@ -1,21 +1,21 @@
 """Megatron-LM's own pretrain_gpt.py with BitPipe, through both routes, on CPU ranks (gloo).
 
-Needs a Megatron-LM checkout (tag core_v0.16.1) in ``MEGATRON_LM_PATH``; skipped otherwise.
-Every run trains the same tiny GPT on mock data for 4 iterations (evaluation after 2 and 4)
-with ``torchrun -m megatron_bitpipe.testing.megatron_lm_cpu``, i.e. ``python -m
-megatron_bitpipe.run`` plus the CPU layer. The reference is Megatron-LM's default schedule
-(1F1B, pipeline 2) with ``--layout-independent-init``; BitPipe must give the same training
-loss and grad norm at every iteration and the same validation and test losses (rtol 1e-5 on
-the 7 digits Megatron-LM prints):
+Needs a Megatron-LM checkout in ``MEGATRON_LM_PATH`` (a tested tag: core_v0.16.1 or
+core_v0.19.0; run the file once per checkout); skipped otherwise. Every run trains the same
+tiny GPT on mock data for 4 iterations (evaluation after 2 and 4) with ``torchrun -m
+megatron_bitpipe.testing.megatron_lm_cpu``, i.e. ``python -m megatron_bitpipe.run`` plus the
+CPU layer. The reference is one process without pipelining (``--layout-independent-init``);
+BitPipe must give the same training loss and grad norm at every iteration and the same
+validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
 
-* runtime route, tensor 2 x pipeline 2 (4 ranks), saving a checkpoint at iteration 2;
+* runtime route and patch route (a copy of the checkout patched by
+  ``scripts/apply_megatron_patch.py``), each with pipeline 4 and with tensor 2 x pipeline 2
+  (4 ranks); the runtime route's tensor 2 x pipeline 2 run saves a checkpoint at iteration 2;
 * resuming that checkpoint (``--load``, ``--ckpt-step 2``) continues the same loss curve;
-* patch route: a copy of the checkout patched by ``scripts/apply_megatron_patch.py``,
-  pipeline 4 (4 ranks);
 * invalid flags stop every rank with one error line before torch.distributed starts.
 
 (pretrain_bert.py at core_v0.16.1 imports Transformer Engine's BERT layer spec when it is
-loaded, so it cannot run on a CPU machine at all.)
+loaded, so it cannot run on a CPU machine at all; core_v0.19.0 has no pretrain_bert.py.)
 """
 
 from __future__ import annotations
@@ -30,15 +30,21 @@ from megatron_bitpipe.megatron_lm.checkout import find_checkout
 
 from megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, torchrun
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 RTOL = 1e-5
 BITPIPE = ["--pipeline-schedule", "bitpipe"]
+LAYOUTS = {
+    "pp4": ["--pipeline-model-parallel-size", "4"],
+    "tp2_pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+}
 
 
 @pytest.fixture(scope="module")
 def checkout():
     root = checkout_or_skip()
-    return find_checkout(root).root  # a wrong checkout fails here, naming the path and the tag
+    checkout = find_checkout(root)
+    assert checkout.tag is not None, f"{root} is megatron-core {checkout.version}, not a tested Megatron-LM tag"
+    return checkout.root
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +54,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkout, workdir) -> Run:
-    flags = [*TINY_GPT, "--pipeline-model-parallel-size", "2", "--layout-independent-init"]
-    return _ok(torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir))
-
-
-@pytest.fixture(scope="module")
-def bitpipe_runtime(checkout, workdir) -> Run:
-    flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-             "--save", str(workdir / "checkpoint"), "--save-interval", "2", "--ckpt-format", "torch"]
-    return _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
+    return _ok(torchrun(checkout / "pretrain_gpt.py", 1, [*TINY_GPT, "--layout-independent-init"], workdir))
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +65,17 @@ def patched_checkout(checkout, workdir):
     applied = subprocess.run(script, capture_output=True, text=True, timeout=60)
     assert applied.returncode == 0 and "patch applied" in applied.stdout, applied.stderr
     return copy
+
+
+@pytest.fixture(scope="module")
+def runtime_runs(checkout, workdir) -> dict:
+    """BitPipe through ``python -m megatron_bitpipe.run`` in both layouts; tensor 2 x pipeline 2
+    saves a checkpoint at iteration 2."""
+    save = ["--save", str(workdir / "checkpoint"), "--save-interval", "2", "--ckpt-format", "torch"]
+    return {
+        name: _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*TINY_GPT, *BITPIPE, *flags, *(save if name == "tp2_pp2" else [])], workdir))
+        for name, flags in LAYOUTS.items()
+    }
 
 
 def _ok(run: Run) -> Run:
@@ -84,14 +93,15 @@ def _assert_same_curve(run: Run, reference: Run, iterations=range(1, 5)):
         assert run.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
 
 
-def test_runtime_route_bitpipe_equals_default_schedule(bitpipe_runtime, reference):
-    _assert_same_curve(bitpipe_runtime, reference)
-    assert "saving checkpoint at iteration       2" in bitpipe_runtime.output
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_runtime_route_bitpipe_equals_one_process(runtime_runs, reference, layout):
+    _assert_same_curve(runtime_runs[layout], reference)
+    if layout == "tp2_pp2":
+        assert "saving checkpoint at iteration       2" in runtime_runs[layout].output
 
 
-def test_resume_from_bitpipe_checkpoint_continues_the_curve(bitpipe_runtime, checkout, workdir, reference):
-    flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-             "--load", str(workdir / "checkpoint"), "--ckpt-step", "2", "--ckpt-format", "torch"]
+def test_resume_from_bitpipe_checkpoint_continues_the_curve(runtime_runs, checkout, workdir, reference):
+    flags = [*TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"], "--load", str(workdir / "checkpoint"), "--ckpt-step", "2", "--ckpt-format", "torch"]
     resumed = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
     assert sorted(resumed.losses) == [3, 4]
     # Megatron-LM logs the first iteration after a resume without resetting its averages, so
@@ -103,8 +113,9 @@ def test_resume_from_bitpipe_checkpoint_continues_the_curve(bitpipe_runtime, che
             assert resumed.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
 
 
-def test_patch_route_bitpipe_equals_default_schedule(patched_checkout, workdir, reference):
-    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "4"]
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_patch_route_bitpipe_equals_one_process(patched_checkout, workdir, reference, layout):
+    flags = [*TINY_GPT, *BITPIPE, *LAYOUTS[layout]]
     _assert_same_curve(_ok(torchrun(patched_checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
