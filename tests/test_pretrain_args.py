@@ -97,6 +97,7 @@ def test_mock_data_is_a_function_of_seed_split_and_index():
     assert torch.equal(first["position_ids"], torch.arange(16)) and bool((first["loss_mask"] == 1).all())
 
 
+@pytest.mark.multirank
 def test_slurm_templates_parse():
     import shutil
     import subprocess

@@ -127,6 +127,15 @@ class StepResult:
     num_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int))
     trace: List[str] = field(default_factory=list)
 
+    @property
+    def loss_microbatches(self) -> List[int]:
+        """The micro-batches whose loss this rank computed, ascending."""
+        return sorted(self.losses)
+
+    def loss_reports(self) -> List[object]:
+        """The loss reports in micro-batch order: what megatron's schedules return."""
+        return [self.losses[m] for m in self.loss_microbatches]
+
 
 class PlanExecutor:
     """Runs this rank's actions of ``plan`` on ``chunks`` (index = local chunk id).

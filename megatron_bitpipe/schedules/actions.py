@@ -18,7 +18,7 @@ Invariants of a valid plan (checked by :func:`megatron_bitpipe.schedules.validat
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Tuple
 
 from .placement import Placement
@@ -106,7 +106,8 @@ class SchedulePlan:
     """Per-rank ordered actions of one training step, plus where they run.
 
     Attributes:
-        name: schedule name (``1f1b``, ``interleaved``, ``chimera``, ``bitpipe``).
+        name: schedule name (``1f1b``, ``interleaved``, ``chimera``, ``bitpipe``; a split
+            plan's adds ``+split-backward``).
         placement: stage → (rank, chunk) map of every pipeline.
         num_microbatches: N, micro-batches in the global batch of one step (per data
             parallel rank).
@@ -120,11 +121,15 @@ class SchedulePlan:
     num_microbatches: int
     microbatch_pipeline: Tuple[int, ...]
     actions: Tuple[Tuple[Action, ...], ...]
-    meta: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_ranks(self) -> int:
         return self.placement.num_ranks
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backwards run split: input gradient ``I``, weight gradients ``W`` later."""
+        return any(a.type is ActionType.BACKWARD_INPUT for _, a in self)
 
     def microbatches_of_pipeline(self, pipeline: int) -> Tuple[int, ...]:
         """Micro-batch indices routed through ``pipeline``, ascending."""
@@ -152,7 +157,6 @@ def make_plan(
     num_microbatches: int,
     microbatch_pipeline: Sequence[int],
     actions: Sequence[Sequence[Action]],
-    **meta,
 ) -> SchedulePlan:
     """Build a :class:`SchedulePlan` from lists (converted to tuples)."""
     return SchedulePlan(
@@ -161,5 +165,4 @@ def make_plan(
         num_microbatches=num_microbatches,
         microbatch_pipeline=tuple(microbatch_pipeline),
         actions=tuple(tuple(a) for a in actions),
-        meta=dict(meta),
     )

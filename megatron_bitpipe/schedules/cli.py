@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-from . import SCHEDULES, generate
+from . import SCHEDULES, ScheduleChoice
 from .errors import PlanError, ScheduleConfigError
-from .simulate import CostModel, simulate
+from .simulate import CostModel, read_cost_file, simulate
 from .validate import validate_plan
 
 _COST_FLAGS = {
@@ -42,7 +41,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags choosing a plan: ``--schedule``, ``--pipeline-model-parallel-size``
     (``args.pp``), ``--num-microbatches`` (``args.num_microbatches``),
     ``--virtual-pipeline-model-parallel-size`` (``args.vp``) and ``--split-backward``,
-    as :func:`generate` takes them."""
+    as :class:`~.choice.ScheduleChoice` and its ``plan`` take them."""
     parser.add_argument("--schedule", choices=SCHEDULES, required=True)
     parser.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp")
     parser.add_argument("--num-microbatches", "-N", type=int, required=True, dest="num_microbatches")
@@ -69,15 +68,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_cost_file(path: str) -> Dict[str, float]:
-    """The :class:`~.simulate.CostModel` fields found in JSON cost file ``path`` (other keys,
-    e.g. a calibration's sizes, are ignored). Raises OSError / JSONDecodeError."""
-    with open(path, encoding="utf-8") as handle:
-        loaded = json.load(handle)
-    known = {f.name for f in fields(CostModel)}
-    return {k: float(v) for k, v in loaded.items() if k in known and v is not None}
-
-
 def cost_model(args: argparse.Namespace) -> CostModel:
     """CostModel from ``--costs FILE`` overridden by explicit ``--t-*`` flags."""
     values = read_cost_file(args.costs) if args.costs else {}
@@ -96,8 +86,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         costs = cost_model(args) if args.command == "simulate" else None
-        plan = generate(args.schedule, args.pp, args.num_microbatches, args.vp, args.forward_only,
-                        args.split_backward, costs)
+        choice = ScheduleChoice(args.schedule, args.split_backward, costs, args.vp)
+        plan = choice.plan(args.pp, args.num_microbatches, args.forward_only)
         if args.command == "plan":
             print(plan.format())
             return 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True, order=True)
@@ -110,6 +110,27 @@ class Placement:
     def mirror_slots(self, rank: int, chunk: int) -> Tuple[StageLocation, ...]:
         """All slots holding the same layers as (rank, chunk), itself included."""
         return self.replicas(self.role(rank, chunk).stage)
+
+    def layer_problem(self, num_layers: int) -> Optional[str]:
+        """Why ``num_layers`` cannot be cut into this placement's equal stages, or None.
+
+        The message names the flags the stage count comes from (``--num-layers`` must be a
+        positive multiple of the stages of one pipeline).
+        """
+        stages = self.num_stages
+        if num_layers > 0 and num_layers % stages == 0:
+            return None
+        per_rank = stages // self.num_ranks
+        if per_rank == 1:
+            sizes = "--pipeline-model-parallel-size"
+        elif self.name == "looped":
+            sizes = "--pipeline-model-parallel-size x --virtual-pipeline-model-parallel-size"
+        else:
+            sizes = f"{per_rank} x --pipeline-model-parallel-size"
+        return (
+            f"--num-layers {num_layers} must be divisible by {sizes} = {stages} "
+            f"(the {self.name} placement runs {stages} stages of equal size)"
+        )
 
     @property
     def head_copies_embedding(self) -> bool:

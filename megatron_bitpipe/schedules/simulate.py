@@ -26,7 +26,8 @@ forward saved), and exactly what the emulated layers of the benchmark hold.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, Optional, Tuple
 
 from .actions import Action, ActionType, SchedulePlan
@@ -90,6 +91,16 @@ class CostModel:
             ActionType.BACKWARD_WEIGHT: self.weight_time,
         }
         return per_share.get(action.type, 0.0) * stage_weight
+
+
+def read_cost_file(path: str) -> Dict[str, float]:
+    """The :class:`CostModel` fields found in JSON cost file ``path`` (other keys,
+    e.g. a calibration's sizes, are ignored). Raises OSError / JSONDecodeError."""
+    with open(path, encoding="utf-8") as handle:
+        loaded = json.load(handle)
+    known = {f.name for f in fields(CostModel)}
+    return {k: float(v) for k, v in loaded.items() if k in known and v is not None}
+
 
 
 def same_rank_prerequisite(action: Action) -> Optional[Action]:

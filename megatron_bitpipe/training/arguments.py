@@ -29,7 +29,8 @@ import math
 import os
 from typing import List, Optional, Sequence
 
-from ..megatron_args import BitPipeConfigError, add_bitpipe_args, validate_bitpipe_args
+from ..megatron_args import MICROBATCHES_SOURCE, PLAN_SCHEDULES, BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
+from ..schedules import ScheduleChoice
 
 __all__ = ["BitPipeConfigError", "build_parser", "parse_args", "validate", "padded_vocab_size"]
 
@@ -237,28 +238,31 @@ def _model_problems(args) -> List[str]:
 
 
 def _pipeline_problems(args) -> List[str]:
+    """megatron-core's own schedules on this package's chunks: the layers fill equal stages and
+    the interleaved schedule's rules (the plan-executed schedules' are in
+    :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`)."""
     problems = []
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
-    if args.schedule in ("1f1b", "interleaved", "no_pipelining"):
-        stages = pp * (vp or 1)
-        if args.num_layers % stages:
-            sizes = "--pipeline-model-parallel-size" + (" x --virtual-pipeline-model-parallel-size" if vp else "")
-            problems.append(f"--num-layers {args.num_layers} must be divisible by {sizes} = {stages}")
-    if args.schedule == "interleaved":
-        if pp < 2:
-            problems.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2")
-        if args.num_microbatches % pp:
-            problems.append(
-                f"the interleaved schedule needs the micro-batches per data-parallel rank (--global-batch-size / "
-                f"(--micro-batch-size x data-parallel size) = {args.num_microbatches}) to be a multiple of "
-                f"--pipeline-model-parallel-size {pp}"
-            )
+    if args.pipeline_schedule not in PLAN_SCHEDULES and not _flag_combination_problem(args):
+        choice = ScheduleChoice("interleaved" if args.schedule == "interleaved" else "1f1b", virtual_size=vp)
+        problems += choice.problems(pp, args.num_microbatches, args.num_layers, microbatches=MICROBATCHES_SOURCE)
+    if args.schedule == "interleaved" and pp < 2:
+        problems.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2")
     if args.tensor_parallel_mode == "optimus2d" and args.schedule == "interleaved":
         problems.append(
             "--tensor-parallel-mode optimus2d runs with --pipeline-schedule bitpipe, 1f1b or default, not "
             "with --virtual-pipeline-model-parallel-size"
         )
     return problems
+
+
+def _flag_combination_problem(args) -> bool:
+    """Whether --pipeline-schedule and the virtual size contradict each other (reported by
+    :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`)."""
+    vp = args.virtual_pipeline_model_parallel_size
+    return (args.pipeline_schedule == "interleaved" and vp in (None, 1)) or (
+        args.pipeline_schedule == "1f1b" and vp not in (None, 1)
+    )
 
 
 def _precision_problems(args, cuda_available: bool) -> List[str]:
@@ -324,10 +328,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
     """Raise :class:`BitPipeConfigError` listing every broken rule; no communication."""
     problems = _model_problems(args)
     if not problems:  # later rules divide by these sizes
-        try:
-            validate_bitpipe_args(args)
-        except BitPipeConfigError as error:
-            problems += [line.strip() for line in str(error).splitlines()[1:]]
+        problems += bitpipe_arg_problems(args)
         problems += _pipeline_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
