@@ -1,14 +1,16 @@
 """Pipeline schedules as data: plans, placements, generators, validation, simulation.
 
-Nothing in this package needs ``torch.distributed``. A generator returns a
+Nothing in this package needs ``torch.distributed``. A generator returns a compute-only
 :class:`~.actions.SchedulePlan` (per-rank ordered actions plus the placement that
-implies all communication); :func:`~.validate.validate_plan` checks it,
+implies all communication); :func:`~.lower.lower` writes that communication into the
+plan as ``SEND`` / ``RECV`` actions; :func:`~.validate.validate_plan` checks it,
 :func:`~.simulate.simulate` times it under a :class:`~.simulate.CostModel`,
 :mod:`.render` draws it and the runtime executes it.
 
 ``generate(name, D, N, ...)`` is the one entry point that the command line, the
-benchmarks and the runtime use; ``split_backward=True`` runs every backward as an
-input-gradient and a later weight-gradient action (:mod:`.split_backward`).
+benchmarks and the runtime use; it returns lowered plans. ``split_backward=True`` runs
+every backward as an input-gradient and a later weight-gradient action
+(:mod:`.split_backward`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from . import bitpipe, chimera, interleaved, one_f_one_b
 from .split_backward import split_backward as _split_backward
 from .actions import Action, ActionType, SchedulePlan
 from .errors import PlanError, ScheduleConfigError
+from .lower import lower
 from .placement import Placement, StageLocation
 from .simulate import CostModel, SimulationResult, simulate
 from .validate import validate_plan
@@ -46,10 +49,13 @@ def generate(
     ``virtual_size`` (chunks per rank) applies to ``interleaved`` only (default 2).
     ``split_backward`` places weight-gradient actions for ``costs`` (default
     :class:`CostModel`: ``t_B = 2 t_F``, half of it weight gradients); it does nothing
-    to a forward-only plan. Raises :class:`ScheduleConfigError` naming the offending flag.
+    to a forward-only plan. The plan is lowered (:func:`lower`: explicit ``SEND`` /
+    ``RECV`` actions, each receive posted right before its consumer); ``plan.compute_only()``
+    is the generator's order. Raises :class:`ScheduleConfigError` naming the offending flag.
     """
     plan = _generate(schedule, num_ranks, num_microbatches, virtual_size, forward_only)
-    return _split_backward(plan, costs) if split_backward and not forward_only else plan
+    plan = _split_backward(plan, costs) if split_backward and not forward_only else plan
+    return lower(plan)
 
 
 def _generate(
@@ -79,6 +85,7 @@ __all__ = [
     "SimulationResult",
     "StageLocation",
     "generate",
+    "lower",
     "simulate",
     "validate_plan",
 ]
