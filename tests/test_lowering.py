@@ -21,9 +21,12 @@ from typing import List
 
 import pytest
 
+from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.schedules import SCHEDULES, CostModel, PlanError, generate, lower, simulate, validate_plan
 from megatron_bitpipe.schedules.actions import Action, ActionType, SchedulePlan
 from megatron_bitpipe.schedules.comm import received_by, sent_by
+
+from runtime_support import Case, assert_equals_reference, launch_references, pipeline
 
 FINGERPRINTS = pathlib.Path(__file__).with_name("plan_fingerprints.json")
 COSTS = {"free": CostModel(), "p2p": CostModel(t_p2p=0.1, t_sync=0.5)}
@@ -167,7 +170,7 @@ def move(actions: List[Action], text: str, before: str) -> None:
         (0, lambda a: a.remove(Action.parse("SEND_F0.1")), r"rank 0: F0\.1 produces a message for rank 1 that no SEND_F0\.1 sends"),
         (1, lambda a: move(a, "SEND_B0.0", "B0.0"), r"rank 1, action SEND_B0\.0 \(position \d+\): sends before B0\.0"),
         (0, lambda a: move(a, "RECV_B0.1", "S0"), r"rank 0, action RECV_B0\.1 \(position \d+\): posted after its consumer B0\.1"),
-        (0, lambda a: a.insert(0, Action.parse("RECV_F0.0")), r"rank 0: RECV_F0\.0 moves no message"),
+        (0, lambda a: a.insert(0, Action.parse("RECV_F0.0")), r"rank 0: RECV_F0\.0 has no message to move \(it is a pipeline's end\)"),
         (0, lambda a: a.append(Action.parse("SEND_F0.1")), r"rank 0, action SEND_F0\.1 \(position 9\): repeats position 3"),
         (1, lambda a: a.insert(0, Action.parse("RECV_F0.2")), r"micro-batch outside"),
     ],
@@ -237,6 +240,72 @@ def test_cli_prints_the_compute_order_or_the_lowered_plan():
     assert early.stdout.splitlines()[1] == "rank 1: RECV_F0.0 RECV_F0.1 F0.0 B0.0 SEND_B0.0 F0.1 B0.1 SEND_B0.1 S0"
     bad = subprocess.run(run + ["--communication", "--receive-lookahead", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--receive-lookahead" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+# --- the executor runs what the plan says -------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class EarlyCase(Case):
+    """A runtime case whose plans post every receive ``receive_lookahead`` actions early."""
+
+    receive_lookahead: int = 1
+
+
+CASES_2 = [
+    EarlyCase("early2_bitpipe_pp2_n6_deallocate", "bitpipe", pp=2, n=6, deallocate_pipeline_outputs=True, receive_lookahead=2),
+    EarlyCase("early3_split_bitpipe_pp2_n4", "bitpipe", pp=2, n=4, split_backward=True, receive_lookahead=3),
+]
+CASES_4 = [EarlyCase("early1_bitpipe_pp4_n8", "bitpipe", pp=4, n=8, receive_lookahead=1)]
+
+
+def _run_early(cases: List[EarlyCase]) -> dict:
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.runtime import forward_backward
+
+    enable_cpu_megatron()
+    generated = forward_backward._plan
+    out = {}
+    for case in cases:
+        served: List[SchedulePlan] = []
+
+        def early(*args, case=case, served=served):
+            plan = lower(generated(*args), receive_lookahead=case.receive_lookahead)
+            validate_plan(plan)
+            served.append(plan)
+            return plan
+
+        forward_backward._plan = early
+        try:
+            record = pipeline(case)
+        finally:
+            forward_backward._plan = generated
+        executed = forward_backward.last_step().trace  # the evaluation step's
+        record["ran_the_plan"] = executed == [str(a) for a in served[-1].actions[record["pp_rank"]]]
+        out[case.name] = record
+    return out
+
+
+@pytest.fixture(scope="module")
+def early_references() -> dict:
+    return launch_references(CASES_2 + CASES_4)
+
+
+@pytest.fixture(scope="module")
+def early_two_ranks() -> List[dict]:
+    return launch(_run_early, 2, CASES_2, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def early_four_ranks() -> List[dict]:
+    return launch(_run_early, 4, CASES_4, timeout=600)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
+def test_receives_posted_early_train_like_one_process(case, early_references, early_two_ranks, early_four_ranks):
+    records = [r[case.name] for r in (early_two_ranks if case in CASES_2 else early_four_ranks)]
+    assert all(r["ran_the_plan"] for r in records)
+    assert_equals_reference(case, records, early_references[case.reference_key])
 
 
 if __name__ == "__main__":

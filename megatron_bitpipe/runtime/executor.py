@@ -127,7 +127,7 @@ class StepResult:
         losses: the loss reports of this rank's loss chunks, by micro-batch (megatron's
             ``forward_data_store`` entries).
         num_tokens: tokens counted by the loss function (for per-token loss).
-        trace: the actions executed, in order (``"F0.3"``, ``"S2"``, ...).
+        trace: the actions executed, in order (``"RECV_F0.3"``, ``"F0.3"``, ``"S2"``, ...).
     """
 
     losses: Dict[int, object] = field(default_factory=dict)
@@ -327,7 +327,10 @@ class PlanExecutor:
             return self._handed_over.pop(action.comm_key)
         posted = self._received.pop(action.comm_key, None)
         if posted is None:
-            raise RuntimeError(f"rank {self.rank}: plan runs {action} without receiving its input first")
+            raise RuntimeError(
+                f"rank {self.rank}: plan runs {action} without posting the receive of its input first "
+                "(a compute-only plan? run plans of megatron_bitpipe.schedules.generate or lower())"
+            )
         work, buffer = posted
         work.wait()
         return buffer

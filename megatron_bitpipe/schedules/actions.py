@@ -83,10 +83,12 @@ class ActionType(str, enum.Enum):
 
     @property
     def is_send(self) -> bool:
+        """True for ``SEND_F`` and ``SEND_B``."""
         return self in _SEND
 
     @property
     def is_receive(self) -> bool:
+        """True for ``RECV_F`` and ``RECV_B`` (which post a receive)."""
         return self in _RECEIVE
 
     def __str__(self) -> str:

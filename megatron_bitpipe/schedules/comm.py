@@ -1,14 +1,15 @@
 """Communication implied by a plan: which tensor each action receives and sends.
 
-This is the data flow the lowering pass (:mod:`.lower`) writes into a plan as ``SEND`` and
-``RECV`` actions, and that the validator, the simulator and the runtime resolve those
-actions with (:func:`transfer_of`). Nothing here is written per schedule. A forward of stage ``s`` receives the activation
-of stage ``s-1`` and sends its output to stage ``s+1``; a backward receives the gradient
-from stage ``s+1`` and sends the input gradient to stage ``s-1``. Where the neighbouring
-stage lives on the same rank (the turn of a V) the hand-over is local and no message is
-sent. In a split backward the input-gradient action ``I`` communicates exactly as ``B``
-does and the weight-gradient action ``W`` not at all; transfers name their producer and
-consumer by :attr:`~.actions.Action.comm_key` (``B`` for both forms).
+This is the data flow that the lowering pass (:mod:`.lower`) writes into a plan as ``SEND``
+and ``RECV`` actions, and that the validator, the simulator and the runtime resolve those
+actions with (:func:`transfer_of`). Nothing here is written per schedule. A forward of
+stage ``s`` receives the activation of stage ``s-1`` and sends its output to stage ``s+1``;
+a backward receives the gradient from stage ``s+1`` and sends the input gradient to stage
+``s-1``. Where the neighbouring stage lives on the same rank (the turn of a V) the hand-over
+is local and no message is sent. In a split backward the input-gradient action ``I``
+communicates exactly as ``B`` does and the weight-gradient action ``W`` not at all;
+transfers name their producer and consumer by :attr:`~.actions.Action.comm_key` (``B`` for
+both forms).
 
 Messages travel on *channels*. A channel is identified by (payload, pipeline, source
 rank, destination rank); within a channel messages must be received in the order they
@@ -163,6 +164,6 @@ def transfer_of(placement: Placement, rank: int, action: Action) -> Transfer:
     find = sent_by if action.type.is_send else received_by
     transfer = find(placement, rank, action.compute_key)
     if transfer is None or transfer.is_local:
-        where = "a local hand-over" if transfer is not None else "no message"
-        raise ValueError(f"rank {rank}: {action} moves {where}; it has no communication action")
+        why = "the hand-over is local" if transfer is not None else "it is a pipeline's end"
+        raise ValueError(f"rank {rank}: {action} has no message to move ({why})")
     return transfer
