@@ -221,6 +221,8 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
             collect_full(c, tensor_of, chunk=s, tp_group=groups.tp) for c, s in zip(model.chunks, model.specs)
         )
 
+    traces: List[List[str]] = []  # the actions each step executed on this rank
+
     def run(step: Optional[int], forward_only: bool = False) -> Dict[int, float]:
         """This dp rank's block of ``case.batches(step, ...)`` through the schedule; the loss
         reports of this rank by global micro-batch index."""
@@ -234,6 +236,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
             micro_batch_size=MICRO_BATCH,
             forward_only=forward_only,
         )
+        traces.append(result.trace)
         return {first + m: case.recorded_loss(r) for m, r in result.losses.items()}
 
     record = {"initial": full(), "replica_diff": [max_replica_difference(model.chunks, groups)], "steps": []}
@@ -252,6 +255,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=full()))
         record["replica_diff"].append(max_replica_difference(model.chunks, groups))
     record["eval"] = run(None, forward_only=True)
+    record["eval_trace"] = traces[-1]
     record["pp_rank"] = groups.pp_rank
     return record
 

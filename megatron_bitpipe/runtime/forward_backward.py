@@ -12,9 +12,10 @@ placement, p2p channels and gradient-sync groups.
 
 One step:
 
-1. the plan for ``(D, num_microbatches)`` is generated (pure Python, identical on every
-   rank) — bad arguments raise :class:`~megatron_bitpipe.schedules.ScheduleConfigError`
-   naming the flag before any communication;
+1. the plan for ``(D, num_microbatches)`` is generated, with its sends and receives as
+   actions (pure Python, identical on every rank), and validated — bad arguments raise
+   :class:`~megatron_bitpipe.schedules.ScheduleConfigError` naming the flag before any
+   communication;
 2. with every chunk's DDP in ``no_sync``, :class:`~.executor.PlanExecutor` runs the
    plan; each chunk's gradient all-reduce (over its replicas x data parallel) starts
    asynchronously at its ``SYNC``, as soon as its last backward is done;

@@ -2,13 +2,15 @@
 
 Nothing in this package needs ``torch.distributed``. A :class:`~.choice.ScheduleChoice`
 (schedule, split backward, costs, virtual size) states the rules of a selection
-(:meth:`~.choice.ScheduleChoice.problems`) and makes its plans: a
-:class:`~.actions.SchedulePlan` holds per-rank ordered actions plus the placement that implies
-all communication; :func:`~.validate.validate_plan` checks it, :func:`~.simulate.simulate`
-times it under a :class:`~.simulate.CostModel`, :mod:`.render` draws it and the runtime
-executes it.
+(:meth:`~.choice.ScheduleChoice.problems`) and makes its plans: a generator returns a
+compute-only :class:`~.actions.SchedulePlan` (per-rank ordered actions plus the placement that
+implies all communication), :func:`~.lower.lower` writes that communication into the plan as
+``SEND`` / ``RECV`` actions; :func:`~.validate.validate_plan` checks it,
+:func:`~.simulate.simulate` times it under a :class:`~.simulate.CostModel`, :mod:`.render`
+draws it and the runtime executes it.
 
-:func:`generate` is the short form ``ScheduleChoice(...).plan(D, N)``;
+:func:`generate` is the short form ``ScheduleChoice(...).plan(D, N)`` (lowered plans;
+``plan.compute_only()`` is the generator's order);
 ``split_backward=True`` runs every backward as an input-gradient and a later
 weight-gradient action (:mod:`.split_backward`).
 """
@@ -20,6 +22,7 @@ from typing import Optional
 from .actions import Action, ActionType, SchedulePlan
 from .choice import GENERATORS, SCHEDULES, ScheduleChoice
 from .errors import PlanError, ScheduleConfigError
+from .lower import lower
 from .placement import Placement, StageLocation
 from .simulate import CostModel, SimulationResult, simulate
 from .split_backward import SPLIT_BACKWARD_SUFFIX
@@ -56,6 +59,7 @@ __all__ = [
     "SimulationResult",
     "StageLocation",
     "generate",
+    "lower",
     "simulate",
     "validate_plan",
 ]

@@ -25,6 +25,7 @@ from typing import List, Optional
 from . import bitpipe, chimera, interleaved, one_f_one_b
 from .actions import SchedulePlan
 from .errors import MICROBATCH_FLAG, PP_FLAG, VP_FLAG, ScheduleConfigError
+from .lower import lower
 from .placement import Placement
 from .simulate import CostModel
 from .split_backward import SPLIT_BACKWARD_SUFFIX, split_backward as place_weight_gradients
@@ -126,7 +127,9 @@ class ScheduleChoice:
         return GENERATORS[self.schedule].smallest_num_microbatches(num_ranks)
 
     def plan(self, num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
-        """The plan of one step; :class:`~.errors.ScheduleConfigError` listing every broken rule.
+        """The lowered plan of one step (:func:`~.lower.lower`: explicit ``SEND`` / ``RECV``
+        actions, each receive posted right before its consumer; ``plan.compute_only()`` is the
+        generator's order); :class:`~.errors.ScheduleConfigError` listing every broken rule.
 
         A forward-only plan has no backward to split.
         """
@@ -139,5 +142,5 @@ class ScheduleChoice:
         else:
             plan = generator.generate(num_ranks, num_microbatches, forward_only)
         if self.split_backward and not forward_only:
-            return place_weight_gradients(plan, self.costs)
-        return plan
+            plan = place_weight_gradients(plan, self.costs)
+        return lower(plan)

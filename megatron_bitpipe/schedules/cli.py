@@ -2,7 +2,9 @@
 
 ``simulate`` validates and simulates one schedule and prints a summary (or one JSON
 object with ``--json``); ``--plot`` writes a Gantt PNG, ``--trace`` a Chrome trace.
-``plan`` prints every rank's action list. Costs come from ``--costs FILE`` (a JSON
+``plan`` prints every rank's compute actions in order, or with ``--communication`` the
+lowered plan with its ``SEND``/``RECV`` actions (``--receive-lookahead K`` posts each
+receive ``K`` actions before its consumer, :func:`~.lower.lower`). Costs come from ``--costs FILE`` (a JSON
 object with :class:`~.simulate.CostModel` fields, e.g. written by
 ``scripts/calibrate_gpu.py``) and/or the ``--t-*`` flags, which take precedence.
 
@@ -18,6 +20,7 @@ from typing import List, Optional
 
 from . import SCHEDULES, ScheduleChoice
 from .errors import PlanError, ScheduleConfigError
+from .lower import lower
 from .simulate import CostModel, read_cost_file, simulate
 from .validate import validate_plan
 
@@ -58,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text)
         add_plan_arguments(sub)
         sub.add_argument("--forward-only", action="store_true", help="evaluation plan (forwards only)")
+        if name == "plan":
+            sub.add_argument("--communication", action="store_true",
+                             help="also print the send and receive actions (SEND_F, RECV_F, SEND_B, RECV_B)")
+            sub.add_argument("--receive-lookahead", type=_non_negative_int, default=0, metavar="K",
+                             help="with --communication: post each receive K actions before its consumer (default 0)")
         if name == "simulate":
             sub.add_argument("--costs", metavar="FILE", help="JSON cost file (CostModel fields)")
             for field, flag in _COST_FLAGS.items():
@@ -66,6 +74,16 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart")
             sub.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace")
     return parser
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {text!r})")
+    return value
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:
@@ -89,7 +107,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         choice = ScheduleChoice(args.schedule, args.split_backward, costs, args.vp)
         plan = choice.plan(args.pp, args.num_microbatches, args.forward_only)
         if args.command == "plan":
-            print(plan.format())
+            print(lower(plan, args.receive_lookahead).format() if args.communication else plan.compute_only().format())
             return 0
         validate_plan(plan)
         result = simulate(plan, costs)

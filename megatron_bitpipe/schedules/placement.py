@@ -40,6 +40,23 @@ class ChunkRole:
 
 
 @dataclass(frozen=True)
+class ChunkLinks:
+    """Where the stage held by a (rank, chunk) slot sits in its pipeline.
+
+    Attributes:
+        pipeline: the pipeline the slot belongs to.
+        previous: slot of the previous stage (None for the first stage): a forward's input
+            comes from there and a backward's input gradient goes there.
+        next: slot of the next stage (None for the last stage): a forward's output goes
+            there and a backward's output gradient comes from there.
+    """
+
+    pipeline: int
+    previous: Optional[StageLocation]
+    next: Optional[StageLocation]
+
+
+@dataclass(frozen=True)
 class Placement:
     """Stage locations of every pipeline.
 
@@ -97,6 +114,23 @@ class Placement:
         """The (pipeline, stage) held by ``chunk`` on ``rank``."""
         try:
             return self._roles[StageLocation(rank, chunk)]
+        except KeyError:
+            raise ValueError(f"rank {rank} has no chunk {chunk} (chunks per rank: {self.chunks_per_rank})") from None
+
+    @cached_property
+    def _links(self) -> Dict[Tuple[int, int], ChunkLinks]:
+        links = {}
+        for p, pipe in enumerate(self.stages):
+            for s, loc in enumerate(pipe):
+                before = pipe[s - 1] if s > 0 else None
+                after = pipe[s + 1] if s + 1 < len(pipe) else None
+                links[(loc.rank, loc.chunk)] = ChunkLinks(p, before, after)
+        return links
+
+    def links(self, rank: int, chunk: int) -> ChunkLinks:
+        """The pipeline and neighbouring stages' slots of ``chunk`` on ``rank``."""
+        try:
+            return self._links[(rank, chunk)]
         except KeyError:
             raise ValueError(f"rank {rank} has no chunk {chunk} (chunks per rank: {self.chunks_per_rank})") from None
 

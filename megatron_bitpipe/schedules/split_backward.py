@@ -56,7 +56,8 @@ def split_backward(
     """``plan`` with every ``B(c, m)`` run as ``I(c, m)`` followed later by ``W(c, m)``.
 
     Args:
-        plan: a training plan with whole backwards (``B``).
+        plan: a training plan with whole backwards (``B``); its communication actions, if
+            it was lowered, are dropped (lower the result again, :func:`~.lower.lower`).
         costs: the cost model the ``W``'s are placed for (default :class:`CostModel`,
             ``t_weight`` half of ``t_backward``).
         activation_limit: most in-flight activations (Ma) a rank may hold, counting a
@@ -65,9 +66,10 @@ def split_backward(
             first backward keeps that peak (its ``W``'s then run as early as possible).
 
     Returns:
-        A plan named with :data:`SPLIT_BACKWARD_SUFFIX` (``bitpipe+split-backward``), the same
-        forwards and input gradients in the same order per rank.
+        A compute-only plan named with :data:`SPLIT_BACKWARD_SUFFIX` (``bitpipe+split-backward``),
+        the same forwards and input gradients in the same order per rank.
     """
+    plan = plan.compute_only()
     if not any(a.type is ActionType.BACKWARD for _, a in plan):
         raise PlanError(f"plan '{plan.name}' has no whole backward (B) to split")
     costs = costs or CostModel()
