@@ -115,7 +115,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None, help="default nccl with a GPU, gloo without")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    group.add_argument("--overlap-p2p-comm", action="store_true", help="post pipeline receives one action early (bitpipe, interleaved)")
+    group.add_argument(
+        "--overlap-p2p-comm",
+        action="store_true",
+        help="megatron's interleaved schedule: overlap its p2p with compute (bitpipe's plans post every receive as soon as it can be, with or without the flag)",
+    )
     group.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the data-parallel gradient reduction (always on with bitpipe)")
     add_bitpipe_args(parser)
 
