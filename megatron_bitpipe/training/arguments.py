@@ -118,7 +118,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--overlap-p2p-comm",
         action="store_true",
-        help="megatron's interleaved schedule: overlap its p2p with compute (bitpipe's plans post every receive as soon as it can be, with or without the flag)",
+        help="megatron's interleaved schedule: overlap its p2p with compute (bitpipe's plans post each receive where the plan says, right after the previous action, with or without the flag)",
     )
     group.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the data-parallel gradient reduction (always on with bitpipe)")
     add_bitpipe_args(parser)
