@@ -163,6 +163,7 @@ def test_cli_names_the_bad_input_line(tmp_path, capsys, line, message):
     corpus.write_text('{"text": "fine"}\n' + line + "\n")
     assert _cli(tmp_path, "--input", str(corpus), "--tokenizer-type", "ByteLevelTokenizer") == 1
     assert f"{corpus}:2: {message}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]  # the partial .bin is removed
 
 
 @pytest.mark.multirank
