@@ -4,7 +4,7 @@
 Real ranks (one process each, gloo point-to-point), real megatron-core model plumbing
 (GPTModel chunks with embedding, final norm, LM head and loss, megatron DDP with overlapped
 gradient reduction), but every transformer layer's compute is emulated device time inside an
-autograd Function (:mod:`megatron_bitpipe.testing.emulation`): a layer's forward takes
+autograd Function (:mod:`megatron_bitpipe.benchmarking.emulation`): a layer's forward takes
 ``t_F / layers-per-rank`` and its backward ``t_B / layers-per-rank``, with real tensors and a
 real autograd graph. Waiting ranks leave the CPU free, so 8-16 ranks run on two cores. The
 default ``--device async`` queues layer time on an emulated CUDA stream that the CPU runs
@@ -121,7 +121,7 @@ def plan_of(schedule: str, settings: Settings, pipeline_size: int, num_microbatc
 
 
 def _layer_spec(settings: Settings):
-    from megatron_bitpipe.testing.emulation import emulated_layer_spec
+    from megatron_bitpipe.benchmarking.emulation import emulated_layer_spec
 
     per_layer = 1e-3 / settings.layers_per_rank
     weight = None if settings.t_weight is None else settings.t_weight * per_layer
@@ -129,7 +129,7 @@ def _layer_spec(settings: Settings):
 
 
 def _config(settings: Settings, pipeline_size: int, **overrides):
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
     return tiny_gpt_config(
         num_layers=settings.num_layers(pipeline_size),
@@ -165,7 +165,9 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
         forward_backward_pipelining_without_interleaving,
     )
 
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.build import init_megatron_state
 
     interleaved = schedule == "interleaved"
     # Megatron-LM's defaults: overlapped p2p with interleaving, batched p2p without.
@@ -176,13 +178,13 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
         overlap_p2p_comm=interleaved,
         batch_p2p_comm=not interleaved,
     )
-    pg = gpt.build_process_groups(gpt.ParallelGrid(pp=pipeline_size))
-    gpt.init_megatron_state(pg, SEED)
-    chunks = gpt.build_gpt_chunks(
+    pg = baseline.build_looped_process_groups(ParallelGrid(pp=pipeline_size))
+    init_megatron_state(pg, SEED)
+    chunks = baseline.build_looped_chunks(
         config, pg, vocab_size=settings.vocab_size, max_sequence_length=settings.seq_length, layer_spec=_layer_spec(settings)
     )
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
-    model = gpt.wrap_ddp(chunks, config, pg, ddp_config)
+    model = baseline.wrap_looped_ddp(chunks, config, pg, ddp_config)
     sync = [chunk.start_grad_sync for chunk in model]
     config.grad_sync_func = sync if interleaved else sync[0]
     schedule_func = (
@@ -192,7 +194,7 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
 
     def step(batches, num_microbatches):
         schedule_func(
-            forward_step_func=gpt.gpt_forward_step,
+            forward_step_func=baseline.mean_loss_forward_step,
             data_iterator=[iter(batches) for _ in model],
             model=model,
             num_microbatches=num_microbatches,
@@ -211,7 +213,7 @@ def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runn
     from megatron_bitpipe.runtime.build import build_pipeline_model
     from megatron_bitpipe.runtime.forward_backward import make_forward_backward_func
     from megatron_bitpipe.runtime.groups import ParallelGrid
-    from megatron_bitpipe.testing.gpt import gpt_forward_step
+    from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
 
     name, split, costs = plan_choice(schedule, settings)
     placement = schedules.generate(name, pipeline_size, pipeline_size).placement  # the same for every N
@@ -230,7 +232,7 @@ def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runn
 
     def step(batches, num_microbatches):
         forward_backward(
-            forward_step_func=gpt_forward_step,
+            forward_step_func=mean_loss_forward_step,
             data_iterator=iter(batches),
             model=model.chunks,
             num_microbatches=num_microbatches,
@@ -279,10 +281,10 @@ def _run_rank(settings: Settings, pipeline_size: int, microbatches: Sequence[int
     """
     import torch.distributed as dist
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.testing.emulation import EmulatedDevice
-    from megatron_bitpipe.testing.gpt import synthetic_microbatches
-    from megatron_bitpipe.testing.measure import LiveActivationMeter
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking.emulation import EmulatedDevice
+    from megatron_bitpipe.benchmarking.megatron_baseline import synthetic_microbatches
+    from megatron_bitpipe.benchmarking.meters import LiveActivationMeter
 
     enable_cpu_megatron()
     calibration = {"t_p2p": _measure_p2p(settings, pipeline_size)}
@@ -397,7 +399,7 @@ def run_grid(settings: Settings, grid: Dict[int, Sequence[int]], schedule_names:
     Each row records ``load_average``: the machine's 1-minute load average before and after
     its job (other processes competing for the cores make the emulation less exact).
     """
-    from megatron_bitpipe.testing.launcher import launch
+    from megatron_bitpipe.cpu.launcher import launch
 
     rows = []
     for pipeline_size, microbatches in grid.items():

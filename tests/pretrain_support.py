@@ -1,6 +1,6 @@
 """Rank-side code shared by the pretrain script tests (GPT and BERT).
 
-Rank bodies for :func:`megatron_bitpipe.testing.launcher.launch` run the scripts' entry points
+Rank bodies for :func:`megatron_bitpipe.cpu.launcher.launch` run the scripts' entry points
 (:func:`megatron_bitpipe.training.pretrain` / :func:`~megatron_bitpipe.training.main`) on the
 launcher's gloo group with the CPU compatibility layer; ``task`` names the script's task
 (``"gpt"`` or ``"bert"``).
@@ -72,7 +72,7 @@ def assert_same_records(
 def train_in_process(task: str, argv: List[str]):
     """Rank body: train as the script would; the CheckpointError message if the checkpoint is
     refused, else None."""
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import pretrain
     from megatron_bitpipe.training.errors import CheckpointError
 
@@ -90,7 +90,7 @@ def main_in_process(task: str, argv: List[str]):
 
     import torch.distributed as dist
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import main
 
     stderr = io.StringIO()

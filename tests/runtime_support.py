@@ -74,9 +74,9 @@ class Case:
         return dict(share_embeddings_and_output_weights=self.tied)
 
     def forward_step(self, data_iterator, model):
-        from megatron_bitpipe.testing.gpt import gpt_forward_step
+        from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
 
-        return gpt_forward_step(data_iterator, model)
+        return mean_loss_forward_step(data_iterator, model)
 
     def batches(self, step: Optional[int], count: int) -> list:
         """The global batch of ``step``; ``step=None``: the evaluation batch."""
@@ -89,7 +89,7 @@ class Case:
 
 def gpt_batches(step: Optional[int], count: int) -> list:
     """The ``count`` GPT micro-batches of training step ``step`` (None: the evaluation batch)."""
-    from megatron_bitpipe.testing.gpt import synthetic_microbatches
+    from megatron_bitpipe.benchmarking.megatron_baseline import synthetic_microbatches
 
     seed = SEED + 100 * (STEPS + 7 if step is None else step)
     return synthetic_microbatches(seed, count, MICRO_BATCH, SEQ, VOCAB)
@@ -97,7 +97,7 @@ def gpt_batches(step: Optional[int], count: int) -> list:
 
 def model_config(**kw):
     """The tiny GPT's fp32 config (NUM_LAYERS, HIDDEN, HEADS); ``kw`` go to ``tiny_gpt_config``."""
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
     return tiny_gpt_config(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, **kw)
 
@@ -118,11 +118,11 @@ def train_single_process(model, config, pg, clip_grad: float, run, batches, glob
     """
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.testing.weights import collect_full
 
-    [ddp] = gpt.wrap_ddp([model], config, pg)
-    optimizer = gpt.build_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
+    [ddp] = baseline.wrap_looped_ddp([model], config, pg)
+    optimizer = baseline.build_baseline_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
     record = {"initial": collect_full(ddp), "steps": []}
     for step in range(STEPS):
         ddp.zero_grad_buffer()
@@ -157,12 +157,13 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
     from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.runtime.init import initialize_from_seed
     from megatron_bitpipe.runtime.layout import ChunkLayers
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
 
-    pg = gpt.build_process_groups(gpt.ParallelGrid())
+    pg = baseline.build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, SEED)
     config = model_config()
-    model = gpt.build_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
+    model = baseline.build_megatron_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
 
     def run(ddp, batch):
@@ -173,7 +174,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
 
 
 def _reference_runs(keys) -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     return {key: reference(*key) for key in keys}
@@ -182,7 +183,7 @@ def _reference_runs(keys) -> dict:
 def launch_references(cases, timeout: float = 300) -> dict:
     """The single-process :func:`reference` of every distinct ``case.reference_key``, by key
     (one launched process)."""
-    from megatron_bitpipe.testing.launcher import launch
+    from megatron_bitpipe.cpu.launcher import launch
 
     keys = sorted({c.reference_key for c in cases})
     return launch(_reference_runs, 1, keys, timeout=timeout)[0]

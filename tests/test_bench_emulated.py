@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_emulated.py"
@@ -47,10 +47,10 @@ def _layer_and_meter() -> dict:
     import torch
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.testing.emulation import emulated_layer_spec
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
-    from megatron_bitpipe.testing.measure import LiveActivationMeter
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking.emulation import emulated_layer_spec
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.meters import LiveActivationMeter
 
     enable_cpu_megatron()
     config = tiny_gpt_config(num_layers=2, hidden_size=8, num_attention_heads=2)
@@ -92,9 +92,9 @@ def _device_timing() -> dict:
     import torch.distributed as dist
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.testing.emulation import EmulatedDevice, emulated_layer_spec
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking.emulation import EmulatedDevice, emulated_layer_spec
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
     enable_cpu_megatron()
     rank = dist.get_rank()

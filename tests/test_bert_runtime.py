@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 from bert_support import BertCase, batches, reference
 from runtime_support import assert_equals_reference, bf16_losses, pipeline
@@ -43,7 +43,7 @@ BF16 = BertCase("bert_bitpipe_pp2_n4_bf16", "bitpipe", pp=2, n=4)  # runs in the
 
 
 def _enable():
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.testing.fp32_cross_entropy import enable_fp32_cross_entropy_gradients
 
     enable_cpu_megatron()
@@ -112,7 +112,7 @@ def test_seed_init_follows_megatron_bert_init(references):
 
 
 def test_mock_samples_are_consistent_and_deterministic():
-    from megatron_bitpipe.bert_pretraining import MockBERTDataset
+    from megatron_bitpipe.training.bert import MockBERTDataset
 
     dataset = MockBERTDataset(50, 16, 64, seed=3)
     for index in range(len(dataset)):
@@ -133,7 +133,7 @@ def test_mock_samples_are_consistent_and_deterministic():
 
 
 def test_mock_data_rejects_bad_sizes():
-    from megatron_bitpipe.bert_pretraining import MockBERTDataset
+    from megatron_bitpipe.training.bert import MockBERTDataset
 
     with pytest.raises(ValueError, match="--vocab-size"):
         MockBERTDataset(1, 16, 4, seed=0)
@@ -145,7 +145,7 @@ def test_loss_is_per_microbatch_mean_over_masked_tokens():
     """Megatron-LM's convention: a micro-batch's MLM loss is the mean over *its* masked
     tokens, whatever their number; the next-sentence loss the mean over its sequences. In
     megatron-core's three-value form: (count x loss, count, {name: [sum, count]})."""
-    from megatron_bitpipe.bert_pretraining import bert_loss
+    from megatron_bitpipe.training.bert import bert_loss
 
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     loss_mask = torch.tensor([[1, 0, 1], [0, 0, 1]])
@@ -164,7 +164,7 @@ def test_loss_is_per_microbatch_mean_over_masked_tokens():
 def test_forward_step_rejects_per_token_loss():
     from types import SimpleNamespace
 
-    from megatron_bitpipe.bert_pretraining import bert_forward_step
+    from megatron_bitpipe.training.bert import bert_forward_step
 
     model = torch.nn.Module()
     model.config = SimpleNamespace(calculate_per_token_loss=True)

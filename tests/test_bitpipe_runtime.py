@@ -17,7 +17,7 @@ from typing import List
 import pytest
 import torch
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 from runtime_support import ATOL, RTOL, STEPS, Case, assert_equals_reference, launch_references, pipeline
 
@@ -44,7 +44,7 @@ INSTRUMENTED = "bitpipe_pp4_n8"
 
 
 def _run_cases(cases: List[Case]) -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     out = {}
@@ -129,7 +129,7 @@ def test_eager_sync_overlaps_remaining_backwards(four_ranks):
 
 
 def _bf16(case):
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     from runtime_support import bf16_losses
 

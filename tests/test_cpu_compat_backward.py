@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 
 class _AllocatesOnCurrentDevice(torch.autograd.Function):
@@ -21,7 +21,7 @@ class _AllocatesOnCurrentDevice(torch.autograd.Function):
 
 
 def _backward_through_current_device_allocation():
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     x = torch.ones(3, requires_grad=True)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_bitpipe.testing.launcher import launch
-from megatron_bitpipe.testing.measure import CollectiveMeter, SavedActivationMeter
+from megatron_bitpipe.cpu.launcher import launch
+from megatron_bitpipe.benchmarking.meters import CollectiveMeter, SavedActivationMeter
 
 pytestmark = pytest.mark.timeout(60)
 

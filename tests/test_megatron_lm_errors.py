@@ -22,7 +22,7 @@ import torch
 from megatron_bitpipe.megatron_args import BitPipeConfigError
 from megatron_bitpipe.megatron_lm.args import add_megatron_lm_args, chain_args_provider, validate_megatron_lm_args
 from megatron_bitpipe.megatron_lm.checkout import MegatronLMCheckoutError, find_checkout, resolve_script
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 from megatron_lm_support import REPO, fake_checkout
 

@@ -2,7 +2,7 @@
 
 Needs a Megatron-LM checkout (tag core_v0.16.1) in ``MEGATRON_LM_PATH``; skipped otherwise.
 Every run trains the same tiny GPT on mock data for 4 iterations (evaluation after 2 and 4)
-with ``torchrun -m megatron_bitpipe.testing.megatron_lm_cpu``, i.e. ``python -m
+with ``torchrun -m megatron_bitpipe.cpu.megatron_lm``, i.e. ``python -m
 megatron_bitpipe.run`` plus the CPU layer. The reference is Megatron-LM's default schedule
 (1F1B, pipeline 2) with ``--layout-independent-init``; BitPipe must give the same training
 loss and grad norm at every iteration and the same validation and test losses (rtol 1e-5 on

@@ -10,7 +10,7 @@ from megatron_bitpipe.optimus.cross_entropy import optimus_cross_entropy
 from megatron_bitpipe.optimus.embedding import OptimusEmbedding, OptimusOutputLayer
 from megatron_bitpipe.optimus.layout import shard_serial_tensor
 from megatron_bitpipe.optimus.summa import summa_ab
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 from tests.optimus_support import block, check, random, tiny_config, world_mesh
 
 pytestmark = pytest.mark.timeout(120)

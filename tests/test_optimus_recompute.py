@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megatron_bitpipe.optimus.attention import dropout_matmul
 from megatron_bitpipe.optimus.recompute import attach_recipe, recipe_of, recomputed
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,7 +93,7 @@ def _layer_keeps():
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_bitpipe.optimus.spec import get_optimus_gpt_layer_spec
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from tests.optimus_support import tiny_config, world_mesh
 
     enable_cpu_megatron()

@@ -10,7 +10,7 @@ from megatron_bitpipe.optimus.layers import OptimusLayerNorm, OptimusLinear
 from megatron_bitpipe.optimus.layout import shard_serial_tensor
 from megatron_bitpipe.optimus.mesh import build_optimus_mesh, mesh_side
 from megatron_bitpipe.optimus.summa import summa_ab, summa_abt, summa_atb
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 from tests.optimus_support import block, check, random, tiny_config, transposed, world_mesh
 
 pytestmark = pytest.mark.timeout(120)

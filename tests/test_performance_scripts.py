@@ -22,7 +22,7 @@ import torch
 
 from megatron_bitpipe.schedules import CostModel
 from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, allreduce_ms, analytic_costs
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,13 +113,14 @@ def _time_layers_on_cpu(argv) -> dict:
     import time
 
     from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.testing.gpt import ParallelGrid, build_process_groups
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking.megatron_baseline import build_looped_process_groups
+    from megatron_bitpipe.runtime.groups import ParallelGrid
 
     enable_cpu_megatron()
     args = calibrate._parser().parse_args(argv)
     args.transformer_impl = "local"
-    pg = build_process_groups(ParallelGrid())
+    pg = build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, 1234)
 
     def timer(fn):

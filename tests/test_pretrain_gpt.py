@@ -27,7 +27,7 @@ from typing import Dict, List
 
 import pytest
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 import pretrain_support
 from pretrain_support import assert_same_records, checked, main_in_process, records, train_in_process

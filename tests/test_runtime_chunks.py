@@ -22,7 +22,7 @@ import torch
 
 from megatron_bitpipe.runtime.layout import chunk_specs
 from megatron_bitpipe.schedules.placement import bidirectional, bidirectional_v, looped
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 from runtime_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
 
@@ -57,7 +57,7 @@ CASES_4 = [
 
 
 def test_bidirectional_v_chunk_layers_d4():
-    """DESIGN §2 table at D=4, 8 layers (one per stage): rank 0 holds s1, s4, s8, s5."""
+    """BitPipe's placement at D=4, 8 layers (one per stage): rank 0 holds s1, s4, s8, s5 (Wu et al., 2024)."""
     placement = bidirectional_v(4)
     expected = {  # rank -> (pipeline, stage) per chunk
         0: [(0, 0), (1, 3), (0, 7), (1, 4)],
@@ -90,10 +90,9 @@ def test_bidirectional_v_chunk_layers_d2():
 def test_tied_head_copies_only_where_megatron_ties_across_ranks():
     """Looped placements over several ranks tie megatron's way (a head copy of the embedding);
     V placements and a single rank tie one Parameter."""
-    from megatron_bitpipe.runtime.layout import head_copies_embedding
 
-    assert head_copies_embedding(looped(4)) and head_copies_embedding(looped(2, 2))
-    assert not any(head_copies_embedding(p) for p in (looped(1), bidirectional_v(4), bidirectional(4)))
+    assert looped(4).head_copies_embedding and looped(2, 2).head_copies_embedding
+    assert not any(p.head_copies_embedding for p in (looped(1), bidirectional_v(4), bidirectional(4)))
     interleaved = [chunk_specs(looped(2, 2), 8, rank, tied=True) for rank in range(2)]
     assert [[s.tied for s in rank] for rank in interleaved] == [[False, False], [False, True]]
     assert not any(s.tied for rank in range(4) for s in chunk_specs(bidirectional_v(4), 8, rank, tied=True))
@@ -144,9 +143,9 @@ def test_init_rules_cover_transformer_engine_names():
 
 
 def _batches(case_dp: int, dp_rank: int):
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
 
-    batches = gpt.synthetic_microbatches(SEED, GLOBAL_MICROBATCHES, MICRO_BATCH, SEQ, VOCAB)
+    batches = baseline.synthetic_microbatches(SEED, GLOBAL_MICROBATCHES, MICRO_BATCH, SEQ, VOCAB)
     per_dp = GLOBAL_MICROBATCHES // case_dp
     first = dp_rank * per_dp
     return list(enumerate(batches))[first : first + per_dp]
@@ -172,21 +171,23 @@ def _reference(tied: bool) -> dict:
 
     from megatron_bitpipe.runtime.init import initialize_from_seed
     from megatron_bitpipe.runtime.layout import ChunkLayers
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.testing.weights import collect_full
 
-    pg = gpt.build_process_groups(gpt.ParallelGrid())
-    gpt.init_megatron_state(pg, SEED)
+    pg = baseline.build_looped_process_groups(ParallelGrid())
+    init_megatron_state(pg, SEED)
     config = model_config()
-    model = gpt.build_gpt_model(
+    model = baseline.build_megatron_gpt_model(
         config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied
     )
     native_stats = _init_stats(model)
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
     seed_stats = _init_stats(model)
     initial = collect_full(model)
-    [ddp] = gpt.wrap_ddp([model], config, pg)
-    optimizer = gpt.build_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
+    [ddp] = baseline.wrap_looped_ddp([model], config, pg)
+    optimizer = baseline.build_baseline_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
     losses = {}
     batches = _batches(1, 0)
     for index, (tokens, labels) in batches:
@@ -217,7 +218,7 @@ def _run_pipeline(chunks, groups, pipeline: int, batches, divisor: int) -> Dict[
     """
     import torch.distributed as dist
 
-    from megatron_bitpipe.runtime.model import unwrap
+    from megatron.core.utils import unwrap_model
     from megatron_bitpipe.schedules.comm import Payload, Transfer
 
     stages = groups.placement.stages[pipeline]
@@ -250,7 +251,7 @@ def _run_pipeline(chunks, groups, pipeline: int, batches, divisor: int) -> Dict[
             chunk = chunks[loc.chunk]
             if s > 0:
                 inputs[s] = received.requires_grad_()
-                unwrap(chunk).set_input_tensor(inputs[s])
+                unwrap_model(chunk).set_input_tensor(inputs[s])
             output = chunk(tokens, position_ids, None, labels=labels)
             if s == last:
                 loss = output.float().mean()
@@ -296,12 +297,13 @@ def _bitpipe(case: Case) -> dict:
         stage_order,
         wrap_ddp,
     )
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
     grid = ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp)
     groups = PipelineGroups.build(grid, bidirectional_v(case.pp))
-    gpt.init_megatron_state(groups.rank_pgs, SEED)
+    init_megatron_state(groups.rank_pgs, SEED)
     config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
@@ -336,7 +338,7 @@ def _bitpipe(case: Case) -> dict:
 
     model = wrap_ddp(chunks, groups, config, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     mark_replica_parameters(model, specs)
-    optimizer = gpt.build_optimizer(model, groups.rank_pgs, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
+    optimizer = baseline.build_baseline_optimizer(model, groups.rank_pgs, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
 
     mine = _batches(case.dp, groups.dp_rank)
     per_pipeline = microbatches_per_replica(len(mine), groups.placement)
@@ -402,11 +404,11 @@ def _p2p_order(shared: bool) -> list:
 
 def _looped_specs_match_megatron() -> bool:
     """chunk_specs of the looped placement agree with megatron's own offsets."""
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.testing.weights import looped_chunk_layers
 
     for pp, vp in ((2, None), (4, 2), (2, 4)):
-        config = gpt.tiny_gpt_config(
+        config = baseline.tiny_gpt_config(
             num_layers=16, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
         )
         for rank in range(pp):
@@ -427,17 +429,17 @@ def _errors() -> List[str]:
     """Messages of the configuration errors the builders raise."""
     from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
     from megatron_bitpipe.runtime.model import build_gpt_chunks
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
 
     messages = []
     chimera = PipelineGroups.build(ParallelGrid(pp=2), bidirectional(2))
-    config = gpt.tiny_gpt_config(num_layers=4, pipeline_model_parallel_size=2)
+    config = baseline.tiny_gpt_config(num_layers=4, pipeline_model_parallel_size=2)
     attempts = [
         lambda: build_gpt_chunks(
             config, chimera, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=True
         ),
         lambda: build_gpt_chunks(
-            gpt.tiny_gpt_config(num_layers=6, pipeline_model_parallel_size=2),
+            baseline.tiny_gpt_config(num_layers=6, pipeline_model_parallel_size=2),
             PipelineGroups.build(ParallelGrid(pp=2), bidirectional_v(2)),
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
@@ -452,7 +454,7 @@ def _errors() -> List[str]:
 
 
 def _launched(cases: List[Case], extras: bool) -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     out = {"cases": [_bitpipe(case) for case in cases]}
@@ -465,7 +467,7 @@ def _launched(cases: List[Case], extras: bool) -> dict:
 
 
 def _reference_launch() -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     return {tied: _reference(tied) for tied in (False, True)}

@@ -48,7 +48,7 @@ def test_bitpipe_bubble_constant_absolute(D, units):
 
 
 def test_bitpipe_published_table():
-    """DESIGN §2 table: BitPipe 14.3% (D=4,N=4), 20.0% (D=8,N=8); ours 5.9% at D=8,N=32."""
+    """The published bubbles (Wu et al., 2024): BitPipe 14.3% (D=4,N=4), 20.0% (D=8,N=8); ours 5.9% at D=8,N=32."""
     assert round(100 * bubble("bitpipe", 4, 4), 1) == 14.3
     assert round(100 * bubble("bitpipe", 8, 8), 1) == 20.0
     assert round(100 * bubble("bitpipe", 8, 32), 1) == 5.9

@@ -20,7 +20,7 @@ from typing import List
 import pytest
 import torch
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 from runtime_support import STEPS, Case, assert_equals_reference, launch_references, pipeline
 
@@ -67,7 +67,7 @@ def late_split_plan(plan):
 def _run_cases(cases: List[SplitCase]) -> dict:
     from megatron_bitpipe.runtime import forward_backward
     from megatron_bitpipe.runtime.weight_grad import WeightGradWork
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     plain = forward_backward._plan
@@ -149,17 +149,17 @@ def test_late_plans_are_valid_and_defer_weight_gradients_past_later_backwards():
 
 def _linear_checks() -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.tensor_parallel import layers as megatron_layers
 
     from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.runtime.weight_grad import WeightGradWork, deferring, enable_split_backward
-    from megatron_bitpipe.testing import gpt
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    pg = gpt.build_process_groups(gpt.ParallelGrid())
+    pg = baseline.build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, 7)
-    config = gpt.tiny_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=2)
+    config = baseline.tiny_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=2)
 
     def make(kind, fusion=False):
         torch.manual_seed(3)
@@ -241,9 +241,9 @@ def _emulated_layer_checks() -> dict:
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_bitpipe.runtime.weight_grad import WeightGradWork, deferring
-    from megatron_bitpipe.testing.emulation import EmulatedDevice, emulated_layer_spec
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
-    from megatron_bitpipe.testing.measure import LiveActivationMeter
+    from megatron_bitpipe.benchmarking.emulation import EmulatedDevice, emulated_layer_spec
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.meters import LiveActivationMeter
 
     config = tiny_gpt_config(num_layers=2, hidden_size=8, num_attention_heads=2)
     spec = emulated_layer_spec(0.0, 0.2, 0.15)

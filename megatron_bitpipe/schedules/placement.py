@@ -111,11 +111,21 @@ class Placement:
         """All slots holding the same layers as (rank, chunk), itself included."""
         return self.replicas(self.role(rank, chunk).stage)
 
-    def is_first_stage(self, rank: int, chunk: int) -> bool:
-        return self.role(rank, chunk).stage == 0
+    @property
+    def head_copies_embedding(self) -> bool:
+        """Whether tied embeddings use megatron's own tying: a copy of the word embeddings as
+        the head's ``output_layer.weight``, kept equal by all-reducing the two copies'
+        gradients over megatron's embedding group.
 
-    def is_last_stage(self, rank: int, chunk: int) -> bool:
-        return self.role(rank, chunk).stage == self.num_stages - 1
+        True for a single pipeline whose first and last stage sit on different ranks (the
+        looped placement with more than one rank). Placements whose pipelines start and end
+        on the same rank tie one Parameter instead (:mod:`megatron_bitpipe.runtime.model`);
+        several pipelines with ends on different ranks (Chimera) are not supported with tied
+        embeddings.
+        """
+        if self.num_pipelines != 1:
+            return False
+        return self.location(0, 0).rank != self.location(0, self.num_stages - 1).rank
 
 
 def _placement(name: str, num_ranks: int, pipelines: Sequence[Sequence[Tuple[int, int]]]) -> Placement:

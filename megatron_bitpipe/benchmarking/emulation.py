@@ -15,7 +15,7 @@ like devices that compute for the configured time.
 * :class:`EmulatedDevice` — where the layer time goes: a blocking sleep per layer, or a
   CUDA-stream-like timeline that the CPU runs ahead of (see the class).
 * Activation memory is measured with
-  :class:`megatron_bitpipe.testing.measure.LiveActivationMeter`; the layers mark their saved
+  :class:`megatron_bitpipe.benchmarking.meters.LiveActivationMeter`; the layers mark their saved
   input as a layer activation when one is active.
 
 Times are ``time.perf_counter()`` seconds.
@@ -37,7 +37,7 @@ from megatron.core.transformer.transformer_layer import BaseTransformerLayer, ge
 from megatron.core.utils import get_pg_rank
 
 from ..runtime.weight_grad import accumulate_weight_grad, active_work
-from .measure import LiveActivationMeter
+from .meters import LiveActivationMeter
 
 __all__ = ["EmulatedDevice", "EmulatedTransformerLayer", "emulated_layer_spec", "sleep_until"]
 
