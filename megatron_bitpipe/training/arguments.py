@@ -45,7 +45,10 @@ TOKENIZER_FILES = {
     "Llama2Tokenizer": ("tokenizer_model",),
     "TikTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
+    "ByteLevelTokenizer": (),  # megatron-core's byte-level tokenizer: no files
 }
+#: the fewest tokens of ByteLevelTokenizer's vocabulary (one per byte)
+BYTE_VOCAB = 256
 
 
 def _flag(dest: str) -> str:
@@ -151,7 +154,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vocab-file", default=None)
     group.add_argument("--merge-file", default=None)
     group.add_argument("--tokenizer-model", default=None)
-    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer and mock data")
+    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer and mock data; of ByteLevelTokenizer (at least 256, default 512)")
     group.add_argument("--eod-mask-loss", action="store_true")
 
 
@@ -325,6 +328,8 @@ def _data_problems(args) -> List[str]:
             problems.append(f"--tokenizer-type {tokenizer} needs {' and '.join(missing)}")
     if args.vocab_size is not None and args.vocab_size <= 0:
         problems.append("--vocab-size must be positive")
+    elif tokenizer == "ByteLevelTokenizer" and args.vocab_size is not None and args.vocab_size < BYTE_VOCAB:
+        problems.append(f"--vocab-size {args.vocab_size}: ByteLevelTokenizer needs at least {BYTE_VOCAB} (one token per byte)")
     return problems
 
 
