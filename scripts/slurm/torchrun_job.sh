@@ -68,7 +68,7 @@ pass_on() {
     ((warned)) && return
     warned=1
     echo "$(date '+%F %T') received SIG${EXIT_SIGNAL}: passing it on to the training processes"
-    [[ -n "$step" ]] && start_resender
+    if [[ -n "$step" ]]; then start_resender; fi
 }
 start_resender() {  # srun forwards the signal to every process of the step
     (while kill -s "$EXIT_SIGNAL" "$step" 2>/dev/null; do sleep 30; done) &
@@ -94,7 +94,7 @@ srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
     --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}" \
     "$@" &
 step=$!
-((warned)) && start_resender
+if ((warned)); then start_resender; fi
 
 # A trapped signal interrupts `wait`; wait again until srun has really ended.
 while :; do
@@ -106,7 +106,7 @@ while :; do
     break
 done
 trap - "$EXIT_SIGNAL"
-[[ -n "$resender" ]] && kill "$resender" 2>/dev/null
+if [[ -n "$resender" ]]; then kill "$resender" 2>/dev/null || true; fi
 
 end_checkpoint=$(latest_checkpoint)
 echo "$(date '+%F %T') training processes exited with status ${status}; latest checkpoint: iteration ${end_checkpoint}"
