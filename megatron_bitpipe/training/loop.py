@@ -164,21 +164,21 @@ def pretrain(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fa
 
     Run on every rank of the job (torchrun) or alone. ``cpu_fallback`` is called when there
     is no GPU (the scripts pass the CPU compatibility layer). ``--exit-signal-handler``'s
-    handler is in place from the end of argument parsing to the end of training. Raises BitPipeConfigError for
-    bad flags (before any communication) and CheckpointError for a checkpoint that does not
-    fit (before anything is loaded).
+    handler is in place from the end of argument parsing to the end of training. Raises
+    BitPipeConfigError for bad flags (before any communication) and CheckpointError for a
+    checkpoint that does not fit (before anything is loaded).
     """
     start_time = time.time()
     args = parse_args(task, argv)
-    tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    env = distributed.initialize(args, cpu_fallback)
-    distributed.log(
-        f"{task.name}: {args.schedule} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
-        f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, {args.num_microbatches} micro-batches "
-        f"of {args.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
-    )
     with ExitConditions(args, start_time) as exits:
+        tokenizer = build_tokenizer(args)
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+        env = distributed.initialize(args, cpu_fallback)
+        distributed.log(
+            f"{task.name}: {args.schedule} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
+            f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, {args.num_microbatches} micro-batches "
+            f"of {args.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
+        )
         Trainer(task, args, tokenizer, env).train(exits)
     dist.destroy_process_group()
 

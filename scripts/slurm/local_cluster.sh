@@ -12,8 +12,9 @@
 # slurmd with a private configuration in $CLUSTER_DIR (nothing under /etc/slurm is written),
 # waits until the node is idle and exits 0, typically within seconds once the packages are
 # there. It refuses to start next to SLURM daemons already running on the machine. On failure
-# it exits 1 with the reason on stderr and stops what it started. `down` stops exactly the
-# daemons `up` started (their pid files), nothing else.
+# it exits 1 with the reason on stderr and stops what it started. `down` cancels the
+# cluster's jobs still queued or running, then stops exactly the daemons `up` started (their
+# pid files), nothing else.
 #
 # The node advertises --cpus CPUs (default 8; it may exceed the real count:
 # SlurmdParameters=config_overrides) and, with --gpus N, N GPUs backed by character devices
@@ -55,9 +56,25 @@ stop_pidfile() {  # stop_pidfile FILE NAME: TERM the daemon whose pid FILE holds
 }
 
 down() {
+    if [[ -f "$CLUSTER_DIR/slurmctld.pid" ]] && kill -0 "$(cat "$CLUSTER_DIR/slurmctld.pid")" 2>/dev/null; then
+        cancel_jobs
+    fi
     stop_pidfile "$CLUSTER_DIR/slurmd.pid" slurmd
     stop_pidfile "$CLUSTER_DIR/slurmctld.pid" slurmctld
     stop_pidfile "$CLUSTER_DIR/munged.pid" munged  # only written when `up` started munged
+}
+
+cancel_jobs() {  # end the cluster's jobs, so that no job step outlives its daemons
+    local jobs
+    jobs=$(SLURM_CONF=$CONF squeue -h -o %i 2>/dev/null) || return 0
+    [[ -n "$jobs" ]] || return 0
+    echo "cancelling jobs: $(echo $jobs)"
+    SLURM_CONF=$CONF scancel $jobs || true
+    for _ in $(seq 100); do
+        [[ -z "$(SLURM_CONF=$CONF squeue -h -o %i 2>/dev/null)" ]] && return 0
+        sleep 0.2
+    done
+    echo "jobs still ending: $(SLURM_CONF=$CONF squeue -h -o '%i %T' | tr '\n' ' ')" >&2
 }
 
 install_packages() {
@@ -116,6 +133,7 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 ReturnToService=2
 MinJobAge=3600
+KillWait=5
 SlurmdParameters=config_overrides
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
