@@ -15,7 +15,8 @@
 * :mod:`.checkpoint` — layout-independent checkpoints; :mod:`.sharding` — full tensors
   from the TP blocks (1-D and Optimus 2D);
 * :mod:`.logs` — Megatron-style lines, JSON lines, TensorBoard; :mod:`.distributed` —
-  torch.distributed start-up under torchrun or alone.
+  torch.distributed start-up under torchrun or alone;
+* :mod:`.exit_conditions` — Megatron-LM's early exits (signal, time budget, interval).
 
 See ``docs/running.md`` and ``docs/checkpoints.md``.
 """

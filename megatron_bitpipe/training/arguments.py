@@ -27,12 +27,13 @@ import argparse
 import importlib.util
 import math
 import os
+import signal
 from typing import List, Optional, Sequence
 
 from ..megatron_args import MICROBATCHES_SOURCE, PLAN_SCHEDULES, BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
 from ..schedules import ScheduleChoice
 
-__all__ = ["BitPipeConfigError", "build_parser", "parse_args", "validate", "padded_vocab_size"]
+__all__ = ["BitPipeConfigError", "EXIT_SIGNALS", "build_parser", "parse_args", "validate", "padded_vocab_size"]
 
 #: --tokenizer-type -> the file flags it needs
 TOKENIZER_FILES = {
@@ -49,6 +50,10 @@ TOKENIZER_FILES = {
 }
 #: the fewest tokens of ByteLevelTokenizer's vocabulary (one per byte)
 BYTE_VOCAB = 256
+
+
+#: names ``--exit-signal`` accepts (Megatron-LM's spelling: ``SIGTERM``, ``SIGUSR1``, ...)
+EXIT_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
 def _flag(dest: str) -> str:
@@ -108,6 +113,14 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--exit-interval", type=int, default=None, help="save and exit 0 after every iteration divisible by this")
+    group.add_argument(
+        "--exit-duration-in-mins", type=float, default=None, help="save and exit 0 after the first iteration ending this many minutes after start"
+    )
+    group.add_argument(
+        "--exit-signal-handler", action="store_true", help="on --exit-signal: finish the iteration, save and exit 0"
+    )
+    group.add_argument("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM", metavar="SIGNAL", help="e.g. SIGTERM (default), SIGUSR1")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -302,6 +315,9 @@ def _schedule_problems(args) -> List[str]:
         problems.append("--eval-iters must be >= 0")
     if args.eval_iters > 0 and args.eval_interval <= 0:
         problems.append("--eval-interval must be positive (or set --eval-iters 0)")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            problems.append(f"{_flag(name)} must be positive")
     if args.ckpt_step is not None and args.load is None:
         problems.append("--ckpt-step needs --load DIR")
     if args.save_interval is not None:
