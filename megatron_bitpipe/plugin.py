@@ -22,11 +22,6 @@ _TARGETS = ("megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.
 _state = {"schedule": None, "original": None, "bitpipe": None}
 
 
-def selected_schedule() -> Optional[str]:
-    """The schedule installed by :func:`register` (None if not registered)."""
-    return _state["schedule"]
-
-
 def _get_forward_backward_func(*args, **kwargs) -> Callable:
     """megatron-core's ``get_forward_backward_func``; the arguments go to the original unchanged."""
     if _state["schedule"] == "bitpipe":

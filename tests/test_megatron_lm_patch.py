@@ -20,7 +20,7 @@ import pytest
 
 from megatron_bitpipe.megatron_lm.checkout import TESTED_TAGS, find_checkout
 
-from megatron_lm_support import REPO, checkout_or_skip, fake_checkout
+from .megatron_lm_support import REPO, checkout_or_skip, fake_checkout
 
 SCRIPT = REPO / "scripts" / "apply_megatron_patch.py"
 PATCHED_FILES = {
@@ -47,6 +47,7 @@ def test_patch_is_small_and_only_calls_the_plugin(tag):
     assert len(removed) <= 2  # a renamed function or a redirected call, nothing deleted
 
 
+@pytest.mark.multirank
 def test_script_warns_about_another_version_and_refuses_when_no_patch_applies(tmp_path):
     root = fake_checkout(tmp_path / "Megatron-LM", version=(0, 18, 2))
     result = apply_script(root)
@@ -57,6 +58,7 @@ def test_script_warns_about_another_version_and_refuses_when_no_patch_applies(tm
     assert result.stderr.index("megatron-lm-core_v0.19.0.patch") < result.stderr.index("megatron-lm-core_v0.16.1.patch")
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("tag", list(TESTED_TAGS))
 def test_script_refuses_changed_files(tmp_path, tag):
     major, minor, patch = map(int, TESTED_TAGS[tag].split("."))
@@ -71,6 +73,7 @@ def test_script_refuses_changed_files(tmp_path, tag):
     assert all((root / name).read_text() == "# not Megatron-LM's file\n" for name in PATCHED_FILES[tag])
 
 
+@pytest.mark.multirank
 def test_script_applies_checks_and_reverts(tmp_path):
     checkout = checkout_or_skip()
     tag = find_checkout(checkout).tag

@@ -3,7 +3,7 @@
 Needs a Megatron-LM checkout in ``MEGATRON_LM_PATH`` (a tested tag: core_v0.16.1 or
 core_v0.19.0; run the file once per checkout); skipped otherwise. Every run trains the same
 tiny GPT on mock data for 4 iterations (evaluation after 2 and 4) with ``torchrun -m
-megatron_bitpipe.testing.megatron_lm_cpu``, i.e. ``python -m megatron_bitpipe.run`` plus the
+megatron_bitpipe.cpu.megatron_lm``, i.e. ``python -m megatron_bitpipe.run`` plus the
 CPU layer. The reference is one process without pipelining (``--layout-independent-init``);
 BitPipe must give the same training loss and grad norm at every iteration and the same
 validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
@@ -28,7 +28,7 @@ import pytest
 
 from megatron_bitpipe.megatron_lm.checkout import find_checkout
 
-from megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, torchrun
+from .megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, torchrun
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 RTOL = 1e-5
