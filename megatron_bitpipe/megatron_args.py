@@ -4,8 +4,9 @@
 (takes a parser, returns it) and adds
 
 * ``--pipeline-schedule {default,1f1b,interleaved,bitpipe}`` — ``default`` keeps
-  megatron-core's choice (interleaved when ``--virtual-pipeline-model-parallel-size`` is
-  set, else 1F1B);
+  megatron-core's choice (interleaved when a virtual pipeline size > 1 is set:
+  ``--virtual-pipeline-model-parallel-size`` in megatron-bitpipe's scripts,
+  ``--num-virtual-stages-per-pipeline-rank`` in Megatron-LM's; else 1F1B);
 * ``--split-backward`` — with ``bitpipe``: run every backward as the input gradient and,
   later, the weight gradients, placed into the pipeline's bubbles
   (:mod:`megatron_bitpipe.schedules.split_backward`); megatron-core's local layers only;
@@ -28,6 +29,7 @@ from typing import List, Optional
 
 from .optimus.args import add_optimus_args, validate_optimus_args
 from .schedules import ScheduleChoice
+from .schedules.errors import VP_FLAG
 from .schedules.simulate import CostModel, read_cost_file
 
 PIPELINE_SCHEDULES = ("default", "1f1b", "interleaved", "bitpipe")
@@ -37,15 +39,16 @@ class BitPipeConfigError(ValueError):
     """Invalid combination of command-line flags; the message names each flag and its rule."""
 
 
-def add_bitpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_bitpipe_args(parser: argparse.ArgumentParser, *, virtual_size_flag: str = VP_FLAG) -> argparse.ArgumentParser:
+    """Add the flags to ``parser``; ``virtual_size_flag`` is the parser's flag for the virtual
+    pipeline size (named in the help)."""
     group = parser.add_argument_group(title="megatron-bitpipe")
     group.add_argument(
         "--pipeline-schedule",
         choices=PIPELINE_SCHEDULES,
         default="default",
         help="pipeline schedule: bitpipe (bidirectional V, two weight replicas), 1f1b, "
-        "interleaved (needs --virtual-pipeline-model-parallel-size), or default "
-        "(megatron-core's own choice).",
+        f"interleaved (needs {virtual_size_flag}), or default (megatron-core's own choice).",
     )
     group.add_argument(
         "--split-backward",
@@ -124,8 +127,9 @@ def schedule_choice(args: argparse.Namespace) -> ScheduleChoice:
     return ScheduleChoice(schedule, split, schedule_costs(args) if split else None, vp)
 
 
-def bitpipe_arg_problems(args: argparse.Namespace) -> List[str]:
-    """Every rule the parsed flags (Megatron-LM's names) break, one message each; no communication."""
+def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = VP_FLAG) -> List[str]:
+    """Every rule the parsed flags (Megatron-LM's names) break, one message each; no communication.
+    ``virtual_size_flag`` names the flag that sets ``virtual_pipeline_model_parallel_size``."""
     problems = data_parallel_size_problems(args)
     num_microbatches = None if problems else microbatches_per_data_parallel_rank(args)
     schedule = getattr(args, "pipeline_schedule", "default")
@@ -136,12 +140,16 @@ def bitpipe_arg_problems(args: argparse.Namespace) -> List[str]:
         problems.append(str(error))
         choice = ScheduleChoice(schedule if schedule != "default" else "1f1b", virtual_size=vp)
     if schedule == "interleaved" and vp in (None, 1):
-        problems.append("--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size >= 2")
+        problems.append(f"--pipeline-schedule interleaved needs {virtual_size_flag} >= 2")
     elif schedule == "1f1b" and vp not in (None, 1):
-        problems.append("--pipeline-schedule 1f1b runs one chunk per rank: unset --virtual-pipeline-model-parallel-size")
+        problems.append(f"--pipeline-schedule 1f1b runs one chunk per rank: unset {virtual_size_flag}")
     elif choice.schedule in PLAN_SCHEDULES:
         problems += choice.problems(
-            args.pipeline_model_parallel_size, num_microbatches, args.num_layers, microbatches=MICROBATCHES_SOURCE
+            args.pipeline_model_parallel_size,
+            num_microbatches,
+            args.num_layers,
+            microbatches=MICROBATCHES_SOURCE,
+            virtual_size_flag=virtual_size_flag,
         )
     if schedule == "bitpipe" and getattr(args, "encoder_num_layers", None) and getattr(args, "decoder_num_layers", None):
         problems.append("bitpipe does not support encoder-decoder models")

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_bitpipe.megatron_args import BitPipeConfigError
 from megatron_bitpipe.megatron_lm.args import add_megatron_lm_args, chain_args_provider, validate_megatron_lm_args
@@ -145,14 +146,29 @@ class _Layer(torch.nn.Module):
         self.layer_number = layer_number
 
 
+class _Block(TransformerBlock):
+    """A TransformerBlock holding just its layers' numbers (megatron's constructor not run)."""
+
+    def __init__(self, first_layer: int):
+        torch.nn.Module.__init__(self)
+        self.layers = torch.nn.ModuleList([_Layer(first_layer + 1)])
+
+
+class _HybridStack(torch.nn.Module):
+    """Stands for a hybrid (Mamba) model's layer stack: not a TransformerBlock."""
+
+    def __init__(self, first_layer: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(first_layer + 1)])
+
+
 class _Chunk(torch.nn.Module):
     """Just what the check reads off a megatron-core language model."""
 
-    def __init__(self, first_layer: int, pg_collection):
+    def __init__(self, first_layer: int, pg_collection, block=_Block):
         super().__init__()
         self.pre_process, self.post_process, self.pg_collection = False, False, pg_collection
-        self.decoder = torch.nn.Module()
-        self.decoder.layers = torch.nn.ModuleList([_Layer(first_layer + 1)])
+        self.decoder = block(first_layer)
 
 
 def test_model_builder_must_honour_config_and_process_groups():
@@ -165,6 +181,35 @@ def test_model_builder_must_honour_config_and_process_groups():
     for chunk in (_Chunk(6, object()), _Chunk(0, ours)):  # megatron's global groups / looped layers
         with pytest.raises(BitPipeConfigError, match="model_provider did not build the chunk from the config and pg_collection"):
             _check_chunk(chunk, spec, ours)
+    with pytest.raises(BitPipeConfigError, match="_Chunk is not built on a TransformerBlock .*GPTModel or BertModel"):
+        _check_chunk(_Chunk(6, ours, block=_HybridStack), spec, ours)
+
+
+def test_hybrid_models_are_refused_before_communication():
+    for flags in (dict(hybrid_layer_pattern="M*M*M*M*"), dict(hybrid_override_pattern="M*M*M*M*", hybrid_layer_pattern="M*M*M*M*")):
+        with pytest.raises(BitPipeConfigError) as info:
+            validate_megatron_lm_args(megatron_lm_args("--pipeline-schedule", "bitpipe", **flags))
+        (problem,) = [line for line in str(info.value).splitlines() if "hybrid" in line]
+        flag = "--hybrid-override-pattern" if "hybrid_override_pattern" in flags else "--hybrid-layer-pattern"
+        assert problem.strip().startswith(f"{flag} cannot be used with --pipeline-schedule bitpipe: bitpipe builds GPTModel chunks")
+    validate_megatron_lm_args(megatron_lm_args(hybrid_layer_pattern="M*M*M*M*"))  # default schedule: megatron's business
+
+
+def test_virtual_pipeline_messages_name_megatron_lm_flags():
+    """Megatron-LM (tags core_v0.16.1 through core_v0.19.0) sets the virtual pipeline size with
+    --num-virtual-stages-per-pipeline-rank; megatron-bitpipe's own scripts with
+    --virtual-pipeline-model-parallel-size."""
+    for schedule, vp, expected in (
+        ("bitpipe", 2, "--num-virtual-stages-per-pipeline-rank must not be set with bitpipe"),
+        ("interleaved", None, "--pipeline-schedule interleaved needs --num-virtual-stages-per-pipeline-rank >= 2"),
+        ("1f1b", 2, "unset --num-virtual-stages-per-pipeline-rank"),
+    ):
+        with pytest.raises(BitPipeConfigError, match=expected) as info:
+            validate_megatron_lm_args(megatron_lm_args("--pipeline-schedule", schedule, virtual_pipeline_model_parallel_size=vp))
+        assert "--virtual-pipeline-model-parallel-size" not in str(info.value)
+    parser = chain_args_provider(None)(argparse.ArgumentParser())
+    (schedule_help,) = [action.help for action in parser._actions if "--pipeline-schedule" in action.option_strings]
+    assert "interleaved (needs --num-virtual-stages-per-pipeline-rank)" in schedule_help
 
 
 def _relay() -> dict:

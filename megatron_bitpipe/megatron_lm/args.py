@@ -18,10 +18,24 @@ from typing import Callable, List, Optional
 
 from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
 
-__all__ = ["add_megatron_lm_args", "chain_args_provider", "validate_megatron_lm_args", "layout_independent_init"]
+__all__ = [
+    "VIRTUAL_SIZE_FLAG",
+    "add_megatron_lm_args",
+    "chain_args_provider",
+    "validate_megatron_lm_args",
+    "layout_independent_init",
+]
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
+VIRTUAL_SIZE_FLAG = "--num-virtual-stages-per-pipeline-rank"
+"""Megatron-LM's flag for the virtual pipeline size (tags core_v0.16.1 through core_v0.19.0;
+``--num-layers-per-virtual-pipeline-stage`` derives it from a layer count instead)."""
+
+_HYBRID = (
+    "bitpipe builds GPTModel chunks; hybrid (Mamba) models pick each pipeline stage's layers from "
+    "their layer pattern in megatron's looped order, which cannot hold BitPipe's V stages"
+)
 # (attribute, flag, why it cannot run with bitpipe); a flag is set when the attribute is truthy
 # (numbers: > 1 for the parallel sizes).
 _BITPIPE_CONFLICTS = (
@@ -50,12 +64,16 @@ _BITPIPE_CONFLICTS = (
     ("init_model_with_meta_device", "--init-model-with-meta-device", "bitpipe initialises weights from --seed"),
     ("yaml_cfg", "--yaml-cfg", "bitpipe reads the model from command-line flags"),
 )
+# The layer pattern of a hybrid (Mamba) model; core_v0.19 copies the deprecated override flag
+# into hybrid_layer_pattern, so the first one set is the one the user typed.
+_HYBRID_PATTERNS = (("hybrid_override_pattern", "--hybrid-override-pattern"), ("hybrid_layer_pattern", "--hybrid-layer-pattern"))
 _PARALLEL_SIZES = {"context_parallel_size", "expert_model_parallel_size"}
 
 
 def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--pipeline-schedule``, ``--tensor-parallel-mode`` and ``--layout-independent-init``."""
-    parser = add_bitpipe_args(parser)
+    """Add ``--pipeline-schedule``, ``--split-backward``, ``--schedule-costs``,
+    ``--tensor-parallel-mode`` and ``--layout-independent-init``."""
+    parser = add_bitpipe_args(parser, virtual_size_flag=VIRTUAL_SIZE_FLAG)
     group = parser.add_argument_group(title="megatron-bitpipe (Megatron-LM)")
     group.add_argument(
         "--layout-independent-init",
@@ -85,7 +103,7 @@ def layout_independent_init(args: argparse.Namespace) -> bool:
 
 def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     """Raise :class:`BitPipeConfigError` naming every flag that breaks a rule (no communication)."""
-    problems: List[str] = bitpipe_arg_problems(args)
+    problems: List[str] = bitpipe_arg_problems(args, virtual_size_flag=VIRTUAL_SIZE_FLAG)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(
             "--tensor-parallel-mode optimus2d is not available through Megatron-LM's scripts (their "
@@ -96,6 +114,9 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             value = getattr(args, attribute, None)
             if (value or 0) > 1 if attribute in _PARALLEL_SIZES else value:
                 problems.append(f"{flag} cannot be used with --pipeline-schedule bitpipe: {reason}")
+        hybrid = next((flag for attribute, flag in _HYBRID_PATTERNS if getattr(args, attribute, None)), None)
+        if hybrid is not None:
+            problems.append(f"{hybrid} cannot be used with --pipeline-schedule bitpipe: {_HYBRID}")
         checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
         if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch":
             problems.append(

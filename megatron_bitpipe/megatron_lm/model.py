@@ -52,7 +52,7 @@ from ..megatron_args import BitPipeConfigError
 from ..runtime.groups import ParallelGrid, PipelineGroups
 from ..runtime.init import initialize_from_seed
 from ..runtime.layout import ChunkSpec, chunk_layers_of, chunk_specs
-from ..runtime.model import build_chunks
+from ..runtime.model import build_chunks, transformer_block_of
 from ..runtime.precision import ChunkFloat16Module
 from ..runtime.replicas import mark_replica_parameters, wrap_ddp
 from ..schedules.placement import bidirectional_v
@@ -74,8 +74,11 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
 def _check_chunk(chunk: torch.nn.Module, spec: ChunkSpec, pg_collection) -> None:
     """The script's model_provider honoured ``config`` (layer range) and ``pg_collection``."""
     model = unwrap_model(chunk)
-    block = getattr(model, "decoder", None) or getattr(model, "encoder", None)
-    first = block.layers[0].layer_number - 1 if block is not None and len(block.layers) else None
+    try:
+        block = transformer_block_of(model)
+    except ValueError as error:
+        raise BitPipeConfigError(f"--pipeline-schedule bitpipe: {error}") from None
+    first = block.layers[0].layer_number - 1 if len(block.layers) else None
     if getattr(model, "pg_collection", None) is not pg_collection or first != spec.first_layer:
         raise BitPipeConfigError(
             "--pipeline-schedule bitpipe: the script's model_provider did not build the chunk from the "

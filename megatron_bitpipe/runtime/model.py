@@ -70,6 +70,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+from megatron.core.utils import unwrap_model
 
 from ..optimus.gpt_model import OptimusGPTModel
 from ..optimus.spec import get_optimus_gpt_block_spec
@@ -195,6 +196,21 @@ def chunk_block_spec(layer_spec: ModuleSpec, num_layers: int) -> ModuleSpec:
     )
 
 
+def transformer_block_of(model: torch.nn.Module) -> TransformerBlock:
+    """The ``TransformerBlock`` of a megatron-core language model (its ``decoder`` or
+    ``encoder``). ValueError for models whose layers are not a ``TransformerBlock``: hybrid and
+    Mamba models (``HybridModel``, ``MambaModel``) choose each pipeline stage's layers from
+    their layer pattern in megatron's looped order, so they cannot hold explicit layer ranges."""
+    model = unwrap_model(model)
+    block = getattr(model, "decoder", None) or getattr(model, "encoder", None)
+    if not isinstance(block, TransformerBlock):
+        raise ValueError(
+            f"{type(model).__name__} is not built on a TransformerBlock (its layers: {type(block).__name__}); "
+            "pipeline chunks with explicit layer ranges need GPTModel or BertModel layers"
+        )
+    return block
+
+
 def build_chunks(
     config: TransformerConfig,
     groups: PipelineGroups,
@@ -216,7 +232,8 @@ def build_chunks(
     pipelines whose first and last stages are on different ranks. With CUDA available the
     chunks are moved to the current device; each records ``groups`` as
     ``chunk.pipeline_groups`` (the forward_backward_func finds placement, channels and
-    grad-sync groups there).
+    grad-sync groups there). ValueError for a chunk not built on a ``TransformerBlock``
+    (:func:`transformer_block_of`).
     """
     if config.pipeline_model_parallel_size != groups.grid.pp:
         raise ValueError(
@@ -247,6 +264,7 @@ def build_chunks(
         ends = (spec.pre_process or spec.post_process) if megatron_ties else (spec.pre_process and spec.post_process)
         tie_in_chunk = share_embeddings_and_output_weights and ends
         model = make_chunk(chunk_config(config, spec), spec, groups.model_pgs[chunk], tie_in_chunk)
+        transformer_block_of(model)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         model.pipeline_groups = groups

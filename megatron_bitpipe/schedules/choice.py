@@ -95,12 +95,15 @@ class ScheduleChoice:
         num_layers: Optional[int] = None,
         *,
         microbatches: str = MICROBATCH_FLAG,
+        virtual_size_flag: str = VP_FLAG,
     ) -> List[str]:
         """Every rule the arguments break, one message per rule naming the flag; ``[]`` if none.
 
         ``num_microbatches`` (N, per data-parallel rank) and ``num_layers`` are checked when
         given. ``microbatches`` names where N comes from in the messages (the schedule command
-        line's ``--num-microbatches``; the training scripts derive it from the batch sizes).
+        line's ``--num-microbatches``; the training scripts derive it from the batch sizes),
+        ``virtual_size_flag`` the flag that sets the virtual pipeline size (Megatron-LM's
+        parser calls it ``--num-virtual-stages-per-pipeline-rank``).
         Pure: no communication, no torch.
         """
         if self.schedule not in GENERATORS:
@@ -111,13 +114,13 @@ class ScheduleChoice:
         generator = GENERATORS[self.schedule]
         if self.schedule == "interleaved":
             if self.virtual_chunks < 1:
-                return [f"{VP_FLAG} must be >= 1 (got {self.virtual_size})"]
+                return [f"{virtual_size_flag} must be >= 1 (got {self.virtual_size})"]
         elif self.virtual_size not in (None, 1):
-            problems.append(f"{VP_FLAG} must not be set with {self.schedule} (its chunks per rank are fixed)")
+            problems.append(f"{virtual_size_flag} must not be set with {self.schedule} (its chunks per rank are fixed)")
         problems += generator.problems(num_ranks, num_microbatches, microbatches)
         pipeline_size_ok = not generator.problems(num_ranks, None, microbatches)  # N=None: D's rules only
         if num_layers is not None and pipeline_size_ok:
-            layer_problem = self.placement(num_ranks).layer_problem(num_layers)
+            layer_problem = self.placement(num_ranks).layer_problem(num_layers, virtual_size_flag)
             if layer_problem:
                 problems.append(layer_problem)
         return problems

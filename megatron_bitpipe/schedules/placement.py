@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, Optional, Sequence, Tuple
 
+from .errors import VP_FLAG
+
 
 @dataclass(frozen=True, order=True)
 class StageLocation:
@@ -145,11 +147,12 @@ class Placement:
         """All slots holding the same layers as (rank, chunk), itself included."""
         return self.replicas(self.role(rank, chunk).stage)
 
-    def layer_problem(self, num_layers: int) -> Optional[str]:
+    def layer_problem(self, num_layers: int, virtual_size_flag: str = VP_FLAG) -> Optional[str]:
         """Why ``num_layers`` cannot be cut into this placement's equal stages, or None.
 
         The message names the flags the stage count comes from (``--num-layers`` must be a
-        positive multiple of the stages of one pipeline).
+        positive multiple of the stages of one pipeline); ``virtual_size_flag`` is the flag
+        that sets the virtual pipeline size on the caller's command line.
         """
         stages = self.num_stages
         if num_layers > 0 and num_layers % stages == 0:
@@ -158,7 +161,7 @@ class Placement:
         if per_rank == 1:
             sizes = "--pipeline-model-parallel-size"
         elif self.name == "looped":
-            sizes = "--pipeline-model-parallel-size x --virtual-pipeline-model-parallel-size"
+            sizes = f"--pipeline-model-parallel-size x {virtual_size_flag}"
         else:
             sizes = f"{per_rank} x --pipeline-model-parallel-size"
         return (
