@@ -24,7 +24,7 @@ Megatron-LM needs five things from the plugin; both routes call the same functio
    Schedule-Free's averaged weights in the model (:func:`~megatron_bitpipe.optimizers.averaged_weights`).
 
 :func:`install` is the runtime route: it wraps Megatron-LM's own functions (``parse_args`` and
-``validate_args`` as ``initialize_megatron`` sees them, ``training.get_model``,
+``validate_args`` as ``initialize_megatron`` sees them, ``arguments.parse_args``, ``training.get_model``,
 ``utils.get_batch_on_this_tp_rank``, and in ``training`` the optimizer, scheduler, evaluation
 and checkpoint functions) so an unmodified script gets all five. It must run
 before the script imports ``get_batch_on_this_tp_rank`` by name (``pretrain_gpt.py`` does).
@@ -187,6 +187,7 @@ def _wrap(original: Callable, replacement: Callable) -> Callable:
 
 def install() -> None:
     """Route Megatron-LM's functions through this module (the runtime route). Idempotent."""
+    import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
     import megatron.training.utils as utils
@@ -225,6 +226,9 @@ def install() -> None:
     for name, replacement in replacements.items():
         setattr(training, name, _wrap(originals[name], replacement))
     initialize.parse_args = _wrap(parse_args, parse_args_with_plugin)
+    # Megatron-LM's in-process-restart check pre-parses the command line through the module's
+    # own parse_args; the plugin's flags and choices must be known there too.
+    arguments.parse_args = _wrap(arguments.parse_args, parse_args_with_plugin)
     initialize.validate_args = _wrap(validate_args, validate_args_with_plugin)
     training.get_model = _wrap(megatron_get_model, get_model_with_plugin)
     utils.get_batch_on_this_tp_rank = _wrap(get_batch, get_batch_with_plugin)
