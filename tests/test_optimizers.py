@@ -347,7 +347,7 @@ def _simulate_onebit(initial: torch.Tensor, shapes, chunk_sizes, groups, steps: 
         else:
             for chunk in sim.chunks:
                 members = [p for p, _ in chunk.pairs]
-                index = [params.index(p) for p in members]
+                index = [next(i for i, q in enumerate(params) if q is p) for p in members]
                 chunk.previous = [sim.state[p]["exp_avg"].clone() for p in members]
                 vectors = []
                 for r in range(world):
