@@ -12,12 +12,15 @@
   ``schedulefree.AdamWScheduleFree`` on identical gradients for 25 steps including warm-up
   (train and averaged weights, rtol 1e-6).
 * 1-bit LAMB on 2 ranks (two DDP chunks, eager exchange) leaves both ranks bitwise identical
-  and equals a single-process simulation of the same algorithm (warm-up and compression).
+  and equals a single-process simulation of the same algorithm (warm-up and compression); a
+  megatron sharded (torch_dist) checkpoint saved in the compression stage resumes it bit for
+  bit (per-rank error feedback and coefficients included).
 """
 
 from __future__ import annotations
 
 import math
+import multiprocessing
 import types
 
 import pytest
@@ -281,31 +284,63 @@ def _local_grad(step: int, rank: int, index: int, shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + 100 * rank + index))
 
 
-def _onebit_rank(steps: int, freeze: int) -> dict:
-    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+def _onebit_rank(steps: int, freeze: int, checkpoint: str, save_at: int) -> dict:
+    """Rank body: ``steps`` steps of 1-bit LAMB over two DDP chunks on synthetic local
+    gradients; after step ``save_at`` a megatron sharded (torch_dist) checkpoint is saved and
+    a second, freshly built optimizer loads it and runs the remaining steps alongside."""
     import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    chunks, optimizer, scheduler = _onebit_setup(freeze)
-    params = [p for c in chunks for p in c.module.parameters()]
-    inner = optimizer.chained_optimizers[0].optimizer
-    index_of = {id(p): i for i, p in enumerate(params)}
-    groups = [([index_of[id(p)] for p in g["params"]], g["weight_decay"], g["lr"]) for g in inner.param_groups]
-    history = [torch.cat([p.detach().reshape(-1) for p in params]).clone()]
-    for step in range(steps):
+    rank = dist.get_rank()
+    multiprocessing.current_process().daemon = False  # megatron's checkpoint writer forks workers
+
+    def model_sharded(chunks):
+        return {
+            f"chunk{c}.{name}": ShardedTensor.from_rank_offsets(f"chunk{c}.{name}", p, replica_id=rank)
+            for c, chunk in enumerate(chunks)
+            for name, p in chunk.module.named_parameters()
+        }
+
+    def one_step(step, chunks, optimizer, scheduler):
+        params = [p for c in chunks for p in c.module.parameters()]
         for chunk in chunks:
             chunk.zero_grad_buffer()
-        for p in params:
-            p.main_grad.copy_(_local_grad(step, dist.get_rank(), index_of[id(p)], p.shape))
+        for index, p in enumerate(params):
+            p.main_grad.copy_(_local_grad(step, rank, index, p.shape))
         for chunk in reversed(chunks):  # as a pipeline: the last chunk's backward finishes first
             chunk.start_grad_sync()
         for chunk in chunks:
             chunk.finish_grad_sync()
         optimizer.step()
         scheduler.step(1)
-        history.append(torch.cat([p.detach().reshape(-1) for p in params]).clone())
-    return dict(history=history, groups=groups, compressing=inner.compressing, shapes=[tuple(p.shape) for p in params],
-                chunk_sizes=[len(list(c.module.parameters())) for c in chunks])  # fmt: skip
+        return torch.cat([p.detach().reshape(-1) for p in params]).clone()
+
+    chunks, optimizer, scheduler = _onebit_setup(freeze)
+    params = [p for c in chunks for p in c.module.parameters()]
+    inner = optimizer.chained_optimizers[0].optimizer
+    index_of = {id(p): i for i, p in enumerate(params)}
+    groups = [([index_of[id(p)] for p in g["params"]], g["weight_decay"], g["lr"]) for g in inner.param_groups]
+    history = [torch.cat([p.detach().reshape(-1) for p in params]).clone()]
+    resumed = None
+    for step in range(steps):
+        history.append(one_step(step, chunks, optimizer, scheduler))
+        if resumed is not None:
+            resumed[3].append(one_step(step, *resumed[:3]))
+        if step + 1 == save_at:
+            dist_checkpointing.save(optimizer.sharded_state_dict(model_sharded(chunks)), checkpoint)
+            chunks2, optimizer2, scheduler2 = _onebit_setup(freeze)
+            for p, q in zip(params, [p for c in chunks2 for p in c.module.parameters()]):
+                q.data.copy_(p.data)
+            loaded = dist_checkpointing.load(optimizer2.sharded_state_dict(model_sharded(chunks2), is_loading=True), checkpoint)
+            optimizer2.load_state_dict(loaded)
+            scheduler2.load_state_dict(scheduler.state_dict())
+            resumed = (chunks2, optimizer2, scheduler2, [])
+    return dict(history=history, resumed=resumed[3], groups=groups, compressing=inner.compressing,
+                shapes=[tuple(p.shape) for p in params], chunk_sizes=[len(list(c.module.parameters())) for c in chunks])  # fmt: skip
 
 
 def _simulate_onebit(initial: torch.Tensor, shapes, chunk_sizes, groups, steps: int, freeze: int, world: int):
@@ -366,9 +401,10 @@ def _simulate_onebit(initial: torch.Tensor, shapes, chunk_sizes, groups, steps: 
 
 
 @pytest.mark.multirank
-def test_onebit_lamb_on_two_ranks_equals_single_process_simulation():
-    steps, freeze = 10, 4
-    results = launch(_onebit_rank, 2, steps, freeze, timeout=300)
+def test_onebit_lamb_on_two_ranks_equals_single_process_simulation(tmp_path):
+    steps, freeze, save_at = 10, 4, 6
+    (tmp_path / "torch_dist").mkdir()
+    results = launch(_onebit_rank, 2, steps, freeze, str(tmp_path / "torch_dist"), save_at, timeout=300)
     assert results[0]["compressing"]
     for a, b in zip(results[0]["history"], results[1]["history"]):
         assert torch.equal(a, b)  # every rank holds the same bits after every exchange
@@ -377,3 +413,7 @@ def test_onebit_lamb_on_two_ranks_equals_single_process_simulation():
     assert not torch.equal(r["history"][freeze + 1], r["history"][freeze])  # compressed steps move the weights
     for step, (got, want) in enumerate(zip(r["history"], expected)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}: {m}")
+    # resumed from megatron's sharded checkpoint in the compression stage: every state restored
+    for rank in results:
+        assert len(rank["resumed"]) == steps - save_at
+        assert all(torch.equal(a, b) for a, b in zip(rank["resumed"], rank["history"][save_at + 1 :]))

@@ -35,6 +35,7 @@ from megatron.core.optimizer import (
     get_megatron_optimizer,
     get_standard_config_overrides,
 )
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -217,6 +218,32 @@ def _torch_optimizer(config: OptimizerConfig, choice: OptimizerChoice, param_gro
     )
 
 
+class _PerRankOptimizerState:
+    """Mixin for megatron's wrappers of 1-bit LAMB: its per-rank state (error feedback, and the
+    per-parameter coefficients keyed by this rank's parameter ids) becomes one
+    ``ShardedObject`` per rank in megatron's sharded (``torch_dist``) checkpoints, instead of
+    common state that only rank 0 would write."""
+
+    PER_RANK_KEYS = ("coefficients", "error_feedback")
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        state = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        inner = state["optimizer"] if "optimizer" in state else state
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        for key in self.PER_RANK_KEYS:
+            if key in inner:
+                inner[key] = ShardedObject(f"optimizer.onebit_lamb.{key}", inner[key], (world,), (rank,), replica_id=0)
+        return state
+
+
+class _OnebitFP32Optimizer(_PerRankOptimizerState, FP32Optimizer):
+    """``FP32Optimizer`` of 1-bit LAMB (per-rank sharded state)."""
+
+
+class _OnebitFloat16Optimizer(_PerRankOptimizerState, Float16OptimizerWithFloat16Params):
+    """``Float16OptimizerWithFloat16Params`` of 1-bit LAMB (per-rank sharded state)."""
+
+
 def _optimizer_param_of(wrapped) -> Dict[int, torch.Tensor]:
     """``id(model parameter) -> the parameter the torch optimizer holds for it``."""
     if isinstance(wrapped, Float16OptimizerWithFloat16Params):
@@ -267,13 +294,15 @@ def build_megatron_optimizer(
     param_groups = [group for group in param_groups if not group["is_expert_parallel"]]
     inner = _torch_optimizer(config, choice, param_groups, pg_collection.tp)
     init_state_fn = type(inner).init_state
+    onebit = isinstance(inner, OnebitLamb)
     if config.fp16 or config.bf16:
-        wrapped = Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config), init_state_fn)
+        wrapper = _OnebitFloat16Optimizer if onebit else Float16OptimizerWithFloat16Params
+        wrapped = wrapper(inner, config, _grad_scaler(config), init_state_fn)
     else:
-        wrapped = FP32Optimizer(inner, config, init_state_fn)
+        wrapped = (_OnebitFP32Optimizer if onebit else FP32Optimizer)(inner, config, init_state_fn)
     wrapped.grad_stats_parallel_group = pg_collection.mp
     wrapped.tp_group = pg_collection.tp
-    if isinstance(inner, OnebitLamb):
+    if onebit:
         inner.attach(model_chunks, _optimizer_param_of(wrapped))
     return ChainedOptimizer([wrapped])
 

@@ -291,12 +291,26 @@ class OnebitLamb(Lamb):
         return fits
 
     def state_dict(self) -> dict:
+        """torch's state dict with the per-parameter numbers (``lamb_coeff_freeze``,
+        ``last_factor``, ``scaling_coeff``) moved from ``state`` to ``coefficients`` (same
+        parameter ids), so that ``state`` holds only parameter-shaped tensors and ``step`` as
+        megatron's sharded checkpoints expect, plus this rank's ``error_feedback``."""
         state = super().state_dict()
+        coefficients = {}
+        for index, entry in state["state"].items():
+            numbers = {key: value for key, value in entry.items() if not torch.is_tensor(value)}
+            coefficients[index] = numbers
+            state["state"][index] = {key: value for key, value in entry.items() if torch.is_tensor(value)}
+        state["coefficients"] = coefficients
         state["error_feedback"] = self.error_feedback_state()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
         saved = state_dict.pop("error_feedback", None)
+        coefficients = state_dict.pop("coefficients", {})
+        state_dict["state"] = {
+            index: {**entry, **coefficients.get(index, {})} for index, entry in state_dict["state"].items()
+        }
         super().load_state_dict(state_dict)
         self.load_error_feedback_state(saved)
