@@ -417,3 +417,55 @@ def test_onebit_lamb_on_two_ranks_equals_single_process_simulation(tmp_path):
     for rank in results:
         assert len(rank["resumed"]) == steps - save_at
         assert all(torch.equal(a, b) for a, b in zip(rank["resumed"], rank["history"][save_at + 1 :]))
+
+
+# -- flags ----------------------------------------------------------------------------
+
+
+def _problems(argv, world_size=1):
+    from megatron_bitpipe.megatron_args import BitPipeConfigError
+    from megatron_bitpipe.training.arguments import parse_args
+    from megatron_bitpipe.training.gpt import GPTTask
+
+    base = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--train-iters", "4", "--lr", "1e-3", "--vocab-size", "64"]  # fmt: skip
+    try:
+        parse_args(GPTTask(), [*base, *argv], world_size=world_size, cuda_available=False)
+    except BitPipeConfigError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.parametrize(
+    "argv,world,expected",
+    [
+        (["--optimizer", "onebit_lamb"], 1, "--onebit-freeze-iters"),
+        (["--optimizer", "onebit_lamb", "--onebit-freeze-iters", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "--sequence-parallel"),
+        (["--optimizer", "onebit_lamb", "--onebit-freeze-iters", "2", "--overlap-grad-reduce"], 2, "--overlap-grad-reduce"),
+        (["--optimizer", "onebit_lamb", "--onebit-freeze-iters", "2", "--pipeline-model-parallel-size", "2"], 2, "--untie-embeddings-and-output-weights"),
+        (["--optimizer", "schedulefree_adamw"], 1, "--lr-decay-style constant"),
+        (["--optimizer", "lamb", "--lamb-min-coeff", "2", "--lamb-max-coeff", "1"], 1, "--lamb-min-coeff"),
+        (["--lr-decay-style", "rex", "--rex-beta", "1.5"], 1, "--rex-beta"),
+    ],
+)
+def test_unsupported_combinations_are_refused_naming_the_flags(argv, world, expected):
+    assert expected in _problems(argv, world)
+
+
+def test_supported_combinations_pass():
+    assert _problems(["--optimizer", "schedulefree_adamw", "--lr-decay-style", "constant", "--lr-warmup-iters", "2"]) == ""
+    bitpipe = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+    assert _problems(["--optimizer", "onebit_lamb", "--onebit-freeze-iters", "2", *bitpipe], 2) == ""
+
+
+def test_flags_are_new_to_megatron_lm():
+    """None of the added flags is defined by the Megatron-LM checkout (MEGATRON_LM_PATH)."""
+    import os
+    from pathlib import Path
+
+    root = os.environ.get("MEGATRON_LM_PATH")
+    if not root:
+        pytest.skip("MEGATRON_LM_PATH is not set")
+    source = (Path(root) / "megatron" / "training" / "arguments.py").read_text()
+    for flag in ("--rex-beta", "--lamb-min-coeff", "--lamb-max-coeff", "--onebit-freeze-iters", "--sf-weight-lr-power", "--sf-r"):
+        assert f"'{flag}'" not in source and f'"{flag}"' not in source, flag

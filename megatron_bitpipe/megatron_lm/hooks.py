@@ -187,10 +187,10 @@ def _wrap(original: Callable, replacement: Callable) -> Callable:
 
 def install() -> None:
     """Route Megatron-LM's functions through this module (the runtime route). Idempotent."""
-    import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
     import megatron.training.utils as utils
+    import megatron.training.arguments as arguments
 
     if hasattr(initialize.parse_args, "megatron_bitpipe_original") or getattr(training, PATCH_MARKER, False):
         return  # installed already, or the checkout carries the patch route's calls

@@ -110,7 +110,7 @@ def optimizer_problems(args: argparse.Namespace, *, schedule: str, megatron_lm: 
     for Megatron-LM's training loop (whose own schedules build megatron's DDP).
     """
     problems: List[str] = []
-    name = args.optimizer
+    name = getattr(args, "optimizer", "adam")
     if not 0.0 <= args.rex_beta < 1.0:
         problems.append(f"--rex-beta must lie in [0, 1) (got {args.rex_beta})")
     if name not in OWN_OPTIMIZERS:
@@ -130,7 +130,7 @@ def optimizer_problems(args: argparse.Namespace, *, schedule: str, megatron_lm: 
     if name == "schedulefree_adamw":
         if importlib.util.find_spec("schedulefree") is None:
             problems.append("--optimizer schedulefree_adamw needs the schedulefree package: pip install 'megatron-bitpipe[schedulefree]'")
-        if args.lr_decay_style != "constant":
+        if getattr(args, "lr_decay_style", "linear") != "constant":
             problems.append(
                 f"--optimizer schedulefree_adamw does not decay the learning rate: use --lr-decay-style constant "
                 f"(got {args.lr_decay_style}); --lr-warmup-iters becomes its own warm-up"
@@ -149,7 +149,7 @@ def _onebit_problems(args, schedule: str, megatron_lm: bool) -> List[str]:
     if args.onebit_freeze_iters is None or args.onebit_freeze_iters < 1:
         problems.append("--optimizer onebit_lamb needs --onebit-freeze-iters N >= 1 (iterations of plain LAMB before compression)")
     why = "the momentum exchange replaces the gradient all-reduce"
-    if args.fp16:
+    if getattr(args, "fp16", False):
         problems.append(f"--optimizer onebit_lamb cannot be combined with --fp16 ({why}, before loss-scale unscaling); use --bf16")
     if getattr(args, "sequence_parallel", False):
         problems.append(f"--optimizer onebit_lamb cannot be combined with --sequence-parallel ({why}, before the norms' TP gradient sum)")
@@ -166,7 +166,7 @@ def _onebit_problems(args, schedule: str, megatron_lm: bool) -> List[str]:
                 f"--optimizer onebit_lamb cannot be combined with --overlap-grad-reduce under the {schedule} schedule "
                 "(megatron's backward hooks would start the gradient all-reduce it replaces)"
             )
-        if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        if args.pipeline_model_parallel_size > 1 and not getattr(args, "untie_embeddings_and_output_weights", False):
             problems.append(
                 f"--optimizer onebit_lamb with the {schedule} schedule and --pipeline-model-parallel-size > 1 needs "
                 "--untie-embeddings-and-output-weights (the tied embedding gradients are summed across ranks after the exchange)"
