@@ -313,7 +313,7 @@ def averaged_weights(optimizer) -> Iterator[None]:
     iterate ``x``; afterwards ``y`` again, bit for bit. A no-op for other optimizers. Use it
     around evaluation, checkpoint saving and checkpoint loading. Mixed-precision wrappers
     copy their fp32 main parameters into the bf16/fp16 model weights after each switch."""
-    parts = [part for part in megatron_parts(optimizer) if hasattr(getattr(part, "optimizer", None), "lr_for_logging")]
+    parts = [part for part in megatron_parts(optimizer) if getattr(getattr(part, "optimizer", None), "averages_weights", False)]
     for part in parts:
         part.optimizer.eval()
         _refresh_model_weights(part)
@@ -336,6 +336,6 @@ def lr_for_logging(optimizer) -> float:
     its own warm-up applied."""
     for part in megatron_parts(optimizer):
         inner = getattr(part, "optimizer", None)
-        if hasattr(inner, "lr_for_logging"):
+        if getattr(inner, "averages_weights", False):
             return inner.lr_for_logging()
     return get_canonical_lr_for_logging(optimizer.param_groups)

@@ -36,6 +36,8 @@ class ScheduleFreeAdamW(AdamWScheduleFree):
     optimizer state (a checkpoint restores them; the others are flags or the scheduler's)."""
 
     group_state = ("k", "weight_sum", "lr_max", "scheduled_lr", "train_mode")
+    #: the model must hold the averaged iterate for evaluation and checkpoints (``averaged_weights``)
+    averages_weights = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
