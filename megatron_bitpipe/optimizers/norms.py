@@ -66,7 +66,8 @@ def logical_numels(params: Sequence[torch.Tensor], tp_group: Optional[dist.Proce
     """fp32 vector: the number of elements of each logical parameter."""
     if not params:
         return torch.zeros(0)
-    local = torch.tensor([float(p.numel()) if counts_on_this_rank(p, tp_group) else 0.0 for p in params])
+    counts = [float(p.numel()) if counts_on_this_rank(p, tp_group) else 0.0 for p in params]
+    local = torch.tensor(counts, dtype=torch.float32, device=params[0].device)
     if tp_group is not None and tp_group.size() > 1:
         dist.all_reduce(local, group=tp_group)
     return local
