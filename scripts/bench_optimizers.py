@@ -22,7 +22,9 @@ The data are the built-in synthetic sequences by default; ``--data-args`` passes
 flags of the pretrain script instead (e.g. ``"--data-path PREFIX --tokenizer-type
 GPT2BPETokenizer --vocab-file ... --merge-file ..."`` for an indexed dataset of real text).
 
-Prints a Markdown table; ``--json`` and ``--plot`` write the runs and the loss curves.
+Prints a Markdown table; ``--json`` and ``--plot`` write the runs and the loss curves;
+``--include`` adds the runs of earlier invocations (e.g. another ``--lamb-lr``, named with
+``--label``) to the table and the plot.
 Usage: ``python scripts/bench_optimizers.py --seeds 1 2 3 --train-iters 60 --plot docs/images/bench_optimizers.png``.
 """
 
@@ -109,8 +111,8 @@ def _table(runs: Dict[str, Dict[int, dict]], freeze: int) -> str:
     ]
     for name, by_seed in runs.items():
         rows = [r for run in by_seed.values() for r in run["rows"]]
-        early = [r["wire_bytes"] for r in rows if name != "onebit_lamb" or r["iteration"] <= freeze]
-        late = [r["wire_bytes"] for r in rows if name == "onebit_lamb" and r["iteration"] > freeze]
+        early = [r["wire_bytes"] for r in rows if not name.startswith("onebit_lamb") or r["iteration"] <= freeze]
+        late = [r["wire_bytes"] for r in rows if name.startswith("onebit_lamb") and r["iteration"] > freeze]
         final = [run["rows"][-1]["loss"] for run in by_seed.values()]
         valid = [run["validation"] for run in by_seed.values() if run["validation"] is not None]
 
@@ -161,6 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--layout", default="--pipeline-schedule bitpipe --pipeline-model-parallel-size 2", help="parallel flags of the pretrain script")
     parser.add_argument("--data-args", default="--vocab-size 256", help="data flags of the pretrain script (default: synthetic data)")
+    parser.add_argument("--label", default="", help="appended to the optimizer names of this invocation's runs")
+    parser.add_argument("--include", nargs="*", default=[], help="runs of earlier invocations (their --json files) to show alongside")
     parser.add_argument("--json", default=None, help="write every run's records here")
     parser.add_argument("--plot", default=None, help="write the loss curves here (PNG)")
     options = parser.parse_args(argv)
@@ -170,14 +174,18 @@ def main(argv=None) -> int:
     from megatron_bitpipe.cpu.launcher import launch
 
     runs: Dict[str, Dict[int, dict]] = {}
+    for path in options.include:
+        runs.update(json.loads(Path(path).read_text())["runs"])
+    mine: Dict[str, Dict[int, dict]] = {}
     for name in options.optimizers:
         for seed in options.seeds:
             result = launch(_bench_rank, options.nproc, _argv(name, seed, options), timeout=3600)[0]
-            runs.setdefault(name, {})[seed] = result
+            mine.setdefault(name + options.label, {})[seed] = result
             print(f"{name} seed {seed}: final loss {result['rows'][-1]['loss']:.4f}", file=sys.stderr, flush=True)
-    print(_table(runs, options.freeze_iters))
     if options.json:
-        Path(options.json).write_text(json.dumps({"options": vars(options), "runs": runs}, indent=1))
+        Path(options.json).write_text(json.dumps({"options": vars(options), "runs": mine}, indent=1))
+    runs.update(mine)
+    print(_table(runs, options.freeze_iters))
     if options.plot:
         data = "synthetic data" if "--data-path" not in options.data_args else "real text"
         _plot(runs, options.plot, f"tiny GPT, {data}, {options.nproc} CPU ranks ({options.layout.replace('--', '')})")
