@@ -103,7 +103,12 @@ def _argv(name: str, seed: int, options) -> List[str]:
     return argv
 
 
-def _table(runs: Dict[str, Dict[int, dict]], freeze: int) -> str:
+def _compressed(row: dict) -> bool:
+    """Whether the iteration exchanged compressed momenta (1-bit LAMB after its freeze)."""
+    return "all_to_all_single" in row["calls"]
+
+
+def _table(runs: Dict[str, Dict[int, dict]]) -> str:
     adam = statistics.mean(r["wire_bytes"] for run in runs["adamw_cosine"].values() for r in run["rows"]) if "adamw_cosine" in runs else None
     lines = [
         "| optimizer | bytes/step, full precision | bytes/step, compressed | vs Adam | final train loss | final validation loss |",
@@ -111,8 +116,8 @@ def _table(runs: Dict[str, Dict[int, dict]], freeze: int) -> str:
     ]
     for name, by_seed in runs.items():
         rows = [r for run in by_seed.values() for r in run["rows"]]
-        early = [r["wire_bytes"] for r in rows if not name.startswith("onebit_lamb") or r["iteration"] <= freeze]
-        late = [r["wire_bytes"] for r in rows if name.startswith("onebit_lamb") and r["iteration"] > freeze]
+        early = [r["wire_bytes"] for r in rows if not _compressed(r)]
+        late = [r["wire_bytes"] for r in rows if _compressed(r)]
         final = [run["rows"][-1]["loss"] for run in by_seed.values()]
         valid = [run["validation"] for run in by_seed.values() if run["validation"] is not None]
 
@@ -148,7 +153,8 @@ def _plot(runs: Dict[str, Dict[int, dict]], path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--optimizers", nargs="+", choices=tuple(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--optimizers", nargs="*", choices=tuple(CONFIGS), default=list(CONFIGS),
+                        help="what to run (none: only the table and plot of --include)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--train-iters", type=int, default=60)
     parser.add_argument("--warmup-iters", type=int, default=6)
@@ -182,10 +188,10 @@ def main(argv=None) -> int:
             result = launch(_bench_rank, options.nproc, _argv(name, seed, options), timeout=3600)[0]
             mine.setdefault(name + options.label, {})[seed] = result
             print(f"{name} seed {seed}: final loss {result['rows'][-1]['loss']:.4f}", file=sys.stderr, flush=True)
-    if options.json:
+    if options.json and mine:
         Path(options.json).write_text(json.dumps({"options": vars(options), "runs": mine}, indent=1))
     runs.update(mine)
-    print(_table(runs, options.freeze_iters))
+    print(_table(runs))
     if options.plot:
         data = "synthetic data" if "--data-path" not in options.data_args else "real text"
         _plot(runs, options.plot, f"tiny GPT, {data}, {options.nproc} CPU ranks ({options.layout.replace('--', '')})")
