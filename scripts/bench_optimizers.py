@@ -146,7 +146,7 @@ def _plot(runs: Dict[str, Dict[int, dict]], path: str, title: str) -> None:
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss (mean, min-max over seeds)")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     print(_table(runs))
     if options.plot:
         data = "synthetic data" if "--data-path" not in options.data_args else "real text"
-        _plot(runs, options.plot, f"tiny GPT, {data}, {options.nproc} CPU ranks ({options.layout.replace('--', '')})")
+        _plot(runs, options.plot, f"tiny GPT, {data}, {options.nproc} CPU ranks")
     return 0
 
 
