@@ -10,7 +10,8 @@
 * Schedule-Free AdamW: the eval -> train round trip is exact; wrapped in megatron's
   FP32Optimizer (built by the factory over megatron's parameter groups) it equals
   ``schedulefree.AdamWScheduleFree`` on identical gradients for 25 steps including warm-up
-  (train and averaged weights, rtol 1e-6).
+  (train and averaged weights, rtol 1e-6); with bf16 model weights (``Float16OptimizerWithFloat16Params``)
+  the model holds bf16(x) while evaluating and bf16(y) exactly again afterwards.
 * 1-bit LAMB on 2 ranks (two DDP chunks, eager exchange) leaves both ranks bitwise identical
   and equals a single-process simulation of the same algorithm (warm-up and compression); a
   megatron sharded (torch_dist) checkpoint saved in the compression stage resumes it bit for
@@ -243,7 +244,34 @@ def _sf_wrapper_rank(steps: int, warmup: int) -> dict:
                     z = reference.state[clones[p]]["z"]
                     x = clones[p].detach().lerp(z, 1 - 1 / 0.9)  # the package's eval() of y
                     worst["eval"] = max(worst["eval"], rel(p.detach(), x))
+    worst["bf16"] = _sf_bf16_refresh(pytest, world)
     return worst
+
+
+def _sf_bf16_refresh(pytest, world) -> bool:
+    """With bf16 model weights (fp32 main parameters), the model holds bf16(x) inside
+    averaged_weights and bf16(y) again after it."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_bitpipe.optimizers import OptimizerChoice, averaged_weights, build_megatron_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6)).to(torch.bfloat16)
+    config = OptimizerConfig(lr=0.02, bf16=True, params_dtype=torch.bfloat16, clip_grad=0.0)
+    optimizer = build_megatron_optimizer(config, OptimizerChoice("schedulefree_adamw"), [model], pg_collection=ProcessGroupCollection(tp=world, mp=world))
+    part = optimizer.chained_optimizers[0]
+    for _ in range(3):
+        for p in model.parameters():
+            p.main_grad = torch.randn(p.shape)
+        optimizer.step()
+    mains = [m for group in part.fp32_from_float16_groups for m in group]
+    models = [p for group in part.float16_groups for p in group]
+    y = [m.detach().clone() for m in mains]
+    with averaged_weights(optimizer):
+        inside = all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(models, mains))
+        moved = any(not torch.equal(m, yy) for m, yy in zip(mains, y))
+    after = all(torch.equal(p, yy.to(torch.bfloat16)) and torch.equal(m, yy) for p, m, yy in zip(models, mains, y))
+    return inside and moved and after
 
 
 @pytest.mark.multirank
@@ -251,6 +279,7 @@ def test_schedule_free_in_megatron_wrapper_equals_package():
     pytest.importorskip("schedulefree")
     worst = launch(_sf_wrapper_rank, 1, 25, 5, timeout=300)[0]
     assert worst["train"] < 1e-6 and worst["eval"] < 1e-6, worst
+    assert worst["bf16"], "bf16 model weights not refreshed from the fp32 main parameters"
 
 
 def _onebit_setup(freeze: int):
