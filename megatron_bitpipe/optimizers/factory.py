@@ -137,8 +137,9 @@ def optimizer_problems(args: argparse.Namespace, *, schedule: str, megatron_lm: 
             )
         if getattr(args, "lr_warmup_init", 0.0):
             problems.append("--optimizer schedulefree_adamw warms up from 0: --lr-warmup-init must be 0")
-        if getattr(args, "lr_warmup_fraction", None) is not None:
-            problems.append("--optimizer schedulefree_adamw takes its warm-up from --lr-warmup-iters, not --lr-warmup-fraction")
+        for attribute, flag in (("lr_warmup_fraction", "--lr-warmup-fraction"), ("lr_warmup_samples", "--lr-warmup-samples")):
+            if getattr(args, attribute, None):
+                problems.append(f"--optimizer schedulefree_adamw takes its warm-up from --lr-warmup-iters, not {flag}")
     if name == "onebit_lamb":
         problems += _onebit_problems(args, schedule, megatron_lm)
     return problems
