@@ -23,7 +23,7 @@ setup(
         "test": [
             "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10",
             "schedulefree==1.4.*",  # --optimizer schedulefree_adamw and its reference
-            "pytorch-optimizer>=3.5",  # REX oracle
+            "pytorch-optimizer>=4.1",  # REX oracle
         ],
         # --optimizer schedulefree_adamw
         "schedulefree": ["schedulefree==1.4.*"],
