@@ -5,8 +5,8 @@
 parameter and stores in the parameter itself either ``y`` (train mode: where gradients are
 taken) or the averaged iterate ``x`` (eval mode: what is evaluated and saved). Its
 ``eval()``/``train()`` switch between them by interpolating with ``z``; a train→eval→train
-round trip is not bit-exact in floating point (measured: up to 1.2e-7 on fp32 weights of order 1), so evaluating or
-saving would perturb the training run. :class:`ScheduleFreeAdamW` keeps a copy of ``y``
+round trip is not bit-exact in floating point (measured: up to 1.2e-7 on fp32 weights of
+order 1), so evaluating or saving would perturb the training run. :class:`ScheduleFreeAdamW` keeps a copy of ``y``
 (state ``"y"``) while in eval mode and puts it back on ``train()``: training with evaluations
 and checkpoints is bit-identical to training without them, and a checkpoint saved in eval
 mode (weights ``x``, state ``z``, ``exp_avg_sq``, ``y``) resumes the exact run.
