@@ -9,7 +9,7 @@ choices of Megatron-LM's ``--optimizer`` (``lamb``, ``onebit_lamb``,
 
 :func:`validate_megatron_lm_args` runs after Megatron-LM's ``validate_args`` (which fills in
 ``data_parallel_size`` and the other derived fields) and before ``torch.distributed`` is
-initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.validate_bitpipe_args`
+initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`
 plus the Megatron-LM features the BitPipe chunks cannot be combined with. It raises
 :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Optional
 
-from ..megatron_args import BitPipeConfigError, add_bitpipe_args, validate_bitpipe_args
+from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 
 __all__ = ["add_megatron_lm_args", "chain_args_provider", "validate_megatron_lm_args", "layout_independent_init"]
@@ -102,12 +102,7 @@ def layout_independent_init(args: argparse.Namespace) -> bool:
 
 def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     """Raise :class:`BitPipeConfigError` naming every flag that breaks a rule (no communication)."""
-    problems: List[str] = []
-    try:
-        validate_bitpipe_args(args)
-    except BitPipeConfigError as error:  # "invalid arguments:" and one indented line per rule
-        lines = str(error).splitlines()
-        problems.extend(line.strip() for line in lines[1:] or lines)
+    problems: List[str] = bitpipe_arg_problems(args)
     schedule = "bitpipe" if getattr(args, "pipeline_schedule", "default") == "bitpipe" else "megatron"
     problems += optimizer_problems(args, schedule=schedule, megatron_lm=True)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":

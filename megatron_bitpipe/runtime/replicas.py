@@ -46,7 +46,6 @@ __all__ = [
     "wrap_ddp",
     "stage_order",
     "mark_replica_parameters",
-    "broadcast_replicas",
     "max_replica_difference",
 ]
 

@@ -11,10 +11,13 @@
   :mod:`megatron_bitpipe.optimizers` —, learning-rate schedule);
 * :mod:`.schedule` — BitPipe or megatron-core's own schedules on the model's groups;
 * :mod:`.data` — tokenizers, Megatron indexed datasets, global-batch order, micro-batches;
+  :mod:`.preprocess` — text to Megatron indexed datasets (``scripts/preprocess_data.py``)
+  and the built-in corpus;
 * :mod:`.checkpoint` — layout-independent checkpoints; :mod:`.sharding` — full tensors
   from the TP blocks (1-D and Optimus 2D);
 * :mod:`.logs` — Megatron-style lines, JSON lines, TensorBoard; :mod:`.distributed` —
-  torch.distributed start-up under torchrun or alone.
+  torch.distributed start-up under torchrun or alone;
+* :mod:`.exit_conditions` — Megatron-LM's early exits (signal, time budget, interval).
 
 See ``docs/running.md`` and ``docs/checkpoints.md``.
 """
