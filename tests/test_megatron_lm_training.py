@@ -125,6 +125,7 @@ def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):
 
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     "optimizer",
     [
