@@ -26,7 +26,7 @@ import torch
 from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.optimizers import rex_coefficient
 
-from pretrain_support import assert_same_records, make_task, records, train_in_process
+from .pretrain_support import assert_same_records, make_task, records, train_in_process
 
 ITERS = 5
 MODEL = [
