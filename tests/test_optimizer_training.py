@@ -17,6 +17,7 @@ One launch per run (the in-process launcher), shared by all checks.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -51,6 +52,7 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
     from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
 
     task = make_task("gpt")
@@ -58,7 +60,8 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     trainer = Trainer(task, args, tokenizer, distributed.initialize(args, enable_cpu_megatron))
-    trainer.train()
+    with ExitConditions(args, time.time()) as exits:
+        trainer.train(exits)
     return max_replica_difference(trainer.model.chunks, trainer.groups)
 
 
