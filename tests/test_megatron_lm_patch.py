@@ -40,7 +40,7 @@ def test_patch_is_small_and_only_calls_the_plugin(tag):
     assert re.findall(r"^diff --git a/(\S+) b/", text, re.M) == PATCHED_FILES[tag]
     diff = text[text.index("diff --git"):].splitlines()
     added = [line[1:] for line in diff if line.startswith("+") and not line.startswith("+++")]
-    assert len(added) <= 30
+    assert len(added) <= 40
     imports = [line.strip() for line in added if "import" in line]
     assert imports and all(line.startswith("from megatron_bitpipe.megatron_lm.") for line in imports)
     removed = [line for line in diff if line.startswith("-") and not line.startswith("---")]

@@ -31,6 +31,7 @@ import signal
 from typing import List, Optional, Sequence
 
 from ..megatron_args import MICROBATCHES_SOURCE, PLAN_SCHEDULES, BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
+from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 
 __all__ = ["BitPipeConfigError", "EXIT_SIGNALS", "build_parser", "parse_args", "validate", "padded_vocab_size"]
@@ -104,10 +105,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     group.add_argument("--lr", type=float, required=True)
     group.add_argument("--min-lr", type=float, default=0.0)
-    group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"), default="linear")
+    group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", REX), default="linear")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
     group.add_argument("--lr-warmup-init", type=float, default=0.0)
+    group.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--clip-grad", type=float, default=1.0)
     group.add_argument("--adam-beta1", type=float, default=0.9)
@@ -176,6 +178,7 @@ def build_parser(task=None, prog: Optional[str] = None) -> argparse.ArgumentPars
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_checkpoint_args, _add_data_args):
         add(parser)
+    add_optimizer_args(parser)
     if task is not None:
         task.add_arguments(parser)
     return parser
@@ -357,6 +360,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
         problems += _pipeline_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
+    problems += optimizer_problems(args, schedule=args.schedule)
     problems += _data_problems(args)
     if task is not None:
         problems += task.validate(args)

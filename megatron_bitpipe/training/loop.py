@@ -26,13 +26,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
-
+from ..optimizers import averaged_weights, lr_for_logging
 from ..runtime.build import build_optimizer
 from . import distributed
 from .arguments import padded_vocab_size, parse_args
 from .checkpoint import TrainingState, load_checkpoint, save_checkpoint
-from .config import lr_scheduler, optimizer_config, placement_for, use_global_tp_group
+from .config import lr_scheduler, optimizer_choice, optimizer_config, placement_for, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .errors import BitPipeConfigError, CheckpointError
 from .exit_conditions import ExitConditions
@@ -51,12 +50,13 @@ class Trainer:
         self.model = task.build_model(args, placement_for(args))
         self.groups = self.model.groups
         use_global_tp_group(self.groups.tp)
-        self.optimizer = build_optimizer(self.model, optimizer_config(args))
+        self.optimizer = build_optimizer(self.model, optimizer_config(args), optimizer_choice(args))
         self.scheduler = lr_scheduler(args, self.optimizer)
         self.schedule = Schedule(args, self.model, self.optimizer, task)
         self.state = TrainingState()
         if args.load:
-            loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task, args.ckpt_step)
+            with averaged_weights(self.optimizer):  # checkpoints hold Schedule-Free's averaged weights
+                loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task, args.ckpt_step)
             self.state = loaded or self.state
         self.train_data, self.valid_data = task.build_datasets(args, tokenizer)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
@@ -89,7 +89,7 @@ class Trainer:
         for chunk in self.model.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
+        lr = lr_for_logging(self.optimizer)
         batches = microbatches(self.train_data, self.state.consumed_train_samples, args, self.groups.dp_rank)
         reports = self.schedule.run(self.task.forward_step, batches, forward_only=False)
         success, grad_norm, _ = self.optimizer.step()
@@ -100,6 +100,11 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.state.iteration += 1
         self.state.consumed_train_samples += args.global_batch_size
+        if args.optimizer == "onebit_lamb" and self.state.iteration == args.onebit_freeze_iters:
+            distributed.log(
+                f"1-bit LAMB: variance frozen after iteration {self.state.iteration}; from now on momenta are averaged "
+                "with 1-bit compression instead of all-reducing gradients (--clip-grad no longer applies)"
+            )
         return IterationRecord(
             iteration=self.state.iteration,
             consumed_samples=self.state.consumed_train_samples,
@@ -113,11 +118,12 @@ class Trainer:
         )
 
     def evaluate(self) -> Dict[str, float]:
-        """Mean losses over the first ``--eval-iters`` validation global batches."""
+        """Mean losses over the first ``--eval-iters`` validation global batches (of
+        Schedule-Free's averaged weights with that optimizer)."""
         for chunk in self.model.chunks:
             chunk.eval()
         reports: List[dict] = []
-        with torch.no_grad():
+        with torch.no_grad(), averaged_weights(self.optimizer):
             for batch in range(self.args.eval_iters):
                 first = batch * self.args.global_batch_size
                 batches = microbatches(self.valid_data, first, self.args, self.groups.dp_rank)
@@ -132,7 +138,8 @@ class Trainer:
         return bool(interval) and self.state.iteration % interval == 0
 
     def save(self) -> None:
-        directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
+        with averaged_weights(self.optimizer):  # Schedule-Free saves its averaged weights
+            directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
         distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
 
     def train(self, exits: ExitConditions) -> None:
