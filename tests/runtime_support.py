@@ -54,6 +54,7 @@ class Case:
     sequence_parallel: bool = False
     tensor_parallel_mode: str = "1d"
     split_backward: bool = False
+    distributed_optimizer: bool = False
 
     @property
     def world_size(self) -> int:
@@ -102,10 +103,12 @@ def model_config(**kw):
     return tiny_gpt_config(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, **kw)
 
 
-def _optimizer_config(clip_grad: float):
+def _optimizer_config(clip_grad: float, distributed: bool = False):
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.01, clip_grad=clip_grad)
+    return OptimizerConfig(
+        optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.01, clip_grad=clip_grad, use_distributed_optimizer=distributed
+    )
 
 
 def train_single_process(model, config, pg, clip_grad: float, run, batches, global_microbatches: int) -> dict:
@@ -215,12 +218,16 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         seed=SEED,
-        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce, grad_reduce_in_fp32=True),
+        ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=case.overlap_grad_reduce,
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=case.distributed_optimizer,
+        ),
         **case.model_kwargs(),
         tensor_parallel_mode=case.tensor_parallel_mode,
     )
     groups = model.groups
-    optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))
+    optimizer = build_optimizer(model, _optimizer_config(case.clip_grad, case.distributed_optimizer))
     forward_backward = make_forward_backward_func(case.schedule, split_backward=case.split_backward)
 
     def full(tensor_of=lambda p: p) -> Dict[str, torch.Tensor]:
@@ -253,13 +260,15 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         if restore is not None:
             restore()
             restore = None
-        grads = full(lambda p: p.main_grad)
+        # The distributed optimizer reduce-scatters: each rank holds only its shard's sum.
+        grads = None if case.distributed_optimizer else full(lambda p: p.main_grad)
         success, grad_norm, _ = optimizer.step()
         assert success
         record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=full()))
         record["replica_diff"].append(max_replica_difference(model.chunks, groups))
     record["eval"] = run(None, forward_only=True)
     record["pp_rank"] = groups.pp_rank
+    record["optimizers"] = sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])})
     return record
 
 
@@ -295,8 +304,9 @@ def assert_tensors_close(actual: Dict[str, torch.Tensor], expected: Dict[str, to
 
 def assert_equals_reference(case: Case, records: List[dict], ref: dict) -> None:
     """The :func:`pipeline` records of all ranks of ``case`` equal the single-process ``ref``:
-    initial weights; per step every micro-batch's loss once, gradients, weights, grad norm;
-    replicas bit-identical throughout; evaluation losses."""
+    initial weights; per step every micro-batch's loss once, gradients (not with the
+    distributed optimizer, whose ranks each hold one shard of the reduced gradients), weights,
+    grad norm; replicas bit-identical throughout; evaluation losses."""
     import pytest
 
     assert_tensors_close(merged(records, "initial"), ref["initial"], "initial weight")
@@ -309,7 +319,8 @@ def assert_equals_reference(case: Case, records: List[dict], ref: dict) -> None:
         torch.testing.assert_close(
             torch.tensor([losses[m] for m in sorted(losses)]), torch.tensor(expected["losses"]), rtol=RTOL, atol=ATOL
         )
-        assert_tensors_close(merged(records, "steps", step, "grads"), expected["grads"], f"step {step} gradient of")
+        if not case.distributed_optimizer:
+            assert_tensors_close(merged(records, "steps", step, "grads"), expected["grads"], f"step {step} gradient of")
         assert_tensors_close(merged(records, "steps", step, "weights"), expected["weights"], f"step {step} weight")
         for record in records:
             assert record["steps"][step]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=RTOL)

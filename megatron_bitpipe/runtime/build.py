@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
@@ -25,7 +25,8 @@ from .init import initialize_from_seed
 from .layout import ChunkSpec, chunk_specs
 from .model import build_gpt_chunks
 from .precision import ChunkFloat16Module
-from .replicas import mark_replica_parameters, wrap_ddp
+from .replicas import mark_replica_parameters, stage_order, wrap_ddp
+from .sharded_state import attach_sharded_state_dicts
 
 __all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "build_optimizer"]
 
@@ -89,7 +90,11 @@ def build_pipeline_model(
     ``config.bf16``/``config.fp16`` each chunk is wrapped in
     :class:`~.precision.ChunkFloat16Module` (fp32 loss on whichever rank holds it). The default DDP
     config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
-    reduces in fp32.
+    reduces in fp32; with ``ddp_config.use_distributed_optimizer`` each chunk's gradients are
+    reduce-scattered over its grad-sync group instead (pair with :func:`build_optimizer` and
+    an ``OptimizerConfig`` with ``use_distributed_optimizer``). Each chunk's
+    ``sharded_state_dict`` (distributed checkpoints) is the placement-aware one of
+    :mod:`.sharded_state`.
 
     ``tensor_parallel_mode`` is ``--tensor-parallel-mode``: ``"1d"`` (megatron's tensor
     parallelism) or ``"optimus2d"`` (Optimus 2D over a q x q mesh of the ``grid.tp = q*q``
@@ -113,19 +118,49 @@ def build_pipeline_model(
     )
     specs = chunk_specs(placement, config.num_layers, groups.pp_rank, share_embeddings_and_output_weights)
     initialize_from_seed(chunks, specs, seed, groups.tp)
-    mark_replica_parameters(chunks, specs)
+    attach_sharded_state_dicts(chunks, specs, groups)
+    ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
+    if not ddp_config.use_distributed_optimizer:
+        mark_replica_parameters(chunks, specs)
     if config.bf16 or config.fp16:
         chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
-    ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config), groups, specs, config)
 
 
 def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig):
-    """megatron-core's optimizer over all chunks; grad norm over the model-parallel group.
+    """megatron-core's optimizer for ``model``'s chunks.
 
-    Parameters of the second replica are marked ``shared`` (:mod:`.replicas`), so the norm
-    and clipping count every logical parameter once.
+    Non-distributed (``optimizer_config.use_distributed_optimizer`` false): one optimizer over
+    all chunks, grad norm over the model-parallel group; the second replica's parameters are
+    marked ``shared`` (:mod:`.replicas`), so the norm and clipping count every logical
+    parameter once.
+
+    Distributed: one megatron ``DistributedOptimizer`` per chunk, chained, each sharding its
+    chunk's state over the chunk's grad-sync group (the replicas of its stage x data
+    parallel: the group its gradients are reduce-scattered over), so every element has one
+    owner in the job; the grad norm sums every rank's shards once (``intra_dist_opt``, all
+    ranks). They are chained in stage order: after the step each chunk all-gathers its
+    parameters over its grad-sync group, a blocking collective that must come in the same
+    order on every rank (:func:`~.replicas.stage_order`). ValueError if the model's DDP and
+    ``optimizer_config`` disagree about the distributed optimizer.
     """
-    return get_megatron_optimizer(
-        optimizer_config, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
-    )
+    distributed = optimizer_config.use_distributed_optimizer
+    if distributed != model.chunks[0].ddp_config.use_distributed_optimizer:
+        raise ValueError(
+            "the optimizer and the model's DDP must agree on use_distributed_optimizer "
+            f"(optimizer {distributed}, DDP {not distributed})"
+        )
+    if not distributed:
+        return get_megatron_optimizer(
+            optimizer_config, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
+        )
+    parts = []
+    for chunk in stage_order(model.groups):
+        chained = get_megatron_optimizer(
+            optimizer_config,
+            [model.chunks[chunk]],
+            use_gloo_process_groups=False,
+            pg_collection=model.groups.model_pgs[chunk],
+        )
+        parts += chained.chained_optimizers
+    return ChainedOptimizer(parts)
