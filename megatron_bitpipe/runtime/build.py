@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
@@ -25,7 +25,8 @@ from .init import initialize_from_seed
 from .layout import ChunkSpec, chunk_specs
 from .model import build_gpt_chunks
 from .precision import ChunkFloat16Module
-from .replicas import mark_replica_parameters, stage_order, wrap_ddp
+from .distributed_optimizer import build_distributed_optimizer
+from .replicas import mark_replica_parameters, wrap_ddp
 from .sharded_state import attach_sharded_state_dicts
 
 __all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "build_optimizer"]
@@ -135,14 +136,12 @@ def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig):
     marked ``shared`` (:mod:`.replicas`), so the norm and clipping count every logical
     parameter once.
 
-    Distributed: one megatron ``DistributedOptimizer`` per chunk, chained, each sharding its
-    chunk's state over the chunk's grad-sync group (the replicas of its stage x data
-    parallel: the group its gradients are reduce-scattered over), so every element has one
-    owner in the job; the grad norm sums every rank's shards once (``intra_dist_opt``, all
-    ranks). They are chained in stage order: after the step each chunk all-gathers its
-    parameters over its grad-sync group, a blocking collective that must come in the same
-    order on every rank (:func:`~.replicas.stage_order`). ValueError if the model's DDP and
-    ``optimizer_config`` disagree about the distributed optimizer.
+    Distributed: one megatron ``DistributedOptimizer`` per chunk, each sharding its chunk's
+    state over the chunk's grad-sync group (the replicas of its stage x data parallel: the
+    group its gradients are reduce-scattered over), so every element has one owner in the
+    job; the grad norm sums every rank's shards once (``intra_dist_opt``, all ranks); see
+    :mod:`.distributed_optimizer`. ValueError if the model's DDP and ``optimizer_config``
+    disagree about the distributed optimizer.
     """
     distributed = optimizer_config.use_distributed_optimizer
     if distributed != model.chunks[0].ddp_config.use_distributed_optimizer:
@@ -154,13 +153,4 @@ def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig):
         return get_megatron_optimizer(
             optimizer_config, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
         )
-    parts = []
-    for chunk in stage_order(model.groups):
-        chained = get_megatron_optimizer(
-            optimizer_config,
-            [model.chunks[chunk]],
-            use_gloo_process_groups=False,
-            pg_collection=model.groups.model_pgs[chunk],
-        )
-        parts += chained.chained_optimizers
-    return ChainedOptimizer(parts)
+    return build_distributed_optimizer(model.chunks, model.groups, optimizer_config)
