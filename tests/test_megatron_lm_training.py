@@ -10,6 +10,9 @@ the 7 digits Megatron-LM prints):
 
 * runtime route, tensor 2 x pipeline 2 (4 ranks), saving a checkpoint at iteration 2;
 * resuming that checkpoint (``--load``, ``--ckpt-step 2``) continues the same loss curve;
+* runtime route with ``--use-distributed-optimizer``, pipeline 2 x data parallel 2 (4 ranks,
+  one distributed optimizer per chunk), saving at iteration 2; resumed with BitPipe at
+  tensor 2 x pipeline 2 and the distributed optimizer, it continues the curve;
 * patch route: a copy of the checkout patched by ``scripts/apply_megatron_patch.py``,
   pipeline 4 (4 ranks);
 * invalid flags stop every rank with one error line before torch.distributed starts.
@@ -30,7 +33,7 @@ from megatron_bitpipe.megatron_lm.checkout import find_checkout
 
 from megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, torchrun
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 RTOL = 1e-5
 BITPIPE = ["--pipeline-schedule", "bitpipe"]
 
@@ -55,7 +58,14 @@ def reference(checkout, workdir) -> Run:
 @pytest.fixture(scope="module")
 def bitpipe_runtime(checkout, workdir) -> Run:
     flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-             "--save", str(workdir / "checkpoint"), "--save-interval", "2", "--ckpt-format", "torch"]
+             "--save", str(workdir / "checkpoint"), "--save-interval", "2"]
+    return _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
+
+
+@pytest.fixture(scope="module")
+def bitpipe_distopt(checkout, workdir) -> Run:
+    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+             "--save", str(workdir / "checkpoint_distopt"), "--save-interval", "2"]
     return _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
 
 
@@ -91,11 +101,28 @@ def test_runtime_route_bitpipe_equals_default_schedule(bitpipe_runtime, referenc
 
 def test_resume_from_bitpipe_checkpoint_continues_the_curve(bitpipe_runtime, checkout, workdir, reference):
     flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-             "--load", str(workdir / "checkpoint"), "--ckpt-step", "2", "--ckpt-format", "torch"]
+             "--load", str(workdir / "checkpoint"), "--ckpt-step", "2"]
     resumed = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
     assert sorted(resumed.losses) == [3, 4]
     # Megatron-LM logs the first iteration after a resume without resetting its averages, so
     # iteration 4's logged loss is the mean of 3 and 4; the evaluations pin the weights.
+    assert resumed.losses[3] == pytest.approx(reference.losses[3], rel=RTOL)
+    assert resumed.losses[4] == pytest.approx((reference.losses[3] + reference.losses[4]) / 2, rel=RTOL)
+    for key, loss in reference.evals.items():
+        if key[0] == 4:
+            assert resumed.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
+
+
+def test_runtime_route_distributed_optimizer_equals_default_schedule(bitpipe_distopt, reference):
+    _assert_same_curve(bitpipe_distopt, reference)
+    assert "saves its optimizer state fully reshardable" in bitpipe_distopt.output
+
+
+def test_distributed_optimizer_checkpoint_resumes_in_another_layout(bitpipe_distopt, checkout, workdir, reference):
+    flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--use-distributed-optimizer", "--load", str(workdir / "checkpoint_distopt"), "--ckpt-step", "2"]
+    resumed = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
+    assert sorted(resumed.losses) == [3, 4]
     assert resumed.losses[3] == pytest.approx(reference.losses[3], rel=RTOL)
     assert resumed.losses[4] == pytest.approx((reference.losses[3] + reference.losses[4]) / 2, rel=RTOL)
     for key, loss in reference.evals.items():
@@ -109,11 +136,11 @@ def test_patch_route_bitpipe_equals_default_schedule(patched_checkout, workdir, 
 
 
 def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):
-    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"]
     run = torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir, timeout=300)
     assert run.returncode != 0
     errors = [line for line in run.output.splitlines() if line.startswith("megatron_bitpipe.run: error: ")]
     assert len(errors) == 2, run.output[-3000:]  # one per rank
-    assert "--use-distributed-optimizer cannot be used with --pipeline-schedule bitpipe" in run.output
+    assert "--use-tp-pp-dp-mapping cannot be used with --pipeline-schedule bitpipe" in run.output
     assert "initializing torch distributed" not in run.output
 

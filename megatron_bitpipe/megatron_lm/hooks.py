@@ -53,6 +53,8 @@ __all__ = [
     "broadcast_full_batch",
     "get_megatron_optimizer",
     "load_checkpoint",
+    "patched_get_megatron_optimizer",
+    "patched_load_checkpoint",
     "install",
 ]
 
@@ -122,6 +124,20 @@ def load_checkpoint(megatron_load_checkpoint: Callable, *args, **kwargs):
     from .checkpointing import load_checkpoint as checked_load_checkpoint
 
     return checked_load_checkpoint(megatron_load_checkpoint, *args, **kwargs)
+
+
+def patched_get_megatron_optimizer(*args, **kwargs):
+    """:func:`get_megatron_optimizer` around megatron-core's own (the patch route's call)."""
+    from megatron.core import optimizer
+
+    return get_megatron_optimizer(optimizer.get_megatron_optimizer, *args, **kwargs)
+
+
+def patched_load_checkpoint(*args, **kwargs):
+    """:func:`load_checkpoint` around Megatron-LM's own (the patch route's call)."""
+    from megatron.training import checkpointing
+
+    return load_checkpoint(checkpointing.load_checkpoint, *args, **kwargs)
 
 
 def broadcast_full_batch(mtp_on_this_rank: bool) -> bool:

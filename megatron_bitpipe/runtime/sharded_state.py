@@ -19,9 +19,6 @@ things are the placement's and are added here, by :func:`attach_sharded_state_di
   (looped placements, last stage) maps it to ``embedding.word_embeddings.weight`` as a
   replica, as megatron-core does, with the chunk's own groups rather than megatron's
   global data-parallel state.
-* **Optimus 2D blocks** (chunks of an Optimus mesh): each parameter's entry describes the
-  block of the serial tensor it holds
-  (:func:`megatron_bitpipe.optimus.checkpoint.optimus_sharded_entry`).
 
 Hence a checkpoint holds each logical tensor once, under the names of the single-process
 model, whatever the schedule, pipeline, tensor- or data-parallel layout that wrote it, and
@@ -40,7 +37,6 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedStateDict
 from megatron.core.utils import unwrap_model
 
-from ..optimus.checkpoint import optimus_sharded_entry
 from .groups import PipelineGroups
 from .layout import ChunkSpec
 
@@ -106,11 +102,6 @@ def chunk_sharded_state_dict(
         # megatron's own tying: this head holds a copy of the first stage's embedding
         state[head].key = f"{prefix}{_WORD_EMBEDDING}"
         state[head].replica_id = _replica_id(state[head].replica_id, 1)
-    if groups.mesh is not None:
-        for name, entry in state.items():
-            param = getattr(entry, "data", None)
-            if getattr(param, "optimus_layout", None) is not None:
-                state[name] = optimus_sharded_entry(entry, param, groups.mesh)
     if spec.pipeline:
         for entry in nested_values(state):
             if isinstance(entry, ShardedBase):

@@ -10,8 +10,9 @@
 * :mod:`.config` — megatron-core configs (model, DDP, Adam, learning-rate schedule);
 * :mod:`.schedule` — BitPipe or megatron-core's own schedules on the model's groups;
 * :mod:`.data` — tokenizers, Megatron indexed datasets, global-batch order, micro-batches;
-* :mod:`.checkpoint` — layout-independent checkpoints; :mod:`.sharding` — full tensors
-  from the TP blocks (1-D and Optimus 2D);
+* :mod:`.checkpoint` — megatron-core distributed checkpoints (Megatron-LM's contents) that any
+  layout loads; :mod:`.checkpoint_checks` — whether a checkpoint can be loaded (shared with the
+  Megatron-LM routes); :mod:`.optimizer_state` — optimizer state across optimizer kinds;
 * :mod:`.logs` — Megatron-style lines, JSON lines, TensorBoard; :mod:`.distributed` —
   torch.distributed start-up under torchrun or alone.
 
