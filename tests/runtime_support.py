@@ -364,24 +364,29 @@ def _instrument(chunks, events: list):
 
 def bf16_losses(case: Case, steps: int = 2) -> dict:
     """Train ``case``'s model with BitPipe on ``case.pp`` ranks in bf16 (chunks wrapped in
-    ChunkFloat16Module, mixed-precision optimizer); return this rank's recorded losses per step
-    and the dtypes of the reported losses."""
+    ChunkFloat16Module, mixed-precision optimizer, distributed with ``case.distributed_optimizer``);
+    return this rank's recorded losses per step, the dtypes of the reported losses and the
+    largest difference between replicas after the last step."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
     from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
     from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.replicas import max_replica_difference
     from megatron_bitpipe.schedules.placement import bidirectional_v
 
     pp, n = case.pp, case.n
     config = model_config(pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     model = build_pipeline_model(
         config, ParallelGrid(pp=pp), bidirectional_v(pp), vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED,
-        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True),
+        ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=True, grad_reduce_in_fp32=True, use_distributed_optimizer=case.distributed_optimizer
+        ),
         **case.model_kwargs(),
     )
-    optimizer = build_optimizer(model, OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, bf16=True))
+    config = OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, bf16=True, use_distributed_optimizer=case.distributed_optimizer)
+    optimizer = build_optimizer(model, config)
     out = {"losses": [], "dtypes": set()}
     for step in range(steps):
         for chunk in model.chunks:
@@ -399,4 +404,5 @@ def bf16_losses(case: Case, steps: int = 2) -> dict:
         out["dtypes"] |= {str(value.dtype) for r in reports for value in r.values()}
         success, _, _ = optimizer.step()
         assert success
+    out["replica_diff"] = max_replica_difference(model.chunks, model.groups)
     return out

@@ -9,7 +9,8 @@ losses, grad norms and learning rates for iterations 3 and 4 (rtol 1e-5):
   with the distributed optimizer;
 * megatron-core's interleaved schedule (pipeline 2, 2 chunks per rank) -> BitPipe with split
   backward and the distributed optimizer;
-* a single process, non-distributed optimizer -> a single process with the distributed one.
+* a single process, non-distributed optimizer -> a single process with the distributed one;
+  -> Optimus 2D, tensor 4 (q = 2).
 
 (BitPipe pipeline 4 -> single process is in ``test_pretrain_gpt.py``.) The distributed-optimizer
 runs themselves train like the single process. ``--no-load-optim``, ``--no-load-rng`` and
@@ -52,6 +53,7 @@ BITPIPE_DP2 = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size
 TP2_1F1B = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"]
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
 SPLIT = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--split-backward"]
+OPTIMUS = ["--tensor-model-parallel-size", "4", "--tensor-parallel-mode", "optimus2d"]
 
 # The logical-format checkpoint in tests/data: iteration 2 of this run (BitPipe, pipeline 2).
 LOGICAL = REPO / "tests" / "data" / "logical_gpt_checkpoint"
@@ -90,6 +92,7 @@ def runs(out) -> Dict[str, Dict[int, dict]]:
         out, "split_distopt_from_interleaved", 2, [*SPLIT, *DISTOPT, "--load", str(out / "interleaved"), *step]
     )
     runs["single_distopt_from_single"] = _train(out, "single_distopt_from_single", 1, [*DISTOPT, "--load", str(out / "single"), *step])
+    runs["optimus_from_single"] = _train(out, "optimus_from_single", 4, [*OPTIMUS, "--load", str(out / "single"), *step])
     return runs
 
 
@@ -100,7 +103,8 @@ def test_saving_runs_train_like_a_single_process(runs, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["1f1b_tp2_from_distopt", "single_distopt_from_distopt", "split_distopt_from_interleaved", "single_distopt_from_single"]
+    "name",
+    ["1f1b_tp2_from_distopt", "single_distopt_from_distopt", "split_distopt_from_interleaved", "single_distopt_from_single", "optimus_from_single"],
 )
 def test_resumed_run_continues_the_uninterrupted_curve(runs, name):
     assert sorted(runs[name]) == list(range(SAVE_AT + 1, ITERS + 1)), name

@@ -6,7 +6,10 @@ BitPipe and BitPipe with split backward, each at pipeline 2 x data parallel 2, p
 and tensor 2 x pipeline 2 (4 ranks, one launch): every micro-batch's loss, the grad norm and
 every weight after each of STEPS (3) optimizer steps equal single-process training of the
 same model with megatron's non-distributed Adam (fp32, rtol 1e-5), the replicas stay
-bit-identical, and the evaluation losses agree.
+bit-identical, and the evaluation losses agree. The same with Optimus 2D (q = 2, tensor 4 x
+pipeline 2, 8 ranks). In bf16 (fp32 main weights in the distributed optimizer's shards) the
+losses equal those of bf16 training with the non-distributed optimizer and the replicas stay
+bit-identical.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from typing import List
 
 import pytest
+import torch
 
 from megatron_bitpipe.cpu.launcher import launch
 
@@ -32,6 +36,12 @@ CASES = [
 ]
 
 
+OPTIMUS = Case(
+    "bitpipe_optimus2d_q2_pp2_n4_distopt", "bitpipe", pp=2, n=4, tp=4, clip_grad=0.5, tensor_parallel_mode="optimus2d",
+    distributed_optimizer=True,
+)
+
+
 def _run_cases(cases: List[Case]) -> dict:
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
@@ -41,7 +51,7 @@ def _run_cases(cases: List[Case]) -> dict:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    return launch_references(CASES)
+    return launch_references(CASES + [OPTIMUS])
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +64,27 @@ def test_distributed_optimizer_equals_single_process_training(case, references, 
     records = [ranks[case.name] for ranks in four_ranks]
     assert {name for r in records for name in r["optimizers"]} == {"DistributedOptimizer"}
     assert_equals_reference(case, records, references[case.reference_key])
+
+
+def test_distributed_optimizer_with_optimus2d_equals_single_process_training(references):
+    records = [ranks[OPTIMUS.name] for ranks in launch(_run_cases, 8, [OPTIMUS], timeout=800)]
+    assert_equals_reference(OPTIMUS, records, references[OPTIMUS.reference_key])
+
+
+def _bf16(case):
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+
+    from runtime_support import bf16_losses
+
+    enable_cpu_megatron()
+    return bf16_losses(case)
+
+
+def test_bf16_distributed_optimizer_equals_the_non_distributed_one():
+    runs = {
+        distributed: launch(_bf16, 2, Case("bitpipe_pp2_n2_bf16", "bitpipe", pp=2, n=2, distributed_optimizer=distributed), timeout=300)
+        for distributed in (False, True)
+    }
+    for rank, (plain, sharded) in enumerate(zip(runs[False], runs[True])):
+        assert sharded["replica_diff"] == 0.0
+        torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(plain["losses"]), rtol=1e-3, atol=0, msg=f"rank {rank}")

@@ -94,3 +94,19 @@ def optimus_sharded_entry(entry: ShardedBase, param: torch.Tensor, mesh: Optimus
         return serial_block.t().contiguous() if transposed else serial_block
 
     return ShardedTensorFactory(key, param, build, merge, replica_id)
+
+
+def optimus_module_sharded_state_dict(module: torch.nn.Module, mesh: OptimusMesh, prefix: str, sharded_offsets, metadata) -> dict:
+    """``sharded_state_dict`` of a module whose own parameters are Optimus blocks (the 2-D
+    linears and norms): megatron's default entries (stacked-layer ``sharded_offsets``, data-parallel
+    replica id from ``metadata['dp_cp_group']``), each turned into :func:`optimus_sharded_entry`."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    state = make_sharded_tensors_for_checkpoint(
+        module.state_dict(prefix="", keep_vars=True), prefix, {}, sharded_offsets,
+        tp_group=mesh.tp_group, dp_cp_group=metadata["dp_cp_group"],
+    )
+    return {
+        name: optimus_sharded_entry(entry, entry.data, mesh) if getattr(entry.data, "optimus_layout", None) is not None else entry
+        for name, entry in state.items()
+    }

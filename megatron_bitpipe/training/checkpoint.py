@@ -21,8 +21,10 @@ copied, and a failure raises the same :class:`CheckpointError` on every rank. Se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -119,6 +121,15 @@ def _rng_object(model: PipelineModel) -> ShardedObject:
     )
 
 
+@contextlib.contextmanager
+def _without_deprecation_notes():
+    """megatron-core's checkpoint strategies call torch APIs torch has deprecated (FutureWarning
+    on every rank, nothing a user can act on)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
@@ -155,7 +166,8 @@ def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optim
         state_dict["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
         state_dict["rng_state"] = _rng_object(model)
-    dist_checkpointing.save(state_dict, directory, content_metadata=metadata)
+    with _without_deprecation_notes():
+        dist_checkpointing.save(state_dict, directory, content_metadata=metadata)
     if dist.get_rank() == 0:
         tracker = os.path.join(root, TRACKER)
         with open(tracker + ".tmp", "w", encoding="utf-8") as f:
@@ -280,7 +292,8 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
         request["rng_state"] = _rng_object(model)
     raise_if_any(request_problems(request, saved), directory, "does not fit this model")
 
-    loaded = dist_checkpointing.load(request, directory)
+    with _without_deprecation_notes():
+        loaded = dist_checkpointing.load(request, directory)
     for key, chunk in zip(_model_state_keys(model), model.chunks):
         unwrap_model(chunk).load_state_dict(loaded[key], strict=True)
     if optimizer_load is not None:
