@@ -21,7 +21,13 @@ setup(
     # psutil: megatron-core's distributed-checkpoint writer measures its memory with it
     install_requires=["megatron-core==0.16.*", "torch>=2.6", "numpy", "psutil"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10"],
+        "test": [
+            "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10",
+            "schedulefree==1.4.*",  # --optimizer schedulefree_adamw and its reference
+            "pytorch-optimizer>=4.1",  # REX oracle
+        ],
+        # --optimizer schedulefree_adamw
+        "schedulefree": ["schedulefree==1.4.*"],
         # exhaustive schedule search (scripts/optimal_schedule.py)
         "search": ["ortools>=9.10"],
         "plot": ["matplotlib>=3.7"],

@@ -56,10 +56,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
-PLAN_SCHEDULES = ("bitpipe", "bitpipe-split", "chimera", "plan-1f1b", "plan-interleaved")
+PLAN_SCHEDULES = ("bitpipe", "bitpipe+split-backward", "chimera", "plan-1f1b", "plan-interleaved")
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 SCHEDULES = MEGATRON_SCHEDULES + PLAN_SCHEDULES
-DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe-split")
+DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward")
 BASELINE = "interleaved"
 SEED = 1234
 
@@ -102,19 +102,19 @@ class Settings:
         return 4 * self.seq_length * self.micro_batch_size * self.hidden_size
 
 
-def plan_choice(schedule: str, settings: Settings) -> tuple:
-    """``(generator name, split_backward, costs)`` of a plan-executed ``schedule``: its
-    ``-split`` variant places W's for the emulated compute costs."""
-    split = schedule.endswith("-split")
-    return schedule.removeprefix("plan-").removesuffix("-split"), split, settings.compute_costs() if split else None
+def plan_choice(schedule: str, settings: Settings):
+    """The :class:`~megatron_bitpipe.schedules.ScheduleChoice` of a plan-executed ``schedule``
+    label (``plan-1f1b``: our executor running 1F1B's plan); a ``+split-backward`` variant
+    places its W's for the emulated compute costs."""
+    from megatron_bitpipe.schedules import ScheduleChoice
+
+    choice = ScheduleChoice.from_label(schedule.removeprefix("plan-"))
+    return replace(choice, costs=settings.compute_costs()) if choice.split_backward else choice
 
 
 def plan_of(schedule: str, settings: Settings, pipeline_size: int, num_microbatches: int):
     """The plan a plan-executed ``schedule`` runs; raises ScheduleConfigError for an unsupported N."""
-    from megatron_bitpipe import schedules
-
-    name, split, costs = plan_choice(schedule, settings)
-    return schedules.generate(name, pipeline_size, num_microbatches, split_backward=split, costs=costs)
+    return plan_choice(schedule, settings).plan(pipeline_size, num_microbatches)
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -209,26 +209,24 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
 
 def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runner:
     """A plan on this package's executor and chunks (build_pipeline_model)."""
-    from megatron_bitpipe import schedules
     from megatron_bitpipe.runtime.build import build_pipeline_model
     from megatron_bitpipe.runtime.forward_backward import make_forward_backward_func
     from megatron_bitpipe.runtime.groups import ParallelGrid
     from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
 
-    name, split, costs = plan_choice(schedule, settings)
-    placement = schedules.generate(name, pipeline_size, pipeline_size).placement  # the same for every N
+    choice = plan_choice(schedule, settings)
     config = _config(settings, pipeline_size, overlap_p2p_comm=True)
     model = build_pipeline_model(
         config,
         ParallelGrid(pp=pipeline_size),
-        placement,
+        choice.placement(pipeline_size),
         vocab_size=settings.vocab_size,
         max_sequence_length=settings.seq_length,
         seed=SEED,
         share_embeddings_and_output_weights=False,
         layer_spec=_layer_spec(settings),
     )
-    forward_backward = make_forward_backward_func(name, split, costs)
+    forward_backward = make_forward_backward_func(choice)
 
     def step(batches, num_microbatches):
         forward_backward(
@@ -323,13 +321,8 @@ def _run_rank(settings: Settings, pipeline_size: int, microbatches: Sequence[int
 def valid_microbatches(schedule: str, pipeline_size: int, num_microbatches: int) -> bool:
     """Whether ``schedule`` runs ``num_microbatches`` on ``pipeline_size`` ranks (same rules as
     the plan generators; megatron-core's interleaved schedule needs a multiple of D too)."""
-    from megatron_bitpipe import schedules
-
-    try:
-        schedules.generate(plan_choice(schedule, Settings())[0], pipeline_size, num_microbatches)
-    except schedules.ScheduleConfigError:
-        return False
-    return True
+    choice = plan_choice(schedule, Settings())
+    return not choice.problems(pipeline_size, num_microbatches)
 
 
 def predict(schedule: str, settings: Settings, pipeline_size: int, num_microbatches: int, costs):
@@ -536,7 +529,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", metavar="FILE", help="JSON cost file: t_forward / t_backward (ms) are emulated")
     parser.add_argument("--t-forward", type=float, help=f"ms per micro-batch and device share (default {Settings.t_forward})")
     parser.add_argument("--t-backward", type=float, help=f"ms (default {Settings.t_backward})")
-    parser.add_argument("--t-weight", type=float, help="ms of --t-backward that bitpipe-split defers to W (default half)")
+    parser.add_argument("--t-weight", type=float, help="ms of --t-backward that bitpipe+split-backward defers to W (default half)")
     parser.add_argument("--layers-per-rank", type=int, default=Settings.layers_per_rank, help="even; L = this x D")
     parser.add_argument("--device", choices=("async", "blocking"), default="async",
                         help="emulated device: CUDA-stream semantics (default) or a blocking sleep per layer")
@@ -557,7 +550,7 @@ def doc_blocks(device: str) -> tuple:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings for the flags; raises ValueError naming the flag."""
-    from megatron_bitpipe.schedules.cli import read_cost_file
+    from megatron_bitpipe.schedules.simulate import read_cost_file
 
     costs = read_cost_file(args.costs) if args.costs else {}
     t_forward = args.t_forward if args.t_forward is not None else costs.get("t_forward", Settings.t_forward)

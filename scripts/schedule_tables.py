@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_bitpipe.schedules import CostModel, generate, simulate, validate_plan
+from megatron_bitpipe.schedules import SPLIT_BACKWARD_SUFFIX, CostModel, generate, simulate, validate_plan
 from megatron_bitpipe.schedules.render import plot_gantt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,9 +53,10 @@ def bubble_table() -> str:
 def split_table() -> str:
     """Bubble of every schedule with a split backward, BitPipe's peak, and speed-ups
     over megatron's interleaved schedule (whole backward) with and without the split."""
-    labels = " | ".join(f"{label}+split" for _, label in SCHEDULES)
+    labels = " | ".join(f"{label}{SPLIT_BACKWARD_SUFFIX}" for _, label in SCHEDULES)
+    split_bitpipe = f"BitPipe{SPLIT_BACKWARD_SUFFIX}"
     lines = [
-        f"| D | N | {labels} | BitPipe+split peak | BitPipe vs interleaved | BitPipe+split vs interleaved |",
+        f"| D | N | {labels} | {split_bitpipe} peak | BitPipe vs interleaved | {split_bitpipe} vs interleaved |",
         "|---|---|" + "---|" * len(SCHEDULES) + "---|---|---|",
     ]
     for D, N in GRID:

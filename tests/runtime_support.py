@@ -176,34 +176,27 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
     return train_single_process(model, config, pg, clip_grad, run, gpt_batches, global_microbatches)
 
 
-def _reference_runs(keys) -> dict:
+def run_references(keys) -> dict:
+    """On one launched rank: the single-process :func:`reference` of every key
+    (``Case.reference_key``); the test modules' ``run_references`` (see ``conftest.py``)."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     return {key: reference(*key) for key in keys}
 
 
-def launch_references(cases, timeout: float = 300) -> dict:
-    """The single-process :func:`reference` of every distinct ``case.reference_key``, by key
-    (one launched process)."""
-    from megatron_bitpipe.cpu.launcher import launch
-
-    keys = sorted({c.reference_key for c in cases})
-    return launch(_reference_runs, 1, keys, timeout=timeout)[0]
-
-
 def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
-    """Train ``case`` through ``make_forward_backward_func(case.schedule, case.split_backward)`` on this rank."""
+    """Train ``case`` through ``make_step_func(ScheduleChoice(case.schedule, case.split_backward))`` on this rank."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_bitpipe import schedules
     from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
-    from megatron_bitpipe.runtime.forward_backward import last_step, make_forward_backward_func
+    from megatron_bitpipe.runtime.forward_backward import make_step_func
     from megatron_bitpipe.runtime.groups import ParallelGrid
     from megatron_bitpipe.runtime.replicas import max_replica_difference
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
-    placement = schedules.generate(case.schedule, case.pp, case.n).placement
+    choice = schedules.ScheduleChoice(case.schedule, case.split_backward)
     config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
@@ -214,7 +207,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     model = build_pipeline_model(
         config,
         ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp),
-        placement,
+        choice.placement(case.pp),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         seed=SEED,
@@ -228,18 +221,20 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     )
     groups = model.groups
     optimizer = build_optimizer(model, _optimizer_config(case.clip_grad, case.distributed_optimizer))
-    forward_backward = make_forward_backward_func(case.schedule, split_backward=case.split_backward)
+    step_func = make_step_func(choice)
 
     def full(tensor_of=lambda p: p) -> Dict[str, torch.Tensor]:
         return merge_full(
             collect_full(c, tensor_of, chunk=s, tp_group=groups.tp) for c, s in zip(model.chunks, model.specs)
         )
 
+    traces: List[List[str]] = []  # the actions each step executed on this rank
+
     def run(step: Optional[int], forward_only: bool = False) -> Dict[int, float]:
         """This dp rank's block of ``case.batches(step, ...)`` through the schedule; the loss
         reports of this rank by global micro-batch index."""
         first = groups.dp_rank * case.n
-        reports = forward_backward(
+        result = step_func(
             forward_step_func=case.forward_step,
             data_iterator=iter(case.batches(step, case.global_microbatches)[first : first + case.n]),
             model=model.chunks,
@@ -248,7 +243,8 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
             micro_batch_size=MICRO_BATCH,
             forward_only=forward_only,
         )
-        return {first + m: case.recorded_loss(r) for m, r in zip(sorted(last_step().losses), reports)}
+        traces.append(result.trace)
+        return {first + m: case.recorded_loss(r) for m, r in result.losses.items()}
 
     record = {"initial": full(), "replica_diff": [max_replica_difference(model.chunks, groups)], "steps": []}
     restore = _instrument(model.chunks, instrument) if instrument is not None else None
@@ -267,6 +263,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=full()))
         record["replica_diff"].append(max_replica_difference(model.chunks, groups))
     record["eval"] = run(None, forward_only=True)
+    record["eval_trace"] = traces[-1]
     record["pp_rank"] = groups.pp_rank
     record["optimizers"] = sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])})
     return record

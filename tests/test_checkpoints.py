@@ -36,7 +36,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from pretrain_support import REPO, assert_same_records, main_with_output, records, train_in_process
+from .pretrain_support import REPO, assert_same_records, main_with_output, records, train_in_process
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.multirank]
 

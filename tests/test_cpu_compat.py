@@ -29,7 +29,7 @@ from megatron_bitpipe.testing.weights import merge_full
 
 # The tiny GPT, Adam settings and tolerance (for layouts whose float operations differ from
 # the reference's, see Case.exact) of every runtime test.
-from runtime_support import ADAM_EPS, ATOL, LR, MICRO_BATCH, RTOL, SEQ, VOCAB, model_config
+from .runtime_support import ADAM_EPS, ATOL, LR, MICRO_BATCH, RTOL, SEQ, VOCAB, model_config
 
 NUM_MICROBATCHES = 8  # global batch, split over data-parallel ranks
 STEPS = 3
@@ -202,6 +202,7 @@ def _merged(records: List[dict], key: str, step: int) -> Dict[str, torch.Tensor]
     return merge_full(r[key][step] for r in records)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_schedule_matches_single_process(case: Case, reference, distributed):
     tolerance = (0.0, 0.0) if case.exact else (RTOL, ATOL)
@@ -270,6 +271,7 @@ def _probe_compat() -> dict:
     }
 
 
+@pytest.mark.multirank
 def test_compat_layer_redirects_cuda_to_cpu():
     facts = launch(_probe_compat, 1, timeout=60)[0]
     assert facts["enabled"] == (False, True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from megatron_bitpipe.cpu.launcher import launch
@@ -30,6 +32,7 @@ def _backward_through_current_device_allocation():
     return x.grad.tolist(), grad.tolist()
 
 
+@pytest.mark.multirank
 def test_backward_functions_run_in_device_mode():
     assert launch(_backward_through_current_device_allocation, 1, timeout=60)[0] == (
         [2.0] * 3,

@@ -7,7 +7,7 @@ and tensor 2 x pipeline 2 (4 ranks, one launch): every micro-batch's loss, the g
 every weight after each of STEPS (3) optimizer steps equal single-process training of the
 same model with megatron's non-distributed Adam (fp32, rtol 1e-5), the replicas stay
 bit-identical, and the evaluation losses agree. The same with Optimus 2D (q = 2, tensor 4 x
-pipeline 2, 8 ranks). In bf16 (fp32 main weights in the distributed optimizer's shards) the
+pipeline 2, 8 ranks). One launch per world size (``launched``, ``tests/conftest.py``). In bf16 (fp32 main weights in the distributed optimizer's shards) the
 losses equal those of bf16 training with the non-distributed optimizer and the replicas stay
 bit-identical.
 """
@@ -21,7 +21,7 @@ import torch
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from runtime_support import Case, assert_equals_reference, launch_references, pipeline
+from .runtime_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 
@@ -33,48 +33,33 @@ CASES = [
         ("pp4_n4", dict(pp=4, n=4)),
         ("tp2_pp2_n4", dict(pp=2, tp=2, n=4)),
     )
+] + [
+    Case(
+        "bitpipe_optimus2d_q2_pp2_n4_distopt", "bitpipe", pp=2, n=4, tp=4, clip_grad=0.5, tensor_parallel_mode="optimus2d",
+        distributed_optimizer=True,
+    )
 ]
+LAUNCH_TIMEOUT = 800
 
 
-OPTIMUS = Case(
-    "bitpipe_optimus2d_q2_pp2_n4_distopt", "bitpipe", pp=2, n=4, tp=4, clip_grad=0.5, tensor_parallel_mode="optimus2d",
-    distributed_optimizer=True,
-)
-
-
-def _run_cases(cases: List[Case]) -> dict:
+def run_cases(cases: List[Case]) -> dict:
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     return {case.name: pipeline(case) for case in cases}
 
 
-@pytest.fixture(scope="module")
-def references() -> dict:
-    return launch_references(CASES + [OPTIMUS])
-
-
-@pytest.fixture(scope="module")
-def four_ranks() -> List[dict]:
-    return launch(_run_cases, 4, CASES, timeout=800)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_distributed_optimizer_equals_single_process_training(case, references, four_ranks):
-    records = [ranks[case.name] for ranks in four_ranks]
+def test_distributed_optimizer_equals_single_process_training(case, references, launched):
+    records = launched[case]
     assert {name for r in records for name in r["optimizers"]} == {"DistributedOptimizer"}
     assert_equals_reference(case, records, references[case.reference_key])
-
-
-def test_distributed_optimizer_with_optimus2d_equals_single_process_training(references):
-    records = [ranks[OPTIMUS.name] for ranks in launch(_run_cases, 8, [OPTIMUS], timeout=800)]
-    assert_equals_reference(OPTIMUS, records, references[OPTIMUS.reference_key])
 
 
 def _bf16(case):
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
-    from runtime_support import bf16_losses
+    from .runtime_support import bf16_losses
 
     enable_cpu_megatron()
     return bf16_losses(case)

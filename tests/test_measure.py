@@ -40,6 +40,7 @@ def _collectives():
     )
 
 
+@pytest.mark.multirank
 def test_collective_meter_records_ops_and_bytes():
     ops, wire, payload, closed = launch(_collectives, 2)[0]
     assert ops == ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]

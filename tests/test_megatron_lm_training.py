@@ -15,7 +15,9 @@ the 7 digits Megatron-LM prints):
   tensor 2 x pipeline 2 and the distributed optimizer, it continues the curve;
 * patch route: a copy of the checkout patched by ``scripts/apply_megatron_patch.py``,
   pipeline 4 (4 ranks);
-* invalid flags stop every rank with one error line before torch.distributed starts.
+* invalid flags stop every rank with one error line before torch.distributed starts;
+* ``--optimizer lamb --lr-decay-style rex`` and ``--optimizer schedulefree_adamw``: BitPipe
+  (pipeline 4) trains like the default schedule (pipeline 2) with the same optimizer.
 
 (pretrain_bert.py at core_v0.16.1 imports Transformer Engine's BERT layer spec when it is
 loaded, so it cannot run on a CPU machine at all.)
@@ -31,7 +33,7 @@ import pytest
 
 from megatron_bitpipe.megatron_lm.checkout import find_checkout
 
-from megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, torchrun
+from .megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, torchrun
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 RTOL = 1e-5
@@ -94,11 +96,13 @@ def _assert_same_curve(run: Run, reference: Run, iterations=range(1, 5)):
         assert run.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
 
 
+@pytest.mark.multirank
 def test_runtime_route_bitpipe_equals_default_schedule(bitpipe_runtime, reference):
     _assert_same_curve(bitpipe_runtime, reference)
     assert "saving checkpoint at iteration       2" in bitpipe_runtime.output
 
 
+@pytest.mark.multirank
 def test_resume_from_bitpipe_checkpoint_continues_the_curve(bitpipe_runtime, checkout, workdir, reference):
     flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
              "--load", str(workdir / "checkpoint"), "--ckpt-step", "2"]
@@ -130,11 +134,13 @@ def test_distributed_optimizer_checkpoint_resumes_in_another_layout(bitpipe_dist
             assert resumed.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
 
 
+@pytest.mark.multirank
 def test_patch_route_bitpipe_equals_default_schedule(patched_checkout, workdir, reference):
     flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "4"]
     _assert_same_curve(_ok(torchrun(patched_checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
+@pytest.mark.multirank
 def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):
     flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"]
     run = torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir, timeout=300)
@@ -144,3 +150,20 @@ def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):
     assert "--use-tp-pp-dp-mapping cannot be used with --pipeline-schedule bitpipe" in run.output
     assert "initializing torch distributed" not in run.output
 
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        ["--optimizer", "lamb", "--lr-decay-style", "rex"],
+        ["--optimizer", "schedulefree_adamw", "--lr-decay-style", "constant", "--lr-warmup-iters", "2"],
+    ],
+    ids=["lamb_rex", "schedulefree_adamw"],
+)
+def test_runtime_route_optimizers_bitpipe_equals_default_schedule(checkout, workdir, optimizer):
+    """LAMB with REX decay and Schedule-Free AdamW (validation on its averaged weights) inside
+    Megatron-LM's loop: BitPipe over 4 pipeline ranks trains like the default schedule."""
+    default = _ok(torchrun(checkout / "pretrain_gpt.py", 2, [*TINY_GPT, *optimizer, "--pipeline-model-parallel-size", "2", "--layout-independent-init"], workdir))
+    bitpipe = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*TINY_GPT, *optimizer, *BITPIPE, "--pipeline-model-parallel-size", "4"], workdir))
+    _assert_same_curve(bitpipe, default)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_bitpipe.cpu.launcher import launch
-from tests.optimus_support import check
+from .optimus_support import check
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -247,6 +247,7 @@ def _train_and_compare(case: Case) -> None:
             )
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_optimus_gpt_trains_like_single_process(case: Case):
     launch(_train_and_compare, case.world, case, timeout=200)
@@ -260,7 +261,7 @@ def _dropout_patterns():
     from megatron_bitpipe.optimus.embedding import OptimusEmbedding
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
-    from tests.optimus_support import world_mesh
+    from .optimus_support import world_mesh
 
     enable_cpu_megatron()
     mesh = world_mesh()
@@ -283,6 +284,7 @@ def _dropout_patterns():
     return (embedded == 0).flatten().tolist(), (added == 1).flatten().tolist()
 
 
+@pytest.mark.multirank
 def test_dropout_masks_differ_per_mesh_position():
     per_rank = launch(_dropout_patterns, 4)
     for which in range(2):

@@ -94,7 +94,7 @@ def _layer_keeps():
 
     from megatron_bitpipe.optimus.spec import get_optimus_gpt_layer_spec
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from tests.optimus_support import tiny_config, world_mesh
+    from .optimus_support import tiny_config, world_mesh
 
     enable_cpu_megatron()
     mesh = world_mesh()
@@ -138,6 +138,7 @@ def _layer_keeps():
     return kept
 
 
+@pytest.mark.multirank
 def test_transformer_layer_keeps_no_recomputable_tensor():
     for kept in launch(_layer_keeps, 4):
         assert kept == {

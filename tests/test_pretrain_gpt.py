@@ -29,8 +29,8 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-import pretrain_support
-from pretrain_support import (
+from . import pretrain_support
+from .pretrain_support import (
     assert_same_records,
     checked,
     checkpoint_common,
@@ -94,6 +94,7 @@ def _assert_same(actual: Dict[int, dict], expected: Dict[int, dict], iterations,
     assert_same_records(actual, expected, iterations, ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples"), exact)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["bitpipe", "bitpipe_split", "interleaved", "optimus"])
 def test_every_layout_trains_like_a_single_process(runs, layout):
     single = runs["records"]["single"]
@@ -102,6 +103,7 @@ def test_every_layout_trains_like_a_single_process(runs, layout):
     assert single[ITERS]["lm_loss"] < single[1]["lm_loss"], "the loss should fall"
 
 
+@pytest.mark.multirank
 def test_log_json_fields(runs):
     for it, record in runs["records"]["bitpipe"].items():
         for key in ("iteration", "consumed_samples", "lm_loss", "grad_norm", "lr", "tokens_per_second", "elapsed_ms"):
@@ -111,6 +113,7 @@ def test_log_json_fields(runs):
         assert ("validation_lm_loss" in record) == (it % 2 == 0)
 
 
+@pytest.mark.multirank
 def test_megatron_style_progress_lines(runs):
     stdout = runs["stdout"]["bitpipe"]
     assert stdout.count("no CUDA GPU: training on the CPU with gloo") == 1
@@ -121,6 +124,7 @@ def test_megatron_style_progress_lines(runs):
     assert "validation loss at iteration 2" in stdout
 
 
+@pytest.mark.multirank
 def test_bitpipe_checkpoint_resumes_in_other_layouts(runs):
     uninterrupted = runs["records"]["bitpipe"]
     for name in ("resume_tp2_1f1b", "resume_single"):
@@ -129,6 +133,7 @@ def test_bitpipe_checkpoint_resumes_in_other_layouts(runs):
         _assert_same(resumed, uninterrupted, range(SAVE_AT + 1, ITERS + 1))
 
 
+@pytest.mark.multirank
 def test_resume_in_the_same_layout_is_exact(runs):
     _assert_same(runs["records"]["resume_single_exact"], runs["records"]["single"], range(SAVE_AT + 1, ITERS + 1), exact=True)
 
@@ -145,6 +150,7 @@ def test_checkpoint_holds_each_tensor_once(runs):
     assert int(common["optimizer"]["state"]["common_step"]) == SAVE_AT
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout,iteration", [("optimus", SAVE_AT), ("single", SAVE_AT), ("tp2_1f1b", ITERS)])
 def test_every_layout_saves_the_same_model(runs, layout, iteration):
     """Optimus 2D blocks, 1-D TP blocks (and the tied copy on the last stage, after a resume)
@@ -159,11 +165,13 @@ def test_every_layout_saves_the_same_model(runs, layout, iteration):
         torch.testing.assert_close(other[name], tensor, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.multirank
 def test_checkpoint_of_another_model_is_refused(runs):
     assert runs["refused"] is not None and "--hidden-size is 32 there, 64 here" in runs["refused"]
     assert f"{runs['ckpt']}/iter_{ITERS:07d} holds a different model" in runs["refused"]
 
 
+@pytest.mark.multirank
 def test_tensorboard_when_installed(runs):
     tb = runs["out"] / "tb"
     try:
@@ -187,6 +195,7 @@ def _write_indexed_dataset(prefix: Path) -> None:
     builder.finalize(get_idx_path(str(prefix)))
 
 
+@pytest.mark.multirank
 def test_megatron_indexed_dataset(tmp_path):
     prefix = tmp_path / "tiny_text_document"
     _write_indexed_dataset(prefix)
@@ -200,6 +209,7 @@ def test_megatron_indexed_dataset(tmp_path):
     assert any(name.endswith("GPTDataset-train-sample_index.npy") for name in os.listdir(tmp_path / "cache"))
 
 
+@pytest.mark.multirank
 def test_bad_flags_fail_on_every_rank_naming_the_flag():
     results = launch(main_in_process, 2, "gpt", [*MODEL, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--bf16"], timeout=120)
     for rank, (status, stderr) in enumerate(results):
@@ -207,6 +217,7 @@ def test_bad_flags_fail_on_every_rank_naming_the_flag():
         assert f"[rank {rank}] error: invalid arguments" in stderr and "--bf16 needs a CUDA GPU" in stderr
 
 
+@pytest.mark.multirank
 def test_a_failing_rank_ends_the_job(tmp_path):
     """Only rank 0 writes --log-json; a path it cannot create kills it after the model was
     built, while rank 1 goes on into the pipeline: the job must still end, with rank 0's error."""

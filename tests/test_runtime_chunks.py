@@ -22,9 +22,8 @@ import torch
 
 from megatron_bitpipe.runtime.layout import chunk_specs
 from megatron_bitpipe.schedules.placement import bidirectional, bidirectional_v, looped
-from megatron_bitpipe.cpu.launcher import launch
 
-from runtime_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
+from .runtime_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
 
 GLOBAL_MICROBATCHES = 4
 SEED = 4321
@@ -43,6 +42,10 @@ class Case:
     def world_size(self) -> int:
         return self.tp * self.dp * self.pp
 
+    @property
+    def reference_key(self) -> bool:
+        return self.tied
+
 
 CASES_2 = [Case("pp2_tied", pp=2)]
 CASES_4 = [
@@ -51,6 +54,7 @@ CASES_4 = [
     Case("tp2_pp2_tied", pp=2, tp=2),
     Case("dp2_pp2_untied", pp=2, dp=2, tied=False),
 ]
+CASES = CASES_2 + CASES_4
 
 
 # ---------------------------------------------------------------------------- pure layout
@@ -99,7 +103,7 @@ def test_tied_head_copies_only_where_megatron_ties_across_ranks():
 
 
 def test_num_layers_must_divide_into_stages():
-    with pytest.raises(ValueError, match=r"--num-layers 12 .* 16 pipeline stages .*2 x --pipeline-model-parallel-size"):
+    with pytest.raises(ValueError, match=r"--num-layers 12 must be divisible by 2 x --pipeline-model-parallel-size = 16"):
         chunk_specs(bidirectional_v(8), 12, 0)
 
 
@@ -453,12 +457,15 @@ def _errors() -> List[str]:
     return messages
 
 
-def _launched(cases: List[Case], extras: bool) -> dict:
+def run_cases(cases: List[Case]) -> dict:
+    """Every case, and on the 2-rank launch the p2p-order, looped-layout and error checks."""
+    import torch.distributed as dist
+
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    out = {"cases": [_bitpipe(case) for case in cases]}
-    if extras:
+    out = {case.name: _bitpipe(case) for case in cases}
+    if dist.get_world_size() == 2:
         out["p2p"] = _p2p_order(shared=False)
         out["p2p_shared"] = _p2p_order(shared=True)
         out["looped"] = _looped_specs_match_megatron()
@@ -466,37 +473,17 @@ def _launched(cases: List[Case], extras: bool) -> dict:
     return out
 
 
-def _reference_launch() -> dict:
+def run_references(keys) -> dict:
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    return {tied: _reference(tied) for tied in (False, True)}
+    return {tied: _reference(tied) for tied in keys}
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict:
-    return launch(_reference_launch, 1, timeout=120)[0]
-
-
-@pytest.fixture(scope="module")
-def two_ranks() -> List[dict]:
-    return launch(_launched, 2, CASES_2, True, timeout=240)
-
-
-@pytest.fixture(scope="module")
-def four_ranks() -> List[dict]:
-    return launch(_launched, 4, CASES_4, False, timeout=480)
-
-
-def _records(case: Case, two_ranks, four_ranks) -> List[dict]:
-    if case in CASES_2:
-        return [r["cases"][CASES_2.index(case)] for r in two_ranks]
-    return [r["cases"][CASES_4.index(case)] for r in four_ranks]
-
-
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_chunk_structure(case: Case, two_ranks, four_ranks):
-    for record in _records(case, two_ranks, four_ranks):
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_chunk_structure(case: Case, launched):
+    for record in launched[case]:
         specs = record["specs"]
         assert specs == chunk_specs(bidirectional_v(case.pp), NUM_LAYERS, record["pp_rank"])
         assert record["layer_numbers"] == [[layer + 1 for layer in spec.layers] for spec in specs]
@@ -508,11 +495,12 @@ def test_chunk_structure(case: Case, two_ranks, four_ranks):
         assert record["tied"] == ([expected_tied if case.tied else untied] if edge else [])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("tied", [False, True])
-def test_seed_init_follows_megatron_conventions(tied, reference):
+def test_seed_init_follows_megatron_conventions(tied, references):
     """Same constants (norm weights 1, biases 0) and, for random tensors, the same std as
     megatron's own initialisation (N(0, 0.02); N(0, 0.02 / sqrt(2 * layers)) for output projections)."""
-    native, seeded = reference[tied]["native_stats"], reference[tied]["seed_stats"]
+    native, seeded = references[tied]["native_stats"], references[tied]["seed_stats"]
     assert native.keys() == seeded.keys()
     for name, (constant, std) in native.items():
         assert seeded[name][0] == constant, name
@@ -521,10 +509,11 @@ def test_seed_init_follows_megatron_conventions(tied, reference):
     assert [s for n, (_, s) in seeded.items() if n.endswith("linear_fc2.weight")][0] < 0.01
 
 
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_initial_weights_are_layout_independent(case: Case, reference, two_ranks, four_ranks):
-    records = _records(case, two_ranks, four_ranks)
-    expected = reference[case.tied]["initial"]
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_initial_weights_are_layout_independent(case: Case, references, launched):
+    records = launched[case]
+    expected = references[case.tied]["initial"]
     actual = {}
     for record in records:  # merge_full inside each rank already required replica copies to be equal
         actual.update(record["initial"])
@@ -534,12 +523,13 @@ def test_initial_weights_are_layout_independent(case: Case, reference, two_ranks
         assert torch.equal(actual[name], expected[name]), name
 
 
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_one_step_matches_single_process(case: Case, reference, two_ranks, four_ranks):
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_one_step_matches_single_process(case: Case, references, launched):
     """Loss, gradients (tied embedding included), grad norm and weights after the step."""
     close = functools.partial(torch.testing.assert_close, rtol=RTOL, atol=ATOL)
-    ref = reference[case.tied]
-    records = _records(case, two_ranks, four_ranks)
+    ref = references[case.tied]
+    records = launched[case]
     losses = {}
     for record in records:
         losses.update(record["losses"])
@@ -558,9 +548,11 @@ def test_one_step_matches_single_process(case: Case, reference, two_ranks, four_
     assert all(record["replica_diff_after_step"] == 0.0 for record in records)
 
 
-def test_channel_groups(two_ranks, four_ranks):
-    for launched, pp in ((two_ranks, 2), (four_ranks[:2], 4)):
-        facts = launched[0]["cases"][0]["channels"]
+@pytest.mark.multirank
+def test_channel_groups(launched):
+    for case in (CASES_2[0], CASES_4[0]):
+        facts = launched[case][0]["channels"]
+        pp = case.pp
         assert facts["keys"] == sorted(
             (p, pipe, d, parity)
             for p in ("activation", "gradient")
@@ -573,21 +565,25 @@ def test_channel_groups(two_ranks, four_ranks):
         for stage, members in facts["stage_members"].items():
             d = stage if stage < pp else 2 * pp - 1 - stage
             assert members == tuple(sorted({d, pp - 1 - d}))
-    assert two_ranks[0]["cases"][0]["channels"]["members"] == {(0, 1)}
+    assert launched[CASES_2[0]][0]["channels"]["members"] == {(0, 1)}
 
 
-def test_p2p_channels_keep_streams_apart_at_d2(two_ranks):
+@pytest.mark.multirank
+def test_p2p_channels_keep_streams_apart_at_d2(launched):
+    two_ranks = launched.ranks(2)
     assert two_ranks[0]["p2p"] == [4.0]
     assert two_ranks[1]["p2p"] == [2.0, 1.0, 3.0]
     # Control: one shared group mixes the streams up, so the check above is meaningful.
     assert two_ranks[1]["p2p_shared"] != [2.0, 1.0, 3.0]
 
 
-def test_looped_specs_agree_with_megatron(two_ranks):
-    assert two_ranks[0]["looped"]
+@pytest.mark.multirank
+def test_looped_specs_agree_with_megatron(launched):
+    assert launched.ranks(2)[0]["looped"]
 
 
-def test_configuration_errors(two_ranks):
-    chimera, layers = two_ranks[0]["errors"]
+@pytest.mark.multirank
+def test_configuration_errors(launched):
+    chimera, layers = launched.ranks(2)[0]["errors"]
     assert "tied embeddings need each pipeline's first and last stage on one rank" in chimera
     assert "--num-layers 6" in layers

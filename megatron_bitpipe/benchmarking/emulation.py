@@ -115,6 +115,9 @@ class EmulatedDevice:
     def __init__(self, asynchronous: bool = True):
         self.asynchronous = asynchronous
         self.free_at = 0.0
+        #: total compute seconds launched on this device (what the layers asked for, whatever
+        #: the wall clock did)
+        self.launched_seconds = 0.0
         self._pending: List[_DeferredSend] = []
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
@@ -125,6 +128,7 @@ class EmulatedDevice:
 
     def launch(self, seconds: float, launched_at: float) -> None:
         """Queue ``seconds`` of compute launched at ``launched_at``; block if synchronous."""
+        self.launched_seconds += seconds
         if not self.asynchronous:
             sleep_until(launched_at + seconds)
             return

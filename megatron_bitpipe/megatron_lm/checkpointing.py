@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, List
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from ..training.checkpoint_checks import (
 )
 from ..training.errors import CheckpointError
 
-__all__ = ["check_checkpoint", "load_checkpoint"]
+__all__ = ["check_checkpoint", "check_or_exit"]
 
 
 def _model_keys(count: int) -> List[str]:
@@ -135,16 +135,14 @@ def check_checkpoint(args: argparse.Namespace, model: list, load_arg: str = "loa
     raise_if_any(problems, directory, "does not fit this model")
 
 
-def load_checkpoint(megatron_load_checkpoint: Callable, ddp_model, optimizer, opt_param_scheduler, *args, **kwargs):
-    """Megatron-LM's ``load_checkpoint`` after :func:`check_checkpoint`; a failed check prints
-    one error (rank 0) and exits with status 1 on every rank."""
+def check_or_exit(model: list, load_arg: str = "load") -> None:
+    """:func:`check_checkpoint` for Megatron-LM's arguments; a failed check prints one error
+    (rank 0) and exits with status 1 on every rank."""
     from megatron.training import get_args
 
-    load_arg = kwargs.get("load_arg", args[0] if args else "load")
     try:
-        check_checkpoint(get_args(), ddp_model, load_arg)
+        check_checkpoint(get_args(), model, load_arg)
     except CheckpointError as error:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"megatron_bitpipe: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    return megatron_load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)

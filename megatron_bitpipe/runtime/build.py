@@ -13,11 +13,12 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from ..optimizers import OptimizerChoice, build_megatron_optimizer
 from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
 from .groups import ParallelGrid, PipelineGroups
@@ -128,8 +129,9 @@ def build_pipeline_model(
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config), groups, specs, config)
 
 
-def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig):
-    """megatron-core's optimizer for ``model``'s chunks.
+def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, choice: OptimizerChoice = OptimizerChoice()):
+    """megatron-core's optimizer for ``model``'s chunks (``choice``: Adam, or one of
+    :mod:`megatron_bitpipe.optimizers`).
 
     Non-distributed (``optimizer_config.use_distributed_optimizer`` false): one optimizer over
     all chunks, grad norm over the model-parallel group; the second replica's parameters are
@@ -150,7 +152,9 @@ def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig):
             f"(optimizer {distributed}, DDP {not distributed})"
         )
     if not distributed:
-        return get_megatron_optimizer(
-            optimizer_config, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
+        return build_megatron_optimizer(
+            optimizer_config, choice, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
         )
+    if choice.name != "adam":
+        raise ValueError(f"the distributed optimizer is megatron's Adam, not {choice.name}")
     return build_distributed_optimizer(model.chunks, model.groups, optimizer_config)

@@ -98,17 +98,15 @@ def chunk_specs(placement: Placement, num_layers: int, rank: int, tied: bool = F
     """The chunks pipeline rank ``rank`` holds, indexed by local chunk id.
 
     ``tied`` (``share_embeddings_and_output_weights``) marks the head chunk ``tied`` when its
-    output layer is a copy of the embeddings (:attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`). Raises
-    ValueError naming ``--num-layers`` if ``num_layers`` is not a positive multiple of the
-    number of stages (``2 x --pipeline-model-parallel-size`` for BitPipe).
+    output layer is a copy of the embeddings
+    (:attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`). Raises
+    ValueError naming ``--num-layers`` if ``num_layers`` does not fill the placement's stages
+    (:meth:`~megatron_bitpipe.schedules.placement.Placement.layer_problem`).
     """
+    problem = placement.layer_problem(num_layers)
+    if problem:
+        raise ValueError(problem)
     stages = placement.num_stages
-    if num_layers <= 0 or num_layers % stages:
-        raise ValueError(
-            f"--num-layers {num_layers} must be a positive multiple of the {stages} pipeline "
-            f"stages of the {placement.name} placement on {placement.num_ranks} pipeline ranks "
-            f"({stages // placement.num_ranks} x --pipeline-model-parallel-size)"
-        )
     per_stage = num_layers // stages
     head_copy = tied and placement.head_copies_embedding
     specs = []

@@ -45,10 +45,10 @@ from megatron.core.utils import unwrap_model
 
 __all__ = [
     "microbatches_per_replica",
+    "ChunkDistributedDataParallel",
     "wrap_ddp",
     "stage_order",
     "mark_replica_parameters",
-    "broadcast_replicas",
     "max_replica_difference",
 ]
 
@@ -70,13 +70,38 @@ def microbatches_per_replica(num_microbatches: int, placement: Placement) -> int
     return num_microbatches // pipelines
 
 
+class ChunkDistributedDataParallel(DistributedDataParallel):
+    """megatron DDP whose gradient synchronisation an optimizer may take over.
+
+    ``gradient_exchange`` is None (megatron's all-reduce over the grad-sync group) or an object
+    with ``start()`` and ``finish()`` that replaces it: ``start_grad_sync`` (BitPipe's eager
+    ``SYNC``) calls ``start()``, ``finish_grad_sync`` (megatron's ``finalize_model_grads``)
+    calls ``finish()``, which must also work without a preceding ``start()``. 1-bit LAMB's
+    compression stage installs its momentum exchange here
+    (:class:`megatron_bitpipe.optimizers.onebit_lamb.ChunkMomentum`).
+    """
+
+    gradient_exchange = None
+
+    def start_grad_sync(self, *unused):
+        if self.gradient_exchange is None:
+            return super().start_grad_sync(*unused)
+        self.gradient_exchange.start()
+
+    def finish_grad_sync(self, force_all_reduce: bool = False):
+        if self.gradient_exchange is None:
+            return super().finish_grad_sync(force_all_reduce=force_all_reduce)
+        self.gradient_exchange.finish()
+
+
 def wrap_ddp(
     chunks: Sequence[torch.nn.Module],
     groups: PipelineGroups,
     config: TransformerConfig,
     ddp_config: DistributedDataParallelConfig,
-) -> List[DistributedDataParallel]:
-    """One megatron DDP per chunk, reducing over the chunk's grad-sync group.
+) -> List[ChunkDistributedDataParallel]:
+    """One megatron DDP (:class:`ChunkDistributedDataParallel`) per chunk, reducing over the
+    chunk's grad-sync group.
 
     ``config`` is the caller's (shared) config: ``get_model_config`` of every wrapped chunk
     returns it. Every chunk is a single bucket: megatron turns bucketing off on pipeline
@@ -88,7 +113,7 @@ def wrap_ddp(
     (:func:`megatron_bitpipe.runtime.build.build_optimizer`).
     """
     return [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
+        ChunkDistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
         for chunk, pgs in zip(chunks, groups.model_pgs)
     ]
 

@@ -34,13 +34,25 @@ group is partial and the bubble is that of Chimera at the same ``N``.
 
 from __future__ import annotations
 
+from typing import List, Optional
+
 from .actions import SchedulePlan
-from .compose import bidirectional_plan, check_bidirectional
+from .compose import bidirectional_plan, bidirectional_problems, smallest_bidirectional_microbatches
 from .placement import bidirectional_v
 
 
+placement = bidirectional_v
+
+
+def problems(num_ranks: int, num_microbatches: Optional[int], source: str) -> List[str]:
+    """Even ``D >= 2``; ``N`` even (half per replica) and at least ``D``."""
+    return bidirectional_problems("bitpipe", num_ranks, num_microbatches, source)
+
+
+smallest_num_microbatches = smallest_bidirectional_microbatches
+
+
 def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
-    """BitPipe plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= D)."""
-    check_bidirectional("bitpipe", num_ranks, num_microbatches)
-    placement = bidirectional_v(num_ranks)
-    return bidirectional_plan("bitpipe", placement, num_microbatches, forward_only)
+    """BitPipe plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= D);
+    the arguments must satisfy :func:`problems`."""
+    return bidirectional_plan("bitpipe", bidirectional_v(num_ranks), num_microbatches, forward_only)

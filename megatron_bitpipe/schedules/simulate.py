@@ -8,8 +8,13 @@ Execution model (the same one the runtime implements):
   is free and the output gradient has arrived (the loss stage needs only its own
   forward, which the plan orders before it); a weight-gradient action ``W`` when the
   rank is free (its ``I`` ran earlier on the same rank);
-* a message is sent as soon as its producer finishes and arrives ``message_time``
-  later; sends never block the sender; a local V-turn hand-over costs nothing;
+* communication is what the plan's ``SEND`` and ``RECV`` actions say (a compute-only
+  plan is lowered first, :func:`~.lower.lower`): a ``SEND`` costs the rank nothing and
+  never blocks it (it needs only its producer, earlier on the same rank); its message
+  arrives ``message_time`` after the ``SEND`` is issued — directly after the producer
+  ends, in a plan lowered by :func:`~.lower.lower`. A ``RECV`` only posts the receive
+  and costs nothing; the consuming action waits for the message. A local V-turn
+  hand-over costs nothing;
 * ``SYNC(chunk)`` costs the rank no compute time: it *issues* an asynchronous
   all-reduce of that chunk's gradients among the chunk's replicas (mirror slots). The
   all-reduce starts when every replica has issued it and the communication lane of
@@ -26,12 +31,14 @@ forward saved), and exactly what the emulated layers of the benchmark hold.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, Optional, Tuple
 
 from .actions import Action, ActionType, SchedulePlan
 from .comm import received_by
 from .errors import PlanError
+from .lower import lower
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ class CostModel:
 
     @property
     def message_time(self) -> float:
-        """Time from the end of a producer to the arrival of its message."""
+        """Time from a ``SEND`` (issued when its producer ends) to the arrival of its message."""
         bandwidth_term = self.p2p_bytes / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
         return self.t_p2p + bandwidth_term
 
@@ -92,9 +99,22 @@ class CostModel:
         return per_share.get(action.type, 0.0) * stage_weight
 
 
+def read_cost_file(path: str) -> Dict[str, float]:
+    """The :class:`CostModel` fields found in JSON cost file ``path`` (other keys,
+    e.g. a calibration's sizes, are ignored). Raises OSError / JSONDecodeError."""
+    with open(path, encoding="utf-8") as handle:
+        loaded = json.load(handle)
+    known = {f.name for f in fields(CostModel)}
+    return {k: float(v) for k, v in loaded.items() if k in known and v is not None}
+
+
+
 def same_rank_prerequisite(action: Action) -> Optional[Action]:
     """The action of the same rank that must have run before ``action``: the forward of a
-    ``B`` or ``I``, the ``I`` of a ``W``; None for ``F`` and ``SYNC``."""
+    ``B`` or ``I``, the ``I`` of a ``W``, the producer of a ``SEND`` (``B`` standing for
+    ``I``); None for ``F``, ``SYNC`` and ``RECV``."""
+    if action.type.is_send:
+        return action.compute_key
     if action.type.computes_input_grad:
         return Action(ActionType.FORWARD, action.chunk, action.microbatch)
     if action.type is ActionType.BACKWARD_WEIGHT:
@@ -161,17 +181,21 @@ class SimulationResult:
 def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> SimulationResult:
     """Simulate one step of ``plan``; raise :class:`PlanError` on a deadlock.
 
-    The plan's structure is assumed valid (see :func:`~.validate.validate_plan`); a
-    dependency that can never be satisfied is reported as a deadlock naming each
-    blocked rank, its action and what it waits for.
+    A compute-only plan is lowered first (:func:`~.lower.lower`, default policy); the
+    result's ``plan`` is the plan simulated. The plan is assumed valid (see
+    :func:`~.validate.validate_plan`); a dependency that can never be satisfied is
+    reported as a deadlock naming each blocked rank, its action and what it waits for.
     """
     costs = costs or CostModel()
+    if not plan.has_communication:
+        plan = lower(plan)
     placement = plan.placement
     weight = placement.stage_weight
     message_time = costs.message_time
     num_ranks = plan.num_ranks
 
-    finish: Dict[Tuple[int, Action], float] = {}
+    finish: Dict[Tuple[int, Action], float] = {}  # (rank, comm_key) -> end of a compute action
+    arrival: Dict[Tuple[int, Action], float] = {}  # (sending rank, SEND action) -> its message's arrival
     clock = [0.0] * num_ranks
     cursor = [0] * num_ranks
     busy = [0.0] * num_ranks
@@ -190,10 +214,11 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
         transfer = received_by(placement, rank, action)
         if transfer is None:
             return own
-        produced = finish.get((transfer.src.rank, transfer.producer))
-        if produced is None:
-            return None
-        return max(own, produced + (0.0 if transfer.is_local else message_time))
+        if transfer.is_local:
+            produced = finish.get((rank, transfer.producer))
+        else:
+            produced = arrival.get((transfer.src.rank, transfer.send))
+        return None if produced is None else max(own, produced)
 
     progressed = True
     while progressed:
@@ -204,7 +229,11 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                 action = actions[cursor[rank]]
                 if action.type is ActionType.SYNC:
                     sync_issue[(rank, action.chunk)] = clock[rank]
-                else:
+                elif action.type.is_send:
+                    if (rank, action.compute_key) not in finish:
+                        break
+                    arrival[(rank, action)] = clock[rank] + message_time
+                elif not action.type.is_receive:
                     ready = input_ready(rank, action)
                     if ready is None:
                         break
@@ -268,8 +297,10 @@ def _deadlock_message(plan: SchedulePlan, blocked: List[int], cursor: List[int],
             lines.append(f"  rank {rank} at {action}: its {before} has not run")
             continue
         transfer = received_by(plan.placement, rank, action)
+        produced = (transfer.src.rank, transfer.producer) in finish
+        state = f"run but {transfer.send} not yet issued" if produced and not transfer.is_local else "not yet run"
         lines.append(
             f"  rank {rank} at {action}: waits for the {transfer.payload.value} of micro-batch "
-            f"{action.microbatch} from rank {transfer.src.rank} ({transfer.producer}), not yet run"
+            f"{action.microbatch} from rank {transfer.src.rank} ({transfer.producer}), {state}"
         )
     return "\n".join(lines)

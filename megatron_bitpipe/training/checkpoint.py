@@ -214,6 +214,31 @@ def _schedule_problems(saved: dict, scheduler, args, saved_args) -> List[str]:
     return problems
 
 
+#: what fixes which rank holds which parameters (1-bit LAMB's per-rank state follows it)
+_LAYOUT_FLAGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "schedule", "tensor_parallel_mode")
+
+
+def _optimizer_problems(saved_args, args) -> List[str]:
+    """Whether this run's optimizer can take the checkpoint's optimizer state (``--no-load-optim``
+    takes the weights only)."""
+    saved_name, name = getattr(saved_args, "optimizer", "adam"), getattr(args, "optimizer", "adam")
+    if saved_name != name:
+        return [f"it holds the state of --optimizer {saved_name}, this run uses --optimizer {name} (--no-load-optim loads the weights only)"]
+    if name == "onebit_lamb":
+        saved_batch = getattr(saved_args, "global_batch_size", args.global_batch_size)
+        compressing = getattr(saved_args, "consumed_train_samples", 0) > saved_args.onebit_freeze_iters * saved_batch
+        theirs = tuple(getattr(saved_args, flag, None) for flag in _LAYOUT_FLAGS)
+        mine = tuple(getattr(args, flag, None) for flag in _LAYOUT_FLAGS)
+        if compressing and theirs != mine:
+            return [
+                f"1-bit LAMB's state after its freeze (coefficients, error feedback) is per rank and was saved in another "
+                f"layout ({', '.join(f'{f} {t}' for f, t in zip(_LAYOUT_FLAGS, theirs))}): resume it in that layout, or "
+                "take the weights with --no-load-optim"
+            ]
+    return []
+
+
 def _weight_decay_varies(scheduler) -> bool:
     return scheduler.wd_incr_style != "constant" and scheduler.start_wd != scheduler.end_wd
 
@@ -271,6 +296,7 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
             "cannot be resumed",
         )
     if load_optimizer:
+        raise_if_any(_optimizer_problems(saved_args, args), directory, "cannot resume this run's optimizer")
         raise_if_any(_schedule_problems(common["opt_param_scheduler"], scheduler, args, saved_args), directory,
                      "has another learning-rate schedule (keep it with --use-checkpoint-opt_param-scheduler, or take this "
                      "run's with --override-opt_param-scheduler)")
