@@ -169,3 +169,12 @@ def main_status(task: str, argv: List[str]) -> int:
     from megatron_bitpipe.training import main
 
     return main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
+
+
+def checkpoint_objects(root: Path, iteration: int) -> List[str]:
+    """The stored keys of a distributed checkpoint's non-tensor entries (e.g. ``rng_state/shard_0.0_2.1``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    saved = load_sharded_metadata(str(root / f"iter_{iteration:07d}"))
+    return [key for key, entry in saved.items() if isinstance(entry, ShardedObject)]

@@ -226,14 +226,12 @@ def _optimizer_problems(saved_args, args) -> List[str]:
     if saved_name != name:
         return [f"it holds the state of --optimizer {saved_name}, this run uses --optimizer {name} (--no-load-optim loads the weights only)"]
     if name == "onebit_lamb":
-        saved_batch = getattr(saved_args, "global_batch_size", args.global_batch_size)
-        compressing = getattr(saved_args, "consumed_train_samples", 0) > saved_args.onebit_freeze_iters * saved_batch
         theirs = tuple(getattr(saved_args, flag, None) for flag in _LAYOUT_FLAGS)
         mine = tuple(getattr(args, flag, None) for flag in _LAYOUT_FLAGS)
-        if compressing and theirs != mine:
+        if theirs != mine:
             return [
-                f"1-bit LAMB's state after its freeze (coefficients, error feedback) is per rank and was saved in another "
-                f"layout ({', '.join(f'{f} {t}' for f, t in zip(_LAYOUT_FLAGS, theirs))}): resume it in that layout, or "
+                f"1-bit LAMB's coefficients and error feedback are per rank and were saved in another layout "
+                f"({', '.join(f'{f} {t}' for f, t in zip(_LAYOUT_FLAGS, theirs))}): resume it in that layout, or "
                 "take the weights with --no-load-optim"
             ]
     return []

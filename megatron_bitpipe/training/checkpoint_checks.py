@@ -185,14 +185,15 @@ def request_problems(request: dict, saved: dict) -> List[str]:
 
     ``saved`` is the checkpoint's ``dist_checkpointing.load_sharded_metadata``: key ->
     ShardedTensor / ShardedObject (global shapes). Tensors must exist with the same global
-    shape; objects (RNG states, extra states) must exist.
+    shape; objects (RNG states, extra states) must exist for this rank's place (their key and
+    position among the saving run's).
     """
     problems = []
     for entry in _requested(request):
         key = entry.key
         if isinstance(entry, ShardedObject):
-            if not any(k == key or k.startswith(f"{key}/") for k in saved):
-                problems.append(f"{key} is missing")
+            if entry.unique_key not in saved:
+                problems.append(f"{entry.unique_key} is missing")
             continue
         theirs = saved.get(key)
         if theirs is None:
