@@ -18,7 +18,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_bitpipe", "megatron_bitpipe.*"]),
-    install_requires=["megatron-core==0.16.*", "torch>=2.6", "numpy"],
+    # psutil: megatron-core's distributed-checkpoint writer measures its memory with it
+    install_requires=["megatron-core==0.16.*", "torch>=2.6", "numpy", "psutil"],
     extras_require={
         "test": [
             "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10",

@@ -97,3 +97,19 @@ def torchrun(script: Path, nproc: int, flags: List[str], cwd: Path, timeout: int
         split = (match.group(2) or "").replace(" on ", "").replace(" set", "")
         run.evals[(int(match.group(1)), split)] = float(match.group(3))
     return run
+
+
+def write_indexed_dataset(prefix: Path, documents: int = 200, vocab: int = 100) -> None:
+    """A Megatron indexed dataset (``prefix.bin``/``.idx``) of ``documents`` documents of 5-59
+    tokens below ``vocab``, each an arithmetic progression (learnable), fixed by the seed 0."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(documents):
+        length, start, step = int(rng.integers(5, 60)), int(rng.integers(0, vocab)), int(rng.integers(1, 4))
+        tokens = (start + step * np.arange(length)) % vocab
+        builder.add_document(torch.from_numpy(tokens.astype(np.int32)), [length])
+    builder.finalize(get_idx_path(str(prefix)))

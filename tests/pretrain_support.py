@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import pytest
 
@@ -83,6 +83,24 @@ def train_in_process(task: str, argv: List[str]):
     return None
 
 
+def main_with_output(task: str, argv: List[str]) -> Tuple[int, str, str]:
+    """Rank body: the script's main(); (exit status, stdout, stderr), torch.distributed left alone."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
+    if dist.is_initialized():
+        dist.barrier()
+    return status, stdout.getvalue(), stderr.getvalue()
+
+
 def main_in_process(task: str, argv: List[str]):
     """Rank body: the script's main() (exit status, stderr), torch.distributed left alone."""
     import contextlib
@@ -100,6 +118,27 @@ def main_in_process(task: str, argv: List[str]):
     return status, stderr.getvalue()
 
 
+def _plain_tensors(directory: str) -> dict:
+    from megatron.core import dist_checkpointing
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    return {key: value.clone() for key, value in dist_checkpointing.load_plain_tensors(directory).items()}
+
+
+def checkpoint_tensors(root: Path, iteration: int) -> dict:
+    """Every tensor of a distributed checkpoint, whole, by its global key (read by one launched rank)."""
+    from megatron_bitpipe.cpu.launcher import launch
+
+    return launch(_plain_tensors, 1, str(root / f"iter_{iteration:07d}"), timeout=300)[0]
+
+
+def checkpoint_common(root: Path, iteration: int) -> dict:
+    """The plain (non-tensor) values of a distributed checkpoint: arguments, iteration, schedule..."""
+    import torch
+
+    return torch.load(root / f"iter_{iteration:07d}" / "common.pt", map_location="cpu", weights_only=False)
 def main_signalled(task: str, argv: List[str], signal_rank: int, signal_call: int) -> int:
     """Rank body: the script's main() (its exit status); rank ``signal_rank`` sends itself
     SIGUSR1 in its ``signal_call``-th call of the task's forward step, as SLURM's warning
@@ -130,3 +169,12 @@ def main_status(task: str, argv: List[str]) -> int:
     from megatron_bitpipe.training import main
 
     return main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
+
+
+def checkpoint_objects(root: Path, iteration: int) -> List[str]:
+    """The stored keys of a distributed checkpoint's non-tensor entries (e.g. ``rng_state/shard_0.0_2.1``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    saved = load_sharded_metadata(str(root / f"iter_{iteration:07d}"))
+    return [key for key, entry in saved.items() if isinstance(entry, ShardedObject)]

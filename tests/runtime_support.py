@@ -54,6 +54,7 @@ class Case:
     sequence_parallel: bool = False
     tensor_parallel_mode: str = "1d"
     split_backward: bool = False
+    distributed_optimizer: bool = False
 
     @property
     def world_size(self) -> int:
@@ -102,10 +103,12 @@ def model_config(**kw):
     return tiny_gpt_config(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, **kw)
 
 
-def _optimizer_config(clip_grad: float):
+def _optimizer_config(clip_grad: float, distributed: bool = False):
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.01, clip_grad=clip_grad)
+    return OptimizerConfig(
+        optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.01, clip_grad=clip_grad, use_distributed_optimizer=distributed
+    )
 
 
 def train_single_process(model, config, pg, clip_grad: float, run, batches, global_microbatches: int) -> dict:
@@ -208,12 +211,16 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         seed=SEED,
-        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce, grad_reduce_in_fp32=True),
+        ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=case.overlap_grad_reduce,
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=case.distributed_optimizer,
+        ),
         **case.model_kwargs(),
         tensor_parallel_mode=case.tensor_parallel_mode,
     )
     groups = model.groups
-    optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))
+    optimizer = build_optimizer(model, _optimizer_config(case.clip_grad, case.distributed_optimizer))
     step_func = make_step_func(choice)
 
     def full(tensor_of=lambda p: p) -> Dict[str, torch.Tensor]:
@@ -249,7 +256,8 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         if restore is not None:
             restore()
             restore = None
-        grads = full(lambda p: p.main_grad)
+        # The distributed optimizer reduce-scatters: each rank holds only its shard's sum.
+        grads = None if case.distributed_optimizer else full(lambda p: p.main_grad)
         success, grad_norm, _ = optimizer.step()
         assert success
         record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=full()))
@@ -257,6 +265,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     record["eval"] = run(None, forward_only=True)
     record["eval_trace"] = traces[-1]
     record["pp_rank"] = groups.pp_rank
+    record["optimizers"] = sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])})
     return record
 
 
@@ -292,8 +301,9 @@ def assert_tensors_close(actual: Dict[str, torch.Tensor], expected: Dict[str, to
 
 def assert_equals_reference(case: Case, records: List[dict], ref: dict) -> None:
     """The :func:`pipeline` records of all ranks of ``case`` equal the single-process ``ref``:
-    initial weights; per step every micro-batch's loss once, gradients, weights, grad norm;
-    replicas bit-identical throughout; evaluation losses."""
+    initial weights; per step every micro-batch's loss once, gradients (not with the
+    distributed optimizer, whose ranks each hold one shard of the reduced gradients), weights,
+    grad norm; replicas bit-identical throughout; evaluation losses."""
     import pytest
 
     assert_tensors_close(merged(records, "initial"), ref["initial"], "initial weight")
@@ -306,7 +316,8 @@ def assert_equals_reference(case: Case, records: List[dict], ref: dict) -> None:
         torch.testing.assert_close(
             torch.tensor([losses[m] for m in sorted(losses)]), torch.tensor(expected["losses"]), rtol=RTOL, atol=ATOL
         )
-        assert_tensors_close(merged(records, "steps", step, "grads"), expected["grads"], f"step {step} gradient of")
+        if not case.distributed_optimizer:
+            assert_tensors_close(merged(records, "steps", step, "grads"), expected["grads"], f"step {step} gradient of")
         assert_tensors_close(merged(records, "steps", step, "weights"), expected["weights"], f"step {step} weight")
         for record in records:
             assert record["steps"][step]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=RTOL)
@@ -350,24 +361,29 @@ def _instrument(chunks, events: list):
 
 def bf16_losses(case: Case, steps: int = 2) -> dict:
     """Train ``case``'s model with BitPipe on ``case.pp`` ranks in bf16 (chunks wrapped in
-    ChunkFloat16Module, mixed-precision optimizer); return this rank's recorded losses per step
-    and the dtypes of the reported losses."""
+    ChunkFloat16Module, mixed-precision optimizer, distributed with ``case.distributed_optimizer``);
+    return this rank's recorded losses per step, the dtypes of the reported losses and the
+    largest difference between replicas after the last step."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
     from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
     from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.replicas import max_replica_difference
     from megatron_bitpipe.schedules.placement import bidirectional_v
 
     pp, n = case.pp, case.n
     config = model_config(pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     model = build_pipeline_model(
         config, ParallelGrid(pp=pp), bidirectional_v(pp), vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED,
-        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True),
+        ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=True, grad_reduce_in_fp32=True, use_distributed_optimizer=case.distributed_optimizer
+        ),
         **case.model_kwargs(),
     )
-    optimizer = build_optimizer(model, OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, bf16=True))
+    config = OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, bf16=True, use_distributed_optimizer=case.distributed_optimizer)
+    optimizer = build_optimizer(model, config)
     out = {"losses": [], "dtypes": set()}
     for step in range(steps):
         for chunk in model.chunks:
@@ -385,4 +401,5 @@ def bf16_losses(case: Case, steps: int = 2) -> dict:
         out["dtypes"] |= {str(value.dtype) for r in reports for value in r.values()}
         success, _, _ = optimizer.step()
         assert success
+    out["replica_diff"] = max_replica_difference(model.chunks, model.groups)
     return out

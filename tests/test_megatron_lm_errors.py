@@ -109,28 +109,29 @@ def test_flags_on_megatron_lm_parser():
     args = add_megatron_lm_args(argparse.ArgumentParser()).parse_args(["--pipeline-schedule", "bitpipe", "--layout-independent-init"])
     assert args.pipeline_schedule == "bitpipe" and args.layout_independent_init and args.tensor_parallel_mode == "1d"
     validate_megatron_lm_args(megatron_lm_args("--pipeline-schedule", "bitpipe"))
-    validate_megatron_lm_args(megatron_lm_args("--pipeline-schedule", "bitpipe", load="/checkpoints", ckpt_format="torch"))
-    validate_megatron_lm_args(megatron_lm_args(use_distributed_optimizer=True))  # default schedule: megatron's business
+    validate_megatron_lm_args(megatron_lm_args("--pipeline-schedule", "bitpipe", load="/checkpoints", ckpt_format="torch_dist"))
+    validate_megatron_lm_args(megatron_lm_args("--pipeline-schedule", "bitpipe", use_distributed_optimizer=True))
+    validate_megatron_lm_args(megatron_lm_args(ckpt_format="torch", load="/checkpoints"))  # default schedule: megatron's business
 
 
 def test_incompatible_megatron_lm_flags_are_named_at_once():
     args = megatron_lm_args(
         "--pipeline-schedule", "bitpipe",
-        use_distributed_optimizer=True, context_parallel_size=2, world_size=8, num_experts=4,
+        overlap_param_gather=True, context_parallel_size=2, world_size=8, num_experts=4,
         encoder_num_layers=4, decoder_num_layers=4, global_batch_size=6, use_legacy_models=True,
-        save="/checkpoints", ckpt_format="torch_dist",
+        save="/checkpoints", ckpt_format="torch",
     )
     with pytest.raises(BitPipeConfigError) as info:
         validate_megatron_lm_args(args)
     text = str(info.value)
     for expected in (
-        "--use-distributed-optimizer cannot be used with --pipeline-schedule bitpipe",
+        "--overlap-param-gather cannot be used with --pipeline-schedule bitpipe",
         "--context-parallel-size cannot be used",
         "--num-experts cannot be used",
         "--use-legacy-models cannot be used",
         "bitpipe does not support encoder-decoder models",
         "even number of micro-batches",
-        "--ckpt-format torch_dist cannot be used with --pipeline-schedule bitpipe: use --ckpt-format torch",
+        "--ckpt-format torch cannot be used with --pipeline-schedule bitpipe: use --ckpt-format torch_dist",
     ):
         assert expected in text, text
 

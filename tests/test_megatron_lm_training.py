@@ -12,7 +12,10 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   ``scripts/apply_megatron_patch.py``), each with pipeline 4 and with tensor 2 x pipeline 2
   (4 ranks); the runtime route's tensor 2 x pipeline 2 run saves a checkpoint at iteration 2;
 * resuming that checkpoint (``--load``, ``--ckpt-step 2``) continues the same loss curve;
-* invalid flags stop every rank with one error line before torch.distributed starts.
+* runtime route with ``--use-distributed-optimizer``, pipeline 2 x data parallel 2 (4 ranks,
+  one distributed optimizer per chunk), saving at iteration 2; resumed with BitPipe at
+  tensor 2 x pipeline 2 and the distributed optimizer, it continues the curve;
+* invalid flags stop every rank with one error line before torch.distributed starts;
 * ``--optimizer lamb --lr-decay-style rex`` and ``--optimizer schedulefree_adamw``: BitPipe
   (pipeline 4) trains like the reference with the same optimizer.
 
@@ -60,6 +63,13 @@ def reference(checkout, workdir) -> Run:
 
 
 @pytest.fixture(scope="module")
+def bitpipe_distopt(checkout, workdir) -> Run:
+    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+             "--save", str(workdir / "checkpoint_distopt"), "--save-interval", "2"]
+    return _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
+
+
+@pytest.fixture(scope="module")
 def patched_checkout(checkout, workdir):
     copy = workdir / "Megatron-LM"
     shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".git", "tests", "docs", "examples"))
@@ -73,7 +83,7 @@ def patched_checkout(checkout, workdir):
 def runtime_runs(checkout, workdir) -> dict:
     """BitPipe through ``python -m megatron_bitpipe.run`` in both layouts; tensor 2 x pipeline 2
     saves a checkpoint at iteration 2."""
-    save = ["--save", str(workdir / "checkpoint"), "--save-interval", "2", "--ckpt-format", "torch"]
+    save = ["--save", str(workdir / "checkpoint"), "--save-interval", "2"]
     return {
         name: _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*TINY_GPT, *BITPIPE, *flags, *(save if name == "tp2_pp2" else [])], workdir))
         for name, flags in LAYOUTS.items()
@@ -103,11 +113,28 @@ def test_runtime_route_bitpipe_equals_one_process(runtime_runs, reference, layou
 
 
 def test_resume_from_bitpipe_checkpoint_continues_the_curve(runtime_runs, checkout, workdir, reference):
-    flags = [*TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"], "--load", str(workdir / "checkpoint"), "--ckpt-step", "2", "--ckpt-format", "torch"]
+    flags = [*TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"], "--load", str(workdir / "checkpoint"), "--ckpt-step", "2"]
     resumed = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
     assert sorted(resumed.losses) == [3, 4]
     # Megatron-LM logs the first iteration after a resume without resetting its averages, so
     # iteration 4's logged loss is the mean of 3 and 4; the evaluations pin the weights.
+    assert resumed.losses[3] == pytest.approx(reference.losses[3], rel=RTOL)
+    assert resumed.losses[4] == pytest.approx((reference.losses[3] + reference.losses[4]) / 2, rel=RTOL)
+    for key, loss in reference.evals.items():
+        if key[0] == 4:
+            assert resumed.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
+
+
+def test_runtime_route_distributed_optimizer_equals_one_process(bitpipe_distopt, reference):
+    _assert_same_curve(bitpipe_distopt, reference)
+    assert "saves its optimizer state fully reshardable" in bitpipe_distopt.output
+
+
+def test_distributed_optimizer_checkpoint_resumes_in_another_layout(bitpipe_distopt, checkout, workdir, reference):
+    flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--use-distributed-optimizer", "--load", str(workdir / "checkpoint_distopt"), "--ckpt-step", "2"]
+    resumed = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
+    assert sorted(resumed.losses) == [3, 4]
     assert resumed.losses[3] == pytest.approx(reference.losses[3], rel=RTOL)
     assert resumed.losses[4] == pytest.approx((reference.losses[3] + reference.losses[4]) / 2, rel=RTOL)
     for key, loss in reference.evals.items():
@@ -122,12 +149,12 @@ def test_patch_route_bitpipe_equals_one_process(patched_checkout, workdir, refer
 
 
 def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):
-    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"]
     run = torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir, timeout=300)
     assert run.returncode != 0
     errors = [line for line in run.output.splitlines() if line.startswith("megatron_bitpipe.run: error: ")]
     assert len(errors) == 2, run.output[-3000:]  # one per rank
-    assert "--use-distributed-optimizer cannot be used with --pipeline-schedule bitpipe" in run.output
+    assert "--use-tp-pp-dp-mapping cannot be used with --pipeline-schedule bitpipe" in run.output
     assert "initializing torch distributed" not in run.output
 
 

@@ -2,15 +2,16 @@
 --lr-decay-style rex, on CPU ranks (gloo): equivalence and exact resumption.
 
 * LAMB (with REX decay): TP 2 and Optimus 2D (TP 4) log the losses, grad norms, learning
-  rates and validation losses of the single process and save the same logical weights and
-  moments — the trust ratios are computed over whole logical parameters; the logged learning
+  rates and validation losses of the single process and save the same weights and
+  moments (distributed checkpoints) — the trust ratios are computed over whole logical parameters; the logged learning
   rates follow REX.
 * Schedule-Free AdamW: BitPipe over 4 pipeline ranks and data parallelism 2 train like a
   single process (losses; validation losses and saved weights are the averaged iterate x);
   a single process resumed from its iteration-2 checkpoint repeats its run bit for bit.
 * 1-bit LAMB: BitPipe over 2 pipeline ranks x data parallelism 2 keeps both weight replicas
-  and all data-parallel copies bitwise identical through the compression stage, and resumed in the same layout from its iteration-3 checkpoint (compression stage, error feedback
-  restored) repeats its run bit for bit.
+  and all data-parallel copies bitwise identical through the compression stage, and resumed in
+  the same layout from its iteration-3 checkpoint (compression stage; coefficients and error
+  feedback restored from each rank's entry) repeats its run bit for bit.
 
 One launch per run (the in-process launcher), shared by all checks.
 """
@@ -27,7 +28,7 @@ import torch
 from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.optimizers import rex_coefficient
 
-from .pretrain_support import assert_same_records, make_task, records, train_in_process
+from .pretrain_support import assert_same_records, checkpoint_objects, checkpoint_tensors, make_task, records, train_in_process
 
 ITERS = 5
 MODEL = [
@@ -89,13 +90,14 @@ def runs(tmp_path_factory) -> dict:
 
 
 def _weights(root: Path, iteration: int) -> dict:
-    import json
-
-    directory = root / f"iter_{iteration:07d}"
-    index = json.loads((directory / "metadata.json").read_text())["parameters"]
-    model = {}
-    for shard in {p["file"] for p in index.values()}:
-        model.update(torch.load(directory / shard, weights_only=True))
+    """{global name: {"param": weight, state key: tensor}} of a distributed checkpoint."""
+    tensors = checkpoint_tensors(root, iteration)
+    prefix = "optimizer.state."
+    model = {name: {"param": tensor} for name, tensor in tensors.items() if not name.startswith("optimizer.")}
+    for key, tensor in tensors.items():
+        if key.startswith(prefix):
+            state, name = key[len(prefix):].split(".", 1)
+            model[name][state] = tensor
     return model
 
 
@@ -142,8 +144,8 @@ def test_onebit_lamb_keeps_replicas_identical(runs):
 
 def test_onebit_lamb_resumes_exactly_in_the_same_layout(runs):
     entry = next(iter(_weights(runs["out"] / "ckpt_onebit", 3).values()))
-    assert {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff"} <= entry.keys()
-    assert sorted(p.name for p in (runs["out"] / "ckpt_onebit" / "iter_0000003").glob("optimizer_rank*.pt")) == [
-        f"optimizer_rank{r:05d}.pt" for r in range(4)
-    ]
+    assert {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"} <= entry.keys()
+    per_rank = checkpoint_objects(runs["out"] / "ckpt_onebit", 3)  # coefficients and error feedback of each rank
+    for key in ("optimizer.onebit_lamb.coefficients", "optimizer.onebit_lamb.error_feedback"):
+        assert sorted(k for k in per_rank if k.startswith(f"{key}/")) == [f"{key}/shard_{r}_4" for r in range(4)]
     assert_same_records(runs["records"]["onebit_resumed"], runs["records"]["onebit"], range(4, ITERS + 1), KEYS, exact=True)

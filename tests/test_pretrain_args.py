@@ -53,6 +53,7 @@ BAD = [
     (["--lr-warmup-iters", "4"], 1, "--lr-warmup-iters 4 must be smaller than --lr-decay-iters 4"),
     (["--save-interval", "2"], 1, "--save-interval needs --save DIR"),
     (["--ckpt-step", "2"], 1, "--ckpt-step needs --load DIR"),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1, "are mutually exclusive"),
     (["--exit-interval", "0"], 1, "--exit-interval must be positive"),
     (["--exit-duration-in-mins", "-1"], 1, "--exit-duration-in-mins must be positive"),
     (["--tokenizer-type", "GPT2BPETokenizer"], 1, "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),

@@ -3,10 +3,11 @@
 * The same tiny GPT (seed-only initial weights, mock data) trained with BitPipe on 4 ranks,
   megatron-core's interleaved schedule on 2, Optimus 2D (TP 4) and a single process logs the
   same per-iteration losses, grad norms, learning rates and validation losses (rtol 1e-5,
-  from ``--log-json``), and saves the same logical checkpoint. The BitPipe, interleaved and
+  from ``--log-json``), and saves the same distributed checkpoint (every tensor once, under
+  the single-process model's names: weights and Adam moments). The BitPipe, interleaved and
   single-process runs are the script run through torchrun / python.
-* A checkpoint saved by the BitPipe run at iteration 2 (both replicas written once, as one
-  logical model) continues under megatron-core's 1F1B with TP 2 (sequence parallel) x PP 2
+* A checkpoint saved by the BitPipe run at iteration 2 (both replicas written once)
+  continues under megatron-core's 1F1B with TP 2 (sequence parallel) x PP 2
   and in a single process exactly like the uninterrupted run (and the TP 2 run saves BitPipe's iteration-4
   checkpoint again); a single process resumed from its own checkpoint repeats its run bit for
   bit; a checkpoint of another model shape is refused naming the flag.
@@ -19,7 +20,6 @@ in-process launcher (same code, no interpreter start-up per rank).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -30,7 +30,15 @@ import pytest
 from megatron_bitpipe.cpu.launcher import launch
 
 from . import pretrain_support
-from .pretrain_support import assert_same_records, checked, main_in_process, records, train_in_process
+from .pretrain_support import (
+    assert_same_records,
+    checked,
+    checkpoint_common,
+    checkpoint_tensors,
+    main_in_process,
+    records,
+    train_in_process,
+)
 
 ITERS, SAVE_AT = 4, 2
 MODEL = [
@@ -41,7 +49,7 @@ MODEL = [
     "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
 ]  # fmt: skip
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 
 
 def run_script(nproc: int, args: List[str], timeout: float = 300):
@@ -80,17 +88,6 @@ def runs(tmp_path_factory) -> dict:
     refused = launch(train_in_process, 1, "gpt", [*MODEL, "--hidden-size", "64", "--load", str(ckpt_bitpipe)], timeout=300)[0]
     records_by_run = {name: records(path) for name, path in logs.items()}
     return dict(records=records_by_run, stdout=stdout, out=out, ckpt=ckpt_bitpipe, ckpt_single=ckpt_single, refused=refused)
-
-
-def _full_model(root: Path, iteration: int) -> dict:
-    """{global name: entry} of a checkpoint, read back from its shards."""
-    import torch
-
-    directory = root / f"iter_{iteration:07d}"
-    model = {}
-    for shard in {p["file"] for p in _metadata(root, iteration)["parameters"].values()}:
-        model.update(torch.load(directory / shard, weights_only=True))
-    return model
 
 
 def _assert_same(actual: Dict[int, dict], expected: Dict[int, dict], iterations, exact: bool = False):
@@ -141,51 +138,41 @@ def test_resume_in_the_same_layout_is_exact(runs):
     _assert_same(runs["records"]["resume_single_exact"], runs["records"]["single"], range(SAVE_AT + 1, ITERS + 1), exact=True)
 
 
-def _metadata(root: Path, iteration: int) -> dict:
-    return json.loads((root / f"iter_{iteration:07d}" / "metadata.json").read_text())
-
-
-@pytest.mark.multirank
-def test_checkpoint_holds_one_logical_model(runs):
-    import torch
-
-    bitpipe, single = _metadata(runs["ckpt"], SAVE_AT), _metadata(runs["ckpt_single"], SAVE_AT)
+def test_checkpoint_holds_each_tensor_once(runs):
+    bitpipe, single = checkpoint_tensors(runs["ckpt"], SAVE_AT), checkpoint_tensors(runs["ckpt_single"], SAVE_AT)
     assert (runs["ckpt"] / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
-    assert bitpipe["parameters"].keys() == single["parameters"].keys()  # each logical parameter once
-    assert "output_layer.weight" not in bitpipe["parameters"]  # tied to the embedding
-    assert {p["shape"] == single["parameters"][n]["shape"] for n, p in bitpipe["parameters"].items()} == {True}
-    assert bitpipe["iteration"] == SAVE_AT and bitpipe["consumed_train_samples"] == 16 * SAVE_AT
-    shards = {p["file"] for p in bitpipe["parameters"].values()}
-    assert len(shards) == 4  # pipeline A's chunks, one file per pipeline rank
-    entry = torch.load(runs["ckpt"] / f"iter_{SAVE_AT:07d}" / sorted(shards)[0], weights_only=True)
-    some = next(iter(entry.values()))
-    assert {"param", "exp_avg", "exp_avg_sq", "step"} <= some.keys() and some["step"] == SAVE_AT
+    assert bitpipe.keys() == single.keys()  # both replicas written as one model
+    assert not any(key.endswith("output_layer.weight") for key in bitpipe)  # tied to the embedding
+    assert {key: tuple(t.shape) for key, t in bitpipe.items()} == {key: tuple(t.shape) for key, t in single.items()}
+    assert {"optimizer.state.exp_avg.embedding.word_embeddings.weight", "optimizer.state.exp_avg_sq.decoder.final_layernorm.weight"} <= bitpipe.keys()
+    common = checkpoint_common(runs["ckpt"], SAVE_AT)
+    assert common["iteration"] == SAVE_AT and common["args"].consumed_train_samples == 16 * SAVE_AT
+    assert int(common["optimizer"]["state"]["common_step"]) == SAVE_AT
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout,iteration", [("optimus", SAVE_AT), ("single", SAVE_AT), ("tp2_1f1b", ITERS)])
-def test_every_layout_saves_the_same_logical_model(runs, layout, iteration):
-    """Gathering Optimus 2D blocks, 1-D TP blocks (and the tied copy on the last stage, after a
-    resume) and BitPipe's replicas gives the same full weights and Adam moments.
+def test_every_layout_saves_the_same_model(runs, layout, iteration):
+    """Optimus 2D blocks, 1-D TP blocks (and the tied copy on the last stage, after a resume)
+    and BitPipe's replicas are saved as the same full weights and Adam moments.
 
     The moments are sums of fp32 gradients added up in a different order by each layout: their
     rounding error scales with the tensor's magnitude (measured: up to 8e-7 of its largest
     element), so an element that cancels to near zero is compared against 1e-5 of that."""
     import torch
 
-    reference = _full_model(runs["ckpt"], iteration)
-    other = _full_model(runs["out"] / f"ckpt_{layout}", iteration)
+    reference = checkpoint_tensors(runs["ckpt"], iteration)
+    other = checkpoint_tensors(runs["out"] / f"ckpt_{layout}", iteration)
     assert other.keys() == reference.keys()
-    for name, entry in reference.items():
-        assert other[name]["step"] == entry["step"] == iteration
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            atol = 1e-7 if key == "param" else 1e-5 * entry[key].abs().max().item()
-            torch.testing.assert_close(other[name][key], entry[key], rtol=1e-4, atol=atol, msg=lambda m: f"{name} {key}: {m}")
+    for name, tensor in reference.items():
+        atol = 1e-5 * tensor.abs().max().item() if "exp_avg" in name else 1e-7
+        torch.testing.assert_close(other[name], tensor, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.multirank
 def test_checkpoint_of_another_model_is_refused(runs):
     assert runs["refused"] is not None and "--hidden-size is 32 there, 64 here" in runs["refused"]
+    assert f"{runs['ckpt']}/iter_{ITERS:07d} holds a different model" in runs["refused"]
 
 
 @pytest.mark.multirank

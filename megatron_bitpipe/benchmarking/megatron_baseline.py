@@ -58,7 +58,7 @@ def build_looped_process_groups(grid: ParallelGrid) -> ProcessGroupCollection:
     """Build this rank's groups for ``grid``; a collective call on the default group.
 
     The collection holds ``tp, pp, dp, dp_cp, mp, embd, pos_embd, cp, tp_cp, ep, expt_tp,
-    tp_ep, expt_dp, tp_ep_pp``, i.e. what GPTModel, DDP, the megatron optimizer,
+    tp_ep, expt_dp, tp_ep_pp, intra_dist_opt``, i.e. what GPTModel, DDP, the megatron optimizer,
     ``finalize_model_grads`` and the pipeline schedules read. Context, expert and expert-tensor
     parallel sizes are 1. ``embd`` (first and last pipeline stage) and ``pos_embd`` (first
     stage) are None on ranks outside them: megatron tests membership with ``get_pg_size``,
@@ -75,6 +75,7 @@ def build_looped_process_groups(grid: ParallelGrid) -> ProcessGroupCollection:
         pp=new_groups(pp_lists, rank),
         mp=new_groups(grid.mp_groups(), rank),
         solo=new_groups([[r] for r in range(grid.world_size)], rank),
+        world=new_groups([list(range(grid.world_size))], rank),
         embd=new_groups(embd_lists, rank),
         pos_embd=new_groups([[ranks[0]] for ranks in pp_lists], rank),
     )

@@ -31,6 +31,8 @@ from datetime import timedelta
 from typing import Any, Callable, List
 
 _PRELOAD = ("torch", "torch.distributed", "megatron.core")
+#: seconds a rank that has reported gets to exit on its own before it is killed
+_EXIT_GRACE_S = 60.0
 
 
 class RankFailure(RuntimeError):
@@ -119,16 +121,25 @@ def launch(
             ctx.Process(
                 target=_worker,
                 args=(rank, world_size, init_file, call, results, timeout + 30, env or {}),
-                daemon=True,
+                # Not daemonic: a rank may start processes of its own (megatron-core's
+                # distributed-checkpoint writer does); the finally below kills every rank.
+                daemon=False,
             )
             for rank in range(world_size)
         ]
         for proc in procs:
             proc.start()
+        finished = False
         try:
-            return _collect(procs, results, world_size, timeout)
+            values = _collect(procs, results, world_size, timeout)
+            finished = True
+            return values
         finally:
             for proc in procs:
+                if finished:
+                    # Let a rank that reported exit normally, so that processes it started
+                    # (e.g. megatron's checkpoint writer) are shut down with it.
+                    proc.join(timeout=_EXIT_GRACE_S)
                 if proc.is_alive():
                     proc.kill()
             for proc in procs:

@@ -43,12 +43,13 @@ _HYBRID = (
 # (attribute, flag, why it cannot run with bitpipe); a flag is set when the attribute is truthy
 # (numbers: > 1 for the parallel sizes).
 _BITPIPE_CONFLICTS = (
-    ("use_distributed_optimizer", "--use-distributed-optimizer",
-     "each chunk's gradients are reduced over its own replica x data-parallel group, which the "
-     "distributed optimizer's shards do not follow"),
+    ("overlap_param_gather", "--overlap-param-gather",
+     "bitpipe's per-chunk distributed optimizers gather their parameters right after the step"),
     ("use_torch_fsdp2", "--use-torch-fsdp2", "bitpipe wraps each chunk in megatron DDP"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "bitpipe wraps each chunk in megatron DDP"),
     ("context_parallel_size", "--context-parallel-size", "context parallelism is not supported"),
+    ("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances",
+     "bitpipe shards each chunk's optimizer state over its replica x data-parallel group"),
     ("expert_model_parallel_size", "--expert-model-parallel-size", "expert parallelism is not supported"),
     ("num_experts", "--num-experts", "mixture-of-experts layers are not supported"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported"),
@@ -71,7 +72,7 @@ _BITPIPE_CONFLICTS = (
 # The layer pattern of a hybrid (Mamba) model; core_v0.19 copies the deprecated override flag
 # into hybrid_layer_pattern, so the first one set is the one the user typed.
 _HYBRID_PATTERNS = (("hybrid_override_pattern", "--hybrid-override-pattern"), ("hybrid_layer_pattern", "--hybrid-layer-pattern"))
-_PARALLEL_SIZES = {"context_parallel_size", "expert_model_parallel_size"}
+_PARALLEL_SIZES = {"context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances"}
 
 
 def _extend_choices(parser: argparse.ArgumentParser, flag: str, extra) -> None:
@@ -136,10 +137,10 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
         if hybrid is not None:
             problems.append(f"{hybrid} cannot be used with --pipeline-schedule bitpipe: {_HYBRID}")
         checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
-        if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch":
+        if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
             problems.append(
                 f"--ckpt-format {getattr(args, 'ckpt_format', 'torch_dist')} cannot be used with --pipeline-schedule "
-                "bitpipe: use --ckpt-format torch (a bitpipe checkpoint resumes a bitpipe run of the same layout)"
+                "bitpipe: use --ckpt-format torch_dist (the default), which any schedule and layout loads"
             )
     if problems:
         raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))

@@ -1,6 +1,6 @@
 """Where the plugin meets Megatron-LM's training code (tested tags: core_v0.16.1, core_v0.19.0).
 
-Megatron-LM needs five things from the plugin; both routes call the same functions here:
+Megatron-LM needs six things from the plugin; both routes call the same functions here:
 
 1. **Flags**: :func:`~megatron_bitpipe.megatron_lm.args.chain_args_provider` adds the plugin's
    flags after the script's own ``extra_args_provider``.
@@ -22,15 +22,20 @@ Megatron-LM needs five things from the plugin; both routes call the same functio
    warm-up of its own for Schedule-Free, which warms up itself); :func:`evaluate`,
    :func:`save_checkpoint` and :func:`load_checkpoint` run Megatron-LM's functions with
    Schedule-Free's averaged weights in the model (:func:`~megatron_bitpipe.optimizers.averaged_weights`).
-   :func:`setup` puts them where ``megatron.training.training`` looks them up, in both routes.
+   With BitPipe and ``--use-distributed-optimizer``, :func:`get_megatron_optimizer` builds one
+   distributed optimizer per chunk, over the chunk's grad-sync group
+   (:mod:`megatron_bitpipe.runtime.distributed_optimizer`).
+6. **Checkpoints**: :func:`load_checkpoint` runs the checks of :mod:`.checkpointing` first (any
+   schedule: a checkpoint that cannot be loaded completely stops every rank before training).
 
-:func:`install` is the runtime route: it wraps Megatron-LM's own functions (``parse_args`` and
-``validate_args`` where the checkout defines or imports them, ``training.get_model``, the
-config container's model builders at core_v0.19.0, ``get_batch_on_this_tp_rank``) so an
-unmodified script gets all five. It must run before the script imports
-``get_batch_on_this_tp_rank`` by name (``pretrain_gpt.py`` does). The patch route
-(``patches/megatron-lm-<tag>.patch``) makes the same calls from Megatron-LM's source; on a
-patched checkout :func:`install` does nothing.
+:func:`setup` puts the functions of 5 and 6 where ``megatron.training.training`` looks them up,
+in both routes. :func:`install` is the runtime route: it wraps Megatron-LM's own functions
+(``parse_args`` and ``validate_args`` where the checkout defines or imports them,
+``training.get_model``, the config container's model builders at core_v0.19.0,
+``get_batch_on_this_tp_rank``) so an unmodified script gets all six. It must run before the
+script imports ``get_batch_on_this_tp_rank`` by name (``pretrain_gpt.py`` does). The patch
+route (``patches/megatron-lm-<tag>.patch``) makes the same calls from Megatron-LM's source; on
+a patched checkout :func:`install` does nothing.
 
 Everything is decided at call time from the parsed arguments: with ``--pipeline-schedule``
 ``default`` (and no ``--layout-independent-init``) Megatron-LM runs exactly as without the
@@ -76,9 +81,22 @@ PATCH_MARKER = "MEGATRON_BITPIPE_PATCHED"
 
 def setup(args: argparse.Namespace) -> None:
     """Check the parsed flags (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`) and
-    install ``--pipeline-schedule``'s forward_backward_func. Local: no communication."""
+    install ``--pipeline-schedule``'s forward_backward_func. Local: no communication.
+
+    With bitpipe and ``--use-distributed-optimizer`` the optimizer state is checkpointed in
+    the ``fully_reshardable`` form, the only one bitpipe's per-chunk optimizers have
+    (``--dist-ckpt-optim-fully-reshardable`` is switched on, with a note).
+    """
     validate_megatron_lm_args(args)
     schedule = getattr(args, "pipeline_schedule", "default")
+    if schedule == "bitpipe" and args.use_distributed_optimizer and not args.dist_ckpt_optim_fully_reshardable:
+        args.dist_ckpt_optim_fully_reshardable = True
+        if args.rank == 0:
+            print(
+                "megatron_bitpipe: --pipeline-schedule bitpipe with --use-distributed-optimizer saves its optimizer "
+                "state fully reshardable (--dist-ckpt-optim-fully-reshardable)",
+                flush=True,
+            )
     bitpipe_func = make_megatron_lm_forward_backward_func(schedule_choice(args)) if schedule == "bitpipe" else None
     register(schedule, bitpipe_func=bitpipe_func)
     _route_optimizer_functions(args)
@@ -165,10 +183,17 @@ def get_megatron_optimizer(megatron_fn: Callable, config, model_chunks, *args, *
     """``megatron.core.optimizer.get_megatron_optimizer`` as Megatron-LM calls it; builds
     ``--optimizer lamb | onebit_lamb | schedulefree_adamw`` with
     :func:`~megatron_bitpipe.optimizers.build_megatron_optimizer` and records it on the model
-    chunks for :func:`evaluate`."""
+    chunks for :func:`evaluate`; with BitPipe and ``--use-distributed-optimizer``, one
+    distributed optimizer per chunk (Megatron-LM's ``config_overrides`` kept)."""
+    from megatron.core.utils import unwrap_model
     from megatron.training import get_args
 
+    from ..runtime.distributed_optimizer import build_distributed_optimizer
+
     megatron_args = get_args()
+    if getattr(megatron_args, "pipeline_schedule", "default") == "bitpipe" and config.use_distributed_optimizer:
+        groups = unwrap_model(model_chunks[0]).pipeline_groups
+        return build_distributed_optimizer(model_chunks, groups, config, config_overrides=kwargs.get("config_overrides"))
     if megatron_args.optimizer not in _OWN:
         return megatron_fn(config, model_chunks, *args, **kwargs)
     optimizer = build_megatron_optimizer(
@@ -207,11 +232,15 @@ def save_checkpoint(megatron_save: Callable, iteration, model, optimizer, *args,
 
 
 def load_checkpoint(megatron_load: Callable, model, optimizer, *args, **kwargs):
-    """Megatron-LM's ``load_checkpoint`` in Schedule-Free's eval mode (so its training weights
-    come back exactly). Megatron-LM's checkpoints hold one data-parallel rank's optimizer
+    """Megatron-LM's ``load_checkpoint`` after the checks of :mod:`.checkpointing` (a checkpoint
+    that cannot be loaded completely: one error, status 1 on every rank), in Schedule-Free's
+    eval mode (so its training weights come back exactly). Megatron-LM's checkpoints hold one data-parallel rank's optimizer
     state, so 1-bit LAMB's per-rank error feedback restarts from zero with data parallelism."""
     from megatron.core import mpu
 
+    from .checkpointing import check_or_exit
+
+    check_or_exit(model, kwargs.get("load_arg", args[1] if len(args) > 1 else "load"))
     with averaged_weights(optimizer):
         result = megatron_load(model, optimizer, *args, **kwargs)
     if optimizer is not None and mpu.get_data_parallel_world_size() > 1:

@@ -21,12 +21,15 @@ and placement checks, per-chunk configs and groups, tying) with the ``model_prov
 chunk factory. Then, like :func:`~megatron_bitpipe.runtime.build.build_pipeline_model`: a tied
 head is made the embedding chunk's word-embedding Parameter (one weight per rank, gradient
 counted once), every weight is initialised from ``--seed`` and its full-model name (both
-replicas identical, equal to any other layout's), the second replica's parameters are marked
-for the grad norm, fp16/bf16 chunks are wrapped in the runtime's
+replicas identical, equal to any other layout's), each chunk gets the placement-aware
+``sharded_state_dict`` of distributed checkpoints
+(:mod:`~megatron_bitpipe.runtime.sharded_state`), the second replica's parameters are marked
+for the non-distributed optimizer's grad norm, fp16/bf16 chunks are wrapped in the runtime's
 :class:`~megatron_bitpipe.runtime.precision.ChunkFloat16Module` (inputs cast where the chunk
 embeds, outputs upcast where it computes the loss) and each chunk gets its own megatron DDP
 over its grad-sync group, always with ``overlap_grad_reduce`` (BitPipe's eager per-chunk
-all-reduce).
+all-reduce; with ``--use-distributed-optimizer`` a reduce-scatter, and each chunk then has its
+own distributed optimizer: :func:`megatron_bitpipe.megatron_lm.hooks.get_megatron_optimizer`).
 
 The script's ``model_provider`` must pass ``config`` and ``pg_collection`` on to the model
 (Megatron-LM's ``gpt_builder`` does); a chunk built without them raises a clear error.
@@ -55,6 +58,7 @@ from ..runtime.layout import ChunkSpec, chunk_layers_of, chunk_specs
 from ..runtime.model import build_chunks, transformer_block_of
 from ..runtime.precision import ChunkFloat16Module
 from ..runtime.replicas import mark_replica_parameters, wrap_ddp
+from ..runtime.sharded_state import attach_sharded_state_dicts
 from ..schedules.placement import bidirectional_v
 
 __all__ = ["get_bitpipe_model", "initialize_chunks_from_seed"]
@@ -68,6 +72,7 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         check_for_large_grads=getattr(args, "check_for_large_grads", False),
         average_in_collective=getattr(args, "ddp_average_in_collective", False),
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
 
 
@@ -192,7 +197,9 @@ def _bitpipe_chunks(args, make: ChunkMaker, config, model_type, wrap_with_ddp: b
     )
     specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank, tied)
     initialize_from_seed(chunks, specs, args.seed, groups.tp)
-    mark_replica_parameters(chunks, specs)
+    attach_sharded_state_dicts(chunks, specs, groups)
+    if not args.use_distributed_optimizer:
+        mark_replica_parameters(chunks, specs)
 
     if args.fp16 or args.bf16:
         chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]

@@ -24,6 +24,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_bitpipe.optimus.checkpoint import optimus_sharded_entry
 from megatron_bitpipe.optimus.collectives import all_gather_along
 from megatron_bitpipe.optimus.cross_entropy import optimus_cross_entropy
 from megatron_bitpipe.optimus.embedding import OptimusEmbedding, OptimusOutputLayer
@@ -132,14 +133,15 @@ class OptimusGPTModel(GPTModel):
         return optimus_cross_entropy(logits, labels, self.mesh)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """Not implemented: megatron's distributed checkpoints describe 1-D shards only.
-
-        Save with ``--ckpt-format torch`` (each rank stores its own blocks) instead.
-        """
-        raise NotImplementedError(
-            "Optimus 2D models cannot be saved as distributed (torch_dist) checkpoints; "
-            "use --ckpt-format torch"
-        )
+        """megatron's distributed-checkpoint entries, each Optimus parameter described as the
+        2-D block of the serial tensor it holds (:mod:`megatron_bitpipe.optimus.checkpoint`),
+        so checkpoints load into 1-D tensor parallelism, a single process or another mesh."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name, entry in state.items():
+            param = getattr(entry, "data", None)
+            if getattr(param, "optimus_layout", None) is not None:
+                state[name] = optimus_sharded_entry(entry, param, self.mesh)
+        return state
 
 
 def optimus_p2p_tensor_shapes(mesh: OptimusMesh) -> Callable:

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from megatron_bitpipe.optimus.checkpoint import optimus_module_sharded_state_dict
 from megatron_bitpipe.optimus.collectives import all_reduce_sum, column_replicated
 from megatron_bitpipe.optimus.layout import (
     LayoutKind,
@@ -111,6 +112,18 @@ class OptimusLinear(torch.nn.Module):
             set_param_layout(self.bias, ParamLayout(LayoutKind.FEATURE_VECTOR, stride), mesh)
         else:
             self.register_parameter("bias", None)
+
+    def get_extra_state(self) -> None:
+        """No extra state; the (empty) entry makes checkpoints list the same objects as
+        megatron-core's linears, so they load into each other."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to restore (:meth:`get_extra_state`)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """Distributed-checkpoint entries: the weight and bias as blocks of the serial tensors."""
+        return optimus_module_sharded_state_dict(self, self.mesh, prefix, sharded_offsets, metadata)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         output = summa_ab(x, self.weight, self.mesh)
@@ -216,6 +229,10 @@ class OptimusLayerNorm(torch.nn.Module):
                 torch.zeros(local, dtype=config.params_dtype, device=device)
             )
             set_param_layout(self.bias, layout, mesh)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """Distributed-checkpoint entries: the weight and bias as feature blocks of the serial tensors."""
+        return optimus_module_sharded_state_dict(self, self.mesh, prefix, sharded_offsets, metadata)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised ``x``, carrying a recipe (:mod:`~megatron_bitpipe.optimus.recompute`):

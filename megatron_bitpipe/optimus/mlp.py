@@ -57,6 +57,14 @@ class OptimusMLP(MLP):
             linear = linear.clamp(min=-clamp, max=clamp)
         return config.activation_func(gate) * (linear + config.glu_linear_offset)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """The linears' entries as they describe themselves: the fused gated fc1 already maps
+        its two halves (megatron's ``MLP`` would re-split it as a 1-D block)."""
+        state = {}
+        for name, module in self._modules.items():
+            state.update(module.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+        return state
+
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs):
         """``(output [s, b/q, h/q], fc2 bias or None)`` like megatron-core's ``MLP``."""
         if per_token_scale is not None:

@@ -72,6 +72,11 @@ def get_optimus_gpt_layer_spec(
                 submodules=MLPSubmodules(linear_fc1=linear, linear_fc2=linear),
             ),
             mlp_bda=get_optimus_bias_dropout_add,
+            # checkpoint names of megatron-core's local spec, so both load each other's
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
         ),
     )
 

@@ -10,4 +10,8 @@
 * :mod:`.init` — initial weights from the seed alone, independent of the parallel layout.
 * :mod:`.replicas` — per-chunk DDP over the replicas, loss divisor, grad-norm marking,
   replica checks.
+* :mod:`.distributed_optimizer` — megatron-core's distributed optimizer per chunk, over its
+  grad-sync group, checkpointed as one optimizer.
+* :mod:`.sharded_state` — each chunk's distributed-checkpoint view: the single-process names,
+  replicas and the tied head written once.
 """

@@ -26,7 +26,9 @@ from .init import initialize_from_seed
 from .layout import ChunkSpec, chunk_specs
 from .model import build_gpt_chunks
 from .precision import ChunkFloat16Module
+from .distributed_optimizer import build_distributed_optimizer
 from .replicas import mark_replica_parameters, wrap_ddp
+from .sharded_state import attach_sharded_state_dicts
 
 __all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "build_optimizer"]
 
@@ -90,7 +92,11 @@ def build_pipeline_model(
     ``config.bf16``/``config.fp16`` each chunk is wrapped in
     :class:`~.precision.ChunkFloat16Module` (fp32 loss on whichever rank holds it). The default DDP
     config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
-    reduces in fp32.
+    reduces in fp32; with ``ddp_config.use_distributed_optimizer`` each chunk's gradients are
+    reduce-scattered over its grad-sync group instead (pair with :func:`build_optimizer` and
+    an ``OptimizerConfig`` with ``use_distributed_optimizer``). Each chunk's
+    ``sharded_state_dict`` (distributed checkpoints) is the placement-aware one of
+    :mod:`.sharded_state`.
 
     ``tensor_parallel_mode`` is ``--tensor-parallel-mode``: ``"1d"`` (megatron's tensor
     parallelism) or ``"optimus2d"`` (Optimus 2D over a q x q mesh of the ``grid.tp = q*q``
@@ -114,20 +120,41 @@ def build_pipeline_model(
     )
     specs = chunk_specs(placement, config.num_layers, groups.pp_rank, share_embeddings_and_output_weights)
     initialize_from_seed(chunks, specs, seed, groups.tp)
-    mark_replica_parameters(chunks, specs)
+    attach_sharded_state_dicts(chunks, specs, groups)
+    ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
+    if not ddp_config.use_distributed_optimizer:
+        mark_replica_parameters(chunks, specs)
     if config.bf16 or config.fp16:
         chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
-    ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config), groups, specs, config)
 
 
 def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, choice: OptimizerChoice = OptimizerChoice()):
-    """megatron-core's optimizer (``choice``: Adam, or one of
-    :mod:`megatron_bitpipe.optimizers`) over all chunks; grad norm over the model-parallel group.
+    """megatron-core's optimizer for ``model``'s chunks (``choice``: Adam, or one of
+    :mod:`megatron_bitpipe.optimizers`).
 
-    Parameters of the second replica are marked ``shared`` (:mod:`.replicas`), so the norm
-    and clipping count every logical parameter once.
+    Non-distributed (``optimizer_config.use_distributed_optimizer`` false): one optimizer over
+    all chunks, grad norm over the model-parallel group; the second replica's parameters are
+    marked ``shared`` (:mod:`.replicas`), so the norm and clipping count every logical
+    parameter once.
+
+    Distributed: one megatron ``DistributedOptimizer`` per chunk, each sharding its chunk's
+    state over the chunk's grad-sync group (the replicas of its stage x data parallel: the
+    group its gradients are reduce-scattered over), so every element has one owner in the
+    job; the grad norm sums every rank's shards once (``intra_dist_opt``, all ranks); see
+    :mod:`.distributed_optimizer`. ValueError if the model's DDP and ``optimizer_config``
+    disagree about the distributed optimizer.
     """
-    return build_megatron_optimizer(
-        optimizer_config, choice, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
-    )
+    distributed = optimizer_config.use_distributed_optimizer
+    if distributed != model.chunks[0].ddp_config.use_distributed_optimizer:
+        raise ValueError(
+            "the optimizer and the model's DDP must agree on use_distributed_optimizer "
+            f"(optimizer {distributed}, DDP {not distributed})"
+        )
+    if not distributed:
+        return build_megatron_optimizer(
+            optimizer_config, choice, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
+        )
+    if choice.name != "adam":
+        raise ValueError(f"the distributed optimizer is megatron's Adam, not {choice.name}")
+    return build_distributed_optimizer(model.chunks, model.groups, optimizer_config)

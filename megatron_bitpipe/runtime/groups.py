@@ -8,8 +8,9 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
 :class:`PipelineGroups` holds, for this rank:
 
 * ``rank_pgs`` — a ``ProcessGroupCollection`` for what spans all chunks of the rank: the
-  megatron optimizer (``mp`` is the grad-norm group), ``finalize_model_grads``.
-  ``dp``/``dp_cp`` are the plain data-parallel group.
+  megatron optimizer (``mp`` is the grad-norm group of the non-distributed optimizer,
+  ``intra_dist_opt`` — every rank of the job — the distributed optimizer's),
+  ``finalize_model_grads``. ``dp``/``dp_cp`` are the plain data-parallel group.
 * ``model_pgs[c]`` — the collection for local chunk ``c``: its GPTModel and its
   ``DistributedDataParallel``. Same as ``rank_pgs`` except ``dp = dp_cp = expt_dp`` is the
   chunk's grad-sync group (:meth:`PipelineGroups.grad_sync_group`).
@@ -107,6 +108,7 @@ def process_group_collection(
     dp: dist.ProcessGroup,
     mp: dist.ProcessGroup,
     solo: dist.ProcessGroup,
+    world: dist.ProcessGroup,
     embd: Optional[dist.ProcessGroup] = None,
     pos_embd: Optional[dist.ProcessGroup] = None,
 ) -> ProcessGroupCollection:
@@ -114,8 +116,9 @@ def process_group_collection(
 
     Context, expert and expert-tensor parallelism are off: ``cp``, ``ep``, ``expt_tp`` are
     ``solo`` (this rank alone), ``dp_cp = expt_dp = dp``, ``tp_cp = tp_ep = tp``,
-    ``tp_ep_pp = mp``. ``embd``/``pos_embd`` None means "not in such a group" (megatron treats
-    None as a group of one and skips the all-reduce).
+    ``tp_ep_pp = mp``; one distributed-optimizer instance, whose gradient statistics
+    (``intra_dist_opt``) span ``world``, every rank. ``embd``/``pos_embd`` None means "not in
+    such a group" (megatron treats None as a group of one and skips the all-reduce).
     """
     return ProcessGroupCollection(
         tp=tp,
@@ -132,6 +135,7 @@ def process_group_collection(
         tp_ep=tp,
         expt_dp=dp,
         tp_ep_pp=mp,
+        intra_dist_opt=world,
     )
 
 
@@ -241,6 +245,7 @@ class PipelineGroups:
         pp = new_groups(grid.pp_groups(), rank)
         mp = new_groups(grid.mp_groups(), rank)
         solo = new_groups([[r] for r in range(grid.world_size)], rank)
+        world = new_groups([list(range(grid.world_size))], rank)
 
         channels = {}
         for payload in Payload:
@@ -266,7 +271,7 @@ class PipelineGroups:
             ends = (placement.location(0, 0).rank, placement.location(0, placement.num_stages - 1).rank)
             slices = [(t, d) for d in range(grid.dp) for t in range(grid.tp)]
             embd = new_groups([sorted(grid.rank(t, d, p) for p in ends) for t, d in slices], rank) or solo
-        common = dict(tp=tp, pp=pp, mp=mp, solo=solo, embd=embd, pos_embd=solo)
+        common = dict(tp=tp, pp=pp, mp=mp, solo=solo, world=world, embd=embd, pos_embd=solo)
         model_pgs = tuple(
             process_group_collection(dp=stage_groups[placement.role(pp_rank, c).stage], **common)
             for c in range(placement.chunks_per_rank)

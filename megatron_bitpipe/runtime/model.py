@@ -25,9 +25,9 @@ registered only in the embedding chunk: the head chunk's ``parameters()``/``stat
 do not contain it, a per-chunk DDP gives it one ``main_grad`` (the embedding chunk's), and
 the head's backward accumulates into that parameter like any other use of it. megatron's
 tying machinery (zeroed copy + all-reduce over the embedding group at construction and
-after every backward) is not used. Not handled yet: megatron's ``sharded_state_dict``
-(distributed checkpointing) of such a head chunk, which expects its own
-``output_layer.weight`` entry. A single pipeline whose ends are on different ranks (the looped
+after every backward) is not used; megatron's ``sharded_state_dict`` of such a head chunk
+expects its own ``output_layer.weight`` entry, which
+:mod:`megatron_bitpipe.runtime.sharded_state` handles. A single pipeline whose ends are on different ranks (the looped
 placement, :attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`) uses megatron's
 own tying over the embedding group of :class:`~megatron_bitpipe.runtime.groups.PipelineGroups`;
 several such pipelines (Chimera) are rejected.

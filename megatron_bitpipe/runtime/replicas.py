@@ -23,7 +23,10 @@ for which ``megatron.core.transformer.module.param_is_not_shared(p)`` is true (i
 (tp x pp: one data-parallel replica). :func:`mark_replica_parameters` sets ``shared = True``
 on every parameter of the chunks of pipelines other than 0, so each logical parameter is
 counted once, on pipeline 0's copy (which holds every stage exactly once). Clipping still
-scales all parameters; count-zeros counts each once.
+scales all parameters; count-zeros counts each once. The distributed optimizer needs no
+marks: each chunk's optimizer state, and so its gradient shard, is split over the stage's
+replicas and data-parallel copies, so every element has exactly one owner in the job, and
+megatron sums the owners' squares over all ranks.
 """
 
 from __future__ import annotations
@@ -103,12 +106,12 @@ def wrap_ddp(
     ``config`` is the caller's (shared) config: ``get_model_config`` of every wrapped chunk
     returns it. Every chunk is a single bucket: megatron turns bucketing off on pipeline
     ranks > 0, and a stage's replicas sit on different pipeline ranks, so only uniform
-    single buckets give every replica the same sequence of collectives. The distributed
-    optimizer is not supported (its shards would follow per-chunk groups the optimizer does
-    not know about).
+    single buckets give every replica the same sequence of collectives. With
+    ``ddp_config.use_distributed_optimizer`` the gradients are reduce-scattered over the
+    grad-sync group and the parameters all-gathered over it after the step: each chunk
+    then needs its own distributed optimizer over that group
+    (:func:`megatron_bitpipe.runtime.build.build_optimizer`).
     """
-    if ddp_config.use_distributed_optimizer:
-        raise NotImplementedError("the distributed optimizer is not supported with per-chunk grad-sync groups")
     return [
         ChunkDistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
         for chunk, pgs in zip(chunks, groups.model_pgs)
@@ -119,7 +122,8 @@ def mark_replica_parameters(chunks: Sequence[torch.nn.Module], specs: Sequence[C
     """Set ``param.shared = True`` on the parameters of chunks not in pipeline 0.
 
     Call once after building (before or after DDP wrapping). Only for megatron's
-    non-distributed optimizer, whose grad norm runs over the model-parallel group.
+    non-distributed optimizer, whose grad norm runs over the model-parallel group (the
+    distributed optimizer's shards already count every element once).
     """
     for chunk, spec in zip(chunks, specs):
         if spec.pipeline != 0:

@@ -13,8 +13,9 @@
 * :mod:`.data` — tokenizers, Megatron indexed datasets, global-batch order, micro-batches;
   :mod:`.preprocess` — text to Megatron indexed datasets (``scripts/preprocess_data.py``)
   and the built-in corpus;
-* :mod:`.checkpoint` — layout-independent checkpoints; :mod:`.sharding` — full tensors
-  from the TP blocks (1-D and Optimus 2D);
+* :mod:`.checkpoint` — megatron-core distributed checkpoints (Megatron-LM's contents) that any
+  layout loads; :mod:`.checkpoint_checks` — whether a checkpoint can be loaded (shared with the
+  Megatron-LM routes); :mod:`.optimizer_state` — optimizer state across optimizer kinds;
 * :mod:`.logs` — Megatron-style lines, JSON lines, TensorBoard; :mod:`.distributed` —
   torch.distributed start-up under torchrun or alone;
 * :mod:`.exit_conditions` — Megatron-LM's early exits (signal, time budget, interval).

@@ -34,7 +34,10 @@ from ..megatron_args import MICROBATCHES_SOURCE, PLAN_SCHEDULES, BitPipeConfigEr
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 
-__all__ = ["BitPipeConfigError", "EXIT_SIGNALS", "build_parser", "parse_args", "validate", "padded_vocab_size"]
+__all__ = ["BitPipeConfigError", "CHECKPOINT_FORMATS", "EXIT_SIGNALS", "build_parser", "parse_args", "validate", "padded_vocab_size"]
+
+#: --ckpt-format values (Megatron-LM's spelling)
+CHECKPOINT_FORMATS = ("torch_dist",)
 
 #: --tokenizer-type -> the file flags it needs
 TOKENIZER_FILES = {
@@ -115,6 +118,26 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard the optimizer state (fp32 main weights, Adam moments) over each chunk's data-parallel "
+        "(BitPipe: replica x data-parallel) group: megatron-core's distributed optimizer",
+    )
+    group.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        action="store_true",
+        dest="override_opt_param_scheduler",
+        help="on --load, take the learning-rate and weight-decay schedule from these flags, not the checkpoint",
+    )
+    group.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
+        dest="use_checkpoint_opt_param_scheduler",
+        help="on --load, keep the checkpoint's learning-rate and weight-decay schedule (these flags' values are ignored)",
+    )
     group.add_argument("--exit-interval", type=int, default=None, help="save and exit 0 after every iteration divisible by this")
     group.add_argument(
         "--exit-duration-in-mins", type=float, default=None, help="save and exit 0 after the first iteration ending this many minutes after start"
@@ -157,6 +180,26 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save-interval", type=int, default=None)
     group.add_argument("--load", default=None, metavar="DIR")
     group.add_argument("--ckpt-step", type=int, default=None, help="iteration to load (default: the latest under --load)")
+    group.add_argument(
+        "--ckpt-format",
+        choices=CHECKPOINT_FORMATS,
+        default="torch_dist",
+        help="megatron-core's distributed checkpoint format (Megatron-LM's default); the only one supported",
+    )
+    group.add_argument("--no-save-optim", action="store_true", help="save the model without the optimizer state and schedule")
+    group.add_argument("--no-save-rng", action="store_true", help="save without the random number generators' states")
+    group.add_argument("--no-load-optim", action="store_true", help="load the weights and progress, not the optimizer state and schedule")
+    group.add_argument("--no-load-rng", action="store_true", help="do not restore the random number generators' states")
+    group.add_argument(
+        "--finetune",
+        action="store_true",
+        help="load the weights only: iteration, consumed samples, optimizer, schedule and RNG start afresh",
+    )
+    group.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="with --load: stop (status 1) instead of starting from scratch when it holds no checkpoint",
+    )
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -323,6 +366,8 @@ def _schedule_problems(args) -> List[str]:
             problems.append(f"{_flag(name)} must be positive")
     if args.ckpt_step is not None and args.load is None:
         problems.append("--ckpt-step needs --load DIR")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        problems.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive")
     if args.save_interval is not None:
         if args.save is None:
             problems.append("--save-interval needs --save DIR")

@@ -275,8 +275,8 @@ class BertTask(PretrainTask):
             )
         return problems
 
-    def model_signature(self, args: argparse.Namespace):
-        return {**super().model_signature(args), "--bert-no-binary-head": not args.bert_binary_head}
+    def model_flags(self):
+        return {**super().model_flags(), "--bert-no-binary-head": lambda a: not getattr(a, "bert_binary_head", True)}
 
     def build_model(self, args: argparse.Namespace, placement: Placement):
         self.loss_names = ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)

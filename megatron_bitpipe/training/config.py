@@ -120,13 +120,14 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(
         overlap_grad_reduce=args.schedule == "bitpipe" or args.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
 
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    """megatron's optimizer config from Megatron's flags (fp32 main weights for bf16/fp16);
-    ``--optimizer`` other than adam reads its hyper-parameters from it
-    (:func:`optimizer_choice`)."""
+    """megatron's optimizer config from Megatron's flags (fp32 main weights for bf16/fp16;
+    sharded with ``--use-distributed-optimizer``); ``--optimizer`` other than adam reads its
+    hyper-parameters from it (:func:`optimizer_choice`)."""
     return OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
@@ -141,6 +142,7 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         params_dtype=params_dtype(args),
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
 
 
@@ -170,6 +172,6 @@ def lr_scheduler(args: argparse.Namespace, optimizer) -> ParamScheduler:
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * samples,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )

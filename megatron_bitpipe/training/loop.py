@@ -56,7 +56,7 @@ class Trainer:
         self.state = TrainingState()
         if args.load:
             with averaged_weights(self.optimizer):  # checkpoints hold Schedule-Free's averaged weights
-                loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task, args.ckpt_step)
+                loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task)
             self.state = loaded or self.state
         self.train_data, self.valid_data = task.build_datasets(args, tokenizer)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
@@ -191,15 +191,18 @@ def pretrain(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fa
 
 
 def main(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> int:
-    """:func:`pretrain` with the scripts' exit codes: 0 done, 2 bad flags, 1 unusable
-    checkpoint (the error on stderr, prefixed with the rank). Other failures propagate, so
-    torchrun reports the traceback and ends the job."""
+    """:func:`pretrain` with the scripts' exit codes: 0 done, 2 bad flags (the error on stderr,
+    prefixed with the rank, on every rank), 1 unusable checkpoint (the error once, from rank
+    0: every rank raises the same one). Other failures propagate, so torchrun reports the
+    traceback and ends the job."""
     try:
         pretrain(task, argv, cpu_fallback=cpu_fallback)
     except BitPipeConfigError as error:
         distributed.report_error(error)
         return 2
     except CheckpointError as error:
-        distributed.report_error(error)
+        # Raised alike on every rank (they agree on the checkpoint's problems): said once.
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            distributed.report_error(error)
         return 1
     return 0

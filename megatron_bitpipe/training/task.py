@@ -22,21 +22,24 @@ from ..schedules.placement import Placement
 
 __all__ = ["PretrainTask", "MODEL_SHAPE_FLAGS"]
 
-#: flag -> its value, for every setting that changes the parameters' names or shapes
+#: flag -> its value in a run's arguments (or a checkpoint's saved ones), for every setting that
+#: changes the parameters' names or shapes. The attributes are Megatron-LM's argument names, so
+#: a checkpoint of Megatron-LM's scripts is read the same way; one its arguments lack counts as
+#: Megatron-LM's default.
 MODEL_SHAPE_FLAGS: Dict[str, Callable[[argparse.Namespace], object]] = {
     "--num-layers": lambda a: a.num_layers,
     "--hidden-size": lambda a: a.hidden_size,
     "--ffn-hidden-size": lambda a: a.ffn_hidden_size,
     "--num-attention-heads": lambda a: a.num_attention_heads,
-    "--num-query-groups": lambda a: a.num_query_groups,
+    "--num-query-groups": lambda a: a.num_query_groups if getattr(a, "group_query_attention", False) else a.num_attention_heads,
     "--kv-channels": lambda a: a.kv_channels,
-    "padded vocabulary (--vocab-size, --tokenizer-type)": lambda a: a.padded_vocab_size,
+    "padded vocabulary (--vocab-size, --tokenizer-type, --make-vocab-size-divisible-by)": lambda a: a.padded_vocab_size,
     "--max-position-embeddings": lambda a: a.max_position_embeddings,
-    "--position-embedding-type": lambda a: a.position_embedding_type,
-    "--normalization": lambda a: a.normalization,
-    "--swiglu": lambda a: a.swiglu,
-    "--disable-bias-linear": lambda a: not a.add_bias_linear,
-    "--untie-embeddings-and-output-weights": lambda a: a.untie_embeddings_and_output_weights,
+    "--position-embedding-type": lambda a: getattr(a, "position_embedding_type", "learned_absolute"),
+    "--normalization": lambda a: getattr(a, "normalization", "LayerNorm"),
+    "--swiglu": lambda a: bool(getattr(a, "swiglu", False)),
+    "--disable-bias-linear": lambda a: not getattr(a, "add_bias_linear", True),
+    "--untie-embeddings-and-output-weights": lambda a: bool(getattr(a, "untie_embeddings_and_output_weights", False)),
 }
 
 
@@ -56,10 +59,11 @@ class PretrainTask:
         """Problems with the parsed flags, each naming its flag (no communication)."""
         return []
 
-    def model_signature(self, args: argparse.Namespace) -> Dict[str, object]:
-        """flag -> value of everything that fixes the parameters' names and shapes; a
-        checkpoint loads only into a model with the same signature."""
-        return {flag: value(args) for flag, value in MODEL_SHAPE_FLAGS.items()}
+    def model_flags(self) -> Dict[str, Callable[[argparse.Namespace], object]]:
+        """flag -> its value in a run's (or checkpoint's) arguments, for everything that fixes
+        the parameters' names and shapes; a checkpoint loads only into a model with the same
+        values (:data:`MODEL_SHAPE_FLAGS` and the task's own)."""
+        return dict(MODEL_SHAPE_FLAGS)
 
     def build_model(self, args: argparse.Namespace, placement: Placement) -> PipelineModel:
         """This rank's chunks of ``placement``, initialised from ``--seed`` alone, wrapped in

@@ -1,0 +1,128 @@
+"""megatron-core's distributed optimizer for chunks with their own data-parallel groups.
+
+megatron's ``DistributedOptimizer`` shards the state of its model chunks' gradient buffers
+over *one* data-parallel group. A chunk of a multi-pipeline placement (BitPipe) reduces its
+gradients over its own grad-sync group (its stage's replicas x data parallel,
+:meth:`megatron_bitpipe.runtime.groups.PipelineGroups.grad_sync_group`), so each chunk gets
+its own ``DistributedOptimizer`` over that group (:func:`build_distributed_optimizer`) and
+:class:`ChunkDistributedOptimizer` chains them.
+
+**Checkpoints.** megatron-core's ``ChainedOptimizer`` writes one sub-dict per optimizer, so
+its checkpoints would depend on the number of chunks per rank. :class:`ChunkDistributedOptimizer`
+presents the chain as one optimizer instead: the ``sharded_state_dict`` of a single
+``DistributedOptimizer`` in the ``fully_reshardable`` form (parameter groups, grad scaler,
+one ``param_state`` entry per parameter, keyed by the model's global tensor names), which any
+layout and any number of chunks reads back, as does Megatron-LM's loader.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
+
+from .groups import PipelineGroups
+from .replicas import stage_order
+
+__all__ = ["SHARDING_TYPE", "ChunkDistributedOptimizer", "build_distributed_optimizer"]
+
+#: the distributed optimizer's checkpoint form: per parameter, in model space (any layout)
+SHARDING_TYPE = "fully_reshardable"
+
+
+class ChunkDistributedOptimizer(ChainedOptimizer):
+    """Per-chunk megatron ``DistributedOptimizer``\\ s that step, clip and checkpoint as one.
+
+    Stepping, clipping and the grad norm are ``ChainedOptimizer``'s (one norm over every
+    rank's shards). :meth:`sharded_state_dict` / :meth:`load_state_dict` use one state dict
+    for the whole chain (module docstring); :meth:`load_state_dict` expects the layout of the
+    last :meth:`sharded_state_dict` call (``is_loading=True``), as megatron's loaders do.
+    """
+
+    def __init__(self, chained_optimizers: List[DistributedOptimizer]):
+        super().__init__(chained_optimizers)
+        self._param_counts: Optional[List[int]] = None
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs) -> Dict:
+        metadata = kwargs.get("metadata") or {}
+        sharding = metadata.get("distrib_optim_sharding_type")
+        if sharding != SHARDING_TYPE:
+            raise ValueError(
+                f"per-chunk distributed optimizers are checkpointed in the {SHARDING_TYPE!r} form, "
+                f"not {sharding!r} (Megatron-LM: --dist-ckpt-optim-fully-reshardable)"
+            )
+        if is_loading:
+            self._allocate_states()
+        self._synchronize_steps()
+        parts = [part.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs) for part in self.chained_optimizers]
+        merged = {key: value for key, value in parts[0].items() if key != "param_state"}
+        merged["param_state"] = {}
+        self._param_counts = []
+        for part in parts:
+            self._param_counts.append(len(part["param_state"]))
+            for state in part["param_state"].values():
+                merged["param_state"][len(merged["param_state"])] = state
+        return merged
+
+    @torch.no_grad()
+    def _allocate_states(self) -> None:
+        """Give optimizers that have not stepped yet their state tensors (megatron's
+        ``DistributedOptimizer.state_dict`` needs a step count to exist with torch's Adam):
+        one step of zero gradients at learning rate and weight decay 0, which changes nothing;
+        loading overwrites the states."""
+        for part in self.chained_optimizers:
+            inner = part.optimizer
+            if len(inner.state):
+                continue
+            saved = [(group["lr"], group["weight_decay"]) for group in inner.param_groups]
+            for group in inner.param_groups:
+                group["lr"] = group["weight_decay"] = 0.0
+                for param in group["params"]:
+                    param.grad = torch.zeros_like(param)
+            inner.step()
+            for group, (lr, weight_decay) in zip(inner.param_groups, saved):
+                group["lr"], group["weight_decay"] = lr, weight_decay
+                for param in group["params"]:
+                    param.grad = None
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        if self._param_counts is None:
+            raise RuntimeError("call sharded_state_dict(..., is_loading=True) before load_state_dict")
+        if state_dict.get("param_state_sharding_type") != SHARDING_TYPE:
+            raise ValueError(f"expected a {SHARDING_TYPE!r} optimizer state, got {state_dict.get('param_state_sharding_type')!r}")
+        param_state, start = state_dict["param_state"], 0
+        for part, count in zip(self.chained_optimizers, self._param_counts):
+            part.load_state_dict({key: value for key, value in state_dict.items() if key != "param_state"})
+            # torch's Adam keeps a per-parameter step, which megatron's loader of the parameter
+            # states does not expect: set aside while they load. megatron gives every parameter
+            # the same step tensor, which torch's Adam increments in place once per parameter:
+            # each gets its own copy.
+            steps = {param: state.pop("step") for param, state in part.optimizer.state.items() if "step" in state}
+            part.load_parameter_state_from_fully_reshardable({i: param_state[start + i] for i in range(count)})
+            for param, step in steps.items():
+                part.optimizer.state[param]["step"] = step.clone()
+            start += count
+        self._synchronize_steps()
+
+
+def build_distributed_optimizer(
+    chunks, groups: PipelineGroups, config: OptimizerConfig, **megatron_kwargs
+) -> ChunkDistributedOptimizer:
+    """One megatron ``DistributedOptimizer`` per chunk over its grad-sync group, chained in
+    stage order (:class:`ChunkDistributedOptimizer`).
+
+    ``chunks`` are the DDP-wrapped chunks (local chunk order), each reducing over its
+    grad-sync group (``groups.model_pgs[c]``). After the step each chunk all-gathers its
+    parameters over that group, a blocking collective that must come in the same order on
+    every rank, hence the stage order (:func:`~megatron_bitpipe.runtime.replicas.stage_order`).
+    ``megatron_kwargs`` go to ``get_megatron_optimizer`` (``config_overrides``...).
+    Collective over all ranks.
+    """
+    parts = []
+    for chunk in stage_order(groups):
+        chained = get_megatron_optimizer(
+            config, [chunks[chunk]], use_gloo_process_groups=False, pg_collection=groups.model_pgs[chunk], **megatron_kwargs
+        )
+        parts += chained.chained_optimizers
+    return ChunkDistributedOptimizer(parts)
