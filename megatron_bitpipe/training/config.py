@@ -80,7 +80,7 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
         bf16=args.bf16,
         fp16=args.fp16,
         transformer_impl=impl,
-        use_cpu_initialization=True,  # weights are overwritten from the seed anyway
+        use_cpu_initialization=True,  # local weights only: runtime.init draws each rank's shards
         gradient_accumulation_fusion=gpu and impl == "transformer_engine",
         bias_activation_fusion=gpu and (args.swiglu or args.add_bias_linear),
         bias_dropout_fusion=gpu,
