@@ -180,3 +180,53 @@ def test_a_block_is_drawn_without_the_full_tensor():
     result = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.strip()) < 256, f"peak grew by {result.stdout.strip()} MiB"
+
+
+GATED_BIAS = [(True, False), (True, True), (False, False)]
+
+
+def _tensor_parallel_attributes() -> dict:
+    """Rank body: per (gated, bias) of :data:`GATED_BIAS` and with / without megatron's
+    initialisation: {parameter: (tensor_model_parallel, partition_dim, partition_stride)} of a
+    tiny GPT, marked by ``mark_tensor_parallel_weights``."""
+    import torch.nn.functional as F
+
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.model import mark_tensor_parallel_weights
+
+    enable_cpu_megatron()
+    pg = baseline.build_looped_process_groups(ParallelGrid())
+    init_megatron_state(pg, 1234)
+    out = {}
+    for (gated, bias), initialise in ((case, initialise) for case in GATED_BIAS for initialise in (True, False)):
+        config = baseline.tiny_gpt_config(
+            num_layers=2, hidden_size=16, num_attention_heads=2, gated_linear_unit=gated,
+            activation_func=F.silu if gated else F.gelu, add_bias_linear=bias, perform_initialization=initialise,
+        )  # fmt: skip
+        model = baseline.build_megatron_gpt_model(config, pg, vocab_size=64, max_sequence_length=8)
+        mark_tensor_parallel_weights(model)
+        out[(gated, bias, initialise)] = {
+            name: tuple(getattr(p, key, None) for key in ("tensor_model_parallel", "partition_dim", "partition_stride"))
+            for name, p in model.named_parameters()
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_attributes() -> dict:
+    from megatron_bitpipe.cpu.launcher import launch
+
+    return launch(_tensor_parallel_attributes, 1, timeout=300)[0]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("gated, bias", GATED_BIAS)
+def test_weights_built_without_megatron_init_get_its_tensor_parallel_attributes(tensor_parallel_attributes, gated, bias):
+    with_init, without = tensor_parallel_attributes[(gated, bias, True)], tensor_parallel_attributes[(gated, bias, False)]
+    assert without == with_init
+    assert with_init["decoder.layers.0.mlp.linear_fc1.weight"] == (True, 0, 2 if gated else 1)
+    assert with_init["decoder.layers.0.self_attention.linear_proj.weight"] == (True, 1, 1)
+    assert with_init["embedding.word_embeddings.weight"] == (True, 0, 1)

@@ -58,8 +58,8 @@ from .layout import ChunkLayers, full_shape, to_global_name, tp_block
 __all__ = ["init_method_for", "initialize_from_seed", "initialize_parameter"]
 
 _OUTPUT_PROJECTIONS = ("linear_proj", "linear_fc2")
-#: elements drawn per numpy call (about 1 MiB of temporaries)
-_PIECE = 1 << 15
+#: elements drawn per numpy call (temporaries stay in the cache)
+_PIECE = 1 << 14
 
 
 def init_method_for(name: str, config: TransformerConfig) -> Callable[[torch.Tensor], None]:
