@@ -12,6 +12,8 @@ the 7 digits Megatron-LM prints):
 * resuming that checkpoint (``--load``, ``--ckpt-step 2``) continues the same loss curve;
 * patch route: a copy of the checkout patched by ``scripts/apply_megatron_patch.py``,
   pipeline 4 (4 ranks);
+* activation recompute (Megatron-LM's flags) with BitPipe, pipeline 2: full recompute with
+  the split backward, selective recompute without;
 * invalid flags stop every rank with one error line before torch.distributed starts.
 
 (pretrain_bert.py at core_v0.16.1 imports Transformer Engine's BERT layer spec when it is
@@ -106,6 +108,20 @@ def test_resume_from_bitpipe_checkpoint_continues_the_curve(bitpipe_runtime, che
 def test_patch_route_bitpipe_equals_default_schedule(patched_checkout, workdir, reference):
     flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "4"]
     _assert_same_curve(_ok(torchrun(patched_checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
+
+
+RECOMPUTE = {
+    "split_full_uniform": ["--split-backward", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "2"],
+    "selective": ["--recompute-activations", "--recompute-modules", "core_attn", "mlp"],
+}  # fmt: skip
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", sorted(RECOMPUTE))
+def test_recompute_with_bitpipe_equals_default_schedule(name, checkout, workdir, reference):
+    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", *RECOMPUTE[name]]
+    _assert_same_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir)), reference)
 
 
 def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):

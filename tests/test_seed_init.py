@@ -175,6 +175,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
 
 
+@pytest.mark.multirank  # a process of its own
 def test_a_block_is_drawn_without_the_full_tensor():
     """A 4 MiB block of a 2 GiB weight raises the peak memory by far less than the weight."""
     result = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True, cwd=REPO, timeout=300)

@@ -7,7 +7,9 @@
 :func:`validate_megatron_lm_args` runs after Megatron-LM's ``validate_args`` (which fills in
 ``data_parallel_size`` and the other derived fields) and before ``torch.distributed`` is
 initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.validate_bitpipe_args`
-plus the Megatron-LM features the BitPipe chunks cannot be combined with. It raises
+plus the Megatron-LM features the BitPipe chunks cannot be combined with and, with bitpipe, the
+activation-recompute rules for its chunks of ``--num-layers / (2 x --pipeline-model-parallel-size)``
+layers (:func:`~megatron_bitpipe.megatron_args.recompute_problems`). It raises
 :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Optional
 
-from ..megatron_args import BitPipeConfigError, add_bitpipe_args, validate_bitpipe_args
+from ..megatron_args import BitPipeConfigError, add_bitpipe_args, recompute_problems, validate_bitpipe_args
 
 __all__ = ["add_megatron_lm_args", "chain_args_provider", "validate_megatron_lm_args", "layout_independent_init"]
 
@@ -101,6 +103,7 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             value = getattr(args, attribute, None)
             if (value or 0) > 1 if attribute in _PARALLEL_SIZES else value:
                 problems.append(f"{flag} cannot be used with --pipeline-schedule bitpipe: {reason}")
+        problems += recompute_problems(args, args.num_layers // (2 * args.pipeline_model_parallel_size))
         checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
         if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch":
             problems.append(

@@ -12,7 +12,7 @@ for a single process), ``data_parallel_size``, ``num_microbatches`` (per data-pa
 ``max_position_embeddings`` (``--seq-length``), ``global_batch_size`` (micro-batch x
 data-parallel size), ``lr_decay_iters`` (``--train-iters``), ``use_mock_data`` (no
 ``--data-path``), ``schedule`` (what actually runs: ``bitpipe``, ``no_pipelining``, ``1f1b``
-or ``interleaved``).
+or ``interleaved``), ``recompute_granularity`` (``selective`` with ``--recompute-activations``).
 
 Defaults that differ from Megatron-LM: ``--hidden-dropout`` and ``--attention-dropout`` are 0
 (dropout masks are drawn per rank, so only without dropout do two layouts give the same loss
@@ -29,7 +29,7 @@ import math
 import os
 from typing import List, Optional, Sequence
 
-from ..megatron_args import BitPipeConfigError, add_bitpipe_args, validate_bitpipe_args
+from ..megatron_args import RECOMPUTE_MODULES, BitPipeConfigError, add_bitpipe_args, recompute_problems, validate_bitpipe_args
 
 __all__ = ["BitPipeConfigError", "build_parser", "parse_args", "validate", "padded_vocab_size"]
 
@@ -104,6 +104,33 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="recompute the core attention of every layer in backward (= --recompute-granularity selective)",
+    )
+    group.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        default=None,
+        help="full: keep only the inputs of groups of layers (--recompute-method, --recompute-num-layers) and "
+        "recompute the rest in backward; selective: recompute --recompute-modules of every layer",
+    )
+    group.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default=None,
+        help="with full recompute: uniform recomputes every group of --recompute-num-layers layers of a model "
+        "chunk, block only the first --recompute-num-layers layers of each chunk",
+    )
+    group.add_argument("--recompute-num-layers", type=int, default=None, help="layers per group (uniform) or per chunk (block)")
+    group.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help=f"with selective recompute: any of {', '.join(RECOMPUTE_MODULES)} (default core_attn)",
+    )
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -191,6 +218,8 @@ def _fill_derived(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.use_mock_data = not args.data_path
     args.padded_vocab_size = None  # known once the tokenizer is built
     args.schedule = _schedule(args)
+    if args.recompute_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "selective"  # Megatron-LM's meaning of --recompute-activations
 
 
 def _schedule(args: argparse.Namespace) -> str:
@@ -261,6 +290,16 @@ def _pipeline_problems(args) -> List[str]:
     return problems
 
 
+def _recompute_problems(args) -> List[str]:
+    """Megatron-LM's recompute rules for the chunks of the schedule that runs."""
+    problems = []
+    if args.recompute_activations and args.recompute_granularity == "full":
+        problems.append("--recompute-activations means --recompute-granularity selective: drop one of them")
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    stages = {"bitpipe": 2 * pp, "interleaved": pp * (vp or 1), "1f1b": pp}.get(args.schedule, 1)
+    return problems + recompute_problems(args, max(args.num_layers // stages, 1))
+
+
 def _precision_problems(args, cuda_available: bool) -> List[str]:
     problems = []
     if args.bf16 and args.fp16:
@@ -329,6 +368,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
         except BitPipeConfigError as error:
             problems += [line.strip() for line in str(error).splitlines()[1:]]
         problems += _pipeline_problems(args)
+        problems += _recompute_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
     problems += _data_problems(args)
