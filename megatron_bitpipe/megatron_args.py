@@ -19,11 +19,15 @@ before any process group exists and raises :class:`BitPipeConfigError` naming ev
 that breaks a rule (:func:`bitpipe_arg_problems` gives the list). The schedule's own rules
 come from :meth:`megatron_bitpipe.schedules.ScheduleChoice.problems`
 (:func:`schedule_choice` of the flags); the rules here are about combining flags.
+:func:`recompute_problems` holds Megatron-LM's activation-recompute rules
+(``--recompute-granularity``, ``--recompute-method``, ``--recompute-num-layers``,
+``--recompute-modules``) for model chunks of a given number of layers.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from typing import List, Optional
 
@@ -92,6 +96,53 @@ def data_parallel_size_problems(args: argparse.Namespace) -> List[str]:
             f"{args.micro_batch_size} x data-parallel size {data_parallel}"
         ]
     return []
+
+
+#: ``--recompute-modules`` of megatron-core's dense GPT/BERT layers
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+
+
+def recompute_problems(args: argparse.Namespace, layers_per_chunk: int) -> List[str]:
+    """Megatron-LM's activation-recompute rules, one message per broken rule naming the flags.
+
+    ``--recompute-granularity full`` checkpoints whole layers and needs ``--recompute-method``
+    (``uniform``: every group of ``--recompute-num-layers`` consecutive layers of a model chunk;
+    ``block``: the first ``--recompute-num-layers`` layers of each chunk) and
+    ``--recompute-num-layers`` between 1 and ``layers_per_chunk`` (a divisor of it for
+    ``uniform``, whose groups must tile the chunk); ``selective`` recomputes
+    ``--recompute-modules`` (default ``core_attn``) of every layer and takes neither. Without a
+    granularity the other flags would be ignored, so they are refused. megatron-core's norm
+    recompute (``layernorm``) imports Transformer Engine.
+    """
+    granularity: Optional[str] = getattr(args, "recompute_granularity", None)
+    method, layers = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None)
+    modules = getattr(args, "recompute_modules", None)
+    problems: List[str] = []
+    if granularity != "full":
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers)):
+            if value is not None:
+                problems.append(f"{flag} applies to --recompute-granularity full only (got {granularity or 'no recompute'})")
+    if granularity != "selective" and modules is not None:
+        problems.append("--recompute-modules applies to --recompute-granularity selective only")
+    if granularity == "full":
+        if method is None:
+            problems.append("--recompute-granularity full needs --recompute-method uniform or block")
+        if layers is None:
+            problems.append(f"--recompute-granularity full needs --recompute-num-layers (1 to {layers_per_chunk}, the layers of a model chunk)")
+        elif not 1 <= layers <= layers_per_chunk:
+            problems.append(f"--recompute-num-layers {layers} must be between 1 and the {layers_per_chunk} layers of a model chunk")
+        elif method == "uniform" and layers_per_chunk % layers:
+            problems.append(
+                f"--recompute-method uniform needs --recompute-num-layers {layers} to divide the {layers_per_chunk} "
+                "layers of a model chunk"
+            )
+    if granularity == "selective" and modules:
+        unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+        if unknown:
+            problems.append(f"--recompute-modules {' '.join(unknown)}: dense layers recompute {', '.join(RECOMPUTE_MODULES)}")
+        if "layernorm" in modules and importlib.util.find_spec("transformer_engine") is None:
+            problems.append("--recompute-modules layernorm needs Transformer Engine (megatron-core's norm recompute imports it)")
+    return problems
 
 
 def microbatches_per_data_parallel_rank(args: argparse.Namespace) -> int:

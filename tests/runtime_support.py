@@ -74,6 +74,10 @@ class Case:
         """Arguments of ``build_pipeline_model`` besides the layout, sizes and seed."""
         return dict(share_embeddings_and_output_weights=self.tied)
 
+    def config_overrides(self) -> dict:
+        """Model config fields besides the layout's (activation recompute, ...)."""
+        return {}
+
     def forward_step(self, data_iterator, model):
         from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
 
@@ -203,6 +207,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         overlap_p2p_comm=case.overlap_p2p_comm,
         deallocate_pipeline_outputs=case.deallocate_pipeline_outputs,
         sequence_parallel=case.sequence_parallel,
+        **case.config_overrides(),
     )
     model = build_pipeline_model(
         config,

@@ -136,6 +136,18 @@ def test_incompatible_megatron_lm_flags_are_named_at_once():
         assert expected in text, text
 
 
+def test_bitpipe_recompute_layers_must_fit_its_chunks():
+    """BitPipe's chunks hold --num-layers / (2 x pp) layers, half of megatron's layers per rank."""
+    bitpipe = ("--pipeline-schedule", "bitpipe")
+    fits = dict(world_size=2, pipeline_model_parallel_size=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    validate_megatron_lm_args(megatron_lm_args(*bitpipe, **fits))
+    too_many = dict(fits, recompute_num_layers=4)
+    with pytest.raises(BitPipeConfigError, match="--recompute-num-layers 4 must be between 1 and the 2 layers of a model chunk"):
+        validate_megatron_lm_args(megatron_lm_args(*bitpipe, **too_many))
+    validate_megatron_lm_args(megatron_lm_args(**too_many))  # default schedule: megatron's business
+    validate_megatron_lm_args(megatron_lm_args(*bitpipe, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]))
+
+
 def test_optimus2d_is_not_wired_into_megatron_lm_scripts():
     with pytest.raises(BitPipeConfigError, match="--tensor-parallel-mode optimus2d is not available through Megatron-LM's scripts"):
         validate_megatron_lm_args(megatron_lm_args("--tensor-parallel-mode", "optimus2d", tensor_model_parallel_size=4, pipeline_model_parallel_size=1))

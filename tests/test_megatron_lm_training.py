@@ -15,6 +15,8 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
 * runtime route with ``--use-distributed-optimizer``, pipeline 2 x data parallel 2 (4 ranks,
   one distributed optimizer per chunk), saving at iteration 2; resumed with BitPipe at
   tensor 2 x pipeline 2 and the distributed optimizer, it continues the curve;
+* activation recompute (Megatron-LM's flags) with BitPipe, pipeline 2: full recompute with
+  the split backward, selective recompute without;
 * invalid flags stop every rank with one error line before torch.distributed starts;
 * ``--optimizer lamb --lr-decay-style rex`` and ``--optimizer schedulefree_adamw``: BitPipe
   (pipeline 4) trains like the reference with the same optimizer.
@@ -146,6 +148,20 @@ def test_distributed_optimizer_checkpoint_resumes_in_another_layout(bitpipe_dist
 def test_patch_route_bitpipe_equals_one_process(patched_checkout, workdir, reference, layout):
     flags = [*TINY_GPT, *BITPIPE, *LAYOUTS[layout]]
     _assert_same_curve(_ok(torchrun(patched_checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
+
+
+RECOMPUTE = {
+    "split_full_uniform": ["--split-backward", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "2"],
+    "selective": ["--recompute-activations", "--recompute-modules", "core_attn", "mlp"],
+}  # fmt: skip
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", sorted(RECOMPUTE))
+def test_recompute_with_bitpipe_equals_one_process(name, checkout, workdir, reference):
+    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", *RECOMPUTE[name]]
+    _assert_same_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir)), reference)
 
 
 def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):

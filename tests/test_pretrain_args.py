@@ -59,6 +59,19 @@ BAD = [
     (["--tokenizer-type", "GPT2BPETokenizer"], 1, "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
     (["--data-path", "corpus_text_document", "--mock-data", "--tokenizer-type", "NullTokenizer"], 1, "--mock-data and --data-path are mutually exclusive"),
     (["--data-path", "corpus_text_document"], 1, "--data-path needs --tokenizer-type"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "1"], 1, "--recompute-granularity full needs --recompute-method uniform or block"),
+    (["--recompute-granularity", "full", "--recompute-method", "block"], 1, "--recompute-granularity full needs --recompute-num-layers (1 to 8"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "0"], 1, "--recompute-num-layers 0 must be between 1 and the 8 layers"),
+    (["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "4"], 2, "--recompute-num-layers 4 must be between 1 and the 2 layers of a model chunk"),
+    (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"], 2, "--recompute-num-layers 3 must be between 1 and the 2 layers"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"], 1, "--recompute-method uniform needs --recompute-num-layers 3 to divide the 8 layers"),
+    (["--recompute-granularity", "selective", "--recompute-method", "uniform"], 1, "--recompute-method applies to --recompute-granularity full only (got selective)"),
+    (["--recompute-activations", "--recompute-num-layers", "2"], 1, "--recompute-num-layers applies to --recompute-granularity full only (got selective)"),
+    (["--recompute-method", "block"], 1, "--recompute-method applies to --recompute-granularity full only (got no recompute)"),
+    (["--recompute-modules", "mlp"], 1, "--recompute-modules applies to --recompute-granularity selective only"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe", "mlp"], 1, "--recompute-modules moe: dense layers recompute core_attn, layernorm, mlp"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], 1, "--recompute-modules layernorm needs Transformer Engine"),
+    (["--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"], 1, "--recompute-activations means --recompute-granularity selective"),
 ]  # fmt: skip
 
 
@@ -76,6 +89,17 @@ def test_exit_flags_take_megatron_lm_spellings(capsys):
     with pytest.raises(SystemExit):
         parse("--exit-signal", "USR1")
     assert "--exit-signal: invalid choice: 'USR1'" in capsys.readouterr().err
+
+
+def test_recompute_flags_follow_megatron():
+    assert parse(world_size=1).recompute_granularity is None
+    selective = parse("--recompute-activations", world_size=1)
+    assert (selective.recompute_granularity, selective.recompute_method, selective.recompute_modules) == ("selective", None, None)
+    bitpipe = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2"]
+    full = parse(*bitpipe, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2", world_size=2)
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 2)
+    modules = parse("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp", world_size=1)
+    assert modules.recompute_modules == ["core_attn", "mlp"]
 
 
 def test_mock_data_needs_a_vocabulary():

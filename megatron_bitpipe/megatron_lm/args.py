@@ -10,7 +10,9 @@ choices of Megatron-LM's ``--optimizer`` (``lamb``, ``onebit_lamb``,
 :func:`validate_megatron_lm_args` runs after Megatron-LM's ``validate_args`` (which fills in
 ``data_parallel_size`` and the other derived fields) and before ``torch.distributed`` is
 initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`
-plus the Megatron-LM features the BitPipe chunks cannot be combined with. It raises
+plus the Megatron-LM features the BitPipe chunks cannot be combined with and, with bitpipe, the
+activation-recompute rules for its chunks of ``--num-layers / (2 x --pipeline-model-parallel-size)``
+layers (:func:`~megatron_bitpipe.megatron_args.recompute_problems`). It raises
 :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Optional
 
-from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
+from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems, recompute_problems
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 
 __all__ = [
@@ -136,6 +138,7 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
         hybrid = next((flag for attribute, flag in _HYBRID_PATTERNS if getattr(args, attribute, None)), None)
         if hybrid is not None:
             problems.append(f"{hybrid} cannot be used with --pipeline-schedule bitpipe: {_HYBRID}")
+        problems += recompute_problems(args, args.num_layers // (2 * args.pipeline_model_parallel_size))
         checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
         if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
             problems.append(

@@ -21,7 +21,8 @@ and placement checks, per-chunk configs and groups, tying) with the ``model_prov
 chunk factory. Then, like :func:`~megatron_bitpipe.runtime.build.build_pipeline_model`: a tied
 head is made the embedding chunk's word-embedding Parameter (one weight per rank, gradient
 counted once), every weight is initialised from ``--seed`` and its full-model name (both
-replicas identical, equal to any other layout's), each chunk gets the placement-aware
+replicas identical, equal to any other layout's; megatron's own initialisation is skipped, each
+rank draws only its shards), each chunk gets the placement-aware
 ``sharded_state_dict`` of distributed checkpoints
 (:mod:`~megatron_bitpipe.runtime.sharded_state`), the second replica's parameters are marked
 for the non-distributed optimizer's grad norm, fp16/bf16 chunks are wrapped in the runtime's
@@ -40,6 +41,7 @@ The script's ``model_provider`` must pass ``config`` and ``pg_collection`` on to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from typing import Callable, List, Optional
@@ -187,14 +189,16 @@ def _bitpipe_chunks(args, make: ChunkMaker, config, model_type, wrap_with_ddp: b
         )
         _check_chunk(chunk, spec, groups.rank_pgs)
         chunk.model_type = model_type
-        for param in chunk.parameters():
-            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         return chunk
 
     tied = not args.untie_embeddings_and_output_weights
+    build_config = copy.copy(config)
+    build_config.perform_initialization = False  # every weight is drawn once, below
     chunks = build_chunks(
-        config, groups, make_chunk, vocab_size=args.padded_vocab_size, share_embeddings_and_output_weights=tied
+        build_config, groups, make_chunk, vocab_size=args.padded_vocab_size, share_embeddings_and_output_weights=tied
     )
+    for param in (p for chunk in chunks for p in chunk.parameters()):
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank, tied)
     initialize_from_seed(chunks, specs, args.seed, groups.tp)
     attach_sharded_state_dicts(chunks, specs, groups)

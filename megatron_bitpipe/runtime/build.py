@@ -7,6 +7,7 @@ is also available on its own (:mod:`.groups`, :mod:`.model`, :mod:`.init`,
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -88,7 +89,9 @@ def build_pipeline_model(
     share_embeddings_and_output_weights, **model_kwargs``). Collective over all ranks. The
     initial weights depend only on ``seed`` and the model shape
     (:func:`~.init.initialize_from_seed`), so both replicas of every stage start
-    bit-identical and any layout starts from the single-process model. With
+    bit-identical and any layout starts from the single-process model; each rank draws only its
+    own shards, once (megatron's initialisation is skipped: the chunks are built from a copy of
+    ``config`` with ``perform_initialization=False``). With
     ``config.bf16``/``config.fp16`` each chunk is wrapped in
     :class:`~.precision.ChunkFloat16Module` (fp32 loss on whichever rank holds it). The default DDP
     config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
@@ -111,7 +114,7 @@ def build_pipeline_model(
     groups = PipelineGroups.build(grid, placement, tensor_parallel_mode)
     init_megatron_state(groups.rank_pgs, seed)
     chunks = chunk_builder(
-        config,
+        _without_megatron_init(config),
         groups,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
@@ -127,6 +130,14 @@ def build_pipeline_model(
     if config.bf16 or config.fp16:
         chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config), groups, specs, config)
+
+
+def _without_megatron_init(config: TransformerConfig) -> TransformerConfig:
+    """A shallow copy of ``config`` with ``perform_initialization=False``: megatron only
+    allocates the local weights, :func:`~.init.initialize_from_seed` draws each one once."""
+    build_config = copy.copy(config)
+    build_config.perform_initialization = False
+    return build_config
 
 
 def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, choice: OptimizerChoice = OptimizerChoice()):

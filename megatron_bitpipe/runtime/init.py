@@ -1,12 +1,20 @@
-"""Layout-independent initial weights: a function of the seed and the parameter's full name.
+"""Layout-independent initial weights: a function of the seed and the parameter's full name,
+drawn by each rank for its own shard only.
 
-Every parameter is re-initialised from its own generator, seeded by (``seed``, full-model
-parameter name): the *full* (tensor-parallel unsplit) tensor is generated on the CPU in fp32
-and this rank's tensor-parallel block is copied in. Hence the initial model depends only on
-the seed and the model config, never on tp / pp / dp sizes, the tensor-parallel mode (1-D
-or Optimus 2-D blocks, :func:`~.layout.tp_block`), the placement or the schedule:
-two replicas of a stage start bit-identical without a broadcast, and any layout starts from
-the same model as a single process does.
+Every element of the *full* (tensor-parallel unsplit) model has a fixed random value: element
+``(i0, i1, ...)`` of the full tensor of parameter ``name`` (row-major position ``p``) is drawn
+from position ``p`` of the counter-based stream keyed by (``seed``, ``name``)
+(:mod:`.seeded_random`). A rank computes, for its tensor-parallel block of the parameter, the
+full-tensor positions of the block's elements (:func:`~.layout.tp_block` applied to index
+grids, so 1-D row and column shards, megatron's strided ``[gate; up]`` shards and Optimus 2-D
+blocks, transposed or not, all follow the same geometry as the weights) and draws exactly
+those: memory and time follow the local shard, no rank ever holds a full tensor. Hence the
+initial model depends only on the seed and the model config, never on tp / pp / dp sizes,
+the tensor-parallel mode, the placement or the schedule: two replicas of a stage start
+bit-identical without a broadcast, and any layout starts from the same model as a single
+process does. Because positions are row-major, the rows of a table do not depend on how many
+rows it has: the word-embedding rows of the real vocabulary are the same whatever the vocabulary
+padding, and so are the first rows of a position table whatever its length.
 
 Init rules follow megatron-core's conventions, using the config's own init callables
 (:func:`init_method_for`): biases 0; norm weights 1 (0 with
@@ -17,23 +25,41 @@ weight ``config.init_method`` (by default N(0, std)). For BERT that covers, as i
 megatron-core's BertModel: token-type embeddings (an embedding), the MLM head's dense layer
 and norm (``lm_head.dense``, ``lm_head.layer_norm``), the output layer's weight and bias, the
 pooler and the binary head (weights ``init_method``, biases 0).
+
+The callables megatron-core and Megatron-LM use are drawn element by element:
+``torch.nn.init.zeros_`` / ``ones_``, ``functools.partial(torch.nn.init.normal_, mean=...,
+std=...)`` (``init_method_normal``, ``scaled_init_method_normal``) as
+``float32(mean + std * z)``, and ``torch.nn.init.xavier_uniform_`` (optionally with ``gain``)
+from the full tensor's fans. Any other callable is applied to the full tensor, generated on
+the CPU from a torch generator seeded by (``seed``, ``name``), of which the rank keeps its block
+— the only case that materialises a full tensor.
+
+Megatron's own initialisation is redundant under this module: build the model with
+``perform_initialization=False`` (:func:`~.build.build_pipeline_model` does), so every weight
+is generated once.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Callable, Sequence
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
-
-from .layout import ChunkLayers, full_shape, to_global_name, tp_block
 from megatron.core.utils import unwrap_model
 
-__all__ = ["init_method_for", "initialize_from_seed"]
+from . import seeded_random
+from .layout import ChunkLayers, full_shape, to_global_name, tp_block
+
+__all__ = ["init_method_for", "initialize_from_seed", "initialize_parameter"]
 
 _OUTPUT_PROJECTIONS = ("linear_proj", "linear_fc2")
+#: elements drawn per numpy call (temporaries stay in the cache)
+_PIECE = 1 << 14
 
 
 def init_method_for(name: str, config: TransformerConfig) -> Callable[[torch.Tensor], None]:
@@ -56,18 +82,103 @@ def init_method_for(name: str, config: TransformerConfig) -> Callable[[torch.Ten
     return config.init_method
 
 
-def _seed_of(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+@dataclass(frozen=True)
+class _Constant:
+    value: float
 
 
-def _full_value(name: str, param: torch.Tensor, config: TransformerConfig, seed: int, tp_size: int) -> torch.Tensor:
-    full = torch.empty(full_shape(param, tp_size), dtype=torch.float32)
-    init = init_method_for(name, config)
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(_seed_of(seed, name))
-        init(full)
-    return full
+@dataclass(frozen=True)
+class _Normal:
+    mean: float
+    std: float
+
+
+@dataclass(frozen=True)
+class _Uniform:
+    low: float
+    high: float
+
+
+_Distribution = Union[_Constant, _Normal, _Uniform]
+
+
+def _distribution(init: Callable, shape: Tuple[int, ...]) -> Optional[_Distribution]:
+    """What ``init`` draws for a full tensor of ``shape``, or None for a callable not known here."""
+    func, args, kwargs = init, (), {}
+    if isinstance(init, functools.partial):
+        func, args, kwargs = init.func, init.args, dict(init.keywords)
+    if args:
+        return None
+    if func is torch.nn.init.zeros_ and not kwargs:
+        return _Constant(0.0)
+    if func is torch.nn.init.ones_ and not kwargs:
+        return _Constant(1.0)
+    if func is torch.nn.init.normal_ and set(kwargs) <= {"mean", "std"}:
+        return _Normal(float(kwargs.get("mean", 0.0)), float(kwargs.get("std", 1.0)))
+    if func is torch.nn.init.xavier_uniform_ and set(kwargs) <= {"gain"} and len(shape) >= 2:
+        receptive = math.prod(shape[2:])
+        fan_in, fan_out = shape[1] * receptive, shape[0] * receptive
+        bound = float(kwargs.get("gain", 1.0)) * math.sqrt(6.0 / (fan_in + fan_out))
+        return _Uniform(-bound, bound)
+    return None
+
+
+def _position_grids(param: torch.Tensor, shape: Tuple[int, ...], tp_rank: int, tp_size: int) -> List[Tuple[torch.Tensor, int]]:
+    """Per dimension ``d`` of the full tensor (of ``shape``): the ``d``-th index of each of
+    ``param``'s elements (``param``'s shape) and the row-major stride of ``d``.
+
+    Each is an index grid cut like the weights (:func:`~.layout.tp_block`): a stride-0 view
+    of one ``arange``, so nothing of full size is allocated; a strided block (megatron's
+    ``partition_stride`` > 1, Optimus' gated MLP) materialises the local block's int32 indices.
+    """
+    grids = []
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        grid_shape = [1] * len(shape)
+        grid_shape[dim] = shape[dim]
+        grid = torch.arange(shape[dim], dtype=torch.int32).view(grid_shape).expand(shape)
+        local = tp_block(grid, param, tp_rank, tp_size)
+        if local.shape != param.shape:
+            raise ValueError(f"block of shape {tuple(local.shape)} for a parameter of shape {tuple(param.shape)}")
+        grids.append((local, stride))
+        stride *= shape[dim]
+    return grids
+
+
+def _draw(distribution: _Distribution, key: int, positions: np.ndarray) -> np.ndarray:
+    """float32 values of ``distribution`` at the stream's ``positions``."""
+    if isinstance(distribution, _Normal):
+        values = seeded_random.standard_normal(key, positions)
+        values *= np.float32(distribution.std)
+        values += np.float32(distribution.mean)
+        return values
+    values = seeded_random.uniform(key, positions)
+    values *= np.float32(distribution.high - distribution.low)
+    values += np.float32(distribution.low)
+    return values
+
+
+def initialize_parameter(param: torch.Tensor, name: str, init: Callable, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Set ``param`` (tensor-parallel block ``tp_rank`` of ``tp_size`` of full-model parameter
+    ``name``) to its seed-determined value under ``init``, in place (see the module docstring)."""
+    shape = full_shape(param, tp_size)
+    distribution = _distribution(init, shape)
+    if isinstance(distribution, _Constant):
+        param.fill_(distribution.value)
+        return
+    key = seeded_random.stream_key(seed, name)
+    if distribution is None:  # an init callable of the user's: draw the full tensor, keep the block
+        full = torch.empty(shape, dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(key & (2**63 - 1))
+            init(full)
+        param.copy_(tp_block(full, param, tp_rank, tp_size))
+        return
+    grids = _position_grids(param, shape, tp_rank, tp_size)
+    rows = max(1, _PIECE // max(1, param[0].numel()))
+    for first in range(0, param.shape[0], rows):
+        positions = sum(grid[first : first + rows].to(torch.int64) * stride for grid, stride in grids)
+        param[first : first + rows].copy_(torch.from_numpy(_draw(distribution, key, positions.numpy())))
 
 
 def initialize_from_seed(
@@ -96,5 +207,4 @@ def initialize_from_seed(
                 if not getattr(param, "allreduce", True):
                     raise NotImplementedError(f"{local_name}: expert-parallel parameters are not supported")
                 name = to_global_name(local_name, chunk_layers)
-                full = _full_value(name, param, model.config, seed, tp_size)
-                param.copy_(tp_block(full, param, tp_rank, tp_size))
+                initialize_parameter(param, name, init_method_for(name, model.config), seed, tp_rank, tp_size)

@@ -46,6 +46,13 @@ block spec follows the chunk's explicit layer range like any other spec, the tie
 the embedding chunk's 2-D ``[v/q, h/q]`` vocabulary block, and every parameter carries its
 ``optimus_layout``, which :mod:`.init` uses for seed-only initialisation.
 
+**Weights.** megatron-core's own initialisation runs unless the config says
+``perform_initialization=False`` (:func:`~megatron_bitpipe.runtime.build.build_pipeline_model`
+does: :mod:`.init` draws every weight from the seed instead). Either way every weight of
+megatron's tensor-parallel layers carries megatron's ``tensor_model_parallel`` /
+``partition_dim`` / ``partition_stride`` attributes (:func:`mark_tensor_parallel_weights`:
+megatron-core before 0.19 sets them only while initialising).
+
 **Other models.** :func:`build_chunks` does the placement work (per-chunk configs, process
 groups, tying) for any megatron-core language model whose block is a ``TransformerBlock``;
 :func:`build_gpt_chunks` gives it GPTModel chunks and
@@ -64,7 +71,14 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -86,6 +100,7 @@ __all__ = [
     "is_layer_spec",
     "chunk_block_spec",
     "ChunkFactory",
+    "mark_tensor_parallel_weights",
     "build_chunks",
     "build_gpt_chunks",
 ]
@@ -211,6 +226,35 @@ def transformer_block_of(model: torch.nn.Module) -> TransformerBlock:
     return block
 
 
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Give every weight of megatron's tensor-parallel layers in ``model`` that lacks them the
+    attributes megatron's initialisation sets: column-parallel linears split along dim 0 (stride
+    2 for the ``[gate; up]`` ``linear_fc1`` of a gated MLP, as megatron's ``MLP`` builds it; a
+    bias, which megatron always marks, gives the stride where there is one), row-parallel
+    linears along dim 1, vocabulary-parallel embeddings along dim 0.
+
+    megatron-core before 0.19 sets them only inside its weight initialisation, so a model built
+    with ``perform_initialization=False`` would lack them; weights that have them are left alone.
+    """
+    gated_fc1 = {
+        id(module.linear_fc1)
+        for module in model.modules()
+        if isinstance(module, MLP) and module.config.gated_linear_unit and not getattr(module.config, "use_kitchen", False)
+    }
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, ColumnParallelLinear):
+            bias = getattr(module, "bias", None)
+            stride = getattr(bias, "partition_stride", None) or (2 if id(module) in gated_fc1 else 1)
+            set_tensor_model_parallel_attributes(weight, True, 0, stride)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+        elif isinstance(module, VocabParallelEmbedding):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+
+
 def build_chunks(
     config: TransformerConfig,
     groups: PipelineGroups,
@@ -232,8 +276,9 @@ def build_chunks(
     pipelines whose first and last stages are on different ranks. With CUDA available the
     chunks are moved to the current device; each records ``groups`` as
     ``chunk.pipeline_groups`` (the forward_backward_func finds placement, channels and
-    grad-sync groups there). ValueError for a chunk not built on a ``TransformerBlock``
-    (:func:`transformer_block_of`).
+    grad-sync groups there). Weights of megatron's tensor-parallel layers carry their
+    tensor-parallel attributes (:func:`mark_tensor_parallel_weights`). ValueError for a chunk
+    not built on a ``TransformerBlock`` (:func:`transformer_block_of`).
     """
     if config.pipeline_model_parallel_size != groups.grid.pp:
         raise ValueError(
@@ -265,6 +310,7 @@ def build_chunks(
         tie_in_chunk = share_embeddings_and_output_weights and ends
         model = make_chunk(chunk_config(config, spec), spec, groups.model_pgs[chunk], tie_in_chunk)
         transformer_block_of(model)
+        mark_tensor_parallel_weights(model)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         model.pipeline_groups = groups
@@ -295,8 +341,8 @@ def build_gpt_chunks(
     ``groups.mesh`` the chunks are ``OptimusGPTModel``\\ s and ``layer_spec``, if given, is an
     Optimus *layer* spec (:func:`~megatron_bitpipe.optimus.get_optimus_gpt_layer_spec`, e.g.
     with another core attention). Weights get megatron's own (layout-dependent)
-    initialisation; call :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for
-    layout-independent ones.
+    initialisation unless ``config.perform_initialization`` is false; call
+    :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent ones.
     """
     mesh = groups.mesh
     spec = layer_spec or (None if mesh else default_gpt_layer_spec(config))

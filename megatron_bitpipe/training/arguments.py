@@ -12,7 +12,7 @@ for a single process), ``data_parallel_size``, ``num_microbatches`` (per data-pa
 ``max_position_embeddings`` (``--seq-length``), ``global_batch_size`` (micro-batch x
 data-parallel size), ``lr_decay_iters`` (``--train-iters``), ``use_mock_data`` (no
 ``--data-path``), ``schedule`` (what actually runs: ``bitpipe``, ``no_pipelining``, ``1f1b``
-or ``interleaved``).
+or ``interleaved``), ``recompute_granularity`` (``selective`` with ``--recompute-activations``).
 
 Defaults that differ from Megatron-LM: ``--hidden-dropout`` and ``--attention-dropout`` are 0
 (dropout masks are drawn per rank, so only without dropout do two layouts give the same loss
@@ -30,7 +30,15 @@ import os
 import signal
 from typing import List, Optional, Sequence
 
-from ..megatron_args import MICROBATCHES_SOURCE, PLAN_SCHEDULES, BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
+from ..megatron_args import (
+    MICROBATCHES_SOURCE,
+    PLAN_SCHEDULES,
+    RECOMPUTE_MODULES,
+    BitPipeConfigError,
+    add_bitpipe_args,
+    bitpipe_arg_problems,
+    recompute_problems,
+)
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 
@@ -146,6 +154,33 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--exit-signal-handler", action="store_true", help="on --exit-signal: finish the iteration, save and exit 0"
     )
     group.add_argument("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM", metavar="SIGNAL", help="e.g. SIGTERM (default), SIGUSR1")
+    group.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="recompute the core attention of every layer in backward (= --recompute-granularity selective)",
+    )
+    group.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        default=None,
+        help="full: keep only the inputs of groups of layers (--recompute-method, --recompute-num-layers) and "
+        "recompute the rest in backward; selective: recompute --recompute-modules of every layer",
+    )
+    group.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default=None,
+        help="with full recompute: uniform recomputes every group of --recompute-num-layers layers of a model "
+        "chunk, block only the first --recompute-num-layers layers of each chunk",
+    )
+    group.add_argument("--recompute-num-layers", type=int, default=None, help="layers per group (uniform) or per chunk (block)")
+    group.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help=f"with selective recompute: any of {', '.join(RECOMPUTE_MODULES)} (default core_attn)",
+    )
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -258,6 +293,8 @@ def _fill_derived(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.use_mock_data = not args.data_path
     args.padded_vocab_size = None  # known once the tokenizer is built
     args.schedule = _schedule(args)
+    if args.recompute_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "selective"  # Megatron-LM's meaning of --recompute-activations
 
 
 def _schedule(args: argparse.Namespace) -> str:
@@ -329,6 +366,16 @@ def _flag_combination_problem(args) -> bool:
     return (args.pipeline_schedule == "interleaved" and vp in (None, 1)) or (
         args.pipeline_schedule == "1f1b" and vp not in (None, 1)
     )
+
+
+def _recompute_problems(args) -> List[str]:
+    """Megatron-LM's recompute rules for the chunks of the schedule that runs."""
+    problems = []
+    if args.recompute_activations and args.recompute_granularity == "full":
+        problems.append("--recompute-activations means --recompute-granularity selective: drop one of them")
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    stages = {"bitpipe": 2 * pp, "interleaved": pp * (vp or 1), "1f1b": pp}.get(args.schedule, 1)
+    return problems + recompute_problems(args, max(args.num_layers // stages, 1))
 
 
 def _precision_problems(args, cuda_available: bool) -> List[str]:
@@ -403,6 +450,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
     if not problems:  # later rules divide by these sizes
         problems += bitpipe_arg_problems(args)
         problems += _pipeline_problems(args)
+        problems += _recompute_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
     problems += optimizer_problems(args, schedule=args.schedule)

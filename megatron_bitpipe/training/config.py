@@ -79,12 +79,16 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
         sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=args.recompute_modules,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=args.bf16,
         fp16=args.fp16,
         transformer_impl=impl,
-        use_cpu_initialization=True,  # weights are overwritten from the seed anyway
+        use_cpu_initialization=True,  # local weights only: runtime.init draws each rank's shards
         gradient_accumulation_fusion=gpu and impl == "transformer_engine",
         bias_activation_fusion=gpu and (args.swiglu or args.add_bias_linear),
         bias_dropout_fusion=gpu,

@@ -1,0 +1,150 @@
+"""Activation recompute (megatron-core's ``recompute_granularity`` / ``recompute_method`` /
+``recompute_num_layers`` / ``recompute_modules``) with the plan executor equals single-process
+training without recompute (CPU ranks, gloo).
+
+For every case: the loss of every micro-batch, every gradient, the grad norm and every weight
+after each of STEPS Adam steps equal the single-process reference (fp32, rtol 1e-5), the
+replicas stay bit-identical, evaluation losses equal: BitPipe plain and split (full recompute,
+uniform and block, and selective recompute of the core attention, norms and MLP), TP 2 with
+sequence parallelism, and Optimus 2D.
+
+Split backward: megatron's checkpoint recomputes a forward inside the backward of ``I``, so the
+executor runs ``I`` in the micro-batch's weight-gradient deferral as it does its ``F``. Proven
+here: every recomputation runs inside that deferral, and every ``W`` runs as many deferred
+weight gradients as without recompute (none is computed early in ``I``), with the same
+gradients at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Tuple
+
+import pytest
+
+from megatron_bitpipe.cpu.launcher import launch
+
+from runtime_support import Case, assert_equals_reference, launch_references, pipeline
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeCase(Case):
+    """``recompute``: TransformerConfig fields; ``plain``: the name of the same case without
+    recompute, whose deferred weight-gradient counts the split case must repeat."""
+
+    recompute: Tuple[Tuple[str, object], ...] = ()
+    plain: str = ""
+
+    def config_overrides(self) -> dict:
+        return dict(self.recompute)
+
+
+def full(method: str, layers: int):
+    return (("recompute_granularity", "full"), ("recompute_method", method), ("recompute_num_layers", layers))
+
+
+def selective(*modules: str):
+    return (("recompute_granularity", "selective"), ("recompute_modules", list(modules)))
+
+
+# 8 layers: a BitPipe chunk holds 2 at pipeline size 2
+CASES_2 = [
+    RecomputeCase("bitpipe_pp2_n2_full_uniform1", "bitpipe", pp=2, n=2, recompute=full("uniform", 1)),
+    RecomputeCase("split_pp2_n4", "bitpipe", pp=2, n=4, split_backward=True),
+    RecomputeCase("split_pp2_n4_full_block1", "bitpipe", pp=2, n=4, split_backward=True, recompute=full("block", 1), plain="split_pp2_n4"),
+    RecomputeCase("split_pp2_n4_full_uniform2", "bitpipe", pp=2, n=4, split_backward=True, recompute=full("uniform", 2), plain="split_pp2_n4"),
+    RecomputeCase(
+        "split_pp2_n4_selective", "bitpipe", pp=2, n=4, split_backward=True,
+        recompute=selective("core_attn", "mlp"), plain="split_pp2_n4",
+    ),
+]  # fmt: skip
+CASES_4 = [
+    RecomputeCase("split_tp2_sp_pp2_n4", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True, split_backward=True),
+    RecomputeCase(
+        "split_tp2_sp_pp2_n4_full_uniform1", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True, split_backward=True,
+        recompute=full("uniform", 1), plain="split_tp2_sp_pp2_n4",
+    ),
+    RecomputeCase(
+        "optimus2d_q2_n2_full_uniform2", "1f1b", pp=1, n=2, tp=4, tensor_parallel_mode="optimus2d", recompute=full("uniform", 2),
+    ),
+    RecomputeCase(
+        "optimus2d_q2_n2_selective", "1f1b", pp=1, n=2, tp=4, tensor_parallel_mode="optimus2d",
+        recompute=selective("core_attn", "mlp"),
+    ),
+]  # fmt: skip
+
+
+def _run_cases(cases: List[RecomputeCase]) -> dict:
+    """Each case's :func:`pipeline` record plus ``deferred_per_W`` (closures each ``W`` ran) and
+    ``recomputed_in_deferral`` (per checkpoint recomputation: inside a deferral?)."""
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.runtime import weight_grad
+    from megatron_bitpipe.runtime.weight_grad import WeightGradWork
+
+    enable_cpu_megatron()
+    deferred, recomputed = [], []
+    run_work, checkpoint_backward = WeightGradWork.run, CheckpointFunction.backward
+
+    def counted_run(work):
+        deferred.append(len(work))
+        run_work(work)
+
+    def observed_backward(ctx, *grads):
+        recomputed.append(weight_grad.active_work() is not None)
+        return checkpoint_backward(ctx, *grads)
+
+    WeightGradWork.run = counted_run
+    CheckpointFunction.backward = staticmethod(observed_backward)
+    out = {}
+    try:
+        for case in cases:
+            deferred.clear()
+            recomputed.clear()
+            out[case.name] = pipeline(case)
+            out[case.name]["deferred_per_W"] = list(deferred)
+            out[case.name]["recomputed_in_deferral"] = list(recomputed)
+    finally:
+        WeightGradWork.run, CheckpointFunction.backward = run_work, staticmethod(checkpoint_backward)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return launch_references(CASES_2 + CASES_4)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> List[dict]:
+    return launch(_run_cases, 2, CASES_2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> List[dict]:
+    return launch(_run_cases, 4, CASES_4, timeout=800)
+
+
+def _records(case, two_ranks, four_ranks) -> List[dict]:
+    return [r[case.name] for r in (two_ranks if case in CASES_2 else four_ranks)]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
+def test_recompute_equals_single_process_training(case, references, two_ranks, four_ranks):
+    assert_equals_reference(case, _records(case, two_ranks, four_ranks), references[case.reference_key])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", [c for c in CASES_2 + CASES_4 if c.recompute], ids=lambda c: c.name)
+def test_recomputed_forwards_of_a_split_backward_defer_their_weight_gradients(case, two_ranks, four_ranks):
+    """Checkpoints are recomputed in backward, inside the deferral exactly when the backward is
+    split, and each ``W`` then runs as many deferred weight gradients as without recompute."""
+    for rank in two_ranks if case in CASES_2 else four_ranks:
+        record = rank[case.name]
+        assert set(record["recomputed_in_deferral"]) == {case.split_backward}, "no checkpoint was recomputed"
+        if case.plain:
+            assert record["deferred_per_W"] == rank[case.plain]["deferred_per_W"]
+            assert sum(record["deferred_per_W"]) > 0
