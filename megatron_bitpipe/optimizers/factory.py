@@ -42,7 +42,6 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from .lamb import Lamb
 from .onebit_lamb import OnebitLamb
-from .rex import REX
 
 __all__ = [
     "OPTIMIZERS",
