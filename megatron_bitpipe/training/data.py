@@ -12,10 +12,12 @@ a broadcast.
 
 **Megatron indexed datasets** (``--data-path``) come from megatron-core's
 ``BlendedMegatronDatasetBuilder`` (:func:`indexed_datasets`): ``--train-iters`` and
-``--eval-iters`` global batches of samples, the blend and ``--split`` of the flags.
+``--eval-iters`` global batches of samples (``--eval-iters`` for the test split too), the
+blend and ``--split`` of the flags.
 
 **Evaluation** always runs on the first ``--eval-iters`` global batches of the validation
-set, so successive validation losses are comparable and do not depend on resumes.
+set, so successive validation losses are comparable and do not depend on resumes; the test
+set, where ``--split`` gives it a share, is evaluated the same way once, after training.
 
 **Tokenizers** are megatron-core's (``megatron.core.tokenizers``), selected with
 Megatron-LM's ``--tokenizer-type`` and file flags; mock data without ``--tokenizer-type``
@@ -37,12 +39,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..megatron_args import BitPipeConfigError
+from .arguments import BYTE_LEVEL_TOKENIZER
 
 __all__ = ["BYTE_LEVEL_TOKENIZER", "build_tokenizer", "indexed_datasets", "microbatches", "collate"]
-
-
-#: --tokenizer-type of megatron-core's byte-level tokenizer
-BYTE_LEVEL_TOKENIZER = "ByteLevelTokenizer"
 
 
 def build_tokenizer(args: argparse.Namespace):
@@ -77,9 +76,13 @@ def build_tokenizer(args: argparse.Namespace):
         raise BitPipeConfigError(f"--tokenizer-type {settings.tokenizer_type}: cannot build the tokenizer: {error}") from error
 
 
-def indexed_datasets(args: argparse.Namespace, tokenizer, dataset_class, config_class, **fields) -> Tuple[object, Optional[object]]:
-    """``(train, valid)`` megatron-core datasets of ``dataset_class`` over the ``--data-path``
-    blend (valid None with ``--eval-iters 0``).
+def indexed_datasets(
+    args: argparse.Namespace, tokenizer, dataset_class, config_class, **fields
+) -> Tuple[object, Optional[object], Optional[object]]:
+    """``(train, valid, test)`` megatron-core datasets of ``dataset_class`` over the
+    ``--data-path`` blend: ``--train-iters`` global batches of training samples and
+    ``--eval-iters`` of validation and of test samples (valid and test None with
+    ``--eval-iters 0``; test None when ``--split`` gives it no share).
 
     ``config_class`` (a ``BlendedMegatronDatasetConfig``) gets the common fields from the
     flags (``--seed``, ``--seq-length``, ``--data-path``, ``--split``, ``--data-cache-path``,
@@ -98,9 +101,12 @@ def indexed_datasets(args: argparse.Namespace, tokenizer, dataset_class, config_
         mmap_bin_files=True,
         **fields,
     )
-    samples = [args.train_iters * args.global_batch_size, args.eval_iters * args.global_batch_size, 0]
-    train, valid, _ = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
-    return train, (valid if args.eval_iters > 0 else None)
+    evaluated = args.eval_iters * args.global_batch_size
+    samples = [args.train_iters * args.global_batch_size, evaluated, evaluated]
+    train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
+    if args.eval_iters == 0:
+        return train, None, None
+    return train, valid, test
 
 
 def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
