@@ -153,3 +153,39 @@ def test_help_comes_before_torch_and_megatron_core(command):
     assert result.returncode == 0 and result.stdout.startswith("usage: "), result.stdout + result.stderr
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert not {"torch", "megatron.core", "numpy"} & imported
+
+
+@pytest.mark.timeout(300)
+def test_a_split_without_data_is_left_out_or_named(tmp_path):
+    """megatron-core's builder loops forever on a split with a share but no data: on a small
+    corpus the default --split leaves the test set out, or, for a validation set that
+    evaluation needs, the flag is named."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    from megatron_bitpipe.megatron_args import BitPipeConfigError
+    from megatron_bitpipe.training.arguments import parse_args
+    from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.gpt import GPTTask
+
+    prefix = str(tmp_path / "tiny_text_document")
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.int32)
+    for length in range(20, 40):  # 20 documents
+        builder.add_document(torch.arange(length, dtype=torch.int32) % 100, [length])
+    builder.finalize(get_idx_path(prefix))
+
+    def datasets(*flags):
+        argv = [*MODEL, "--vocab-size", "100", "--tokenizer-type", "NullTokenizer", "--data-path", prefix,
+                "--data-cache-path", str(tmp_path / "cache"), "--eval-iters", "1", *flags]  # fmt: skip
+        args = parse_args(GPTTask(), argv, world_size=1, cuda_available=False)
+        return GPTTask().build_datasets(args, build_tokenizer(args))
+
+    train, valid, test = datasets("--split", "80,10,10")
+    assert train is not None and valid is not None and test is not None
+    assert datasets("--split", "90,10,0")[2] is None
+    train, valid, test = datasets()  # the default --split 969, 30, 1: the test set's 0.001 x 20 documents round to none
+    assert valid is not None and test is None
+    with pytest.raises(BitPipeConfigError, match=r"--split 98,1,1: the validation set gets no data of .*tiny_text_document; give it a larger share or set --eval-iters 0"):
+        datasets("--split", "98,1,1")
+    assert datasets("--split", "98,1,1", "--eval-iters", "0")[1:] == (None, None)

@@ -76,31 +76,59 @@ def build_tokenizer(args: argparse.Namespace):
         raise BitPipeConfigError(f"--tokenizer-type {settings.tokenizer_type}: cannot build the tokenizer: {error}") from error
 
 
+#: megatron-core's splits, in the order of its split matrix
+_SPLITS = ("training", "validation", "test")
+
+
+def _split_elements(dataset_class, config, prefix: str, split: int) -> int:
+    """Elements (sequences or documents, as ``dataset_class`` splits) of ``prefix`` that
+    megatron-core's builder gives to split ``split`` (its rounding of the ``--split`` shares)."""
+    share = config.split_matrix[split]
+    if share is None:
+        return 0
+    elements = dataset_class.numel_low_level_dataset(dataset_class.build_low_level_dataset(prefix, config))
+    return int(round(share[1] * elements)) - int(round(share[0] * elements))
+
+
 def indexed_datasets(
     args: argparse.Namespace, tokenizer, dataset_class, config_class, **fields
 ) -> Tuple[object, Optional[object], Optional[object]]:
     """``(train, valid, test)`` megatron-core datasets of ``dataset_class`` over the
     ``--data-path`` blend: ``--train-iters`` global batches of training samples and
     ``--eval-iters`` of validation and of test samples (valid and test None with
-    ``--eval-iters 0``; test None when ``--split`` gives it no share).
+    ``--eval-iters 0``; test None unless ``--split`` gives it a part of every dataset of the
+    blend).
 
     ``config_class`` (a ``BlendedMegatronDatasetConfig``) gets the common fields from the
     flags (``--seed``, ``--seq-length``, ``--data-path``, ``--split``, ``--data-cache-path``,
-    the tokenizer, memory-mapped ``.bin`` files) and the task's ``fields``.
+    the tokenizer, memory-mapped ``.bin`` files) and the task's ``fields``. megatron-core's
+    builder would loop forever on a split with a share but no data (a small corpus and the
+    default ``--split 969, 30, 1``): such a split is left out, and BitPipeConfigError names
+    ``--split`` if it is the training set or, with evaluation, the validation set.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.utils import get_blend_from_list
 
+    blend = get_blend_from_list(args.data_path)
     config = config_class(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=get_blend_from_list(args.data_path),
+        blend=blend,
         split=args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
         mmap_bin_files=True,
         **fields,
     )
+    needed = (True, args.eval_iters > 0, False)
+    held = []
+    for split, name in enumerate(_SPLITS):
+        empty = [prefix for prefix in blend[0] if _split_elements(dataset_class, config, prefix, split) < 1]
+        if empty and needed[split]:
+            extra = " or set --eval-iters 0" if split else ""
+            raise BitPipeConfigError(f"--split {args.split}: the {name} set gets no data of {empty[0]}; give it a larger share{extra}")
+        held.append(not empty)
+    config.split_matrix = [share if has_data else None for share, has_data in zip(config.split_matrix, held)]
     evaluated = args.eval_iters * args.global_batch_size
     samples = [args.train_iters * args.global_batch_size, evaluated, evaluated]
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
