@@ -154,6 +154,48 @@ def microbatches_per_data_parallel_rank(args: argparse.Namespace) -> int:
     return args.global_batch_size // (args.micro_batch_size * data_parallel)
 
 
+def microbatch_problems(
+    args: argparse.Namespace, choice: ScheduleChoice, num_microbatches: Optional[int], *, virtual_size_flag: str = VP_FLAG
+) -> List[str]:
+    """``choice``'s rules for the flags (:meth:`ScheduleChoice.problems` of the pipeline size,
+    ``num_microbatches`` per data-parallel rank and ``--num-layers``), and what
+    ``--global-batch-size`` to give when only the number of micro-batches breaks them: the
+    smallest valid value (smallest N x ``--micro-batch-size`` x data-parallel size) and, for a
+    value given, the next valid one above it. When the flag was left out
+    (``args.global_batch_size_defaulted``, set by the pretrain scripts), the micro-batch rules
+    become one message saying so. ``virtual_size_flag`` names the virtual pipeline size's flag
+    in the messages."""
+    pp, layers = args.pipeline_model_parallel_size, getattr(args, "num_layers", None)
+    names = dict(microbatches=MICROBATCHES_SOURCE, virtual_size_flag=virtual_size_flag)
+    problems = choice.problems(pp, num_microbatches, layers, **names)
+    if num_microbatches is None:
+        return problems
+    batch_rules = [p for p in problems if p not in choice.problems(pp, None, layers, **names)]
+    if not batch_rules:
+        return problems
+    data_parallel = args.world_size // (args.tensor_model_parallel_size * pp)
+    per_microbatch = args.micro_batch_size * data_parallel
+    fewest = choice.smallest_num_microbatches(pp)
+    smallest = (
+        f"the smallest valid --global-batch-size is {fewest * per_microbatch} ({fewest} micro-batches x "
+        f"--micro-batch-size {args.micro_batch_size} x data-parallel size {data_parallel})"
+    )
+    others = [p for p in problems if p not in batch_rules]
+    if getattr(args, "global_batch_size_defaulted", False):
+        prefix = f"{MICROBATCHES_SOURCE} = {num_microbatches}: "
+        rules = "; ".join(rule.removeprefix(prefix) for rule in batch_rules)
+        return others + [
+            f"--global-batch-size is not set, and its default, --micro-batch-size x data-parallel size = "
+            f"{args.global_batch_size}, gives {num_microbatches} micro-batch{'es' if num_microbatches != 1 else ''} per data-parallel "
+            f"rank, but {rules}: {smallest}"
+        ]
+    candidates = range(max(num_microbatches, fewest), num_microbatches + fewest + 2 * pp)
+    larger = next((n for n in candidates if not choice.problems(pp, n)), fewest)
+    if larger > fewest:
+        smallest += f"; the next valid one above {args.global_batch_size} is {larger * per_microbatch}"
+    return problems + [smallest]
+
+
 def schedule_costs(args: argparse.Namespace) -> Optional[CostModel]:
     """The :class:`~megatron_bitpipe.schedules.CostModel` of ``--schedule-costs`` (None without
     the flag); :class:`BitPipeConfigError` naming the flag if the file cannot be read."""
@@ -195,13 +237,7 @@ def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = V
     elif schedule == "1f1b" and vp not in (None, 1):
         problems.append(f"--pipeline-schedule 1f1b runs one chunk per rank: unset {virtual_size_flag}")
     elif choice.schedule in PLAN_SCHEDULES:
-        problems += choice.problems(
-            args.pipeline_model_parallel_size,
-            num_microbatches,
-            args.num_layers,
-            microbatches=MICROBATCHES_SOURCE,
-            virtual_size_flag=virtual_size_flag,
-        )
+        problems += microbatch_problems(args, choice, num_microbatches, virtual_size_flag=virtual_size_flag)
     if schedule == "bitpipe" and getattr(args, "encoder_num_layers", None) and getattr(args, "decoder_num_layers", None):
         problems.append("bitpipe does not support encoder-decoder models")
     if getattr(args, "split_backward", False):

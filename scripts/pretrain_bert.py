@@ -6,8 +6,9 @@
         --train-iters 20 --lr 1e-3 --vocab-size 1000
 
 Megatron-LM's flag names (BERT's: ``--bert-no-binary-head``, ``--mask-prob``,
-``--short-seq-prob``); ``--help`` lists them and docs/running.md explains them. Without a GPU
-it trains on the CPU (gloo) through megatron-bitpipe's CPU compatibility layer.
+``--short-seq-prob``); ``--help`` lists them (before torch or megatron-core is imported) and
+docs/running.md explains them. Without a GPU it trains on the CPU (gloo) through
+megatron-bitpipe's CPU compatibility layer.
 """
 
 import sys
@@ -17,8 +18,15 @@ import warnings
 # Engine), on every rank; the script's own log says what runs.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed", category=UserWarning)
 
-from megatron_bitpipe.training import main  # noqa: E402
-from megatron_bitpipe.training.bert import BertTask  # noqa: E402
+from megatron_bitpipe.training.bert_args import BertArguments  # noqa: E402
+from megatron_bitpipe.training.script import run_script  # noqa: E402
+
+
+def load_task():
+    """The task, imported once the flags are parsed and checked (it imports megatron-core)."""
+    from megatron_bitpipe.training.bert import BertTask
+
+    return BertTask()
 
 
 def cpu_fallback() -> None:
@@ -29,4 +37,4 @@ def cpu_fallback() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(BertTask(), cpu_fallback=cpu_fallback))
+    sys.exit(run_script(BertArguments(), load_task, cpu_fallback=cpu_fallback))

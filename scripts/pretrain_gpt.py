@@ -5,7 +5,8 @@
         --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 --global-batch-size 16 \\
         --train-iters 20 --lr 1e-3 --vocab-size 1000
 
-Megatron-LM's flag names; ``--help`` lists them and docs/running.md explains them. Without a
+Megatron-LM's flag names; ``--help`` lists them (before torch or megatron-core is imported) and
+docs/running.md explains them. Without a
 GPU it trains on the CPU (gloo) through megatron-bitpipe's CPU compatibility layer.
 """
 
@@ -16,8 +17,15 @@ import warnings
 # Engine), on every rank; the script's own log says what runs.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed", category=UserWarning)
 
-from megatron_bitpipe.training import main  # noqa: E402
-from megatron_bitpipe.training.gpt import GPTTask  # noqa: E402
+from megatron_bitpipe.training.task import TaskArguments  # noqa: E402
+from megatron_bitpipe.training.script import run_script  # noqa: E402
+
+
+def load_task():
+    """The task, imported once the flags are parsed and checked (it imports megatron-core)."""
+    from megatron_bitpipe.training.gpt import GPTTask
+
+    return GPTTask()
 
 
 def cpu_fallback() -> None:
@@ -28,4 +36,4 @@ def cpu_fallback() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(GPTTask(), cpu_fallback=cpu_fallback))
+    sys.exit(run_script(TaskArguments(), load_task, cpu_fallback=cpu_fallback))

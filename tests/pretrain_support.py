@@ -47,9 +47,14 @@ def checked(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
+def events(path: Path, event: str) -> List[dict]:
+    """The ``--log-json`` objects of one ``event`` (``startup``, ``iteration``, ``summary``), in order."""
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == event]
+
+
 def records(path: Path) -> Dict[int, dict]:
-    """``--log-json`` lines by iteration."""
-    return {r["iteration"]: r for r in map(json.loads, path.read_text().splitlines())}
+    """``--log-json`` iteration objects by iteration."""
+    return {r["iteration"]: r for r in events(path, "iteration")}
 
 
 def assert_same_records(

@@ -72,6 +72,9 @@ BAD = [
     (["--recompute-granularity", "selective", "--recompute-modules", "moe", "mlp"], 1, "--recompute-modules moe: dense layers recompute core_attn, layernorm, mlp"),
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], 1, "--recompute-modules layernorm needs Transformer Engine"),
     (["--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"], 1, "--recompute-activations means --recompute-granularity selective"),
+    (["--data-path", "nowhere/corpus_text_document", "--tokenizer-type", "NullTokenizer"], 1, "--data-path nowhere/corpus_text_document: nowhere/corpus_text_document.bin and nowhere/corpus_text_document.idx not found"),
+    (["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--global-batch-size", "12"], 8, "the smallest valid --global-batch-size is 16 (4 micro-batches x --micro-batch-size 2 x data-parallel size 2)"),
+    (["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "12"], 4, "the smallest valid --global-batch-size is 8 (4 micro-batches x --micro-batch-size 2 x data-parallel size 1); the next valid one above 12 is 16"),
 ]  # fmt: skip
 
 
@@ -105,6 +108,37 @@ def test_recompute_flags_follow_megatron():
 def test_mock_data_needs_a_vocabulary():
     with pytest.raises(BitPipeConfigError, match="mock data needs --vocab-size"):
         parse_args(GPTTask(), [a for a in BASE if a not in ("--vocab-size", "127")], world_size=1, cuda_available=False)
+
+
+def test_leaving_out_the_global_batch_size_names_the_smallest_valid_one():
+    at = BASE.index("--global-batch-size")
+    args = BASE[:at] + BASE[at + 2 :]
+    with pytest.raises(BitPipeConfigError) as info:
+        parse_args(GPTTask(), [*args, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4"], world_size=8, cuda_available=False)
+    problems = str(info.value).splitlines()[1:]
+    assert len(problems) == 1, problems  # one message, not one per micro-batch rule
+    assert problems[0].startswith("  --global-batch-size is not set, and its default, --micro-batch-size x data-parallel size = 4, gives 1 micro-batch")
+    assert problems[0].endswith("the smallest valid --global-batch-size is 16 (4 micro-batches x --micro-batch-size 2 x data-parallel size 2)")
+    smallest = parse_args(GPTTask(), [*args, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--global-batch-size", "16"], world_size=8, cuda_available=False)
+    assert smallest.num_microbatches == 4
+
+
+def test_data_path_files_are_checked_with_the_flags(tmp_path):
+    """Missing .bin/.idx files fail at parse time, naming the flag and the nearest prefix."""
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{suffix}").write_bytes(b"")
+    data = ["--tokenizer-type", "NullTokenizer", "--data-path"]
+
+    def problem(*paths):
+        with pytest.raises(BitPipeConfigError) as info:
+            parse(*data, *paths, world_size=1)
+        return str(info.value)
+
+    assert f"(did you mean {tmp_path / 'corpus_text_document'}?)" in problem(str(tmp_path / "corpus"))
+    assert "(give the prefix, without .bin/.idx)" in problem(str(tmp_path / "corpus_text_document.bin"))
+    weighted = problem("0.3", str(tmp_path / "corpus_text_document"), "0.7", str(tmp_path / "other_text_document"))
+    assert f"--data-path {tmp_path / 'other_text_document'}:" in weighted and "corpus_text_document:" not in weighted
+    assert parse(*data, str(tmp_path / "corpus_text_document"), world_size=1).data_path == [str(tmp_path / "corpus_text_document")]
 
 
 def test_every_problem_is_reported_at_once():

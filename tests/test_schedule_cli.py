@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -69,3 +70,73 @@ def test_plan_listing():
     out = run("plan", "--schedule", "bitpipe", "-D", "2", "-N", "2")
     assert out.returncode == 0
     assert out.stdout.splitlines()[0].startswith("rank 0: F0.0 F1.1")
+
+
+@pytest.mark.multirank
+def test_module_help_names_the_module():
+    out = run("--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m megatron_bitpipe.schedules ")
+
+
+def _help(capsys, *args) -> str:
+    from megatron_bitpipe.schedules.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_console_script_help(capsys, monkeypatch):
+    """``bitpipe-schedule --help`` names the command; no reStructuredText markup; every cost
+    flag explains itself with its unit."""
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/bitpipe-schedule", "--help"])
+    top, simulate_help, plan_help = _help(capsys), _help(capsys, "simulate"), _help(capsys, "plan")
+    assert top.startswith("usage: bitpipe-schedule [-h] {simulate,plan}")
+    assert simulate_help.startswith("usage: bitpipe-schedule simulate ") and plan_help.startswith("usage: bitpipe-schedule plan ")
+    assert "``" not in top + simulate_help + plan_help
+    flat = " ".join(simulate_help[simulate_help.index("\ncosts:") :].split())  # the cost flags' section
+    order = ["--t-forward TIME", "--t-backward TIME", "--t-weight TIME", "--t-p2p TIME", "--p2p-bytes BYTES",
+             "--p2p-bandwidth BYTES_PER_TIME", "--t-sync TIME"]  # fmt: skip
+    starts = [flat.index(flag + " ") for flag in order] + [len(flat)]
+    helps = {flag: flat[start + len(flag) : end] for flag, start, end in zip(order, starts, starts[1:])}
+    for flag in ("--t-forward TIME", "--t-backward TIME", "--t-weight TIME", "--t-p2p TIME", "--t-sync TIME"):
+        assert "in TIME units" in helps[flag], flag
+    assert "bytes of one message" in helps["--p2p-bytes BYTES"] and "bytes per TIME unit" in helps["--p2p-bandwidth BYTES_PER_TIME"]
+    assert "pip install 'megatron-bitpipe[plot]'" in " ".join(simulate_help.split())
+
+
+def test_plot_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
+    from megatron_bitpipe.schedules.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    plot = tmp_path / "g.png"
+    assert main(["simulate", "--schedule", "bitpipe", "-D", "4", "-N", "8", "--plot", str(plot)], prog="bitpipe-schedule") == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "bitpipe-schedule: error: --plot needs matplotlib, which is not installed: "
+        "pip install 'megatron-bitpipe[plot]' (in a checkout: pip install -e '.[plot]')\n"
+    )
+    assert not plot.exists()
+
+
+def test_misspelled_flag_names_the_closest(capsys):
+    from megatron_bitpipe.schedules.cli import main
+
+    assert main(["simulate", "--schedule", "bitpipe", "-D", "4", "-N", "8", "--t-forwad", "2"], prog="bitpipe-schedule") == 2
+    assert capsys.readouterr().err == "bitpipe-schedule: error: unrecognized arguments: --t-forwad 2 (did you mean --t-forward?)\n"
+
+
+def test_gantt_blocks_name_their_stage():
+    """Each block says its micro-batch and the stage of its chunk: BitPipe's rank 0 holds
+    stages 0, 3, 7 and 4 of D=4 (chunks 0-3), so the same micro-batch number appears with
+    different stages."""
+    from megatron_bitpipe.schedules import generate, simulate
+    from megatron_bitpipe.schedules.render import block_label, chrome_trace
+
+    result = simulate(generate("bitpipe", 4, 4))
+    rank0 = {(e.action.chunk, block_label(result, e)) for e in result.events if e.rank == 0 and str(e.action.type) == "F"}
+    assert {chunk: label.split("\n")[1] for chunk, label in rank0} == {0: "s0", 1: "s3", 2: "s7", 3: "s4"}
+    assert all(label.split("\n")[0].isdigit() for _, label in rank0)
+    stages = {e["args"]["stage"] for e in chrome_trace(result)["traceEvents"] if e.get("ph") == "X" and e["tid"] == 0}
+    assert stages == {0, 3, 4, 7}

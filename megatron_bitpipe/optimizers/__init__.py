@@ -9,22 +9,26 @@
   gradient-sync group;
 * :mod:`.schedule_free` — Schedule-Free AdamW (``--optimizer schedulefree_adamw``) from the
   ``schedulefree`` package (optional extra), exact across evaluation and checkpoints;
-* :mod:`.factory` — building them like megatron-core's own optimizers, their flags and rules.
+* :mod:`.flags` — their flags and rules (pure Python: imported by the parsers before torch);
+* :mod:`.factory` — building them like megatron-core's own optimizers.
 
 See ``docs/optimizers.md``.
 """
 
-from .factory import (
-    OPTIMIZERS,
-    OptimizerChoice,
-    add_optimizer_args,
-    averaged_weights,
-    build_megatron_optimizer,
-    lr_for_logging,
-    megatron_parts,
-    optimizer_problems,
-)
-from .rex import REX, ParamScheduler, rex_coefficient
+import importlib
+
+from .flags import OPTIMIZERS, REX, OptimizerChoice, add_optimizer_args, optimizer_problems
+
+#: name -> submodule, for the names that need torch and megatron-core: imported on first use,
+#: so the flags (:mod:`.flags`) can be parsed and checked without them
+_LAZY = {
+    "averaged_weights": "factory",
+    "build_megatron_optimizer": "factory",
+    "lr_for_logging": "factory",
+    "megatron_parts": "factory",
+    "ParamScheduler": "rex",
+    "rex_coefficient": "rex",
+}
 
 __all__ = [
     "OPTIMIZERS",
@@ -39,3 +43,9 @@ __all__ = [
     "ParamScheduler",
     "rex_coefficient",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

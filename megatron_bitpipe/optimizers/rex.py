@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-__all__ = ["REX", "rex_coefficient", "ParamScheduler"]
+from .flags import REX
 
-REX = "rex"
+__all__ = ["REX", "rex_coefficient", "ParamScheduler"]
 
 
 def rex_coefficient(z: float, beta: float) -> float:

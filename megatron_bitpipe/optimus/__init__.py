@@ -15,12 +15,29 @@ Pipelines built by this package (BitPipe and every other plan) take Optimus thro
 ``megatron_bitpipe.runtime.build.build_pipeline_model(..., tensor_parallel_mode="optimus2d")``.
 """
 
-from megatron_bitpipe.optimus.args import add_optimus_args, validate_optimus_args
-from megatron_bitpipe.optimus.attention import OptimusDotProductAttention
-from megatron_bitpipe.optimus.gpt_model import OptimusGPTModel, optimus_p2p_tensor_shapes
-from megatron_bitpipe.optimus.layout import load_serial_state_dict
-from megatron_bitpipe.optimus.mesh import OptimusMesh, build_optimus_mesh
-from megatron_bitpipe.optimus.spec import get_optimus_gpt_block_spec, get_optimus_gpt_layer_spec
+import importlib
+
+#: public name -> the submodule defining it; imported on first use, so that the flag checks
+#: (:mod:`.args`) load without torch or megatron-core
+_SUBMODULE = {
+    "add_optimus_args": "args",
+    "validate_optimus_args": "args",
+    "OptimusDotProductAttention": "attention",
+    "OptimusGPTModel": "gpt_model",
+    "optimus_p2p_tensor_shapes": "gpt_model",
+    "load_serial_state_dict": "layout",
+    "OptimusMesh": "mesh",
+    "build_optimus_mesh": "mesh",
+    "get_optimus_gpt_block_spec": "spec",
+    "get_optimus_gpt_layer_spec": "spec",
+}
+
+
+def __getattr__(name: str):
+    if name not in _SUBMODULE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_SUBMODULE[name]}"), name)
+
 
 __all__ = [
     "OptimusDotProductAttention",

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from megatron_bitpipe.optimus.mesh import mesh_side
-
 
 def check_optimus_settings(
     tensor_parallel_size: int,
@@ -28,6 +26,8 @@ def check_optimus_settings(
     Raises:
         ValueError: naming every offending flag.
     """
+    from megatron_bitpipe.optimus.mesh import mesh_side  # mesh.py imports torch.distributed
+
     side = mesh_side(tensor_parallel_size)
     problems = [
         f"{flag} ({size}) must be divisible by q={side}"

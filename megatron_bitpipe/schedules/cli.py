@@ -1,4 +1,4 @@
-"""Command line: ``python -m megatron_bitpipe.schedules {simulate,plan} ...``.
+"""Command line: ``bitpipe-schedule {simulate,plan} ...`` (or ``python -m megatron_bitpipe.schedules``).
 
 ``simulate`` validates and simulates one schedule and prints a summary (or one JSON
 object with ``--json``); ``--plot`` writes a Gantt PNG, ``--trace`` a Chrome trace.
@@ -8,7 +8,8 @@ receive ``K`` actions before its consumer, :func:`~.lower.lower`). Costs come fr
 object with :class:`~.simulate.CostModel` fields, e.g. written by
 ``scripts/calibrate_gpu.py``) and/or the ``--t-*`` flags, which take precedence.
 
-Invalid arguments exit with status 2 and one line naming the flag.
+Invalid arguments exit with status 2 and one line naming the flag (the closest flag for an
+unknown one); ``--plot`` without matplotlib says which extra installs it.
 """
 
 from __future__ import annotations
@@ -18,26 +19,29 @@ import json
 import sys
 from typing import List, Optional
 
+from ..usage import USAGE_EXIT_STATUS, FlagParser, UsageError
 from . import SCHEDULES, ScheduleChoice
 from .errors import PlanError, ScheduleConfigError
 from .lower import lower
 from .simulate import CostModel, read_cost_file, simulate
 from .validate import validate_plan
 
+#: CostModel field -> (flag, help); times are in one unit of the caller's choice (TIME), the
+#: forward's by default (t_forward = 1)
 _COST_FLAGS = {
-    "t_forward": "--t-forward",
-    "t_backward": "--t-backward",
-    "t_weight": "--t-weight",
-    "t_p2p": "--t-p2p",
-    "p2p_bytes": "--p2p-bytes",
-    "p2p_bandwidth": "--p2p-bandwidth",
-    "t_sync": "--t-sync",
+    "t_forward": ("--t-forward", "forward of one micro-batch through L/D layers, in TIME units (default 1)"),
+    "t_backward": ("--t-backward", "full backward (input and weight gradients) of the same layers, in TIME units (default 2)"),
+    "t_weight": ("--t-weight", "weight-gradient part of --t-backward, the W of --split-backward, in TIME units (default: half of it)"),
+    "t_p2p": ("--t-p2p", "latency of one point-to-point message, in TIME units (default 0)"),
+    "p2p_bytes": ("--p2p-bytes", "bytes of one message (an activation or gradient at a stage boundary; default 0)"),
+    "p2p_bandwidth": ("--p2p-bandwidth", "bytes per TIME unit; with --p2p-bytes adds bytes/bandwidth to each message (default 0: none)"),
+    "t_sync": ("--t-sync", "gradient all-reduce of L/D layers among replicas and data-parallel ranks, in TIME units (default 0)"),
 }
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit status 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
+_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME"}
+#: the command's one-line description (--help)
+DESCRIPTION = "Plan, validate and simulate pipeline schedules: per-rank actions, makespan, bubble, peak activations."
+#: what installs --plot's library
+PLOT_EXTRA = "pip install 'megatron-bitpipe[plot]' (in a checkout: pip install -e '.[plot]')"
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,17 +50,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ``--virtual-pipeline-model-parallel-size`` (``args.vp``) and ``--split-backward``,
     as :class:`~.choice.ScheduleChoice` and its ``plan`` take them."""
     parser.add_argument("--schedule", choices=SCHEDULES, required=True)
-    parser.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp")
-    parser.add_argument("--num-microbatches", "-N", type=int, required=True, dest="num_microbatches")
+    parser.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp", metavar="D", help="pipeline ranks")
+    parser.add_argument("--num-microbatches", "-N", type=int, required=True, dest="num_microbatches", metavar="N",
+                        help="micro-batches of one step (per data-parallel rank)")
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, dest="vp",
                         help="chunks per rank (interleaved only; default 2)")
     parser.add_argument("--split-backward", action="store_true",
                         help="run each backward as input gradient (I) + deferred weight gradients (W)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m megatron_bitpipe.schedules", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _parser(prog: Optional[str] = None) -> FlagParser:
+    parser = FlagParser(prog=prog, description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=FlagParser)
     for name, help_text in (("simulate", "validate and simulate a schedule"), ("plan", "print per-rank actions")):
         sub = commands.add_parser(name, help=help_text)
         add_plan_arguments(sub)
@@ -67,11 +72,17 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--receive-lookahead", type=_non_negative_int, default=0, metavar="K",
                              help="with --communication: post each receive K actions before its consumer (default 0)")
         if name == "simulate":
-            sub.add_argument("--costs", metavar="FILE", help="JSON cost file (CostModel fields)")
-            for field, flag in _COST_FLAGS.items():
-                sub.add_argument(flag, type=float, default=None, dest=field)
+            costs = sub.add_argument_group(
+                "costs", "TIME is one unit of your choice (the forward's by default, or milliseconds); "
+                "the flags override --costs"
+            )
+            costs.add_argument("--costs", metavar="FILE",
+                               help="JSON cost file with these fields (t_forward, t_backward, ...), e.g. from scripts/calibrate_gpu.py")
+            for field, (flag, help_text) in _COST_FLAGS.items():
+                costs.add_argument(flag, type=float, default=None, dest=field, metavar=_COST_METAVARS.get(field, "TIME"),
+                                   help=help_text)
             sub.add_argument("--json", action="store_true", help="print one JSON object")
-            sub.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart")
+            sub.add_argument("--plot", metavar="FILE.png", help=f"write a Gantt chart; needs matplotlib: {PLOT_EXTRA}")
             sub.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace")
     return parser
 
@@ -92,17 +103,33 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     values.update({k: getattr(args, k) for k in _COST_FLAGS if getattr(args, k) is not None})
     for key, value in values.items():
         if value < 0:
-            raise ScheduleConfigError(f"{_COST_FLAGS[key]}: costs must be >= 0 (got {value:g})")
+            raise ScheduleConfigError(f"{_COST_FLAGS[key][0]}: costs must be >= 0 (got {value:g})")
     try:
         return CostModel(**values)
     except ValueError as exc:
         raise ScheduleConfigError(f"--t-forward/--t-backward/--t-weight: {exc}") from None
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+def _require_matplotlib() -> None:
     try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ScheduleConfigError(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}") from None
+
+
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    """The command line; returns the exit status (2: bad arguments, one line on stderr).
+    ``prog`` names the command in messages (default: ``sys.argv[0]``'s file name, e.g.
+    ``bitpipe-schedule``)."""
+    parser = _parser(prog)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return USAGE_EXIT_STATUS
+    try:
+        if args.command == "simulate" and args.plot:
+            _require_matplotlib()
         costs = cost_model(args) if args.command == "simulate" else None
         choice = ScheduleChoice(args.schedule, args.split_backward, costs, args.vp)
         plan = choice.plan(args.pp, args.num_microbatches, args.forward_only)
@@ -112,7 +139,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         validate_plan(plan)
         result = simulate(plan, costs)
     except (ScheduleConfigError, OSError, json.JSONDecodeError) as exc:
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT_STATUS
     except PlanError as exc:  # a generator produced an invalid plan: report, not a usage error
         print(f"invalid plan: {exc}", file=sys.stderr)
         return 1

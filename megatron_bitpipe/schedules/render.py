@@ -3,7 +3,9 @@
 Colours encode the pipeline (direction) of each micro-batch; forwards are light,
 backwards (``B``, or the input-gradient part ``I`` of a split backward) dark and
 weight-gradient actions (``W``) mid-tone and hatched; gradient all-reduces (``SYNC``) are drawn on
-a thin lane under each rank. Chrome traces (``chrome://tracing`` / Perfetto) use one simulator time unit per
+a thin lane under each rank. Each block is labelled with its micro-batch and, under it, the
+stage its chunk holds (:func:`block_label`: ``s0`` is a pipeline's first stage), so the chunks
+of a rank (two to four with interleaving, Chimera and BitPipe) tell apart. Chrome traces (``chrome://tracing`` / Perfetto) use one simulator time unit per
 millisecond, so costs given in milliseconds read naturally.
 """
 
@@ -13,7 +15,7 @@ import json
 from typing import Dict, List
 
 from .actions import ActionType
-from .simulate import SimulationResult
+from .simulate import Event, SimulationResult
 
 #: (forward, backward or input gradient, weight gradient) colours per pipeline: blue for the
 #: down / only pipeline, orange for up.
@@ -21,6 +23,12 @@ PIPELINE_COLOURS = (("#9ecae1", "#2171b5", "#4292c6"), ("#fdae6b", "#d94801", "#
 _SHADE = {ActionType.FORWARD: 0, ActionType.BACKWARD: 1, ActionType.BACKWARD_INPUT: 1, ActionType.BACKWARD_WEIGHT: 2}
 _HATCH = {ActionType.BACKWARD_WEIGHT: "///"}
 SYNC_COLOUR = "#41ab5d"
+
+
+def block_label(result: SimulationResult, event: Event) -> str:
+    """The Gantt label of ``event``: its micro-batch, and under it the stage its chunk holds."""
+    stage = result.plan.placement.role(event.rank, event.action.chunk).stage
+    return f"{event.action.microbatch}\ns{stage}"
 
 
 def chrome_trace(result: SimulationResult) -> Dict:
@@ -39,7 +47,12 @@ def chrome_trace(result: SimulationResult) -> Dict:
                 "tid": 2 * event.rank + lane,
                 "ts": event.start * 1000.0,
                 "dur": (event.end - event.start) * 1000.0,
-                "args": {"pipeline": event.pipeline, "microbatch": event.action.microbatch, "chunk": event.action.chunk},
+                "args": {
+                    "pipeline": event.pipeline,
+                    "microbatch": event.action.microbatch,
+                    "chunk": event.action.chunk,
+                    "stage": result.plan.placement.role(event.rank, event.action.chunk).stage,
+                },
             }
         )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": result.summary()}
@@ -71,8 +84,9 @@ def plot_gantt(result: SimulationResult, path: str, title: str | None = None) ->
                 linewidth=0.6, hatch=_HATCH.get(event.action.type))
         if event.end - event.start >= 0.4:
             ax.text(
-                (event.start + event.end) / 2, y, str(event.action.microbatch),
-                ha="center", va="center", fontsize=7, color="black" if forward else "white",
+                (event.start + event.end) / 2, y, block_label(result, event),
+                ha="center", va="center", fontsize=6, linespacing=1.0, color="black" if forward else "white",
+                bbox=dict(facecolor=colour, edgecolor="none", pad=0.3) if event.action.type in _HATCH else None,
             )
     for event in result.sync_events:
         y = num_ranks - 1 - event.rank - row_height / 2 - sync_height / 2 - 0.02
@@ -80,7 +94,8 @@ def plot_gantt(result: SimulationResult, path: str, title: str | None = None) ->
     ax.set_yticks(range(num_ranks))
     ax.set_yticklabels([f"rank {r}" for r in reversed(range(num_ranks))])
     ax.set_xlim(0, result.makespan)
-    ax.set_xlabel("time (units of t_F = forward of L/D layers)" if result.costs.t_forward == 1 else "time")
+    unit = " (units of t_F = forward of L/D layers)" if result.costs.t_forward == 1 else ""
+    ax.set_xlabel(f"time{unit}; a block: micro-batch over stage (s0 = first stage)")
     heading = title or (
         f"{plan.name}: D={num_ranks}, N={plan.num_microbatches}, "
         f"bubble {100 * result.bubble_ratio:.1f}%, makespan {result.makespan:g}"

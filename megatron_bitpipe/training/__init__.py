@@ -23,7 +23,16 @@
 See ``docs/running.md`` and ``docs/checkpoints.md``.
 """
 
-from .loop import main, pretrain
-from .task import PretrainTask
+import importlib
 
 __all__ = ["main", "pretrain", "PretrainTask"]
+
+#: public name -> the submodule defining it, imported on first use: the scripts parse their
+#: flags (:mod:`.arguments`, :mod:`.script`) before torch and megatron-core are imported
+_SUBMODULE = {"main": "loop", "pretrain": "loop", "PretrainTask": "task"}
+
+
+def __getattr__(name: str):
+    if name not in _SUBMODULE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_SUBMODULE[name]}"), name)

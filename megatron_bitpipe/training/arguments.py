@@ -2,15 +2,19 @@
 
 :func:`parse_args` builds the parser (common flags, :func:`~megatron_bitpipe.add_bitpipe_args`
 and the task's own), parses, fills Megatron-LM's derived values and runs :func:`validate`.
-Everything here is pure Python and runs before any process group exists, so a bad
-configuration fails identically on every rank before any communication, with one
-:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` naming every offending flag.
+Everything here is pure Python (torch is imported only to ask whether CUDA is available)
+and runs before any process group exists, so a bad configuration fails identically on every
+rank before any communication: a command line argparse rejects with one
+:class:`~megatron_bitpipe.usage.UsageError` line (the closest flag for an unknown one), a
+broken rule with one :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` naming
+every offending flag. The files a run reads are checked here too: the ``.bin``/``.idx``
+pairs of ``--data-path``.
 
 Derived values (Megatron-LM's conventions): ``world_size`` (``WORLD_SIZE`` of torchrun, 1
 for a single process), ``data_parallel_size``, ``num_microbatches`` (per data-parallel rank),
 ``ffn_hidden_size`` (4 x hidden, or Megatron's SwiGLU size), ``kv_channels``,
 ``max_position_embeddings`` (``--seq-length``), ``global_batch_size`` (micro-batch x
-data-parallel size), ``lr_decay_iters`` (``--train-iters``), ``use_mock_data`` (no
+data-parallel size; ``global_batch_size_defaulted`` says the flag was left out), ``lr_decay_iters`` (``--train-iters``), ``use_mock_data`` (no
 ``--data-path``), ``schedule`` (what actually runs: ``bitpipe``, ``no_pipelining``, ``1f1b``
 or ``interleaved``), ``recompute_granularity`` (``selective`` with ``--recompute-activations``).
 
@@ -24,6 +28,7 @@ not depend on the TP size (any TP size dividing ``--make-vocab-size-divisible-by
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import math
 import os
@@ -31,21 +36,34 @@ import signal
 from typing import List, Optional, Sequence
 
 from ..megatron_args import (
-    MICROBATCHES_SOURCE,
     PLAN_SCHEDULES,
     RECOMPUTE_MODULES,
     BitPipeConfigError,
     add_bitpipe_args,
     bitpipe_arg_problems,
+    microbatch_problems,
     recompute_problems,
 )
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
+from ..usage import FlagParser
 
-__all__ = ["BitPipeConfigError", "CHECKPOINT_FORMATS", "EXIT_SIGNALS", "build_parser", "parse_args", "validate", "padded_vocab_size"]
+__all__ = [
+    "BYTE_LEVEL_TOKENIZER",
+    "BitPipeConfigError",
+    "CHECKPOINT_FORMATS",
+    "EXIT_SIGNALS",
+    "build_parser",
+    "data_path_prefixes",
+    "parse_args",
+    "validate",
+    "padded_vocab_size",
+]
 
 #: --ckpt-format values (Megatron-LM's spelling)
 CHECKPOINT_FORMATS = ("torch_dist",)
+#: --tokenizer-type of megatron-core's byte-level tokenizer
+BYTE_LEVEL_TOKENIZER = "ByteLevelTokenizer"
 
 #: --tokenizer-type -> the file flags it needs
 TOKENIZER_FILES = {
@@ -58,7 +76,7 @@ TOKENIZER_FILES = {
     "Llama2Tokenizer": ("tokenizer_model",),
     "TikTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
-    "ByteLevelTokenizer": (),  # megatron-core's byte-level tokenizer: no files
+    BYTE_LEVEL_TOKENIZER: (),  # megatron-core's byte-level tokenizer: no files
 }
 #: the fewest tokens of ByteLevelTokenizer's vocabulary (one per byte)
 BYTE_VOCAB = 256
@@ -251,9 +269,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--eod-mask-loss", action="store_true")
 
 
-def build_parser(task=None, prog: Optional[str] = None) -> argparse.ArgumentParser:
+def build_parser(task=None, prog: Optional[str] = None) -> FlagParser:
     """The pretrain scripts' parser: common flags plus ``task.add_arguments`` (if any)."""
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    parser = FlagParser(prog=prog)
     for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_checkpoint_args, _add_data_args):
         add(parser)
     add_optimizer_args(parser)
@@ -272,6 +290,7 @@ def _fill_derived(args: argparse.Namespace, world_size: int, cuda_available: boo
     args.world_size = world_size
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     args.data_parallel_size = max(world_size // max(model_parallel, 1), 1)
+    args.global_batch_size_defaulted = args.global_batch_size is None
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -348,7 +367,7 @@ def _pipeline_problems(args) -> List[str]:
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     if args.pipeline_schedule not in PLAN_SCHEDULES and not _flag_combination_problem(args):
         choice = ScheduleChoice("interleaved" if args.schedule == "interleaved" else "1f1b", virtual_size=vp)
-        problems += choice.problems(pp, args.num_microbatches, args.num_layers, microbatches=MICROBATCHES_SOURCE)
+        problems += microbatch_problems(args, choice, args.num_microbatches)
     if args.schedule == "interleaved" and pp < 2:
         problems.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2")
     if args.tensor_parallel_mode == "optimus2d" and args.schedule == "interleaved":
@@ -423,10 +442,49 @@ def _schedule_problems(args) -> List[str]:
     return problems
 
 
+def data_path_prefixes(data_path: Sequence[str]) -> List[str]:
+    """The dataset prefixes of ``--data-path`` (``prefix ...`` or ``weight prefix ...``, read
+    as megatron-core's ``get_blend_from_list`` reads them)."""
+    if len(data_path) % 2:
+        return list(data_path)
+    try:
+        [float(weight) for weight in data_path[::2]]
+    except ValueError:
+        return list(data_path)
+    return list(data_path[1::2])
+
+
+def _missing_dataset_problem(prefix: str) -> Optional[str]:
+    """Why ``prefix`` is not a Megatron indexed dataset (its ``.bin`` and ``.idx``), with the
+    nearest prefix there is; None if both files exist."""
+    missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
+    if not missing:
+        return None
+    problem = f"--data-path {prefix}: {' and '.join(missing)} not found"
+    directory = os.path.dirname(prefix) or "."
+    if prefix.endswith((".bin", ".idx")):
+        return problem + " (give the prefix, without .bin/.idx)"
+    if not os.path.isdir(directory):
+        return problem + f" (no directory {directory})"
+    prefixes = sorted(
+        os.path.join(os.path.dirname(prefix), name[: -len(".bin")])
+        for name in os.listdir(directory)
+        if name.endswith(".bin") and os.path.isfile(os.path.join(directory, name[: -len(".bin")] + ".idx"))
+    )
+    near = [p for p in prefixes if os.path.basename(p).startswith(os.path.basename(prefix))] or difflib.get_close_matches(prefix, prefixes, n=1)
+    if near:
+        return problem + f" (did you mean {near[0]}?)"
+    return problem + " (scripts/preprocess_data.py writes PREFIX_text_document.bin and .idx)"
+
+
 def _data_problems(args) -> List[str]:
     problems = []
     if args.data_path and args.mock_data:
         problems.append("--mock-data and --data-path are mutually exclusive")
+    for prefix in data_path_prefixes(args.data_path or []):
+        problem = _missing_dataset_problem(prefix)
+        if problem:
+            problems.append(problem)
     tokenizer = args.tokenizer_type
     if tokenizer is None:
         if not args.use_mock_data:
@@ -467,14 +525,17 @@ def parse_args(
     *,
     world_size: Optional[int] = None,
     cuda_available: Optional[bool] = None,
+    prog: Optional[str] = None,
 ) -> argparse.Namespace:
     """Parse and check ``argv`` (default ``sys.argv[1:]``) for a job of ``world_size`` ranks.
 
-    ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun);
-    ``cuda_available`` to ``torch.cuda.is_available()``. Usage errors exit like argparse
-    (status 2); rule violations raise :class:`BitPipeConfigError`.
+    ``task`` adds its flags and rules (a :class:`~.task.TaskArguments`); ``world_size``
+    defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun); ``cuda_available`` to
+    ``torch.cuda.is_available()``; ``prog`` names the script in messages. A command line
+    argparse rejects raises :class:`~megatron_bitpipe.usage.UsageError` (``--help`` prints
+    and exits 0 as usual); rule violations raise :class:`BitPipeConfigError`.
     """
-    parser = build_parser(task)
+    parser = build_parser(task, prog)
     args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -49,6 +49,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 
 from ..runtime.bert import build_bert_chunks
 from ..schedules.placement import Placement
+from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments
 from .data import indexed_datasets
 from .model import build_model
 from .task import PretrainTask
@@ -68,9 +69,7 @@ __all__ = [
 BERT_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mask")
 
 # Token ids of the mock vocabulary; ordinary tokens are [_FIRST_WORD, vocab_size).
-_PAD, _CLS, _SEP, _MASK, _FIRST_WORD = 0, 1, 2, 3, 4
-#: shortest mock sample: [CLS] word [SEP] word [SEP]
-_MOCK_MIN_LENGTH = 5
+_PAD, _CLS, _SEP, _MASK, _FIRST_WORD = 0, 1, 2, 3, MOCK_FIRST_WORD
 
 
 class MockBERTDataset(torch.utils.data.Dataset):
@@ -93,11 +92,11 @@ class MockBERTDataset(torch.utils.data.Dataset):
         mask_prob: float = 0.15,
         min_length: Optional[int] = None,
     ):
-        min_length = max(_MOCK_MIN_LENGTH, seq_length // 2) if min_length is None else min_length
+        min_length = max(MOCK_MIN_LENGTH, seq_length // 2) if min_length is None else min_length
         if vocab_size <= _FIRST_WORD:
             raise ValueError(f"--vocab-size {vocab_size}: the mock BERT data needs more than {_FIRST_WORD} tokens")
-        if not _MOCK_MIN_LENGTH <= min_length <= seq_length:
-            raise ValueError(f"--seq-length {seq_length}: mock BERT samples need at least {_MOCK_MIN_LENGTH} positions")
+        if not MOCK_MIN_LENGTH <= min_length <= seq_length:
+            raise ValueError(f"--seq-length {seq_length}: mock BERT samples need at least {MOCK_MIN_LENGTH} positions")
         if not 0.0 < mask_prob < 1.0:
             raise ValueError(f"--mask-prob {mask_prob} must be in (0, 1)")
         self.num_samples = num_samples
@@ -217,15 +216,11 @@ def bert_forward_step(data_iterator: Iterator, model: torch.nn.Module):
     return output, functools.partial(bert_loss, batch["loss_mask"], batch["is_random"])
 
 
-#: --tokenizer-type values megatron's BERT dataset works with (it needs [CLS], [SEP], [MASK])
-WORDPIECE_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
 #: mock validation samples are samples MOCK_VALID_OFFSET... of the generator, far from training's
 MOCK_VALID_OFFSET = 1 << 40
-#: RotaryEmbedding's base in megatron's BertModel (not configurable there)
-_BERT_ROTARY_BASE = 10000
 
 
-class BertTask(PretrainTask):
+class BertTask(BertArguments, PretrainTask):
     """BERT with megatron-core; see the module docstring.
 
     :attr:`loss_names` follows ``--bert-no-binary-head`` once :meth:`build_model` has seen the
@@ -234,46 +229,7 @@ class BertTask(PretrainTask):
 
     name = "bert"
     loss_names = ("lm loss", "sop loss")
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group(title="BERT")
-        group.add_argument(
-            "--bert-no-binary-head",
-            action="store_false",
-            dest="bert_binary_head",
-            help="no next-sentence (binary) head, no token types, no sop loss",
-        )
-        group.add_argument("--mask-prob", type=float, default=0.15, help="share of the words masked for the MLM loss")
-        group.add_argument(
-            "--short-seq-prob",
-            type=float,
-            default=0.1,
-            help="probability of a shorter sample (megatron's BERT dataset; --data-path only)",
-        )
-
-    def validate(self, args: argparse.Namespace) -> List[str]:
-        problems = []
-        if args.tensor_parallel_mode != "1d":
-            problems.append(f"--tensor-parallel-mode {args.tensor_parallel_mode} supports GPT only; BERT runs with 1d")
-        if not 0.0 < args.mask_prob < 1.0:
-            problems.append(f"--mask-prob must be in (0, 1) (got {args.mask_prob})")
-        if not 0.0 <= args.short_seq_prob <= 1.0:
-            problems.append(f"--short-seq-prob must be in [0, 1] (got {args.short_seq_prob})")
-        if args.eod_mask_loss:
-            problems.append("--eod-mask-loss applies to GPT only (BERT's loss is on its masked tokens)")
-        if args.position_embedding_type == "rope" and args.rotary_base != _BERT_ROTARY_BASE:
-            problems.append(f"--rotary-base: megatron's BertModel uses {_BERT_ROTARY_BASE} (got {args.rotary_base})")
-        if args.use_mock_data:
-            if args.vocab_size is not None and args.vocab_size <= _FIRST_WORD:
-                problems.append(f"--vocab-size {args.vocab_size}: mock BERT data needs more than {_FIRST_WORD} tokens")
-            if args.seq_length < _MOCK_MIN_LENGTH:
-                problems.append(f"--seq-length {args.seq_length}: mock BERT samples need at least {_MOCK_MIN_LENGTH} positions")
-        elif args.tokenizer_type is not None and args.tokenizer_type not in WORDPIECE_TOKENIZERS:
-            problems.append(
-                f"--data-path: megatron's BERT dataset needs a WordPiece tokenizer "
-                f"(--tokenizer-type {' or '.join(WORDPIECE_TOKENIZERS)}), not {args.tokenizer_type}"
-            )
-        return problems
+    causal_attention = False
 
     def model_flags(self):
         return {**super().model_flags(), "--bert-no-binary-head": lambda a: not getattr(a, "bert_binary_head", True)}
@@ -293,7 +249,7 @@ class BertTask(PretrainTask):
                 MOCK_VALID_OFFSET + valid_samples, args.seq_length, tokenizer.vocab_size, args.seed, mask_prob=args.mask_prob
             )
             valid = torch.utils.data.Subset(data, range(MOCK_VALID_OFFSET, MOCK_VALID_OFFSET + valid_samples))
-            return torch.utils.data.Subset(data, range(train_samples)), (valid if valid_samples else None)
+            return torch.utils.data.Subset(data, range(train_samples)), (valid if valid_samples else None), None
         from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 
         return indexed_datasets(

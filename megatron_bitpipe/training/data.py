@@ -12,10 +12,12 @@ a broadcast.
 
 **Megatron indexed datasets** (``--data-path``) come from megatron-core's
 ``BlendedMegatronDatasetBuilder`` (:func:`indexed_datasets`): ``--train-iters`` and
-``--eval-iters`` global batches of samples, the blend and ``--split`` of the flags.
+``--eval-iters`` global batches of samples (``--eval-iters`` for the test split too), the
+blend and ``--split`` of the flags.
 
 **Evaluation** always runs on the first ``--eval-iters`` global batches of the validation
-set, so successive validation losses are comparable and do not depend on resumes.
+set, so successive validation losses are comparable and do not depend on resumes; the test
+set, where ``--split`` gives it a share, is evaluated the same way once, after training.
 
 **Tokenizers** are megatron-core's (``megatron.core.tokenizers``), selected with
 Megatron-LM's ``--tokenizer-type`` and file flags; mock data without ``--tokenizer-type``
@@ -37,12 +39,9 @@ import torch
 
 from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
+from .arguments import BYTE_LEVEL_TOKENIZER
 
 __all__ = ["BYTE_LEVEL_TOKENIZER", "build_tokenizer", "indexed_datasets", "microbatches", "collate"]
-
-
-#: --tokenizer-type of megatron-core's byte-level tokenizer
-BYTE_LEVEL_TOKENIZER = "ByteLevelTokenizer"
 
 
 def build_tokenizer(args: argparse.Namespace):
@@ -67,30 +66,65 @@ def build_tokenizer(args: argparse.Namespace):
         raise BitPipeConfigError(f"--tokenizer-type {tokenizer_type}: cannot build the tokenizer: {error}") from error
 
 
-def indexed_datasets(args: argparse.Namespace, tokenizer, dataset_class, config_class, **fields) -> Tuple[object, Optional[object]]:
-    """``(train, valid)`` megatron-core datasets of ``dataset_class`` over the ``--data-path``
-    blend (valid None with ``--eval-iters 0``).
+#: megatron-core's splits, in the order of its split matrix
+_SPLITS = ("training", "validation", "test")
+
+
+def _split_elements(dataset_class, config, prefix: str, split: int) -> int:
+    """Elements (sequences or documents, as ``dataset_class`` splits) of ``prefix`` that
+    megatron-core's builder gives to split ``split`` (its rounding of the ``--split`` shares)."""
+    share = config.split_matrix[split]
+    if share is None:
+        return 0
+    elements = dataset_class.numel_low_level_dataset(dataset_class.build_low_level_dataset(prefix, config))
+    return int(round(share[1] * elements)) - int(round(share[0] * elements))
+
+
+def indexed_datasets(
+    args: argparse.Namespace, tokenizer, dataset_class, config_class, **fields
+) -> Tuple[object, Optional[object], Optional[object]]:
+    """``(train, valid, test)`` megatron-core datasets of ``dataset_class`` over the
+    ``--data-path`` blend: ``--train-iters`` global batches of training samples and
+    ``--eval-iters`` of validation and of test samples (valid and test None with
+    ``--eval-iters 0``; test None unless ``--split`` gives it a part of every dataset of the
+    blend).
 
     ``config_class`` (a ``BlendedMegatronDatasetConfig``) gets the common fields from the
     flags (``--seed``, ``--seq-length``, ``--data-path``, ``--split``, ``--data-cache-path``,
-    the tokenizer, memory-mapped ``.bin`` files) and the task's ``fields``.
+    the tokenizer, memory-mapped ``.bin`` files) and the task's ``fields``. megatron-core's
+    builder would loop forever on a split with a share but no data (a small corpus and the
+    default ``--split 969, 30, 1``): such a split is left out, and BitPipeConfigError names
+    ``--split`` if it is the training set or, with evaluation, the validation set.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.utils import get_blend_from_list
 
+    blend = get_blend_from_list(args.data_path)
     config = config_class(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=get_blend_from_list(args.data_path),
+        blend=blend,
         split=args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
         mmap_bin_files=True,
         **fields,
     )
-    samples = [args.train_iters * args.global_batch_size, args.eval_iters * args.global_batch_size, 0]
-    train, valid, _ = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
-    return train, (valid if args.eval_iters > 0 else None)
+    needed = (True, args.eval_iters > 0, False)
+    held = []
+    for split, name in enumerate(_SPLITS):
+        empty = [prefix for prefix in blend[0] if _split_elements(dataset_class, config, prefix, split) < 1]
+        if empty and needed[split]:
+            extra = " or set --eval-iters 0" if split else ""
+            raise BitPipeConfigError(f"--split {args.split}: the {name} set gets no data of {empty[0]}; give it a larger share{extra}")
+        held.append(not empty)
+    config.split_matrix = [share if has_data else None for share, has_data in zip(config.split_matrix, held)]
+    evaluated = args.eval_iters * args.global_batch_size
+    samples = [args.train_iters * args.global_batch_size, evaluated, evaluated]
+    train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
+    if args.eval_iters == 0:
+        return train, None, None
+    return train, valid, test
 
 
 def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:

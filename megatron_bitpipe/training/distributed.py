@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from ..megatron_args import BitPipeConfigError
 
-__all__ = ["Distributed", "initialize", "log", "report_error"]
+__all__ = ["Distributed", "initialize", "log"]
 
 
 @dataclass(frozen=True)
@@ -84,8 +83,3 @@ def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Non
         )
     return Distributed(rank, world_size, local_rank, device, args.distributed_backend)
 
-
-def report_error(error: BaseException) -> None:
-    """Write ``error`` to stderr with this rank's number (every rank reports its own)."""
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)

@@ -111,7 +111,7 @@ class GPTTask(PretrainTask):
         if args.use_mock_data:
             vocab = tokenizer.vocab_size
             valid = MockGPTDataset(args.seed, "valid", args.seq_length, vocab) if args.eval_iters > 0 else None
-            return MockGPTDataset(args.seed, "train", args.seq_length, vocab), valid
+            return MockGPTDataset(args.seed, "train", args.seq_length, vocab), valid, None
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
         return indexed_datasets(

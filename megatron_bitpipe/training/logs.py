@@ -1,15 +1,32 @@
 """Progress output of the training loop: Megatron-style lines, JSON lines, TensorBoard.
 
 Only rank 0 writes; every value it writes is already reduced over the job (losses are
-gathered from the loss ranks by the loop). One :class:`IterationRecord` per iteration:
+gathered from the loss ranks by the loop, memory is the busiest rank's). Three kinds of
+output:
 
-* stdout, every ``--log-interval`` iterations and after the last one: Megatron-LM's line
-  (time, throughput and losses averaged over the interval), and Megatron-LM's validation block after an evaluation;
-* ``--log-json PATH``: one JSON object per iteration with ``iteration``,
-  ``consumed_samples``, ``elapsed_ms``, ``tokens_per_second``, ``lr``, ``grad_norm``,
-  ``loss_scale``, ``skipped``, one key per loss (``"lm loss"`` -> ``lm_loss``) and, after an
-  evaluation, ``validation_<loss>`` (e.g. ``validation_lm_loss``). A resumed run appends;
-* ``--tensorboard-dir``: the same scalars, when TensorBoard is installed (a warning otherwise).
+* **start-up** (:meth:`TrainingLogger.startup`): the schedule, the layout, Megatron-LM's
+  parameter count per model-parallel rank, the memory after the model and optimizer are
+  built (see :mod:`.report` for what memory means on a GPU and on the CPU) and the model
+  FLOPs of one iteration;
+* **one :class:`IterationRecord` per iteration** (:meth:`TrainingLogger.record`); every
+  ``--log-interval`` iterations Megatron-LM's line (timestamp, throughput, losses averaged
+  over the interval, loss scale with ``--fp16``, grad norm, skipped and NaN iterations) with
+  the busiest rank's memory and, with a GPU, TFLOP/s per device; Megatron-LM's validation
+  block after an evaluation;
+* **the end** (:meth:`TrainingLogger.summary`): the test-set evaluation where there is one,
+  and a summary (iterations, total and training time, final validation and test losses,
+  peak memory).
+
+``--log-json PATH`` writes one JSON object per line, each with ``event``: ``"startup"``
+(``schedule``, ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+``data_parallel_size``, ``num_microbatches``, ``padded_vocab_size``, ``memory``,
+``model_flops_per_iteration``, ``ranks``: a list of ``rank``, ``tp_rank``, ``pp_rank``,
+``dp_rank``, ``parameters``, ``memory_mib``), ``"iteration"`` (:meth:`IterationRecord.to_json`)
+or ``"summary"`` (``iterations``, ``iterations_this_run``, ``total_time_s``,
+``train_time_s``, ``max_memory_mib`` and ``validation_<loss>`` / ``test_<loss>`` where
+evaluated). A resumed run appends.
+
+``--tensorboard-dir``: the iteration scalars, when TensorBoard is installed (a warning otherwise).
 """
 
 from __future__ import annotations
@@ -17,17 +34,30 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from datetime import datetime
+from typing import Dict, List, Optional, Sequence
 
+from ..schedules import ScheduleChoice
 from .distributed import log
+from .report import RankReport
 
-__all__ = ["IterationRecord", "TrainingLogger", "json_key"]
+__all__ = ["IterationRecord", "TrainingLogger", "json_key", "schedule_label", "timestamp"]
 
 
 def json_key(loss_name: str) -> str:
     """``"lm loss"`` -> ``"lm_loss"``."""
     return loss_name.replace(" ", "_")
+
+
+def timestamp(seconds: float) -> str:
+    """Megatron-LM's timestamp of a time (``time.time()``): local ``YYYY-MM-DD HH:MM:SS.ffffff``."""
+    return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(min(20.0, loss))
 
 
 @dataclass
@@ -36,8 +66,10 @@ class IterationRecord:
 
     Units: ``elapsed_ms`` wall-clock milliseconds of the iteration on rank 0; ``lr`` the
     learning rate of this iteration's update; ``grad_norm`` the global L2 norm before clipping
-    (None when megatron did not compute it); ``validation`` the losses of an evaluation run
-    right after this iteration, if any.
+    (None when megatron did not compute it); ``max_memory_mib`` the busiest rank's memory
+    (:mod:`.report`); ``tflops_per_device`` model TFLOP/s per device (None without a GPU);
+    ``time`` when the iteration ended (``time.time()``); ``validation`` the losses of an
+    evaluation run right after this iteration, if any.
     """
 
     iteration: int
@@ -49,10 +81,20 @@ class IterationRecord:
     loss_scale: float
     skipped: bool
     losses: Dict[str, float]
+    max_memory_mib: Optional[float] = None
+    tflops_per_device: Optional[float] = None
+    time: float = field(default_factory=time.time)
     validation: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def nan(self) -> bool:
+        """Whether a loss of the iteration is NaN or infinite."""
+        return not all(math.isfinite(value) for value in self.losses.values())
 
     def to_json(self) -> dict:
         out = {
+            "event": "iteration",
+            "timestamp": datetime.fromtimestamp(self.time).isoformat(),
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
             "elapsed_ms": self.elapsed_ms,
@@ -61,19 +103,37 @@ class IterationRecord:
             "grad_norm": self.grad_norm,
             "loss_scale": self.loss_scale,
             "skipped": self.skipped,
+            "nan": self.nan,
+            "max_memory_mib": self.max_memory_mib,
+            "tflops_per_device": self.tflops_per_device,
         }
         out.update({json_key(name): value for name, value in self.losses.items()})
         out.update({f"validation_{json_key(name)}": value for name, value in self.validation.items()})
         return out
 
 
+def schedule_label(args) -> str:
+    """The schedule that runs, as the logs name it: BitPipe's
+    :attr:`~megatron_bitpipe.schedules.ScheduleChoice.label` (``bitpipe+split-backward``)
+    with its ``--schedule-costs`` file, megatron-core's schedule with its chunks per rank."""
+    if args.schedule == "bitpipe":
+        label = ScheduleChoice("bitpipe", args.split_backward).label
+        return label + (f" (costs from {args.schedule_costs})" if args.schedule_costs else "")
+    if args.schedule == "interleaved":
+        chunks = ScheduleChoice("interleaved", virtual_size=args.virtual_pipeline_model_parallel_size).virtual_chunks
+        return f"interleaved ({chunks} chunks per rank)"
+    return args.schedule
+
+
 class TrainingLogger:
-    """Writes :class:`IterationRecord` s on rank 0 (a no-op elsewhere)."""
+    """Writes the start-up report, :class:`IterationRecord` s and the summary on rank 0 (a
+    no-op elsewhere)."""
 
     def __init__(self, args, rank: int, resumed: bool):
         self.args = args
         self.active = rank == 0
         self.interval: List[IterationRecord] = []
+        self.max_memory_mib: Optional[float] = None  # over the iterations of this run
         self.json = None
         self.tensorboard = None
         if not self.active:
@@ -92,9 +152,9 @@ class TrainingLogger:
     def record(self, record: IterationRecord) -> None:
         if not self.active:
             return
-        if self.json is not None:
-            self.json.write(json.dumps(record.to_json()) + "\n")
-            self.json.flush()
+        self._json(record.to_json())
+        if record.max_memory_mib is not None:
+            self.max_memory_mib = max(record.max_memory_mib, self.max_memory_mib or 0.0)
         if self.tensorboard is not None:
             self._tensorboard(record)
         self.interval.append(record)
@@ -103,14 +163,53 @@ class TrainingLogger:
         if record.validation:
             self._validation(record)
 
+    def startup(self, ranks: Sequence[RankReport], memory: str, flops_per_iteration: float) -> None:
+        """The start-up report: parameters per model-parallel rank (data-parallel rank 0, as
+        Megatron-LM prints them), memory after setup (``memory`` says what it measures) and
+        the model FLOPs of one iteration."""
+        if not self.active:
+            return
+        args = self.args
+        for r in sorted((r for r in ranks if r.dp_rank == 0), key=lambda r: (r.pp_rank, r.tp_rank)):
+            log(f" > number of parameters on (tensor, pipeline) model parallel rank ({r.tp_rank}, {r.pp_rank}): {r.parameters}")
+        most, least = max(ranks, key=lambda r: r.memory_mib), min(ranks, key=lambda r: r.memory_mib)
+        if len(ranks) == 1:
+            log(f" > memory after setup (MiB, {memory}): {most.memory_mib:.1f}")
+        else:
+            log(
+                f" > memory after setup (MiB, {memory}): max {most.memory_mib:.1f} (rank {most.rank}), "
+                f"min {least.memory_mib:.1f} (rank {least.rank})"
+            )
+        log(f" > model FLOPs per iteration: {flops_per_iteration:.3E} (matrix products, forward and backward)")
+        self._json(
+            {
+                "event": "startup",
+                "timestamp": datetime.now().isoformat(),
+                "schedule": schedule_label(args),
+                "tensor_model_parallel_size": args.tensor_model_parallel_size,
+                "tensor_parallel_mode": args.tensor_parallel_mode,
+                "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+                "data_parallel_size": args.data_parallel_size,
+                "num_microbatches": args.num_microbatches,
+                "padded_vocab_size": args.padded_vocab_size,
+                "memory": memory,
+                "model_flops_per_iteration": flops_per_iteration,
+                "ranks": [vars(r) for r in ranks],
+            }
+        )
+
     def _line(self) -> None:
         records, self.interval = self.interval, []
         last = records[-1]
         done = [r for r in records if not r.skipped]
         fields = [
-            f"iteration {last.iteration:8d}/{self.args.train_iters:8d}",
+            f"[{timestamp(last.time)}] iteration {last.iteration:8d}/{self.args.train_iters:8d}",
             f"consumed samples: {last.consumed_samples:12d}",
             f"elapsed time per iteration (ms): {sum(r.elapsed_ms for r in records) / len(records):.1f}",
+        ]
+        if last.tflops_per_device is not None:  # the rate of the mean time: a harmonic mean
+            fields.append(f"throughput per GPU (TFLOP/s/GPU): {len(records) / sum(1 / r.tflops_per_device for r in records):.1f}")
+        fields += [
             f"tokens per second: {sum(r.tokens_per_second for r in records) / len(records):.1f}",
             f"learning rate: {last.lr:.6E}",
             f"global batch size: {self.args.global_batch_size:5d}",
@@ -123,14 +222,66 @@ class TrainingLogger:
         if last.grad_norm is not None:
             fields.append(f"grad norm: {last.grad_norm:.3f}")
         fields.append(f"number of skipped iterations: {len(records) - len(done):3d}")
+        fields.append(f"number of nan iterations: {sum(r.nan for r in records):3d}")
+        if last.max_memory_mib is not None:
+            fields.append(f"max memory (MiB): {max(r.max_memory_mib for r in records):.1f}")
         log(" " + " | ".join(fields) + " |")
 
-    def _validation(self, record: IterationRecord) -> None:
-        parts = [f"validation loss at iteration {record.iteration}"]
-        for name, value in record.validation.items():
-            parts.append(f"{name} value: {value:.6E} | {name} PPL: {math.exp(min(20.0, value)):.6E}")
+    def evaluation(self, label: str, losses: Dict[str, float]) -> None:
+        """Megatron-LM's block of an evaluation, e.g. ``label`` ``iteration 20 on test set``."""
+        if not self.active:
+            return
+        parts = [f"validation loss at {label}"]
+        for name, value in losses.items():
+            parts.append(f"{name} value: {value:.6E} | {name} PPL: {_perplexity(value):.6E}")
         line = " " + " | ".join(parts) + " |"
         log("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+
+    def _validation(self, record: IterationRecord) -> None:
+        self.evaluation(f"iteration {record.iteration}", record.validation)
+
+    def summary(
+        self,
+        iteration: int,
+        iterations_this_run: int,
+        total_time_s: float,
+        train_time_s: float,
+        validation: Dict[str, float],
+        test: Dict[str, float],
+    ) -> None:
+        """The end-of-training summary: iterations, total time (set-up included) and training
+        time in seconds, the final validation and test losses (where evaluated), the busiest
+        rank's memory over this run's iterations."""
+        if not self.active:
+            return
+        log(f"[after training is done] datetime: {timestamp(time.time())}")
+        fields = [
+            f"training summary | iterations: {iteration} ({iterations_this_run} in this run)",
+            f"total time (s): {total_time_s:.1f}",
+            f"training time (s): {train_time_s:.1f}",
+        ]
+        fields += [f"validation {name}: {value:.6E}" for name, value in validation.items()]
+        fields += [f"test {name}: {value:.6E}" for name, value in test.items()]
+        if self.max_memory_mib is not None:
+            fields.append(f"max memory (MiB): {self.max_memory_mib:.1f}")
+        log(" " + " | ".join(fields) + " |")
+        out = {
+            "event": "summary",
+            "timestamp": datetime.now().isoformat(),
+            "iterations": iteration,
+            "iterations_this_run": iterations_this_run,
+            "total_time_s": total_time_s,
+            "train_time_s": train_time_s,
+            "max_memory_mib": self.max_memory_mib,
+        }
+        out.update({f"validation_{json_key(name)}": value for name, value in validation.items()})
+        out.update({f"test_{json_key(name)}": value for name, value in test.items()})
+        self._json(out)
+
+    def _json(self, out: dict) -> None:
+        if self.json is not None:
+            self.json.write(json.dumps(out) + "\n")
+            self.json.flush()
 
     def _tensorboard(self, record: IterationRecord) -> None:
         step, writer = record.iteration, self.tensorboard
@@ -143,6 +294,10 @@ class TrainingLogger:
         writer.add_scalar("iteration-time-ms", record.elapsed_ms, step)
         if record.grad_norm is not None:
             writer.add_scalar("grad-norm", record.grad_norm, step)
+        if record.max_memory_mib is not None:
+            writer.add_scalar("max-memory-mib", record.max_memory_mib, step)
+        if record.tflops_per_device is not None:
+            writer.add_scalar("throughput-tflops-per-device", record.tflops_per_device, step)
 
     def finish_interval(self) -> None:
         """Print the line of the iterations logged since the last one (a run that stops early)."""

@@ -1,14 +1,16 @@
 """The model-agnostic pretraining loop behind ``scripts/pretrain_gpt.py`` (and BERT's).
 
-:func:`main` parses and checks the flags (every rank, before any communication), builds the
-tokenizer, starts ``torch.distributed`` (:mod:`.distributed`), asks the
-:class:`~.task.PretrainTask` for the model and the datasets, and trains ``--train-iters``
-iterations with the schedule the flags select (:mod:`.schedule`): evaluation every
-``--eval-interval`` iterations, logs (:mod:`.logs`), checkpoints every ``--save-interval`` and
-at the end (:mod:`.checkpoint`), resuming from ``--load``. Megatron-LM's early exits
-(:mod:`.exit_conditions`: ``--exit-signal-handler``, ``--exit-duration-in-mins``,
-``--exit-interval``) end the loop after an iteration, with a checkpoint when ``--save`` is
-given and exit status 0; a run resumed from that checkpoint continues the same loss curve.
+:func:`main` parses and checks the flags (every rank, before any communication;
+:mod:`.script`), builds the tokenizer, starts ``torch.distributed`` (:mod:`.distributed`),
+asks the :class:`~.task.PretrainTask` for the model and the datasets, reports them (parameters,
+memory, model FLOPs) and trains ``--train-iters`` iterations with the schedule the flags select
+(:mod:`.schedule`): evaluation every ``--eval-interval`` iterations, logs (:mod:`.logs`),
+checkpoints every ``--save-interval`` and at the end (:mod:`.checkpoint`), resuming from
+``--load``. After the last iteration: the final validation, the test set where there is one,
+and a summary. Megatron-LM's early exits (:mod:`.exit_conditions`: ``--exit-signal-handler``,
+``--exit-duration-in-mins``, ``--exit-interval``) end the loop after an iteration, with a
+checkpoint when ``--save`` is given and exit status 0; a run resumed from that checkpoint
+continues the same loss curve.
 
 One iteration: zero the gradient buffers, run the forward_backward function on this
 data-parallel rank's micro-batches of the global batch, step the optimizer (grad norm and
@@ -26,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
 from ..optimizers import averaged_weights, lr_for_logging
 from ..runtime.build import build_optimizer
 from . import distributed
@@ -33,19 +36,21 @@ from .arguments import padded_vocab_size, parse_args
 from .checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from .config import lr_scheduler, optimizer_choice, optimizer_config, placement_for, use_global_tp_group
 from .data import build_tokenizer, microbatches
-from .errors import BitPipeConfigError, CheckpointError
 from .exit_conditions import ExitConditions
-from .logs import IterationRecord, TrainingLogger
+from .logs import IterationRecord, TrainingLogger, schedule_label
+from .report import gather_rank_reports, job_peak_memory_mib, memory_kind, model_flops_per_sample, reset_peak_memory
 from .schedule import Schedule
+from .script import run_script
 from .task import PretrainTask
 
-__all__ = ["main", "pretrain", "Trainer"]
+__all__ = ["main", "pretrain", "run_training", "Trainer"]
 
 
 class Trainer:
     """The state of one training job on this rank; built by :meth:`build`."""
 
     def __init__(self, task: PretrainTask, args: argparse.Namespace, tokenizer, env: distributed.Distributed):
+        self.started = time.perf_counter()  # the summary's total time: set-up and training
         self.task, self.args, self.env = task, args, env
         self.model = task.build_model(args, placement_for(args))
         self.groups = self.model.groups
@@ -58,8 +63,10 @@ class Trainer:
             with averaged_weights(self.optimizer):  # checkpoints hold Schedule-Free's averaged weights
                 loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task)
             self.state = loaded or self.state
-        self.train_data, self.valid_data = task.build_datasets(args, tokenizer)
+        self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
+        self.flops_per_iteration = args.global_batch_size * model_flops_per_sample(args, task.causal_attention)
+        self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -85,6 +92,7 @@ class Trainer:
     def train_step(self) -> IterationRecord:
         args = self.args
         self._synchronize()
+        reset_peak_memory(self.env.device)
         start = time.perf_counter()
         for chunk in self.model.chunks:
             chunk.zero_grad_buffer()
@@ -105,6 +113,7 @@ class Trainer:
                 f"1-bit LAMB: variance frozen after iteration {self.state.iteration}; from now on momenta are averaged "
                 "with 1-bit compression instead of all-reducing gradients (--clip-grad no longer applies)"
             )
+        on_gpu = self.env.device.type == "cuda"
         return IterationRecord(
             iteration=self.state.iteration,
             consumed_samples=self.state.consumed_train_samples,
@@ -115,18 +124,21 @@ class Trainer:
             loss_scale=float(self.optimizer.get_loss_scale()),
             skipped=not success,
             losses=losses,
+            max_memory_mib=job_peak_memory_mib(self.env.device),
+            tflops_per_device=self.flops_per_iteration / (elapsed * self.env.world_size * 1e12) if on_gpu else None,
         )
 
-    def evaluate(self) -> Dict[str, float]:
-        """Mean losses over the first ``--eval-iters`` validation global batches (of
-        Schedule-Free's averaged weights with that optimizer)."""
+    def evaluate(self, dataset=None) -> Dict[str, float]:
+        """Mean losses over the first ``--eval-iters`` global batches of ``dataset`` (default:
+        the validation set), of Schedule-Free's averaged weights with that optimizer."""
+        dataset = self.valid_data if dataset is None else dataset
         for chunk in self.model.chunks:
             chunk.eval()
         reports: List[dict] = []
         with torch.no_grad(), averaged_weights(self.optimizer):
             for batch in range(self.args.eval_iters):
                 first = batch * self.args.global_batch_size
-                batches = microbatches(self.valid_data, first, self.args, self.groups.dp_rank)
+                batches = microbatches(dataset, first, self.args, self.groups.dp_rank)
                 reports += self.schedule.run(self.task.forward_step, batches, forward_only=True)
         for chunk in self.model.chunks:
             chunk.train()
@@ -142,16 +154,37 @@ class Trainer:
             directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
         distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
 
+    def finish(self, first_iteration: int, train_started: float, validation: Dict[str, float], evaluate: bool = True) -> None:
+        """After the last iteration: the final validation (``validation``, if the last
+        iteration was evaluated, else evaluated now), the test set's evaluation where there is
+        one, and the summary. ``evaluate=False`` (an early exit): the summary only."""
+        iteration, train_time = self.state.iteration, time.perf_counter() - train_started
+        if not evaluate:
+            self.logger.summary(iteration, iteration - first_iteration, time.perf_counter() - self.started, train_time, validation, {})
+            return
+        if self.valid_data is not None and not validation:
+            validation = self.evaluate()
+            self.logger.evaluation(f"iteration {iteration} on validation set", validation)
+        test = {}
+        if self.test_data is not None:
+            test = self.evaluate(self.test_data)
+            self.logger.evaluation(f"iteration {iteration} on test set", test)
+        total_time = time.perf_counter() - self.started
+        self.logger.summary(iteration, iteration - first_iteration, total_time, train_time, validation, test)
+
     def train(self, exits: ExitConditions) -> None:
         """Train to ``--train-iters`` or until one of ``exits`` says stop; save at the end
         unless this iteration was just saved."""
         args = self.args
-        saved = self.state.iteration  # nothing new to save unless an iteration runs
+        stopped = False
+        saved = first = self.state.iteration  # nothing new to save unless an iteration runs
+        started, validation = time.perf_counter(), {}
         while self.state.iteration < args.train_iters:
             record = self.train_step()
             if self.valid_data is not None and self._due(args.eval_interval):
                 record.validation = self.evaluate()
             self.logger.record(record)
+            validation = record.validation
             if args.save and self._due(args.save_interval):
                 self.save()
                 saved = self.state.iteration
@@ -160,29 +193,29 @@ class Trainer:
                 self.logger.finish_interval()
                 after = "saving and exiting" if args.save else "exiting without a checkpoint (no --save)"
                 distributed.log(f"stopping after iteration {self.state.iteration} of {args.train_iters}: {reason}; {after}")
+                stopped = True
                 break
         if args.save and saved != self.state.iteration:
             self.save()
+        self.finish(first, started, validation, evaluate=not stopped)
         self.logger.close()
 
 
-def pretrain(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> None:
-    """Train ``task`` as the flags ``argv`` (default ``sys.argv[1:]``) say.
+def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: Optional[Callable[[], None]] = None) -> None:
+    """Train ``task`` with the parsed and checked flags ``args`` (:func:`.arguments.parse_args`).
 
     Run on every rank of the job (torchrun) or alone. ``cpu_fallback`` is called when there
     is no GPU (the scripts pass the CPU compatibility layer). ``--exit-signal-handler``'s
-    handler is in place from the end of argument parsing to the end of training. Raises
-    BitPipeConfigError for bad flags (before any communication) and CheckpointError for a
-    checkpoint that does not fit (before anything is loaded).
+    handler is in place from here to the end of training, and ``--exit-duration-in-mins``
+    counts from here. Raises CheckpointError for a checkpoint that does not fit (before
+    anything is loaded).
     """
-    start_time = time.time()
-    args = parse_args(task, argv)
-    with ExitConditions(args, start_time) as exits:
+    with ExitConditions(args, time.time()) as exits:
         tokenizer = build_tokenizer(args)
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
         env = distributed.initialize(args, cpu_fallback)
         distributed.log(
-            f"{task.name}: {args.schedule} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
+            f"{task.name}: {schedule_label(args)} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
             f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, {args.num_microbatches} micro-batches "
             f"of {args.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
         )
@@ -190,19 +223,14 @@ def pretrain(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fa
     dist.destroy_process_group()
 
 
+def pretrain(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> None:
+    """Train ``task`` as the flags ``argv`` (default ``sys.argv[1:]``) say: :func:`run_training`
+    after :func:`.arguments.parse_args`, which raises UsageError or BitPipeConfigError for bad
+    flags (before any communication)."""
+    run_training(task, parse_args(task, argv), cpu_fallback=cpu_fallback)
+
+
 def main(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> int:
-    """:func:`pretrain` with the scripts' exit codes: 0 done, 2 bad flags (the error on stderr,
-    prefixed with the rank, on every rank), 1 unusable checkpoint (the error once, from rank
-    0: every rank raises the same one). Other failures propagate, so torchrun reports the
-    traceback and ends the job."""
-    try:
-        pretrain(task, argv, cpu_fallback=cpu_fallback)
-    except BitPipeConfigError as error:
-        distributed.report_error(error)
-        return 2
-    except CheckpointError as error:
-        # Raised alike on every rank (they agree on the checkpoint's problems): said once.
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            distributed.report_error(error)
-        return 1
-    return 0
+    """:func:`pretrain` with the scripts' exit codes and error reports:
+    :func:`.script.run_script` with ``task`` already loaded."""
+    return run_script(task, lambda: task, argv, cpu_fallback=cpu_fallback)

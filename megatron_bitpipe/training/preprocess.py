@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 from ..megatron_args import BitPipeConfigError
-from .arguments import BYTE_VOCAB, TOKENIZER_FILES
-from .data import BYTE_LEVEL_TOKENIZER, build_tokenizer
+from ..usage import USAGE_EXIT_STATUS, FlagParser, UsageError
+from .arguments import BYTE_LEVEL_TOKENIZER, BYTE_VOCAB, TOKENIZER_FILES
 
 __all__ = [
     "STDLIB_DOCS",
@@ -188,6 +188,8 @@ def _encode(tokenizer, document: Dict[str, str], json_keys: Sequence[str], sente
 
 def _encode_batch(settings: argparse.Namespace, json_keys, sentences: bool, append_eod: bool, batch: List[Dict[str, str]]):
     """Worker body: a batch of documents encoded with a tokenizer built from ``settings``."""
+    from .data import build_tokenizer
+
     tokenizer = build_tokenizer(settings)
     return [_encode(tokenizer, document, json_keys, sentences, append_eod) for document in batch]
 
@@ -219,6 +221,8 @@ def write_indexed_datasets(
     """
     import numpy as np
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    from .data import build_tokenizer
 
     built = build_tokenizer(tokenizer)
     dtype = DType.optimal_dtype(built.vocab_size)
@@ -288,12 +292,11 @@ def stdlib_docs_dataset(output_dir: str, tokenizer: Optional[argparse.Namespace]
     return prefix
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> FlagParser:
     """``scripts/preprocess_data.py``'s flags (Megatron-LM's ``tools/preprocess_data.py`` names)."""
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="preprocess_data.py",
         description="Tokenize text or JSON lines into Megatron indexed datasets (.bin/.idx).",
-        allow_abbrev=False,
     )
     group = parser.add_argument_group(title="input")
     group.add_argument(
@@ -345,11 +348,18 @@ def _problems(args: argparse.Namespace) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``scripts/preprocess_data.py``: 0 done, 2 bad flags, 1 unusable input (message on stderr)."""
-    args = build_parser().parse_args(argv)
+    """``scripts/preprocess_data.py``: 0 done, 2 bad flags, 1 unusable input (message on stderr).
+    The flags are parsed (and ``--help`` printed) before torch or megatron-core is imported."""
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
+
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as error:
+        log(str(error))
+        return USAGE_EXIT_STATUS
+    from .data import build_tokenizer
 
     try:
         problems = _problems(args)
@@ -371,7 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
     except BitPipeConfigError as error:
         log(f"error: {error}")
-        return 2
+        return USAGE_EXIT_STATUS
     except (CorpusError, OSError, UnicodeDecodeError) as error:
         log(f"error: {error}")
         return 1

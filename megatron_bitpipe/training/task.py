@@ -15,12 +15,13 @@ each name over the global batch.
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
-from ..runtime.build import PipelineModel
-from ..schedules.placement import Placement
+if TYPE_CHECKING:  # the flags are parsed before torch and megatron-core are imported
+    from ..runtime.build import PipelineModel
+    from ..schedules.placement import Placement
 
-__all__ = ["PretrainTask", "MODEL_SHAPE_FLAGS"]
+__all__ = ["PretrainTask", "TaskArguments", "MODEL_SHAPE_FLAGS"]
 
 #: flag -> its value in a run's arguments (or a checkpoint's saved ones), for every setting that
 #: changes the parameters' names or shapes. The attributes are Megatron-LM's argument names, so
@@ -43,14 +44,10 @@ MODEL_SHAPE_FLAGS: Dict[str, Callable[[argparse.Namespace], object]] = {
 }
 
 
-class PretrainTask:
-    """A model family for :func:`~megatron_bitpipe.training.loop.pretrain`; override the
-    methods that raise ``NotImplementedError``."""
-
-    #: short name, used in logs and checkpoints
-    name: str = "model"
-    #: keys of the loss reports, e.g. ``("lm loss",)``
-    loss_names: Tuple[str, ...] = ("lm loss",)
+class TaskArguments:
+    """A task's own flags and their checks. Pure Python, importable without torch or
+    megatron-core: the scripts parse and check the flags before they import the task
+    (:func:`~megatron_bitpipe.training.script.run_script`)."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add the task's own flags (the common ones exist already)."""
@@ -58,6 +55,19 @@ class PretrainTask:
     def validate(self, args: argparse.Namespace) -> List[str]:
         """Problems with the parsed flags, each naming its flag (no communication)."""
         return []
+
+
+class PretrainTask(TaskArguments):
+    """A model family for :func:`~megatron_bitpipe.training.loop.pretrain`; override the
+    methods that raise ``NotImplementedError``."""
+
+    #: short name, used in logs and checkpoints
+    name: str = "model"
+    #: keys of the loss reports, e.g. ``("lm loss",)``
+    loss_names: Tuple[str, ...] = ("lm loss",)
+    #: whether each token attends to the tokens before it only (GPT) or to the whole
+    #: sequence (BERT); the model FLOPs of the logs count the attention scores accordingly
+    causal_attention: bool = True
 
     def model_flags(self) -> Dict[str, Callable[[argparse.Namespace], object]]:
         """flag -> its value in a run's (or checkpoint's) arguments, for everything that fixes
@@ -74,8 +84,9 @@ class PretrainTask:
         """megatron-core's ``forward_step_func``; see the module docstring for the loss."""
         raise NotImplementedError
 
-    def build_datasets(self, args: argparse.Namespace, tokenizer) -> Tuple[object, Optional[object]]:
-        """``(train, valid)`` random-access datasets of samples; valid None without evaluation."""
+    def build_datasets(self, args: argparse.Namespace, tokenizer) -> Tuple[object, Optional[object], Optional[object]]:
+        """``(train, valid, test)`` random-access datasets of samples; valid None without
+        evaluation, test None where there is no test split (evaluated once, after training)."""
         raise NotImplementedError
 
     def adjust_tensor_shapes_fn(self, model: PipelineModel) -> Optional[Callable]:

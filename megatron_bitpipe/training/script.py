@@ -1,0 +1,86 @@
+"""The pretrain scripts' front: flags, ``--help`` and user errors before the heavy imports.
+
+:func:`run_script` parses and checks the flags with pure Python (:mod:`.arguments`; torch is
+imported only to ask whether CUDA is available), so ``--help`` and every flag error come
+before torch.distributed, megatron-core and the task's module are imported; then it loads the
+task and trains (:func:`.loop.run_training`).
+
+**User errors** — a command line argparse rejects, a broken rule, a ``--data-path`` without
+its files (exit status 2), a checkpoint that does not fit (exit status 1) — are printed once
+for the job, as ``PROG: error: ...`` on stderr, without argparse's usage block. The flags are
+checked alike on every rank, so rank 0 prints (``--help`` too; the other ranks stay quiet).
+Under torchrun (``TORCHELASTIC_RUN_ID`` set) the other ranks wait up to
+:data:`PEER_REPORT_WAIT_S` seconds before exiting: torchrun ends them as soon as rank 0 has
+exited, so its report names rank 0's exit as the first failure and no rank is stopped before
+it has printed; a rank still running after the wait found an error rank 0 did not (a file
+only it cannot read, say) and prints it itself, with its rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+from ..megatron_args import BitPipeConfigError
+from ..usage import USAGE_EXIT_STATUS, UsageError
+from .arguments import parse_args
+from .errors import CheckpointError
+from .task import TaskArguments
+
+__all__ = ["PEER_REPORT_WAIT_S", "report_user_error", "run_script"]
+
+#: seconds a rank other than 0 waits under torchrun for the job to end before it prints a
+#: user error itself (see the module docstring)
+PEER_REPORT_WAIT_S = 30.0
+#: exit status of a checkpoint that cannot be loaded into the run
+CHECKPOINT_EXIT_STATUS = 1
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def report_user_error(prog: str, error: Exception) -> None:
+    """Print ``error`` once for the job (see the module docstring)."""
+    message = str(error) if isinstance(error, UsageError) else f"{prog}: error: {error}"
+    rank = _rank()
+    if rank != 0:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            return
+        time.sleep(PEER_REPORT_WAIT_S)  # torchrun ends this rank here when rank 0 reported
+        message = f"[rank {rank}] {message}"
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_script(
+    arguments: TaskArguments,
+    load_task: Callable[[], object],
+    argv: Optional[Sequence[str]] = None,
+    *,
+    cpu_fallback: Optional[Callable[[], None]] = None,
+    prog: Optional[str] = None,
+) -> int:
+    """Parse and check ``argv`` (default ``sys.argv[1:]``) with ``arguments``' flags, then
+    train the task ``load_task()`` returns (a :class:`~.task.PretrainTask`, imported only
+    now). Returns the exit status: 0 done, 2 bad flags, 1 unusable checkpoint; other failures
+    propagate, so torchrun reports the traceback and ends the job. ``prog`` names the script
+    in messages (default: ``sys.argv[0]``'s file name)."""
+    prog = prog or os.path.basename(sys.argv[0])
+    try:
+        quiet = contextlib.redirect_stdout(io.StringIO()) if _rank() != 0 else contextlib.nullcontext()
+        with quiet:  # --help: rank 0 prints it
+            args = parse_args(arguments, argv, prog=prog)
+        from .loop import run_training  # torch.distributed and megatron-core
+
+        run_training(load_task(), args, cpu_fallback=cpu_fallback)
+    except (UsageError, BitPipeConfigError) as error:
+        report_user_error(prog, error)
+        return USAGE_EXIT_STATUS
+    except CheckpointError as error:
+        report_user_error(prog, error)
+        return CHECKPOINT_EXIT_STATUS
+    return 0

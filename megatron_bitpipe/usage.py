@@ -1,0 +1,82 @@
+"""Command-line parsing shared by the scripts: usage errors in one line, naming the closest flag.
+
+:class:`FlagParser` is an ``argparse.ArgumentParser`` (no prefix abbreviations) whose usage
+errors raise :class:`UsageError` instead of printing the usage block and exiting, so the
+caller decides who prints the message (the pretrain scripts: one rank of the job) and exits
+with status 2 (:data:`USAGE_EXIT_STATUS`, argparse's). An unknown flag is reported with the
+closest known one (``--pipeline-schedual`` -> ``--pipeline-schedule``). Pure Python: the
+scripts parse before they import torch or megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from typing import Iterable, List, Optional, Sequence
+
+__all__ = ["USAGE_EXIT_STATUS", "FlagParser", "UsageError", "closest_flag"]
+
+#: exit status of a command line that cannot be parsed or breaks a rule (argparse's)
+USAGE_EXIT_STATUS = 2
+
+
+class UsageError(ValueError):
+    """A command line the parser rejects; the message is argparse's, without the usage block,
+    with the closest known flag for an unknown one."""
+
+
+def closest_flag(token: str, flags: Iterable[str]) -> Optional[str]:
+    """The known flag nearest to ``token`` (``--name`` or ``--name=value``), None if none is close."""
+    name = token.split("=", 1)[0]
+    matches = difflib.get_close_matches(name, sorted(set(flags)), n=1, cutoff=0.75)
+    return matches[0] if matches else None
+
+
+class FlagParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` raising :class:`UsageError` for usage errors (see the module
+    docstring); ``allow_abbrev`` is off unless given."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # argparse's hook for every usage error
+        raise UsageError(f"{self.prog}: error: {message}")
+
+    def _known_flags(self) -> List[str]:
+        """Every option string of this parser and of its sub-commands' parsers."""
+        flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    flags += [flag for flag in sub._option_string_actions if flag.startswith("--")]
+        return flags
+
+    def _unrecognized(self, tokens: Sequence[str]) -> str:
+        """argparse's message for unknown ``tokens``, with the closest flags."""
+        known = self._known_flags()
+        hints = [(token.split("=", 1)[0], closest_flag(token, known)) for token in tokens if token.startswith("--")]
+        hints = [(token, flag) for token, flag in hints if flag]
+        if len(hints) == 1:
+            hint = f" (did you mean {hints[0][1]}?)"
+        elif hints:
+            hint = f" (did you mean {', '.join(f'{flag} for {token}' for token, flag in hints)}?)"
+        else:
+            hint = f" ({self.prog} --help lists the flags)"
+        return f"unrecognized arguments: {' '.join(tokens)}{hint}"
+
+    def parse_args(self, args: Optional[Sequence[str]] = None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        try:
+            parsed, extras = self.parse_known_args(argv, namespace)
+        except UsageError as error:  # e.g. a required flag missing because it was misspelled
+            known = set(self._known_flags())
+            unknown = [token for token in argv if token.startswith("--") and token.split("=", 1)[0] not in known]
+            if not unknown:
+                raise
+            reason = str(error).split(": error: ", 1)[-1]
+            raise UsageError(f"{self.prog}: error: {self._unrecognized(unknown)}; {reason}") from None
+        if extras:
+            self.error(self._unrecognized(extras))
+        return parsed

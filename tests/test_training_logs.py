@@ -1,0 +1,177 @@
+"""What the pretrain scripts log: Megatron-LM's iteration line, the start-up report, the
+summary, ``--log-json`` and the model FLOPs behind TFLOP/s (pure Python, but the FLOP count
+of a real megatron-core GPT, which runs on one gloo rank)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import pytest
+
+from megatron_bitpipe.schedules.costs import TransformerShape
+from megatron_bitpipe.training.logs import IterationRecord, TrainingLogger, schedule_label
+from megatron_bitpipe.training.report import RankReport, model_flops_per_sample
+
+TIMESTAMP = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]"
+
+
+def _args(tmp_path, **overrides) -> argparse.Namespace:
+    settings = dict(
+        train_iters=4, log_interval=2, global_batch_size=16, fp16=False, log_json=str(tmp_path / "log.jsonl"), tensorboard_dir=None,
+        schedule="bitpipe", split_backward=False, schedule_costs=None, virtual_pipeline_model_parallel_size=None,
+        tensor_model_parallel_size=1, tensor_parallel_mode="1d", pipeline_model_parallel_size=2, data_parallel_size=1,
+        num_microbatches=8, padded_vocab_size=128,
+    )  # fmt: skip
+    settings.update(overrides)
+    return argparse.Namespace(**settings)
+
+
+def _record(iteration: int, loss: float, skipped: bool = False, tflops=None, memory=100.0) -> IterationRecord:
+    return IterationRecord(
+        iteration=iteration, consumed_samples=16 * iteration, elapsed_ms=100.0, tokens_per_second=1000.0, lr=1e-3,
+        grad_norm=1.0, loss_scale=1024.0, skipped=skipped, losses={"lm loss": loss}, max_memory_mib=memory,
+        tflops_per_device=tflops,
+    )  # fmt: skip
+
+
+def _events(path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_iteration_line_has_megatron_lms_fields(tmp_path, capsys):
+    logger = TrainingLogger(_args(tmp_path, fp16=True), rank=0, resumed=False)
+    logger.record(_record(1, float("nan"), skipped=True, tflops=100.0, memory=300.0))
+    logger.record(_record(2, 4.0, tflops=300.0, memory=200.0))
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.match(rf" {TIMESTAMP} iteration        2/       4 \| consumed samples:           32 \|", line), line
+    for field in (
+        "| throughput per GPU (TFLOP/s/GPU): 150.0 |",  # two iterations of equal FLOPs at 100 and 300: 150 on average
+        "| lm loss: 4.000000E+00 |",  # the skipped iteration is left out of the average
+        "| loss scale: 1024.0 |",
+        "| number of skipped iterations:   1 |",
+        "| number of nan iterations:   1 |",
+        "| max memory (MiB): 300.0 |",
+    ):
+        assert field in line, field
+    first, second = _events(tmp_path / "log.jsonl")
+    assert first["event"] == "iteration" and first["nan"] is True and second["nan"] is False
+    assert second["max_memory_mib"] == 200.0 and second["tflops_per_device"] == 300.0
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", second["timestamp"])
+
+
+def test_without_a_gpu_or_fp16_the_line_leaves_out_tflops_and_loss_scale(tmp_path, capsys):
+    logger = TrainingLogger(_args(tmp_path, log_interval=1), rank=0, resumed=False)
+    logger.record(_record(1, 4.0))
+    line = capsys.readouterr().out
+    assert "TFLOP/s" not in line and "loss scale" not in line and "number of nan iterations:   0" in line
+
+
+def test_startup_report_and_summary(tmp_path, capsys):
+    args = _args(tmp_path, split_backward=True, schedule_costs="costs.json")
+    logger = TrainingLogger(args, rank=0, resumed=False)
+    ranks = [RankReport(rank, 0, rank, 0, 1000 + rank, 500.0 + rank) for rank in range(2)]
+    logger.startup(ranks, "peak resident set size of the process", 1.5e9)
+    logger.record(_record(1, 4.0, memory=700.0))
+    logger.evaluation("iteration 1 on test set", {"lm loss": 3.5})
+    logger.summary(1, 1, total_time_s=12.0, train_time_s=10.0, validation={"lm loss": 3.0}, test={"lm loss": 3.5})
+    out = capsys.readouterr().out
+    assert " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 1000\n" in out
+    assert " > number of parameters on (tensor, pipeline) model parallel rank (0, 1): 1001\n" in out
+    assert " > memory after setup (MiB, peak resident set size of the process): max 501.0 (rank 1), min 500.0 (rank 0)" in out
+    assert " > model FLOPs per iteration: 1.500E+09" in out
+    assert " validation loss at iteration 1 on test set | lm loss value: 3.500000E+00 | lm loss PPL: " in out
+    assert re.search(r"\[after training is done\] datetime: \d{4}-", out)
+    assert (
+        " training summary | iterations: 1 (1 in this run) | total time (s): 12.0 | training time (s): 10.0 | "
+        "validation lm loss: 3.000000E+00 | test lm loss: 3.500000E+00 | max memory (MiB): 700.0 |"
+    ) in out
+    startup, _, summary = _events(tmp_path / "log.jsonl")
+    assert startup["event"] == "startup" and startup["schedule"] == "bitpipe+split-backward (costs from costs.json)"
+    assert startup["ranks"][1] == {"rank": 1, "tp_rank": 0, "pp_rank": 1, "dp_rank": 0, "parameters": 1001, "memory_mib": 501.0}
+    assert startup["model_flops_per_iteration"] == 1.5e9
+    assert summary == {
+        "event": "summary", "timestamp": summary["timestamp"], "iterations": 1, "iterations_this_run": 1, "total_time_s": 12.0,
+        "train_time_s": 10.0, "max_memory_mib": 700.0, "validation_lm_loss": 3.0, "test_lm_loss": 3.5,
+    }  # fmt: skip
+
+
+def test_only_rank_0_writes(tmp_path, capsys):
+    logger = TrainingLogger(_args(tmp_path, log_interval=1), rank=1, resumed=False)
+    logger.startup([RankReport(0, 0, 0, 0, 10, 1.0)], "x", 1.0)
+    logger.record(_record(1, 4.0))
+    logger.summary(1, 1, 1.0, 1.0, {}, {})
+    assert capsys.readouterr().out == "" and not (tmp_path / "log.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,label",
+    [
+        (dict(), "bitpipe"),
+        (dict(split_backward=True), "bitpipe+split-backward"),
+        (dict(schedule="interleaved"), "interleaved (2 chunks per rank)"),
+        (dict(schedule="interleaved", virtual_pipeline_model_parallel_size=4), "interleaved (4 chunks per rank)"),
+        (dict(schedule="1f1b"), "1f1b"),
+    ],
+)
+def test_schedule_label(tmp_path, overrides, label):
+    assert schedule_label(_args(tmp_path, **overrides)) == label
+
+
+def _shape_args(**overrides) -> argparse.Namespace:
+    settings = dict(num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=8,
+                    seq_length=32, swiglu=False, padded_vocab_size=0)  # fmt: skip
+    settings.update(overrides)
+    return argparse.Namespace(**settings)
+
+
+def test_model_flops_agree_with_the_cost_model_and_count_each_variant():
+    args = _shape_args()
+    shape = TransformerShape(num_layers=4, hidden_size=64, num_attention_heads=8, seq_length=32, micro_batch_size=1, ffn_hidden_size=256)
+    full = model_flops_per_sample(args, causal=False)
+    assert full == 3 * args.num_layers * shape.layer_forward_flops()  # forward and backward of the layers
+    tokens, h, s, L = 32, 64, 32, 4
+    assert full - model_flops_per_sample(args, causal=True) == 6 * L * tokens * h * s  # causal: half of 4 s h per token
+    assert model_flops_per_sample(_shape_args(padded_vocab_size=128), causal=False) - full == 6 * tokens * h * 128  # logits
+    assert model_flops_per_sample(_shape_args(swiglu=True), causal=False) - full == 6 * L * tokens * h * 256  # the gate
+    assert full - model_flops_per_sample(_shape_args(num_query_groups=2), causal=False) == 6 * L * tokens * h * 2 * (64 - 16)  # GQA: K, V
+
+
+def _count_megatron_flops(argv):
+    """Rank body: FLOPs torch counts in one forward and backward of a megatron-core GPT built as
+    the pretrain script builds it, and the logs' model FLOPs of that micro-batch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.config import placement_for, use_global_tp_group
+    from megatron_bitpipe.training.data import build_tokenizer, collate
+    from megatron_bitpipe.training.gpt import GPTTask, MockGPTDataset
+
+    enable_cpu_megatron()
+    task = GPTTask()
+    args = parse_args(task, argv, world_size=1, cuda_available=False)
+    args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args)
+    model = task.build_model(args, placement_for(args))
+    use_global_tp_group(model.groups.tp)
+    batch = collate([MockGPTDataset(args.seed, "train", args.seq_length, args.padded_vocab_size)[i] for i in range(args.micro_batch_size)])
+    with FlopCounterMode(display=False) as counter:
+        losses = model.chunks[0](batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        losses.sum().backward()
+    return counter.get_total_flops(), args.micro_batch_size * model_flops_per_sample(args, causal=False)
+
+
+@pytest.mark.multirank
+def test_model_flops_are_what_torch_counts_in_megatrons_gpt():
+    """megatron-core's local attention computes every score (no causal skipping), so torch's
+    count equals the non-causal model FLOPs: layers (GQA, SwiGLU) and logits, forward and backward."""
+    from megatron_bitpipe.cpu.launcher import launch
+
+    argv = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+        "--num-query-groups", "2", "--swiglu", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1",
+        "--lr", "1e-3", "--vocab-size", "127", "--transformer-impl", "local",
+    ]  # fmt: skip
+    (counted, formula), = launch(_count_megatron_flops, 1, argv, timeout=300)
+    assert counted == formula
