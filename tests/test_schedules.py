@@ -142,7 +142,9 @@ def all_configs():
     for D in (1, 2, 3, 4, 6, 8):
         for N in range(D, 4 * D + 3):
             for schedule in SCHEDULES:
-                if schedule in ("bitpipe", "chimera") and (D % 2 or N % 2):
+                if schedule in ("bitpipe", "chimera", "dualpipe") and (D % 2 or N % 2):
+                    continue
+                if schedule in ("dualpipe", "dualpipev") and N < 2 * D:
                     continue
                 if schedule == "interleaved":
                     if N % D == 0:

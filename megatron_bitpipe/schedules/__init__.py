@@ -8,14 +8,16 @@ implies all communication); :func:`~.validate.validate_plan` checks it,
 
 ``generate(name, D, N, ...)`` is the one entry point that the command line, the
 benchmarks and the runtime use; ``split_backward=True`` runs every backward as an
-input-gradient and a later weight-gradient action (:mod:`.split_backward`).
+input-gradient and a later weight-gradient action (:mod:`.split_backward`; BitPipe's is
+ordered for the cost model, :mod:`.list_scheduling`). The zero-bubble and DualPipe peers
+(``zb-h1``, ``zbv``, ``dualpipe``, ``dualpipev``) always split their backwards.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
-from . import bitpipe, chimera, interleaved, one_f_one_b
+from . import bitpipe, chimera, dualpipe, dualpipev, interleaved, one_f_one_b, zb_h1, zbv
 from .split_backward import split_backward as _split_backward
 from .actions import Action, ActionType, SchedulePlan
 from .errors import PlanError, ScheduleConfigError
@@ -28,8 +30,13 @@ GENERATORS: Dict[str, Callable[..., SchedulePlan]] = {
     "interleaved": interleaved.generate,
     "chimera": chimera.generate,
     "bitpipe": bitpipe.generate,
+    "zb-h1": zb_h1.generate,
+    "zbv": zbv.generate,
+    "dualpipe": dualpipe.generate,
+    "dualpipev": dualpipev.generate,
 }
 SCHEDULES = tuple(GENERATORS)
+ALWAYS_SPLIT = ("zb-h1", "zbv", "dualpipe", "dualpipev")  #: schedules whose own order splits backwards
 
 
 def generate(
@@ -46,14 +53,25 @@ def generate(
     ``virtual_size`` (chunks per rank) applies to ``interleaved`` only (default 2).
     ``split_backward`` places weight-gradient actions for ``costs`` (default
     :class:`CostModel`: ``t_B = 2 t_F``, half of it weight gradients); it does nothing
-    to a forward-only plan. Raises :class:`ScheduleConfigError` naming the offending flag.
+    to a forward-only plan, and the :data:`ALWAYS_SPLIT` schedules split either way
+    (``zbv`` orders for ``costs`` too). Raises :class:`ScheduleConfigError` naming the
+    offending flag.
     """
-    plan = _generate(schedule, num_ranks, num_microbatches, virtual_size, forward_only)
-    return _split_backward(plan, costs) if split_backward and not forward_only else plan
+    plan = _generate(schedule, num_ranks, num_microbatches, virtual_size, forward_only, costs)
+    if not split_backward or forward_only or schedule in ALWAYS_SPLIT:
+        return plan
+    if schedule == "bitpipe":
+        return bitpipe.with_split_backward(plan, costs)
+    return _split_backward(plan, costs)
 
 
 def _generate(
-    schedule: str, num_ranks: int, num_microbatches: int, virtual_size: Optional[int], forward_only: bool
+    schedule: str,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_size: Optional[int],
+    forward_only: bool,
+    costs: Optional[CostModel],
 ) -> SchedulePlan:
     if schedule not in GENERATORS:
         raise ScheduleConfigError(f"--schedule: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
@@ -63,10 +81,13 @@ def _generate(
         raise ScheduleConfigError(
             f"--virtual-pipeline-model-parallel-size: {schedule} has a fixed number of chunks per rank"
         )
+    if schedule == "zbv":
+        return zbv.generate(num_ranks, num_microbatches, forward_only, costs)
     return GENERATORS[schedule](num_ranks, num_microbatches, forward_only)
 
 
 __all__ = [
+    "ALWAYS_SPLIT",
     "Action",
     "ActionType",
     "CostModel",

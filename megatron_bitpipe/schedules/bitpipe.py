@@ -30,13 +30,23 @@ Why this works:
 
 ``N`` must be even and at least ``D``. When ``N/2`` is not a multiple of ``D/2`` the last
 group is partial and the bubble is that of Chimera at the same ``N``.
+
+With a split backward (:func:`with_split_backward`) the order is planned for the cost
+model: with free messages the lock-step order with its ``W``'s placed reaches the
+placement's bound; with a message time the latency-aware list schedule
+(:mod:`.list_scheduling`) usually wins, and the faster of the two under the given costs
+is returned — never above ``D`` Ma of activations per rank.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 from .actions import SchedulePlan
 from .compose import bidirectional_plan, check_bidirectional
+from .list_scheduling import latency_aware_split
 from .placement import bidirectional_v
+from .simulate import CostModel
 
 
 def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
@@ -44,3 +54,13 @@ def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) 
     check_bidirectional("bitpipe", num_ranks, num_microbatches)
     placement = bidirectional_v(num_ranks)
     return bidirectional_plan("bitpipe", placement, num_microbatches, forward_only)
+
+
+def with_split_backward(plan: SchedulePlan, costs: Optional[CostModel] = None) -> SchedulePlan:
+    """BitPipe ``plan`` (whole backwards) with a split backward, ordered for ``costs``.
+
+    At most ``D`` Ma per rank (1F1B's peak, the unsplit plan's); the list schedule's
+    first group of ``D/2`` micro-batches per direction enters without release times.
+    """
+    num_ranks = plan.num_ranks
+    return latency_aware_split(plan, costs or CostModel(), num_ranks, (num_ranks // 2,))

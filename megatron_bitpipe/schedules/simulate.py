@@ -171,7 +171,9 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     message_time = costs.message_time
     num_ranks = plan.num_ranks
 
-    finish: Dict[Tuple[int, Action], float] = {}
+    duration = {kind: costs.compute_time(Action(kind, 0, 0), weight) for kind in ActionType if kind is not ActionType.SYNC}
+    finish: Dict[Tuple[int, ActionType, int, int], float] = {}  # (rank, comm_key type, chunk, mb) -> end
+    sources: Dict[Tuple[int, int, bool], Optional[Tuple[int, int, float]]] = {}
     clock = [0.0] * num_ranks
     cursor = [0] * num_ranks
     busy = [0.0] * num_ranks
@@ -180,20 +182,32 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     events: List[Event] = []
     sync_issue: Dict[Tuple[int, int], float] = {}
 
+    def source(rank: int, chunk: int, forward: bool) -> Optional[Tuple[int, int, float]]:
+        """(rank, chunk, delay) of the stage a chunk's forward (or backward) receives from."""
+        key = (rank, chunk, forward)
+        if key not in sources:
+            transfer = received_by(placement, rank, Action(ActionType.FORWARD if forward else ActionType.BACKWARD, chunk, 0))
+            sources[key] = None if transfer is None else (
+                transfer.src.rank, transfer.src.chunk, 0.0 if transfer.is_local else message_time)
+        return sources[key]
+
     def input_ready(rank: int, action: Action) -> Optional[float]:
         """When the action's prerequisite on this rank is done and its input has arrived, or
         None if either has not run yet."""
-        before = same_rank_prerequisite(action)
-        own = 0.0 if before is None else finish.get((rank, before.comm_key))
+        kind, chunk, microbatch = action.type, action.chunk, action.microbatch
+        if kind is ActionType.BACKWARD_WEIGHT:
+            return finish.get((rank, ActionType.BACKWARD, chunk, microbatch))
+        forward = kind is ActionType.FORWARD
+        own = 0.0 if forward else finish.get((rank, ActionType.FORWARD, chunk, microbatch))
         if own is None:
             return None
-        transfer = received_by(placement, rank, action)
-        if transfer is None:
+        src = source(rank, chunk, forward)
+        if src is None:
             return own
-        produced = finish.get((transfer.src.rank, transfer.producer))
+        produced = finish.get((src[0], ActionType.FORWARD if forward else ActionType.BACKWARD, src[1], microbatch))
         if produced is None:
             return None
-        return max(own, produced + (0.0 if transfer.is_local else message_time))
+        return max(own, produced + src[2])
 
     progressed = True
     while progressed:
@@ -209,8 +223,9 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                     if ready is None:
                         break
                     start = max(clock[rank], ready)
-                    end = start + costs.compute_time(action, weight)
-                    finish[(rank, action.comm_key)] = end
+                    end = start + duration[action.type]
+                    kind = ActionType.BACKWARD if action.type is ActionType.BACKWARD_INPUT else action.type
+                    finish[(rank, kind, action.chunk, action.microbatch)] = end
                     clock[rank] = end
                     busy[rank] += end - start
                     pipeline = placement.role(rank, action.chunk).pipeline
@@ -264,7 +279,7 @@ def _deadlock_message(plan: SchedulePlan, blocked: List[int], cursor: List[int],
     for rank in blocked:
         action = plan.actions[rank][cursor[rank]]
         before = same_rank_prerequisite(action)
-        if before is not None and (rank, before.comm_key) not in finish:
+        if before is not None and (rank, before.comm_key.type, before.chunk, before.microbatch) not in finish:
             lines.append(f"  rank {rank} at {action}: its {before} has not run")
             continue
         transfer = received_by(plan.placement, rank, action)
