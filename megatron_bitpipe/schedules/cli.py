@@ -30,6 +30,9 @@ _COST_FLAGS = {
     "p2p_bytes": "--p2p-bytes",
     "p2p_bandwidth": "--p2p-bandwidth",
     "t_sync": "--t-sync",
+    "grad_bytes": "--grad-bytes",
+    "sync_bandwidth": "--sync-bandwidth",
+    "data_parallel_size": "--data-parallel-size",
 }
 
 
@@ -62,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "simulate":
             sub.add_argument("--costs", metavar="FILE", help="JSON cost file (CostModel fields)")
             for field, flag in _COST_FLAGS.items():
-                sub.add_argument(flag, type=float, default=None, dest=field)
+                sub.add_argument(flag, type=int if field == "data_parallel_size" else float, default=None, dest=field)
             sub.add_argument("--json", action="store_true", help="print one JSON object")
             sub.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart")
             sub.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace")
@@ -75,7 +78,7 @@ def read_cost_file(path: str) -> Dict[str, float]:
     with open(path, encoding="utf-8") as handle:
         loaded = json.load(handle)
     known = {f.name for f in fields(CostModel)}
-    return {k: float(v) for k, v in loaded.items() if k in known and v is not None}
+    return {k: (int(v) if k == "data_parallel_size" else float(v)) for k, v in loaded.items() if k in known and v is not None}
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:
@@ -85,6 +88,8 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     for key, value in values.items():
         if value < 0:
             raise ScheduleConfigError(f"{_COST_FLAGS[key]}: costs must be >= 0 (got {value:g})")
+    if values.get("data_parallel_size", 1) < 1:
+        raise ScheduleConfigError(f"--data-parallel-size: must be >= 1 (got {values['data_parallel_size']})")
     try:
         return CostModel(**values)
     except ValueError as exc:

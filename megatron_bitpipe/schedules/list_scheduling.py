@@ -15,7 +15,10 @@ pipeline's order so every channel stays FIFO:
    (the lock-step plan's), a forward only once its release time has passed and only if
    the rank stays within the activation limit (a micro-batch counts from its ``F`` to
    its ``W``, as in :mod:`.simulate`);
-2. otherwise its oldest pending weight gradient ``W``;
+2. otherwise its oldest pending weight gradient ``W`` — or, when gradient all-reduces
+   cost time, the ``W`` of the chunk with the least work left, so that chunks complete
+   one after another and each chunk's ``SYNC`` (right after its last ``W``) starts its
+   all-reduce while the rank still computes;
 3. otherwise it waits for the next message.
 
 So a rank never waits for one message while another input is ready, and the ``W``'s fill
@@ -73,6 +76,7 @@ def list_schedule(
     activation_limit: float,
     priority: Callable[[int, Key], float],
     release: Callable[[Key], float],
+    finish_chunks: bool = False,
 ) -> List[List[Action]]:
     """Per-rank ``F``/``I``/``W`` orders (no ``SYNC``); see the module docstring.
 
@@ -83,6 +87,7 @@ def list_schedule(
         activation_limit: most activations (Ma) a rank may hold.
         priority: ``priority(rank, key)``, lower first, for ``key`` an ``F`` or ``I``.
         release: earliest start of a forward ``key``.
+        finish_chunks: pick ``W``'s to complete chunks early (step 2) instead of oldest first.
 
     Raises:
         PlanError: when every rank waits and work is left (the limit is too low for
@@ -189,7 +194,15 @@ def list_schedule(
         if best is not None:
             run(rank, time, *best[1:])
         elif pending[rank]:
-            slot, index = pending[rank].popleft()
+            if finish_chunks:  # the W of the chunk closest to its last W, so its SYNC starts early
+                left = {id(s): 2 * len(s.microbatches) - s.forwards - s.input_grads for s in slots[rank]}
+                for slot, _ in pending[rank]:
+                    left[id(slot)] += 1
+                chosen = min(range(len(pending[rank])), key=lambda i: (left[id(pending[rank][i][0])], i))
+                slot, index = pending[rank][chosen]
+                del pending[rank][chosen]
+            else:
+                slot, index = pending[rank].popleft()
             run(rank, time, slot, W, index)
         elif upcoming < _NEVER:
             notify(rank, upcoming)
@@ -225,6 +238,7 @@ def latency_aware_split(
         {key(rank, a): i for i, a in enumerate(actions) if a.type in (F, B)} for rank, actions in enumerate(plan.actions)
     ]
     start = {key(e.rank, e.action): e.start for e in timeline.events if e.action.type is F}
+    syncs_cost = costs.sync_time(placement.stage_weight, placement.num_pipelines) > 0
     best, best_makespan = placed, timeline.makespan
     for first in dict.fromkeys(free):
         try:
@@ -232,6 +246,7 @@ def latency_aware_split(
                 placement, plan.microbatch_pipeline, costs, activation_limit,
                 priority=lambda rank, k: position[rank][k],
                 release=lambda k: start[k] if k[3] >= first else 0.0,
+                finish_chunks=syncs_cost,
             )
         except PlanError:
             continue

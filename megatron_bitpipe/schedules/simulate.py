@@ -11,9 +11,11 @@ Execution model (the same one the runtime implements):
 * a message is sent as soon as its producer finishes and arrives ``message_time``
   later; sends never block the sender; a local V-turn hand-over costs nothing;
 * ``SYNC(chunk)`` costs the rank no compute time: it *issues* an asynchronous
-  all-reduce of that chunk's gradients among the chunk's replicas (mirror slots). The
-  all-reduce starts when every replica has issued it and the communication lane of
-  each participant is free, and lasts ``t_sync * stage_weight``.
+  all-reduce of that chunk's gradients among the chunk's replicas (mirror slots) and
+  the data-parallel ranks. The all-reduce starts when every replica has issued it and
+  the communication lane of each participant is free, and lasts
+  :meth:`CostModel.sync_time` (its bytes over the all-reduce bandwidth, for a group of
+  replicas x data-parallel ranks, plus any fixed ``t_sync``).
 
 The step ends when every rank has finished computing and every all-reduce has
 completed. Bubble ratio is ``1 - busy / makespan`` averaged over ranks. Activations
@@ -27,7 +29,7 @@ forward saved), and exactly what the emulated layers of the benchmark hold.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from .actions import Action, ActionType, SchedulePlan
 from .comm import received_by
@@ -49,8 +51,17 @@ class CostModel:
         p2p_bytes: bytes of one message (activation or gradient of one micro-batch at a
             stage boundary); with ``p2p_bandwidth`` gives the bandwidth term.
         p2p_bandwidth: bytes per time unit; 0 means the bandwidth term is ignored.
-        t_sync: all-reduce time of the gradients of ``L / D`` layers among replicas and
-            data-parallel ranks.
+        t_sync: a fixed all-reduce time of the gradients of ``L / D`` layers (whatever the
+            group), added to the bandwidth term below; e.g. a time measured for one group.
+        grad_bytes: bytes of the gradients of ``L / D`` layers that an all-reduce moves
+            (parameters x gradient element size).
+        sync_bandwidth: all-reduce *bus* bandwidth (bytes per time unit, as nccl-tests
+            reports it); with ``grad_bytes`` gives the bandwidth term of a ring
+            all-reduce, ``2 (g-1)/g x bytes / bandwidth`` for a group of ``g`` ranks. 0:
+            no bandwidth term.
+        data_parallel_size: data-parallel ranks each stage's gradients are averaged over
+            besides its replicas: the group of a stage held by ``R`` replicas is
+            ``R x data_parallel_size`` ranks.
     """
 
     t_forward: float = 1.0
@@ -60,11 +71,16 @@ class CostModel:
     p2p_bytes: float = 0.0
     p2p_bandwidth: float = 0.0
     t_sync: float = 0.0
+    grad_bytes: float = 0.0
+    sync_bandwidth: float = 0.0
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if value is not None and value < 0:
                 raise ValueError(f"cost {name} must be >= 0, got {value}")
+        if self.data_parallel_size < 1 or self.data_parallel_size != int(self.data_parallel_size):
+            raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size}")
         if self.t_forward + self.t_backward <= 0:
             raise ValueError("t_forward + t_backward must be > 0")
         if self.t_weight is not None and self.t_weight > self.t_backward:
@@ -81,6 +97,15 @@ class CostModel:
         bandwidth_term = self.p2p_bytes / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
         return self.t_p2p + bandwidth_term
 
+    def sync_time(self, stage_weight: float, replicas: int) -> float:
+        """All-reduce time of the gradients of a stage of ``stage_weight`` device shares held
+        by ``replicas`` slots, among those and the data-parallel ranks."""
+        group = replicas * int(self.data_parallel_size)
+        ring = 0.0
+        if self.sync_bandwidth > 0 and group > 1:
+            ring = 2 * (group - 1) / group * self.grad_bytes * stage_weight / self.sync_bandwidth
+        return self.t_sync * stage_weight + ring
+
     def compute_time(self, action: Action, stage_weight: float) -> float:
         """Time of ``action`` on a stage holding ``stage_weight`` device shares (0 for SYNC)."""
         per_share = {
@@ -90,6 +115,9 @@ class CostModel:
             ActionType.BACKWARD_WEIGHT: self.weight_time,
         }
         return per_share.get(action.type, 0.0) * stage_weight
+
+
+ENDS_BACKWARD = frozenset(kind for kind in ActionType if kind.ends_backward)
 
 
 def same_rank_prerequisite(action: Action) -> Optional[Action]:
@@ -102,8 +130,7 @@ def same_rank_prerequisite(action: Action) -> Optional[Action]:
     return None
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     """One interval of the timeline: a compute action, or a gradient all-reduce (``SYNC``).
 
     ``ready`` is when the action could have started had the rank been free: its
@@ -174,6 +201,7 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     duration = {kind: costs.compute_time(Action(kind, 0, 0), weight) for kind in ActionType if kind is not ActionType.SYNC}
     finish: Dict[Tuple[int, ActionType, int, int], float] = {}  # (rank, comm_key type, chunk, mb) -> end
     sources: Dict[Tuple[int, int, bool], Optional[Tuple[int, int, float]]] = {}
+    pipeline_of = [[placement.role(r, c).pipeline for c in range(placement.chunks_per_rank)] for r in range(num_ranks)]
     clock = [0.0] * num_ranks
     cursor = [0] * num_ranks
     busy = [0.0] * num_ranks
@@ -228,12 +256,11 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                     finish[(rank, kind, action.chunk, action.microbatch)] = end
                     clock[rank] = end
                     busy[rank] += end - start
-                    pipeline = placement.role(rank, action.chunk).pipeline
-                    events.append(Event(rank, action, start, end, pipeline, ready))
+                    events.append(Event(rank, action, start, end, pipeline_of[rank][action.chunk], ready))
                     if action.type is ActionType.FORWARD:
                         in_flight[rank] += weight
                         peak[rank] = max(peak[rank], in_flight[rank])
-                    elif action.type.ends_backward:
+                    elif action.type in ENDS_BACKWARD:
                         in_flight[rank] -= weight
                 cursor[rank] += 1
                 progressed = True
@@ -254,7 +281,6 @@ def _schedule_syncs(
 ) -> List[Event]:
     """Place every all-reduce: after all replicas issued it, serialised per rank's comm lane."""
     placement = plan.placement
-    duration = costs.t_sync * placement.stage_weight
     groups: Dict[Tuple, List[Tuple[int, int]]] = {}
     for rank, chunk in issued:
         members = tuple(sorted((loc.rank, loc.chunk) for loc in placement.mirror_slots(rank, chunk)))
@@ -266,6 +292,7 @@ def _schedule_syncs(
         missing = [m for m in members if m not in issued]
         if missing:
             raise PlanError(f"SYNC of rank {members[0][0]} chunk {members[0][1]} never issued by replica(s) {missing}")
+        duration = costs.sync_time(placement.stage_weight, len(members))
         start = max(max(issued[m] for m in members), max(lane_free[r] for r, _ in members))
         for rank, chunk in members:
             lane_free[rank] = start + duration
