@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_bitpipe.schedules import CostModel, SCHEDULES, generate, simulate, validate_plan
+from megatron_bitpipe.schedules import ALWAYS_SPLIT, CostModel, SCHEDULES, generate, simulate, validate_plan
 from megatron_bitpipe.schedules.actions import Action, ActionType, SchedulePlan
 from megatron_bitpipe.schedules.comm import Payload, received_by, sent_by
 from megatron_bitpipe.schedules.compose import one_f_one_b, with_eager_syncs
@@ -142,9 +142,9 @@ def all_configs():
     for D in (1, 2, 3, 4, 6, 8):
         for N in range(D, 4 * D + 3):
             for schedule in SCHEDULES:
-                if schedule in ("bitpipe", "chimera", "dualpipe") and (D % 2 or N % 2):
+                if schedule in ALWAYS_SPLIT:  # the peers: tests/test_peer_schedules.py
                     continue
-                if schedule in ("dualpipe", "dualpipev") and N < 2 * D:
+                if schedule in ("bitpipe", "chimera") and (D % 2 or N % 2):
                     continue
                 if schedule == "interleaved":
                     if N % D == 0:
