@@ -54,6 +54,7 @@ class Case:
     sequence_parallel: bool = False
     tensor_parallel_mode: str = "1d"
     split_backward: bool = False
+    t_p2p: float = 0.0  # the message time (in t_F) the plan is ordered for
 
     @property
     def world_size(self) -> int:
@@ -199,7 +200,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     from megatron_bitpipe.runtime.replicas import max_replica_difference
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
-    placement = schedules.generate(case.schedule, case.pp, case.n).placement
+    placement = schedules.generate(case.schedule, case.pp, case.n).placement  # the same for every order
     config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
@@ -220,7 +221,9 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     )
     groups = model.groups
     optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))
-    forward_backward = make_forward_backward_func(case.schedule, split_backward=case.split_backward)
+    forward_backward = make_forward_backward_func(
+        case.schedule, split_backward=case.split_backward, costs=schedules.CostModel(t_p2p=case.t_p2p)
+    )
 
     def full(tensor_of=lambda p: p) -> Dict[str, torch.Tensor]:
         return merge_full(

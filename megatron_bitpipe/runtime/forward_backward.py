@@ -85,8 +85,11 @@ def make_forward_backward_func(
     :class:`~megatron_bitpipe.schedules.CostModel`; only the ratios matter); the chunks'
     linears are made deferrable on the first call with each chunk
     (:func:`~.weight_grad.enable_split_backward`, which raises for Transformer Engine and
-    Optimus 2D layers). Same gradients as without.
+    Optimus 2D layers). Same gradients as without. The schedules that always split their
+    backwards (:data:`~megatron_bitpipe.schedules.ALWAYS_SPLIT`: ZB-H1, ZB-V, DualPipe,
+    DualPipeV) imply it.
     """
+    split_backward = split_backward or schedule in schedules.ALWAYS_SPLIT
     split_enabled: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
     def forward_backward(

@@ -195,9 +195,14 @@ def list_schedule(
             run(rank, time, *best[1:])
         elif pending[rank]:
             if finish_chunks:  # the W of the chunk closest to its last W, so its SYNC starts early
-                left = {id(s): 2 * len(s.microbatches) - s.forwards - s.input_grads for s in slots[rank]}
+                own = {id(s): 2 * len(s.microbatches) - s.forwards - s.input_grads for s in slots[rank]}
                 for slot, _ in pending[rank]:
-                    left[id(slot)] += 1
+                    own[id(slot)] += 1
+                left = {  # a pipeline's later stages on this rank complete first (a tied head
+                    id(s): sum(own[id(t)] for t in slots[rank]  # adds to the embedding's weight)
+                               if t.pipeline == s.pipeline and t.stage >= s.stage)
+                    for s in slots[rank]
+                }
                 chosen = min(range(len(pending[rank])), key=lambda i: (left[id(pending[rank][i][0])], i))
                 slot, index = pending[rank][chosen]
                 del pending[rank][chosen]
