@@ -21,7 +21,10 @@ schedule runs on the same emulated model, built the way each runtime builds it:
   ``build_pipeline_model`` chunks (overlapped p2p, eager per-chunk gradient sync);
 * ``bitpipe-split`` — BitPipe with a split backward (``--split-backward``): each emulated
   layer's backward time is ``t_B - t_W`` in ``I`` and ``t_W`` (``--t-weight``, default half
-  of ``t_B``) in the deferred ``W``; its ``W``'s are placed for ``CostModel(t_F, t_B, t_W)``;
+  of ``t_B``) in the deferred ``W``; its order is planned for ``CostModel(t_F, t_B, t_W)``;
+* ``zbv``, ``dualpipev`` — the zero-bubble V and DeepSeek's DualPipeV (one replica on a V,
+  split backwards of their own, ordered for the same costs) on the same executor;
+  DualPipeV runs only where ``N >= 2D``;
 * optionally ``plan-1f1b``, ``plan-interleaved`` — megatron's schedules as plans on this
   package's executor (separates the schedule from the runtime executing it).
 
@@ -56,10 +59,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
-PLAN_SCHEDULES = ("bitpipe", "bitpipe-split", "chimera", "plan-1f1b", "plan-interleaved")
+PLAN_SCHEDULES = ("bitpipe", "bitpipe-split", "chimera", "zbv", "dualpipev", "plan-1f1b", "plan-interleaved")
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 SCHEDULES = MEGATRON_SCHEDULES + PLAN_SCHEDULES
-DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe-split")
+DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe-split", "zbv", "dualpipev")
 BASELINE = "interleaved"
 SEED = 1234
 
@@ -104,9 +107,13 @@ class Settings:
 
 def plan_choice(schedule: str, settings: Settings) -> tuple:
     """``(generator name, split_backward, costs)`` of a plan-executed ``schedule``: its
-    ``-split`` variant places W's for the emulated compute costs."""
+    ``-split`` variant, and the schedules that always split, are ordered for the emulated
+    compute costs."""
+    from megatron_bitpipe.schedules import ALWAYS_SPLIT
+
+    name = schedule.removeprefix("plan-").removesuffix("-split")
     split = schedule.endswith("-split")
-    return schedule.removeprefix("plan-").removesuffix("-split"), split, settings.compute_costs() if split else None
+    return name, split, settings.compute_costs() if split or name in ALWAYS_SPLIT else None
 
 
 def plan_of(schedule: str, settings: Settings, pipeline_size: int, num_microbatches: int):
@@ -214,7 +221,7 @@ def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runn
     from megatron_bitpipe.testing.gpt import gpt_forward_step
 
     name, split, costs = plan_choice(schedule, settings)
-    placement = schedules.generate(name, pipeline_size, pipeline_size).placement  # the same for every N
+    placement = schedules.generate(name, pipeline_size, 2 * pipeline_size).placement  # the same for every N
     config = _config(settings, pipeline_size, overlap_p2p_comm=True)
     model = build_pipeline_model(
         config,
@@ -294,6 +301,7 @@ def _run_rank(settings: Settings, pipeline_size: int, microbatches: Sequence[int
         dict(schedule=schedule, num_microbatches=n, starts=[], ends=[], meter=LiveActivationMeter(runner.parameters()))
         for schedule, runner in runners.items()
         for n in microbatches
+        if valid_microbatches(schedule, pipeline_size, n)
     ]
     batches = {
         n: synthetic_microbatches(SEED, n, settings.micro_batch_size, settings.seq_length, settings.vocab_size)
@@ -401,7 +409,7 @@ def run_grid(settings: Settings, grid: Dict[int, Sequence[int]], schedule_names:
 
     rows = []
     for pipeline_size, microbatches in grid.items():
-        runnable = [n for n in microbatches if all(valid_microbatches(s, pipeline_size, n) for s in schedule_names)]
+        runnable = [n for n in microbatches if any(valid_microbatches(s, pipeline_size, n) for s in schedule_names)]
         if not runnable:
             continue
         load_before = os.getloadavg()[0]
