@@ -22,11 +22,6 @@ _TARGETS = ("megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.
 _state = {"schedule": None, "original": None, "bitpipe": None}
 
 
-def selected_schedule() -> Optional[str]:
-    """The schedule installed by :func:`register` (None if not registered)."""
-    return _state["schedule"]
-
-
 def _get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
     if _state["schedule"] == "bitpipe":
         if _state["bitpipe"] is not None:

@@ -4,7 +4,7 @@
 Real ranks (one process each, gloo point-to-point), real megatron-core model plumbing
 (GPTModel chunks with embedding, final norm, LM head and loss, megatron DDP with overlapped
 gradient reduction), but every transformer layer's compute is emulated device time inside an
-autograd Function (:mod:`megatron_bitpipe.testing.emulation`): a layer's forward takes
+autograd Function (:mod:`megatron_bitpipe.benchmarking.emulation`): a layer's forward takes
 ``t_F / layers-per-rank`` and its backward ``t_B / layers-per-rank``, with real tensors and a
 real autograd graph. Waiting ranks leave the CPU free, so 8-16 ranks run on two cores. The
 default ``--device async`` queues layer time on an emulated CUDA stream that the CPU runs
@@ -19,7 +19,7 @@ schedule runs on the same emulated model, built the way each runtime builds it:
   for interleaved);
 * ``bitpipe``, ``chimera`` — this package's ``make_forward_backward_func`` on
   ``build_pipeline_model`` chunks (overlapped p2p, eager per-chunk gradient sync);
-* ``bitpipe-split`` — BitPipe with a split backward (``--split-backward``): each emulated
+* ``bitpipe+split-backward`` — BitPipe with a split backward (``--split-backward``): each emulated
   layer's backward time is ``t_B - t_W`` in ``I`` and ``t_W`` (``--t-weight``, default half
   of ``t_B``) in the deferred ``W``; its order is planned for ``CostModel(t_F, t_B, t_W)``;
 * ``zbv``, ``dualpipev`` — the zero-bubble V and DeepSeek's DualPipeV (one replica on a V,
@@ -59,10 +59,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
-PLAN_SCHEDULES = ("bitpipe", "bitpipe-split", "chimera", "zbv", "dualpipev", "plan-1f1b", "plan-interleaved")
+PLAN_SCHEDULES = ("bitpipe", "bitpipe+split-backward", "chimera", "zbv", "dualpipev", "plan-1f1b", "plan-interleaved")
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 SCHEDULES = MEGATRON_SCHEDULES + PLAN_SCHEDULES
-DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe-split", "zbv", "dualpipev")
+DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward", "zbv", "dualpipev")
 BASELINE = "interleaved"
 SEED = 1234
 
@@ -105,30 +105,27 @@ class Settings:
         return 4 * self.seq_length * self.micro_batch_size * self.hidden_size
 
 
-def plan_choice(schedule: str, settings: Settings) -> tuple:
-    """``(generator name, split_backward, costs)`` of a plan-executed ``schedule``: its
-    ``-split`` variant, and the schedules that always split, are ordered for the emulated
+def plan_choice(schedule: str, settings: Settings):
+    """The :class:`~megatron_bitpipe.schedules.ScheduleChoice` of a plan-executed ``schedule``
+    label (``plan-1f1b``: our executor running 1F1B's plan); a ``+split-backward`` variant, and
+    the schedules that always split (``zbv``, ``dualpipev``), are ordered for the emulated
     compute costs."""
-    from megatron_bitpipe.schedules import ALWAYS_SPLIT
+    from megatron_bitpipe.schedules import ScheduleChoice
 
-    name = schedule.removeprefix("plan-").removesuffix("-split")
-    split = schedule.endswith("-split")
-    return name, split, settings.compute_costs() if split or name in ALWAYS_SPLIT else None
+    choice = ScheduleChoice.from_label(schedule.removeprefix("plan-"))
+    return replace(choice, costs=settings.compute_costs()) if choice.splits_backward else choice
 
 
 def plan_of(schedule: str, settings: Settings, pipeline_size: int, num_microbatches: int):
     """The plan a plan-executed ``schedule`` runs; raises ScheduleConfigError for an unsupported N."""
-    from megatron_bitpipe import schedules
-
-    name, split, costs = plan_choice(schedule, settings)
-    return schedules.generate(name, pipeline_size, num_microbatches, split_backward=split, costs=costs)
+    return plan_choice(schedule, settings).plan(pipeline_size, num_microbatches)
 
 
 # ----------------------------------------------------------------------------- rank side
 
 
 def _layer_spec(settings: Settings):
-    from megatron_bitpipe.testing.emulation import emulated_layer_spec
+    from megatron_bitpipe.benchmarking.emulation import emulated_layer_spec
 
     per_layer = 1e-3 / settings.layers_per_rank
     weight = None if settings.t_weight is None else settings.t_weight * per_layer
@@ -136,7 +133,7 @@ def _layer_spec(settings: Settings):
 
 
 def _config(settings: Settings, pipeline_size: int, **overrides):
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
     return tiny_gpt_config(
         num_layers=settings.num_layers(pipeline_size),
@@ -172,7 +169,9 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
         forward_backward_pipelining_without_interleaving,
     )
 
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.build import init_megatron_state
 
     interleaved = schedule == "interleaved"
     # Megatron-LM's defaults: overlapped p2p with interleaving, batched p2p without.
@@ -183,13 +182,13 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
         overlap_p2p_comm=interleaved,
         batch_p2p_comm=not interleaved,
     )
-    pg = gpt.build_process_groups(gpt.ParallelGrid(pp=pipeline_size))
-    gpt.init_megatron_state(pg, SEED)
-    chunks = gpt.build_gpt_chunks(
+    pg = baseline.build_looped_process_groups(ParallelGrid(pp=pipeline_size))
+    init_megatron_state(pg, SEED)
+    chunks = baseline.build_looped_chunks(
         config, pg, vocab_size=settings.vocab_size, max_sequence_length=settings.seq_length, layer_spec=_layer_spec(settings)
     )
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
-    model = gpt.wrap_ddp(chunks, config, pg, ddp_config)
+    model = baseline.wrap_looped_ddp(chunks, config, pg, ddp_config)
     sync = [chunk.start_grad_sync for chunk in model]
     config.grad_sync_func = sync if interleaved else sync[0]
     schedule_func = (
@@ -199,7 +198,7 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
 
     def step(batches, num_microbatches):
         schedule_func(
-            forward_step_func=gpt.gpt_forward_step,
+            forward_step_func=baseline.mean_loss_forward_step,
             data_iterator=[iter(batches) for _ in model],
             model=model,
             num_microbatches=num_microbatches,
@@ -214,30 +213,28 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
 
 def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runner:
     """A plan on this package's executor and chunks (build_pipeline_model)."""
-    from megatron_bitpipe import schedules
     from megatron_bitpipe.runtime.build import build_pipeline_model
     from megatron_bitpipe.runtime.forward_backward import make_forward_backward_func
     from megatron_bitpipe.runtime.groups import ParallelGrid
-    from megatron_bitpipe.testing.gpt import gpt_forward_step
+    from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
 
-    name, split, costs = plan_choice(schedule, settings)
-    placement = schedules.generate(name, pipeline_size, 2 * pipeline_size).placement  # the same for every N
+    choice = plan_choice(schedule, settings)
     config = _config(settings, pipeline_size, overlap_p2p_comm=True)
     model = build_pipeline_model(
         config,
         ParallelGrid(pp=pipeline_size),
-        placement,
+        choice.placement(pipeline_size),
         vocab_size=settings.vocab_size,
         max_sequence_length=settings.seq_length,
         seed=SEED,
         share_embeddings_and_output_weights=False,
         layer_spec=_layer_spec(settings),
     )
-    forward_backward = make_forward_backward_func(name, split, costs)
+    forward_backward = make_forward_backward_func(choice)
 
     def step(batches, num_microbatches):
         forward_backward(
-            forward_step_func=gpt_forward_step,
+            forward_step_func=mean_loss_forward_step,
             data_iterator=iter(batches),
             model=model.chunks,
             num_microbatches=num_microbatches,
@@ -286,10 +283,10 @@ def _run_rank(settings: Settings, pipeline_size: int, microbatches: Sequence[int
     """
     import torch.distributed as dist
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.testing.emulation import EmulatedDevice
-    from megatron_bitpipe.testing.gpt import synthetic_microbatches
-    from megatron_bitpipe.testing.measure import LiveActivationMeter
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking.emulation import EmulatedDevice
+    from megatron_bitpipe.benchmarking.megatron_baseline import synthetic_microbatches
+    from megatron_bitpipe.benchmarking.meters import LiveActivationMeter
 
     enable_cpu_megatron()
     calibration = {"t_p2p": _measure_p2p(settings, pipeline_size)}
@@ -329,13 +326,8 @@ def _run_rank(settings: Settings, pipeline_size: int, microbatches: Sequence[int
 def valid_microbatches(schedule: str, pipeline_size: int, num_microbatches: int) -> bool:
     """Whether ``schedule`` runs ``num_microbatches`` on ``pipeline_size`` ranks (same rules as
     the plan generators; megatron-core's interleaved schedule needs a multiple of D too)."""
-    from megatron_bitpipe import schedules
-
-    try:
-        schedules.generate(plan_choice(schedule, Settings())[0], pipeline_size, num_microbatches)
-    except schedules.ScheduleConfigError:
-        return False
-    return True
+    choice = plan_choice(schedule, Settings())
+    return not choice.problems(pipeline_size, num_microbatches)
 
 
 def predict(schedule: str, settings: Settings, pipeline_size: int, num_microbatches: int, costs):
@@ -405,7 +397,7 @@ def run_grid(settings: Settings, grid: Dict[int, Sequence[int]], schedule_names:
     Each row records ``load_average``: the machine's 1-minute load average before and after
     its job (other processes competing for the cores make the emulation less exact).
     """
-    from megatron_bitpipe.testing.launcher import launch
+    from megatron_bitpipe.cpu.launcher import launch
 
     rows = []
     for pipeline_size, microbatches in grid.items():
@@ -542,7 +534,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", metavar="FILE", help="JSON cost file: t_forward / t_backward (ms) are emulated")
     parser.add_argument("--t-forward", type=float, help=f"ms per micro-batch and device share (default {Settings.t_forward})")
     parser.add_argument("--t-backward", type=float, help=f"ms (default {Settings.t_backward})")
-    parser.add_argument("--t-weight", type=float, help="ms of --t-backward that bitpipe-split defers to W (default half)")
+    parser.add_argument("--t-weight", type=float, help="ms of --t-backward that bitpipe+split-backward defers to W (default half)")
     parser.add_argument("--layers-per-rank", type=int, default=Settings.layers_per_rank, help="even; L = this x D")
     parser.add_argument("--device", choices=("async", "blocking"), default="async",
                         help="emulated device: CUDA-stream semantics (default) or a blocking sleep per layer")
@@ -563,7 +555,7 @@ def doc_blocks(device: str) -> tuple:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings for the flags; raises ValueError naming the flag."""
-    from megatron_bitpipe.schedules.cli import read_cost_file
+    from megatron_bitpipe.schedules.simulate import read_cost_file
 
     costs = read_cost_file(args.costs) if args.costs else {}
     t_forward = args.t_forward if args.t_forward is not None else costs.get("t_forward", Settings.t_forward)

@@ -15,7 +15,7 @@ DotProductAttention (``--attention local``; for ``optimus2d`` its subclass
 probabilities) or torch's scaled_dot_product_attention (``--attention sdpa``, the flash
 kernel when dropout is 0).
 
-Measured quantities (see :mod:`megatron_bitpipe.testing.measure`):
+Measured quantities (see :mod:`megatron_bitpipe.benchmarking.meters`):
 
 * **activations**: bytes of distinct storages autograd saves during the layer's forward
   (parameters excluded) — what the layer keeps alive until its backward;
@@ -112,7 +112,7 @@ def _layer_and_input(mode: str, sizes: dict):
 
     from megatron_bitpipe.optimus.mesh import build_optimus_mesh
     from megatron_bitpipe.optimus.spec import get_optimus_gpt_layer_spec
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
     world = dist.get_world_size()
     tp_group = dist.new_group(list(range(world)))
@@ -151,8 +151,8 @@ def _measure(mode: str, sizes: dict) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.testing.measure import CollectiveMeter, SavedActivationMeter
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking.meters import CollectiveMeter, SavedActivationMeter
 
     enable_cpu_megatron()
     torch.manual_seed(1234)
@@ -183,7 +183,7 @@ def _model_elements(sizes: dict) -> dict:
 
     optimus2d: per SUMMA linear in→out, 3 activation-sized and 3 weight-sized block streams
     (forward: broadcast A and W; dA: broadcast W, reduce dA; dW: broadcast A, reduce dW),
-    i.e. DESIGN.md §4's (21·bsh + 36·h²)/q for ffn = 4h; norms and bias grads not counted.
+    i.e. (21·bsh + 36·h²)/q for ffn = 4h (docs/optimus.md); norms and bias grads not counted.
     tp: 4 all-reduces of bsh. tp+sp: 4 all-gathers/reduce-scatters forward, 4 backward and
     the 2 re-gathers of the column-parallel inputs for their weight gradients.
     """
@@ -275,7 +275,7 @@ def main(argv=None) -> None:
     if sizes["seq"] % sizes["tp"]:
         parser.error("--seq-length must be divisible by --tensor-model-parallel-size (tp+sp mode)")
     from megatron_bitpipe.optimus.validation import check_optimus_settings
-    from megatron_bitpipe.testing.launcher import launch
+    from megatron_bitpipe.cpu.launcher import launch
 
     try:
         check_optimus_settings(

@@ -48,7 +48,7 @@ MODELS: Dict[str, dict] = {
     "gpt": dict(shape=TransformerShape(96, 3072, 32, 1024, 1), global_batch_size=16),
     "bert": dict(shape=TransformerShape(64, 2560, 64, 512, 4), global_batch_size=32),
 }
-SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split")  # "+split": split_backward=True
+SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward")  # ScheduleChoice labels
 BASELINE = "interleaved"
 
 
@@ -58,8 +58,7 @@ def predict(model: str, costs: schedules.CostModel, microbatch_counts: Sequence[
     rows = []
     for num_microbatches in microbatch_counts:
         for schedule in SCHEDULES:
-            name, split = schedule.removesuffix("+split"), schedule.endswith("+split")
-            plan = schedules.generate(name, PIPELINE_SIZE, num_microbatches, split_backward=split, costs=costs)
+            plan = schedules.ScheduleChoice.from_label(schedule, costs).plan(PIPELINE_SIZE, num_microbatches)
             schedules.validate_plan(plan)
             result = schedules.simulate(plan, costs)
             rows.append(
@@ -132,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shape = MODELS[model]["shape"]
         counts = args.num_microbatches or (MODELS[model]["global_batch_size"] // shape.micro_batch_size, 4 * PIPELINE_SIZE)
         if args.costs:
-            from megatron_bitpipe.schedules.cli import read_cost_file
+            from megatron_bitpipe.schedules.simulate import read_cost_file
 
             try:
                 base = schedules.CostModel(**read_cost_file(args.costs))

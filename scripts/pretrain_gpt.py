@@ -21,8 +21,8 @@ from megatron_bitpipe.training.gpt import GPTTask  # noqa: E402
 
 
 def cpu_fallback() -> None:
-    """No GPU: run megatron-core on the CPU (tests and demos)."""
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    """No GPU: run megatron-core on the CPU with gloo (megatron_bitpipe.cpu)."""
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
 

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_bitpipe.schedules import CostModel, generate, simulate, validate_plan
+from megatron_bitpipe.schedules import SPLIT_BACKWARD_SUFFIX, CostModel, generate, simulate, validate_plan
 from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, analytic_costs
 from megatron_bitpipe.schedules.render import plot_gantt
 
@@ -32,11 +32,12 @@ GRID = [(D, k * D) for D in (4, 8, 16) for k in (1, 2, 4)]
 P2P = (0.0, 0.05, 0.1, 0.2)
 #: (name, label, split_backward) of the peers in the message-cost tables
 PEERS = (("zb-h1", "ZB-H1", False), ("zbv", "ZB-V", False), ("dualpipev", "DualPipeV", False),
-         ("dualpipe", "DualPipe", False), ("interleaved", "interleaved+split", True), ("chimera", "Chimera+split", True))
+         ("dualpipe", "DualPipe", False), ("interleaved", f"interleaved{SPLIT_BACKWARD_SUFFIX}", True),
+         ("chimera", f"Chimera{SPLIT_BACKWARD_SUFFIX}", True))
 #: schedules of the gradient-sync and memory tables: (name, label, split_backward)
-RACE = (("1f1b", "1F1B", False), ("zb-h1", "ZB-H1", False), ("interleaved", "interleaved+split", True),
+RACE = (("1f1b", "1F1B", False), ("zb-h1", "ZB-H1", False), ("interleaved", f"interleaved{SPLIT_BACKWARD_SUFFIX}", True),
         ("zbv", "ZB-V", False), ("dualpipev", "DualPipeV", False), ("dualpipe", "DualPipe", False),
-        ("chimera", "Chimera+split", True), ("bitpipe", "BitPipe+split", True))
+        ("chimera", f"Chimera{SPLIT_BACKWARD_SUFFIX}", True), ("bitpipe", f"BitPipe{SPLIT_BACKWARD_SUFFIX}", True))
 #: the BitPipe paper's configurations (8 pipeline ranks; N = global batch / micro-batch)
 MODELS = {"GPT": (TransformerShape(96, 3072, 32, 1024, 1), 16), "BERT": (TransformerShape(64, 2560, 64, 512, 4), 8)}
 PIPELINE = 8
@@ -77,9 +78,10 @@ def bubble_table() -> str:
 def split_table() -> str:
     """Bubble of every schedule with a split backward, BitPipe's peak, and speed-ups
     over megatron's interleaved schedule (whole backward) with and without the split."""
-    labels = " | ".join(f"{label}+split" for _, label in SCHEDULES)
+    labels = " | ".join(f"{label}{SPLIT_BACKWARD_SUFFIX}" for _, label in SCHEDULES)
+    split_bitpipe = f"BitPipe{SPLIT_BACKWARD_SUFFIX}"
     lines = [
-        f"| D | N | {labels} | BitPipe+split peak | BitPipe vs interleaved | BitPipe+split vs interleaved |",
+        f"| D | N | {labels} | {split_bitpipe} peak | BitPipe vs interleaved | {split_bitpipe} vs interleaved |",
         "|---|---|" + "---|" * len(SCHEDULES) + "---|---|---|",
     ]
     for D, N in GRID:
@@ -115,7 +117,8 @@ def latency_tables() -> str:
         costs = CostModel(t_p2p=p2p)
         lines = [
             f"**t_p2p = {p2p:g} t_F**\n",
-            f"| D | N | {labels} | BitPipe | BitPipe+split | peak | bound | over bound | memory bound | over memory bound |",
+            f"| D | N | {labels} | BitPipe | BitPipe{SPLIT_BACKWARD_SUFFIX} | peak | bound | over bound | memory bound "
+            "| over memory bound |",
             "|---|---|" + "---|" * len(PEERS) + "---|---|---|---|---|---|---|",
         ]
         for D, N in GRID:
@@ -222,7 +225,7 @@ def pictures(out: Path) -> str:
             blocks.append(f"**{title}, D={D}, N={N}**\n\n![{title} D={D} N={N}]({filename})\n")
     D, N, p2p = PEER_PICTURE
     costs = CostModel(t_p2p=p2p)
-    for name, label, split in PEERS[:4] + (("bitpipe", "BitPipe+split", True),):
+    for name, label, split in PEERS[:4] + (("bitpipe", f"BitPipe{SPLIT_BACKWARD_SUFFIX}", True),):
         filename = f"images/{name}_p2p_d{D}_n{N}.png"
         plot_gantt(simulated(name, D, N, split, costs), str(out / filename))
         blocks.append(f"**{label}, D={D}, N={N}, t_p2p = {p2p:g} t_F**\n\n![{label} D={D} N={N}]({filename})\n")

@@ -1,7 +1,7 @@
 """Rank-side code of the BERT equivalence tests.
 
 :class:`BertCase` runs BERT chunks (:func:`megatron_bitpipe.runtime.bert.build_bert_chunks`)
-through :func:`runtime_support.pipeline` with :func:`megatron_bitpipe.bert_pretraining.bert_forward_step`
+through :func:`runtime_support.pipeline` with :func:`megatron_bitpipe.training.bert.bert_forward_step`
 on mock MLM + next-sentence micro-batches with padding. :func:`reference` trains megatron-core's
 stock ``BertModel`` (built from megatron's global parallel state) in one process, with the loss
 written out here independently of the package's loss function.
@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from runtime_support import MICRO_BATCH, NUM_LAYERS, SEED, SEQ, VOCAB, Case, model_config, train_single_process
+from .runtime_support import MICRO_BATCH, NUM_LAYERS, SEED, SEQ, VOCAB, Case, model_config, train_single_process
 
 EVAL_SAMPLE = 1_000_000  # evaluation samples start here, far from the training samples
 
 
 def batches(step: Optional[int], count: int) -> list:
     """The ``count`` micro-batches of training step ``step`` (None: the evaluation batch)."""
-    from megatron_bitpipe.bert_pretraining import MockBERTDataset, bert_microbatches
+    from megatron_bitpipe.training.bert import MockBERTDataset, bert_microbatches
 
     dataset = MockBERTDataset(EVAL_SAMPLE + 10_000, SEQ, VOCAB, SEED)
     first = EVAL_SAMPLE if step is None else step * count * MICRO_BATCH
@@ -47,7 +47,7 @@ class BertCase(Case):
         )
 
     def forward_step(self, data_iterator, model):
-        from megatron_bitpipe.bert_pretraining import bert_forward_step
+        from megatron_bitpipe.training.bert import bert_forward_step
 
         return bert_forward_step(data_iterator, model)
 

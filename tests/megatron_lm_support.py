@@ -3,7 +3,7 @@
 :func:`fake_checkout` makes a directory that only looks like a checkout (for error tests).
 :func:`checkout_or_skip` gives the checkout or skips with the reason (no ``MEGATRON_LM_PATH``,
 or a module Megatron-LM's training code imports is missing). :func:`torchrun` runs
-``torchrun --standalone --nproc-per-node N -m megatron_bitpipe.testing.megatron_lm_cpu SCRIPT
+``torchrun --standalone --nproc-per-node N -m megatron_bitpipe.cpu.megatron_lm SCRIPT
 FLAGS`` and parses what Megatron-LM's last rank prints: the training loss and grad norm of
 every iteration and every validation / test loss.
 """
@@ -76,12 +76,12 @@ class Run:
 
 def torchrun(script: Path, nproc: int, flags: List[str], cwd: Path, timeout: int = 600) -> Run:
     """Run ``script`` through the CPU entry point on ``nproc`` gloo ranks."""
-    from megatron_bitpipe.testing.megatron_lm_cpu import CPU_FLAGS
+    from megatron_bitpipe.cpu.megatron_lm import CPU_FLAGS
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "megatron_bitpipe.testing.megatron_lm_cpu", str(script), *CPU_FLAGS, *flags,
+        "-m", "megatron_bitpipe.cpu.megatron_lm", str(script), *CPU_FLAGS, *flags,
     ]
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     run = Run(result.returncode, result.stdout + result.stderr)

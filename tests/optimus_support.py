@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 
 from megatron_bitpipe.optimus.mesh import OptimusMesh, build_optimus_mesh
-from megatron_bitpipe.testing.gpt import tiny_gpt_config
+from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
 #: tolerance of every 2-D vs serial comparison (fp32)
 RTOL, ATOL = 1e-5, 1e-6

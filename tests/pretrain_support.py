@@ -1,6 +1,6 @@
 """Rank-side code shared by the pretrain script tests (GPT and BERT).
 
-Rank bodies for :func:`megatron_bitpipe.testing.launcher.launch` run the scripts' entry points
+Rank bodies for :func:`megatron_bitpipe.cpu.launcher.launch` run the scripts' entry points
 (:func:`megatron_bitpipe.training.pretrain` / :func:`~megatron_bitpipe.training.main`) on the
 launcher's gloo group with the CPU compatibility layer; ``task`` names the script's task
 (``"gpt"`` or ``"bert"``).
@@ -72,7 +72,7 @@ def assert_same_records(
 def train_in_process(task: str, argv: List[str]):
     """Rank body: train as the script would; the CheckpointError message if the checkpoint is
     refused, else None."""
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import pretrain
     from megatron_bitpipe.training.errors import CheckpointError
 
@@ -90,7 +90,7 @@ def main_in_process(task: str, argv: List[str]):
 
     import torch.distributed as dist
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import main
 
     stderr = io.StringIO()
@@ -98,3 +98,35 @@ def main_in_process(task: str, argv: List[str]):
         status = main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
     dist.barrier()  # every rank got here: nobody waits in a collective of the failed run
     return status, stderr.getvalue()
+
+
+def main_signalled(task: str, argv: List[str], signal_rank: int, signal_call: int) -> int:
+    """Rank body: the script's main() (its exit status); rank ``signal_rank`` sends itself
+    SIGUSR1 in its ``signal_call``-th call of the task's forward step, as SLURM's warning
+    signal would arrive in the middle of an iteration, on some ranks first."""
+    import signal
+
+    import torch.distributed as dist
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import main
+
+    the_task = make_task(task)
+    forward_step, calls = the_task.forward_step, [0]
+
+    def signalling_forward_step(*args, **kwargs):
+        calls[0] += 1
+        if dist.get_rank() == signal_rank and calls[0] == signal_call:
+            signal.raise_signal(signal.SIGUSR1)
+        return forward_step(*args, **kwargs)
+
+    the_task.forward_step = signalling_forward_step
+    return main(the_task, argv, cpu_fallback=enable_cpu_megatron)
+
+
+def main_status(task: str, argv: List[str]) -> int:
+    """Rank body: the script's main(), its exit status."""
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import main
+
+    return main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)

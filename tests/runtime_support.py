@@ -75,9 +75,9 @@ class Case:
         return dict(share_embeddings_and_output_weights=self.tied)
 
     def forward_step(self, data_iterator, model):
-        from megatron_bitpipe.testing.gpt import gpt_forward_step
+        from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
 
-        return gpt_forward_step(data_iterator, model)
+        return mean_loss_forward_step(data_iterator, model)
 
     def batches(self, step: Optional[int], count: int) -> list:
         """The global batch of ``step``; ``step=None``: the evaluation batch."""
@@ -90,7 +90,7 @@ class Case:
 
 def gpt_batches(step: Optional[int], count: int) -> list:
     """The ``count`` GPT micro-batches of training step ``step`` (None: the evaluation batch)."""
-    from megatron_bitpipe.testing.gpt import synthetic_microbatches
+    from megatron_bitpipe.benchmarking.megatron_baseline import synthetic_microbatches
 
     seed = SEED + 100 * (STEPS + 7 if step is None else step)
     return synthetic_microbatches(seed, count, MICRO_BATCH, SEQ, VOCAB)
@@ -98,7 +98,7 @@ def gpt_batches(step: Optional[int], count: int) -> list:
 
 def model_config(**kw):
     """The tiny GPT's fp32 config (NUM_LAYERS, HIDDEN, HEADS); ``kw`` go to ``tiny_gpt_config``."""
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
     return tiny_gpt_config(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, **kw)
 
@@ -119,11 +119,11 @@ def train_single_process(model, config, pg, clip_grad: float, run, batches, glob
     """
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.testing.weights import collect_full
 
-    [ddp] = gpt.wrap_ddp([model], config, pg)
-    optimizer = gpt.build_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
+    [ddp] = baseline.wrap_looped_ddp([model], config, pg)
+    optimizer = baseline.build_baseline_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
     record = {"initial": collect_full(ddp), "steps": []}
     for step in range(STEPS):
         ddp.zero_grad_buffer()
@@ -158,12 +158,13 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
     from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.runtime.init import initialize_from_seed
     from megatron_bitpipe.runtime.layout import ChunkLayers
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
 
-    pg = gpt.build_process_groups(gpt.ParallelGrid())
+    pg = baseline.build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, SEED)
     config = model_config()
-    model = gpt.build_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
+    model = baseline.build_megatron_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
 
     def run(ddp, batch):
@@ -173,34 +174,27 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
     return train_single_process(model, config, pg, clip_grad, run, gpt_batches, global_microbatches)
 
 
-def _reference_runs(keys) -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+def run_references(keys) -> dict:
+    """On one launched rank: the single-process :func:`reference` of every key
+    (``Case.reference_key``); the test modules' ``run_references`` (see ``conftest.py``)."""
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     return {key: reference(*key) for key in keys}
 
 
-def launch_references(cases, timeout: float = 300) -> dict:
-    """The single-process :func:`reference` of every distinct ``case.reference_key``, by key
-    (one launched process)."""
-    from megatron_bitpipe.testing.launcher import launch
-
-    keys = sorted({c.reference_key for c in cases})
-    return launch(_reference_runs, 1, keys, timeout=timeout)[0]
-
-
 def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
-    """Train ``case`` through ``make_forward_backward_func(case.schedule, case.split_backward)`` on this rank."""
+    """Train ``case`` through ``make_step_func(ScheduleChoice(case.schedule, case.split_backward))`` on this rank."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_bitpipe import schedules
     from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
-    from megatron_bitpipe.runtime.forward_backward import last_step, make_forward_backward_func
+    from megatron_bitpipe.runtime.forward_backward import make_step_func
     from megatron_bitpipe.runtime.groups import ParallelGrid
     from megatron_bitpipe.runtime.replicas import max_replica_difference
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
-    placement = schedules.generate(case.schedule, case.pp, case.n).placement  # the same for every order
+    choice = schedules.ScheduleChoice(case.schedule, case.split_backward, schedules.CostModel(t_p2p=case.t_p2p))
     config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
@@ -211,7 +205,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     model = build_pipeline_model(
         config,
         ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp),
-        placement,
+        choice.placement(case.pp),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         seed=SEED,
@@ -221,20 +215,20 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     )
     groups = model.groups
     optimizer = build_optimizer(model, _optimizer_config(case.clip_grad))
-    forward_backward = make_forward_backward_func(
-        case.schedule, split_backward=case.split_backward, costs=schedules.CostModel(t_p2p=case.t_p2p)
-    )
+    step_func = make_step_func(choice)
 
     def full(tensor_of=lambda p: p) -> Dict[str, torch.Tensor]:
         return merge_full(
             collect_full(c, tensor_of, chunk=s, tp_group=groups.tp) for c, s in zip(model.chunks, model.specs)
         )
 
+    traces: List[List[str]] = []  # the actions each step executed on this rank
+
     def run(step: Optional[int], forward_only: bool = False) -> Dict[int, float]:
         """This dp rank's block of ``case.batches(step, ...)`` through the schedule; the loss
         reports of this rank by global micro-batch index."""
         first = groups.dp_rank * case.n
-        reports = forward_backward(
+        result = step_func(
             forward_step_func=case.forward_step,
             data_iterator=iter(case.batches(step, case.global_microbatches)[first : first + case.n]),
             model=model.chunks,
@@ -243,7 +237,8 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
             micro_batch_size=MICRO_BATCH,
             forward_only=forward_only,
         )
-        return {first + m: case.recorded_loss(r) for m, r in zip(sorted(last_step().losses), reports)}
+        traces.append(result.trace)
+        return {first + m: case.recorded_loss(r) for m, r in result.losses.items()}
 
     record = {"initial": full(), "replica_diff": [max_replica_difference(model.chunks, groups)], "steps": []}
     restore = _instrument(model.chunks, instrument) if instrument is not None else None
@@ -261,6 +256,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=full()))
         record["replica_diff"].append(max_replica_difference(model.chunks, groups))
     record["eval"] = run(None, forward_only=True)
+    record["eval_trace"] = traces[-1]
     record["pp_rank"] = groups.pp_rank
     return record
 

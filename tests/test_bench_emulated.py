@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_emulated.py"
@@ -47,10 +47,10 @@ def _layer_and_meter() -> dict:
     import torch
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.testing.emulation import emulated_layer_spec
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
-    from megatron_bitpipe.testing.measure import LiveActivationMeter
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking.emulation import emulated_layer_spec
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.meters import LiveActivationMeter
 
     enable_cpu_megatron()
     config = tiny_gpt_config(num_layers=2, hidden_size=8, num_attention_heads=2)
@@ -85,44 +85,57 @@ def _layer_and_meter() -> dict:
     }
 
 
-def _device_timing() -> dict:
-    import time
+def _device_facts() -> dict:
+    """What the emulated device waits for, recorded instead of timed: every ``sleep_until``
+    deadline with the thread that slept, and the compute it was given."""
+    import threading
 
     import torch
     import torch.distributed as dist
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.testing.emulation import EmulatedDevice, emulated_layer_spec
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking import emulation
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
     enable_cpu_megatron()
+    sleeps = []
+    real_sleep = emulation.sleep_until
+
+    def recorded_sleep(deadline: float) -> None:
+        sleeps.append((threading.current_thread().name, deadline))
+        real_sleep(deadline)
+
+    emulation.sleep_until = recorded_sleep
     rank = dist.get_rank()
     config = tiny_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=2)
-    slow = build_module(emulated_layer_spec(0.5, 0.0), config=config, layer_number=1)
+    slow = build_module(emulation.emulated_layer_spec(0.5, 0.0), config=config, layer_number=1)
     facts = {}
     dist.barrier()
-    with EmulatedDevice(asynchronous=True) as device:
-        entered = time.perf_counter()
+    with emulation.EmulatedDevice(asynchronous=True) as device:
         out, _ = slow(hidden_states=torch.ones(2, 1, 8))
-        facts["launch_s"] = time.perf_counter() - entered
+        facts["sleeps_after_launch"] = list(sleeps)
+        facts["launched"] = device.launched_seconds
         facts["device_done"] = device.free_at
         if rank == 0:
             work = dist.isend(out.detach(), 1)
-            facts["isend_s"] = time.perf_counter() - entered
+            facts["main_sleeps_after_isend"] = [s for s in sleeps if s[0] == "MainThread"]
             work.wait()
         else:
             received = torch.empty(2, 1, 8)
             dist.recv(received, 0)
-            facts["arrived"] = time.perf_counter()
-    facts["exit_s"] = time.perf_counter() - entered
-    with EmulatedDevice(asynchronous=False):
-        start = time.perf_counter()
-        build_module(emulated_layer_spec(0.05, 0.0), config=config, layer_number=1)(hidden_states=torch.ones(1))
-        facts["blocking_s"] = time.perf_counter() - start
+            facts["received"] = received.shape
+    facts["async_sleeps"] = list(sleeps)
+    sleeps.clear()
+    with emulation.EmulatedDevice(asynchronous=False) as blocking:
+        build_module(emulation.emulated_layer_spec(0.05, 0.0), config=config, layer_number=1)(hidden_states=torch.ones(1))
+        facts["blocking_sleeps"] = [name for name, _ in sleeps]
+        facts["blocking_launched"] = blocking.launched_seconds
+    emulation.sleep_until = real_sleep
     return facts
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_emulated_layer_gradients_and_activation_meter():
     facts = launch(_layer_and_meter, 1, timeout=100)[0]
@@ -134,15 +147,21 @@ def test_emulated_layer_gradients_and_activation_meter():
     assert facts["live_after"] == (0, 0)
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_emulated_device_runs_ahead_and_sends_when_data_is_ready():
-    facts = launch(_device_timing, 2, timeout=100)
+    facts = launch(_device_facts, 2, timeout=100)
     for rank_facts in facts:
-        assert rank_facts["launch_s"] < 0.5, "an asynchronous launch must not block the CPU"
-        assert rank_facts["exit_s"] >= 0.5, "leaving the device waits for its queued compute"
-        assert rank_facts["blocking_s"] >= 0.05
-    assert facts[0]["isend_s"] < 0.5, "isend is deferred, not waited for"
-    assert facts[1]["arrived"] >= facts[0]["device_done"], "a send leaves once the producing compute is done"
+        assert rank_facts["sleeps_after_launch"] == [], "an asynchronous launch must not block the CPU"
+        assert rank_facts["launched"] == pytest.approx(0.5)
+        done = rank_facts["device_done"]
+        assert ("MainThread", done) in rank_facts["async_sleeps"], "leaving the device waits for its queued compute"
+        assert rank_facts["blocking_sleeps"] == ["MainThread"] and rank_facts["blocking_launched"] == pytest.approx(0.05)
+    assert facts[0]["main_sleeps_after_isend"] == [], "isend is deferred, not waited for"
+    assert ("emulated-device-sends", facts[0]["device_done"]) in facts[0]["async_sleeps"], (
+        "a send leaves once the producing compute is done"
+    )
+    assert facts[1]["received"] == (2, 1, 8)
 
 
 def _run_script(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -152,6 +171,7 @@ def _run_script(*flags: str, timeout: float = 240) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_benchmark_smoke_json():
     from megatron_bitpipe.schedules import CostModel, generate, simulate
@@ -163,7 +183,7 @@ def test_benchmark_smoke_json():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout)
-    schedules = ["1f1b", "interleaved", "chimera", "bitpipe", "bitpipe-split", "zbv", "dualpipev"]
+    schedules = ["1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward", "zbv", "dualpipev"]
     assert [(r["schedule"], r["num_microbatches"]) for r in rows] == [
         (s, n) for s in schedules for n in (2, 4) if (s, n) != ("dualpipev", 2)  # DualPipeV: N >= 2D
     ]
@@ -174,7 +194,7 @@ def test_benchmark_smoke_json():
         costs = CostModel(**row["costs"])
         assert (costs.t_forward, costs.t_backward) == (t_forward, t_backward)
         assert costs.t_p2p > 0, "the p2p latency is measured"
-        name, split = row["schedule"].removesuffix("-split"), row["schedule"].endswith("-split")
+        name, split = row["schedule"].removesuffix("+split-backward"), row["schedule"].endswith("+split-backward")
         ordered = split or name in ("zbv", "dualpipev")
         plan = generate(name, 2, row["num_microbatches"], split_backward=split,
                         costs=CostModel(t_forward, t_backward) if ordered else None)
@@ -187,6 +207,7 @@ def test_benchmark_smoke_json():
     assert rows[2]["speedup_vs_interleaved"] == rows[3]["speedup_vs_interleaved"] == 1.0
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     "flags, flag",
     [(("--grid", "3:3"), "--grid"), (("--layers-per-rank", "3"), "--layers-per-rank"), (("--schedules", "gpipe"), "--schedules")],

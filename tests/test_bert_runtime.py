@@ -14,81 +14,61 @@ Both sides take fp32 logits gradients from megatron's fused cross entropy
 (:mod:`megatron_bitpipe.testing.fp32_cross_entropy`): its bfloat16 gradient turns last-bit
 differences of the weights into relative gradient jumps of up to 2^-8.
 
-One launch per world size serves all of its cases; the data and loss checks run in-process.
+One launch per world size serves all of its cases (``launched``, ``tests/conftest.py``); the data
+and loss checks run in-process.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List
 
 import pytest
 import torch
 
-from megatron_bitpipe.testing.launcher import launch
 
-from bert_support import BertCase, batches, reference
-from runtime_support import assert_equals_reference, bf16_losses, pipeline
+from .bert_support import BertCase, batches, reference
+from .runtime_support import assert_equals_reference, bf16_losses, pipeline
 
-CASES = {  # world size -> cases
-    2: [BertCase("bert_bitpipe_pp2_n4", "bitpipe", pp=2, n=4)],
-    4: [
-        BertCase("bert_bitpipe_pp4_n4_clip", "bitpipe", pp=4, n=4, clip_grad=0.5),
-        BertCase("bert_bitpipe_pp4_n8_untied_no_binary_head", "bitpipe", pp=4, n=8, tied=False, binary_head=False),
-        BertCase("bert_bitpipe_tp2_pp2_n4", "bitpipe", pp=2, n=4, tp=2),
-        BertCase("bert_bitpipe_tp2_sp_pp2_n4", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True),
-        BertCase("bert_bitpipe_dp2_pp2_n2", "bitpipe", pp=2, n=2, dp=2),
-    ],
-}
-BF16 = BertCase("bert_bitpipe_pp2_n4_bf16", "bitpipe", pp=2, n=4)  # runs in the 2-rank launch
+TRAINED = [
+    BertCase("bert_bitpipe_pp2_n4", "bitpipe", pp=2, n=4),
+    BertCase("bert_bitpipe_pp4_n4_clip", "bitpipe", pp=4, n=4, clip_grad=0.5),
+    BertCase("bert_bitpipe_pp4_n8_untied_no_binary_head", "bitpipe", pp=4, n=8, tied=False, binary_head=False),
+    BertCase("bert_bitpipe_tp2_pp2_n4", "bitpipe", pp=2, n=4, tp=2),
+    BertCase("bert_bitpipe_tp2_sp_pp2_n4", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True),
+    BertCase("bert_bitpipe_dp2_pp2_n2", "bitpipe", pp=2, n=2, dp=2),
+]
+BF16 = BertCase("bert_bitpipe_pp2_n4_bf16", "bitpipe", pp=2, n=4)  # bf16 smoke run (bf16_losses)
+CASES = TRAINED + [BF16]
 
 
 def _enable():
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.testing.fp32_cross_entropy import enable_fp32_cross_entropy_gradients
 
     enable_cpu_megatron()
     enable_fp32_cross_entropy_gradients()
 
 
-def _run_cases(cases: List[BertCase], bf16_case: Optional[BertCase]) -> dict:
+def run_cases(cases: List[BertCase]) -> dict:
     _enable()
-    out = {case.name: pipeline(case) for case in cases}
-    if bf16_case is not None:
-        out[bf16_case.name] = bf16_losses(bf16_case)
-    return out
+    return {case.name: bf16_losses(case) if case == BF16 else pipeline(case) for case in cases}
 
 
-def _reference_runs(keys) -> dict:
+def run_references(keys) -> dict:
     _enable()
     return {key: reference(*key) for key in keys}
 
 
-@pytest.fixture(scope="module")
-def references() -> dict:
-    keys = sorted({c.reference_key for cases in CASES.values() for c in cases})
-    return launch(_reference_runs, 1, keys, timeout=300)[0]
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
+def test_equals_stock_bert_training(case, references, launched):
+    assert_equals_reference(case, launched[case], references[case.reference_key])
 
 
-@pytest.fixture(scope="module")
-def records() -> Dict[str, List[dict]]:
-    """Every case's per-rank records, one launch per world size."""
-    out = {}
-    for world_size, cases in CASES.items():
-        bf16_case = BF16 if world_size == BF16.world_size else None
-        per_rank = launch(_run_cases, world_size, cases, bf16_case, timeout=400 * world_size // 2)
-        names = [case.name for case in cases] + ([bf16_case.name] if bf16_case else [])
-        out.update({name: [rank[name] for rank in per_rank] for name in names})
-    return out
-
-
-@pytest.mark.parametrize("case", [c for cases in CASES.values() for c in cases], ids=lambda c: c.name)
-def test_equals_stock_bert_training(case, references, records):
-    assert_equals_reference(case, records[case.name], references[case.reference_key])
-
-
-def test_bf16_losses_are_fp32_on_every_loss_rank(references, records):
+@pytest.mark.multirank
+def test_bf16_losses_are_fp32_on_every_loss_rank(references, launched):
     """bf16 smoke test: both edge ranks report fp32 MLM and next-sentence losses close to fp32 training."""
-    ranks = records[BF16.name]
+    ranks = launched[BF16]
     ref = references[BF16.reference_key]
     assert [r["dtypes"] for r in ranks] == [{"torch.float32"}] * 2
     for step in range(2):
@@ -96,6 +76,7 @@ def test_bf16_losses_are_fp32_on_every_loss_rank(references, records):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["steps"][step]["losses"]), rtol=3e-2, atol=0)
 
 
+@pytest.mark.multirank
 def test_seed_init_follows_megatron_bert_init(references):
     """Every stock BertModel parameter gets megatron's constant (biases 0, norms 1) or a
     spread like megatron's (embeddings, lm_head, pooler, binary head, output layer...)."""
@@ -112,7 +93,7 @@ def test_seed_init_follows_megatron_bert_init(references):
 
 
 def test_mock_samples_are_consistent_and_deterministic():
-    from megatron_bitpipe.bert_pretraining import MockBERTDataset
+    from megatron_bitpipe.training.bert import MockBERTDataset
 
     dataset = MockBERTDataset(50, 16, 64, seed=3)
     for index in range(len(dataset)):
@@ -133,7 +114,7 @@ def test_mock_samples_are_consistent_and_deterministic():
 
 
 def test_mock_data_rejects_bad_sizes():
-    from megatron_bitpipe.bert_pretraining import MockBERTDataset
+    from megatron_bitpipe.training.bert import MockBERTDataset
 
     with pytest.raises(ValueError, match="--vocab-size"):
         MockBERTDataset(1, 16, 4, seed=0)
@@ -145,7 +126,7 @@ def test_loss_is_per_microbatch_mean_over_masked_tokens():
     """Megatron-LM's convention: a micro-batch's MLM loss is the mean over *its* masked
     tokens, whatever their number; the next-sentence loss the mean over its sequences. In
     megatron-core's three-value form: (count x loss, count, {name: [sum, count]})."""
-    from megatron_bitpipe.bert_pretraining import bert_loss
+    from megatron_bitpipe.training.bert import bert_loss
 
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     loss_mask = torch.tensor([[1, 0, 1], [0, 0, 1]])
@@ -164,7 +145,7 @@ def test_loss_is_per_microbatch_mean_over_masked_tokens():
 def test_forward_step_rejects_per_token_loss():
     from types import SimpleNamespace
 
-    from megatron_bitpipe.bert_pretraining import bert_forward_step
+    from megatron_bitpipe.training.bert import bert_forward_step
 
     model = torch.nn.Module()
     model.config = SimpleNamespace(calculate_per_token_loss=True)

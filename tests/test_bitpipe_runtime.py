@@ -7,7 +7,7 @@ same seed on the same global batches (fp32, rtol 1e-5); the replicas stay bit-id
 the forward-only (evaluation) losses are equal too. Tied embeddings are checked through
 the shared weight's gradient and value.
 
-One launch per world size serves all of its cases.
+One launch per world size serves all of its cases (``launched``, ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from typing import List
 import pytest
 import torch
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
-from runtime_support import ATOL, RTOL, STEPS, Case, assert_equals_reference, launch_references, pipeline
+from .runtime_support import ATOL, RTOL, STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
+
+pytestmark = pytest.mark.multirank
 
 CASES_2 = [
     Case("bitpipe_pp2_n2", "bitpipe", pp=2, n=2),
@@ -40,11 +42,12 @@ CASES_8 = [
     Case("bitpipe_optimus2d_q2_pp2_n4_clip", "bitpipe", pp=2, n=4, tp=4, clip_grad=0.5, tensor_parallel_mode="optimus2d"),
     Case("bitpipe_optimus2d_q2_pp2_n2_untied", "bitpipe", pp=2, n=2, tp=4, tied=False, tensor_parallel_mode="optimus2d"),
 ]
+CASES = CASES_2 + CASES_4 + CASES_8
 INSTRUMENTED = "bitpipe_pp4_n8"
 
 
-def _run_cases(cases: List[Case]) -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+def run_cases(cases: List[Case]) -> dict:
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     out = {}
@@ -55,42 +58,17 @@ def _run_cases(cases: List[Case]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def references() -> dict:
-    return launch_references(CASES_2 + CASES_4 + CASES_8)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_equals_single_process_training(case, references, launched):
+    assert_equals_reference(case, launched[case], references[case.reference_key])
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> List[dict]:
-    return launch(_run_cases, 2, CASES_2, timeout=400)
-
-
-@pytest.fixture(scope="module")
-def four_ranks() -> List[dict]:
-    return launch(_run_cases, 4, CASES_4, timeout=800)
-
-
-@pytest.fixture(scope="module")
-def eight_ranks() -> List[dict]:
-    return launch(_run_cases, 8, CASES_8, timeout=600)
-
-
-def _records(case, two_ranks, four_ranks, eight_ranks=()) -> List[dict]:
-    launched = two_ranks if case in CASES_2 else four_ranks if case in CASES_4 else eight_ranks
-    return [r[case.name] for r in launched]
-
-
-@pytest.mark.parametrize("case", CASES_2 + CASES_4 + CASES_8, ids=lambda c: c.name)
-def test_equals_single_process_training(case, references, two_ranks, four_ranks, eight_ranks):
-    assert_equals_reference(case, _records(case, two_ranks, four_ranks, eight_ranks), references[case.reference_key])
-
-
-def test_tied_embedding_is_one_weight(references, four_ranks):
+def test_tied_embedding_is_one_weight(references, launched):
     """The tied weight's gradient (embedding + head) equals the serial one: counted once."""
     case = next(c for c in CASES_4 if c.name == "bitpipe_pp4_n4_clip")
     ref = references[case.reference_key]
     assert "output_layer.weight" not in ref["steps"][0]["grads"]
-    holders = [r for r in _records(case, [], four_ranks) if "embedding.word_embeddings.weight" in r["steps"][0]["grads"]]
+    holders = [r for r in launched[case] if "embedding.word_embeddings.weight" in r["steps"][0]["grads"]]
     assert sorted(r["pp_rank"] for r in holders) == [0, 3]  # each edge rank holds one replica's
     for record in holders:
         assert "output_layer.weight" not in record["steps"][0]["grads"]
@@ -104,20 +82,20 @@ def test_tied_embedding_is_one_weight(references, four_ranks):
                 )
 
 
-def test_grad_norm_counts_replicas_once(references, four_ranks):
+def test_grad_norm_counts_replicas_once(references, launched):
     case = next(c for c in CASES_4 if c.name == "bitpipe_pp4_n8")
     ref = references[case.reference_key]
-    for record in _records(case, [], four_ranks):
+    for record in launched[case]:
         for step in range(STEPS):
             assert record["steps"][step]["grad_norm"] == pytest.approx(ref["steps"][step]["grad_norm"], rel=RTOL)
             assert record["steps"][step]["grad_norm"] != pytest.approx(2**0.5 * ref["steps"][step]["grad_norm"], rel=1e-3)
 
 
-def test_eager_sync_overlaps_remaining_backwards(four_ranks):
+def test_eager_sync_overlaps_remaining_backwards(launched):
     """Instrumented, not timed: a chunk's all-reduce is issued (and still outstanding) while
     backwards of another chunk of the same rank are yet to run."""
     case = next(c for c in CASES_4 if c.name == INSTRUMENTED)
-    for record in _records(case, [], four_ranks):
+    for record in launched[case]:
         events = record["events"]
         syncs = [i for i, e in enumerate(events) if e[0] == "S"]
         assert len(syncs) == 4
@@ -129,9 +107,9 @@ def test_eager_sync_overlaps_remaining_backwards(four_ranks):
 
 
 def _bf16(case):
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
-    from runtime_support import bf16_losses
+    from .runtime_support import bf16_losses
 
     enable_cpu_megatron()
     return bf16_losses(case)

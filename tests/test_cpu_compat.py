@@ -9,11 +9,13 @@ optimizer step must match the reference in fp32: bit for bit for pure pipelining
 rtol 1e-5 / atol 1e-6 where the layout changes the rounding (see ``Case.exact``).
 
 Also: what the compatibility layer does (on a rank of its own, never in the pytest
-process), and that production code does not import ``megatron_bitpipe.testing``.
+process), and which code may import ``megatron_bitpipe.testing`` and the CPU layer.
 Megatron-core is imported only in the launched ranks.
 """
 
 from __future__ import annotations
+
+import re
 
 import functools
 from dataclasses import dataclass
@@ -22,12 +24,12 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.testing.weights import merge_full
 
 # The tiny GPT, Adam settings and tolerance (for layouts whose float operations differ from
 # the reference's, see Case.exact) of every runtime test.
-from runtime_support import ADAM_EPS, ATOL, LR, MICRO_BATCH, RTOL, SEQ, VOCAB, model_config
+from .runtime_support import ADAM_EPS, ATOL, LR, MICRO_BATCH, RTOL, SEQ, VOCAB, model_config
 
 NUM_MICROBATCHES = 8  # global batch, split over data-parallel ranks
 STEPS = 3
@@ -92,20 +94,22 @@ def _train(case: Case, initial: Optional[Dict[str, torch.Tensor]]) -> dict:
         forward_backward_pipelining_without_interleaving,
     )
 
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.testing.weights import chunk_layers_of, collect_full, load_full, looped_chunk_layers
 
-    grid = gpt.ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp)
-    pg = gpt.build_process_groups(grid)
+    grid = ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp)
+    pg = baseline.build_looped_process_groups(grid)
     _, dp_rank, _ = grid.coords(torch.distributed.get_rank())
-    gpt.init_megatron_state(pg, SEED)
+    init_megatron_state(pg, SEED)
     config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
         virtual_pipeline_model_parallel_size=case.vp,
         batch_p2p_comm=case.batch_p2p,
     )
-    chunks = gpt.build_gpt_chunks(
+    chunks = baseline.build_looped_chunks(
         config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=case.tied
     )
     for v, chunk in enumerate(chunks):
@@ -116,16 +120,16 @@ def _train(case: Case, initial: Optional[Dict[str, torch.Tensor]]) -> dict:
     record: dict = {"dp_rank": dp_rank, "losses": [], "grads": [], "weights": [], "grad_norms": []}
     if initial is None:
         record["initial"] = merge_full(collect_full(c, tp_group=pg.tp) for c in chunks)
-    model = gpt.wrap_ddp(chunks, config, pg)
+    model = baseline.wrap_looped_ddp(chunks, config, pg)
     clip_grad = CLIP_GRAD if case.clip else 0.0
-    optimizer = gpt.build_optimizer(model, pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
+    optimizer = baseline.build_baseline_optimizer(model, pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
 
     per_dp = NUM_MICROBATCHES // case.dp
     for step in range(STEPS):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        batches = gpt.synthetic_microbatches(SEED + step, NUM_MICROBATCHES, MICRO_BATCH, SEQ, VOCAB)
+        batches = baseline.synthetic_microbatches(SEED + step, NUM_MICROBATCHES, MICRO_BATCH, SEQ, VOCAB)
         mine = batches[dp_rank * per_dp : (dp_rank + 1) * per_dp]
         if case.pp == 1:
             losses = _plain_forward_backward(model[0], mine)
@@ -137,7 +141,7 @@ def _train(case: Case, initial: Optional[Dict[str, torch.Tensor]]) -> dict:
                 else forward_backward_pipelining_without_interleaving
             )
             reports = schedule(
-                forward_step_func=gpt.gpt_forward_step,
+                forward_step_func=baseline.mean_loss_forward_step,
                 data_iterator=[iter(mine) for _ in model],
                 model=model,
                 num_microbatches=per_dp,
@@ -173,7 +177,7 @@ def _run_cases(cases: List[Case], initial: Dict[Case, Dict[str, torch.Tensor]]) 
 
     A case starts from ``initial[case.reference]`` if given, else from its own initialisation.
     """
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     return [_train(case, initial.get(case.reference)) for case in cases]
@@ -198,6 +202,7 @@ def _merged(records: List[dict], key: str, step: int) -> Dict[str, torch.Tensor]
     return merge_full(r[key][step] for r in records)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_schedule_matches_single_process(case: Case, reference, distributed):
     tolerance = (0.0, 0.0) if case.exact else (RTOL, ATOL)
@@ -228,7 +233,7 @@ def _probe_compat() -> dict:
     import megatron.core.tensor_parallel.random as mcore_random
     from torch.overrides import _get_current_function_mode_stack
 
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron, is_cpu_megatron_enabled
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron, is_cpu_megatron_enabled
 
     before = is_cpu_megatron_enabled()
     enable_cpu_megatron()
@@ -266,6 +271,7 @@ def _probe_compat() -> dict:
     }
 
 
+@pytest.mark.multirank
 def test_compat_layer_redirects_cuda_to_cpu():
     facts = launch(_probe_compat, 1, timeout=60)[0]
     assert facts["enabled"] == (False, True)
@@ -277,14 +283,23 @@ def test_compat_layer_redirects_cuda_to_cpu():
     assert facts["rng_reproducible"] and facts["fork_is_own_stream"] and facts["default_stream_is_seed"]
 
 
-def test_production_code_never_imports_testing():
+def test_only_tests_import_the_testing_package():
+    """``megatron_bitpipe.testing`` is test-only: nothing in the package outside it, and no
+    script, imports it; the library proper (schedules, runtime, optimus, training, Megatron-LM
+    integration) never imports the CPU layer, which entry points opt into."""
     import pathlib
 
-    package = pathlib.Path(__file__).resolve().parents[1] / "megatron_bitpipe"
-    offenders = [
-        str(path.relative_to(package))
-        for path in package.rglob("*.py")
-        if "testing" not in path.relative_to(package).parts
-        and ("cpu_compat" in path.read_text() or "megatron_bitpipe.testing" in path.read_text())
+    root = pathlib.Path(__file__).resolve().parents[1]
+    package = root / "megatron_bitpipe"
+    sources = [p for p in package.rglob("*.py") if "testing" not in p.relative_to(package).parts]
+    sources += list((root / "scripts").rglob("*.py"))
+    importers = [str(p.relative_to(root)) for p in sources if re.search(r"megatron_bitpipe\.testing|from \.+testing", p.read_text())]
+    assert importers == []
+    library = [package / name for name in ("schedules", "runtime", "optimus", "training", "megatron_lm")]
+    cpu_users = [
+        str(p.relative_to(root))
+        for folder in library
+        for p in folder.rglob("*.py")
+        if re.search(r"megatron_bitpipe\.cpu\b|from \.\.cpu\b", p.read_text())
     ]
-    assert offenders == []
+    assert cpu_users == []

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 
 class _AllocatesOnCurrentDevice(torch.autograd.Function):
@@ -21,7 +23,7 @@ class _AllocatesOnCurrentDevice(torch.autograd.Function):
 
 
 def _backward_through_current_device_allocation():
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     x = torch.ones(3, requires_grad=True)
@@ -30,6 +32,7 @@ def _backward_through_current_device_allocation():
     return x.grad.tolist(), grad.tolist()
 
 
+@pytest.mark.multirank
 def test_backward_functions_run_in_device_mode():
     assert launch(_backward_through_current_device_allocation, 1, timeout=60)[0] == (
         [2.0] * 3,

@@ -64,12 +64,12 @@ def test_latency_aware_order_beats_the_lock_step_order_with_message_costs():
 
 
 def test_free_messages_keep_the_lock_step_plan():
-    plan = generate("bitpipe", 8, 16)
+    plan = generate("bitpipe", 8, 16).compute_only()
     assert latency_aware_split(plan, CostModel(), 8, (4,)).actions == split_backward(plan, CostModel(), 8).actions
 
 
 def test_list_schedule_respects_the_activation_limit_or_says_it_stalls():
-    lock_step = generate("bitpipe", 4, 8)
+    lock_step = generate("bitpipe", 4, 8).compute_only()
     placement, routing = lock_step.placement, lock_step.microbatch_pipeline
     costs = CostModel(t_p2p=0.1)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_bitpipe.testing.launcher import launch
-from megatron_bitpipe.testing.measure import CollectiveMeter, SavedActivationMeter
+from megatron_bitpipe.cpu.launcher import launch
+from megatron_bitpipe.benchmarking.meters import CollectiveMeter, SavedActivationMeter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,6 +40,7 @@ def _collectives():
     )
 
 
+@pytest.mark.multirank
 def test_collective_meter_records_ops_and_bytes():
     ops, wire, payload, closed = launch(_collectives, 2)[0]
     assert ops == ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]

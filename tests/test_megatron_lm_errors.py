@@ -22,9 +22,9 @@ import torch
 from megatron_bitpipe.megatron_args import BitPipeConfigError
 from megatron_bitpipe.megatron_lm.args import add_megatron_lm_args, chain_args_provider, validate_megatron_lm_args
 from megatron_bitpipe.megatron_lm.checkout import MegatronLMCheckoutError, find_checkout, resolve_script
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
-from megatron_lm_support import REPO, fake_checkout
+from .megatron_lm_support import REPO, fake_checkout
 
 
 def test_script_missing_without_env(tmp_path):
@@ -53,6 +53,7 @@ def test_script_found_through_env(tmp_path):
     assert find_checkout(root / "megatron" / "training").root == root.resolve()
 
 
+@pytest.mark.multirank
 def test_run_cli_reports_checkout_errors(tmp_path):
     """``python -m megatron_bitpipe.run``: exit 2 and one error line, before importing megatron."""
     root = fake_checkout(tmp_path / "Megatron-LM", version=(0, 17, 0))
@@ -172,6 +173,7 @@ def _relay() -> dict:
     }
 
 
+@pytest.mark.multirank
 def test_losses_reach_the_last_pipeline_stage():
     first, last = launch(_relay, 2, timeout=120)
     assert first == {"token": [], "scalars": []}

@@ -9,12 +9,14 @@ patched checkout: tests/test_megatron_lm_training.py.)
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import shutil
 import subprocess
 import sys
 
-from megatron_lm_support import REPO, checkout_or_skip, fake_checkout
+from .megatron_lm_support import REPO, checkout_or_skip, fake_checkout
 
 PATCH = REPO / "patches" / "megatron-lm-core_v0.16.1.patch"
 SCRIPT = REPO / "scripts" / "apply_megatron_patch.py"
@@ -34,6 +36,7 @@ def test_patch_is_small_and_only_calls_the_plugin():
     assert imports and all(line.startswith("from megatron_bitpipe.megatron_lm.") for line in imports)
 
 
+@pytest.mark.multirank
 def test_script_refuses_a_checkout_of_another_version(tmp_path):
     root = fake_checkout(tmp_path / "Megatron-LM", version=(0, 15, 0))
     result = apply_script(root)
@@ -41,6 +44,7 @@ def test_script_refuses_a_checkout_of_another_version(tmp_path):
     assert f"{root.resolve()} is megatron-core 0.15.0" in result.stderr and "core_v0.16.1" in result.stderr
 
 
+@pytest.mark.multirank
 def test_script_refuses_changed_files(tmp_path):
     root = fake_checkout(tmp_path / "Megatron-LM")
     for name in PATCHED_FILES:

@@ -2,7 +2,7 @@
 
 Needs a Megatron-LM checkout (tag core_v0.16.1) in ``MEGATRON_LM_PATH``; skipped otherwise.
 Every run trains the same tiny GPT on mock data for 4 iterations (evaluation after 2 and 4)
-with ``torchrun -m megatron_bitpipe.testing.megatron_lm_cpu``, i.e. ``python -m
+with ``torchrun -m megatron_bitpipe.cpu.megatron_lm``, i.e. ``python -m
 megatron_bitpipe.run`` plus the CPU layer. The reference is Megatron-LM's default schedule
 (1F1B, pipeline 2) with ``--layout-independent-init``; BitPipe must give the same training
 loss and grad norm at every iteration and the same validation and test losses (rtol 1e-5 on
@@ -28,7 +28,7 @@ import pytest
 
 from megatron_bitpipe.megatron_lm.checkout import find_checkout
 
-from megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, torchrun
+from .megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, torchrun
 
 pytestmark = pytest.mark.timeout(900)
 RTOL = 1e-5
@@ -84,11 +84,13 @@ def _assert_same_curve(run: Run, reference: Run, iterations=range(1, 5)):
         assert run.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
 
 
+@pytest.mark.multirank
 def test_runtime_route_bitpipe_equals_default_schedule(bitpipe_runtime, reference):
     _assert_same_curve(bitpipe_runtime, reference)
     assert "saving checkpoint at iteration       2" in bitpipe_runtime.output
 
 
+@pytest.mark.multirank
 def test_resume_from_bitpipe_checkpoint_continues_the_curve(bitpipe_runtime, checkout, workdir, reference):
     flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
              "--load", str(workdir / "checkpoint"), "--ckpt-step", "2", "--ckpt-format", "torch"]
@@ -103,11 +105,13 @@ def test_resume_from_bitpipe_checkpoint_continues_the_curve(bitpipe_runtime, che
             assert resumed.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
 
 
+@pytest.mark.multirank
 def test_patch_route_bitpipe_equals_default_schedule(patched_checkout, workdir, reference):
     flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "4"]
     _assert_same_curve(_ok(torchrun(patched_checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
+@pytest.mark.multirank
 def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):
     flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
     run = torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir, timeout=300)

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_bitpipe.optimus.args import add_optimus_args, validate_optimus_args
 from megatron_bitpipe.optimus.validation import check_optimus_model_config
-from tests.optimus_support import tiny_config
+from .optimus_support import tiny_config
 
 
 def _args(*argv, **megatron_args):

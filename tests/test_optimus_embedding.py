@@ -10,8 +10,8 @@ from megatron_bitpipe.optimus.cross_entropy import optimus_cross_entropy
 from megatron_bitpipe.optimus.embedding import OptimusEmbedding, OptimusOutputLayer
 from megatron_bitpipe.optimus.layout import shard_serial_tensor
 from megatron_bitpipe.optimus.summa import summa_ab
-from megatron_bitpipe.testing.launcher import launch
-from tests.optimus_support import block, check, random, tiny_config, world_mesh
+from megatron_bitpipe.cpu.launcher import launch
+from .optimus_support import block, check, random, tiny_config, world_mesh
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,6 +71,7 @@ def _embedding_head_loss(tied: bool):
         check("dHead", output_layer.weight.grad, shard_serial_tensor(head.grad, layout, mesh))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("tied", [True, False])
 def test_embedding_head_and_loss_equal_serial(tied):
     launch(_embedding_head_loss, 4, tied)

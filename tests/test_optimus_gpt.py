@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_bitpipe.testing.launcher import launch
-from tests.optimus_support import check
+from megatron_bitpipe.cpu.launcher import launch
+from .optimus_support import check
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -73,7 +73,7 @@ def _solo_process_groups():
 
 
 def _config(case: Case, tp: int, pp: int):
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
     return tiny_gpt_config(
         num_layers=LAYERS,
@@ -112,12 +112,13 @@ class _SerialTwin:
     """The single-process model, trained on the whole global batch on this rank."""
 
     def __init__(self, case: Case):
-        from megatron_bitpipe.testing import gpt
+        from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+        from megatron_bitpipe.runtime.build import init_megatron_state
 
         self.pg = _solo_process_groups()
-        gpt.init_megatron_state(self.pg, SEED)
+        init_megatron_state(self.pg, SEED)
         self.config = _config(case, tp=1, pp=1)
-        model = gpt.build_gpt_model(
+        model = baseline.build_megatron_gpt_model(
             self.config,
             self.pg,
             vocab_size=VOCAB,
@@ -126,8 +127,8 @@ class _SerialTwin:
             position_embedding_type=case.position_embedding_type,
         )
         self.initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-        self.ddp = gpt.wrap_ddp([model], self.config, self.pg)
-        self.optimizer = gpt.build_optimizer(
+        self.ddp = baseline.wrap_looped_ddp([model], self.config, self.pg)
+        self.optimizer = baseline.build_baseline_optimizer(
             self.ddp, self.pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD
         )
 
@@ -155,18 +156,20 @@ def _train_and_compare(case: Case) -> None:
     from megatron_bitpipe.optimus.gpt_model import OptimusGPTModel, optimus_p2p_tensor_shapes
     from megatron_bitpipe.optimus.layout import load_serial_state_dict, shard_serial_tensor
     from megatron_bitpipe.optimus.mesh import build_optimus_mesh
-    from megatron_bitpipe.testing import gpt
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.testing.weights import chunk_layers_of, to_global_name
 
     enable_cpu_megatron()
     twin = _SerialTwin(case)
 
-    grid = gpt.ParallelGrid(tp=4, dp=case.dp, pp=case.pp)
-    pg = gpt.build_process_groups(grid)
+    grid = ParallelGrid(tp=4, dp=case.dp, pp=case.pp)
+    pg = baseline.build_looped_process_groups(grid)
     mesh = build_optimus_mesh(pg.tp)
     _, dp_rank, _ = grid.coords(dist.get_rank())
-    gpt.init_megatron_state(pg, SEED)
+    init_megatron_state(pg, SEED)
     config = _config(case, tp=4, pp=case.pp)
     pp_rank, last = pg.pp.rank(), pg.pp.size() - 1
     model = OptimusGPTModel(
@@ -193,11 +196,11 @@ def _train_and_compare(case: Case) -> None:
             check(f"initial {name}", param.detach(), serial_block(twin.initial, name))
     load_serial_state_dict(model, twin.initial, mesh, serial_name)
 
-    ddp = gpt.wrap_ddp([model], config, pg)
-    optimizer = gpt.build_optimizer(ddp, pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
+    ddp = baseline.wrap_looped_ddp([model], config, pg)
+    optimizer = baseline.build_baseline_optimizer(ddp, pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
     per_dp = NUM_MICROBATCHES // case.dp
     for step in range(STEPS):
-        batches = gpt.synthetic_microbatches(SEED + step, NUM_MICROBATCHES, MICRO_BATCH, SEQ, VOCAB)
+        batches = baseline.synthetic_microbatches(SEED + step, NUM_MICROBATCHES, MICRO_BATCH, SEQ, VOCAB)
         expected = twin.step(batches)
         mine = batches[dp_rank * per_dp : (dp_rank + 1) * per_dp]
         ddp[0].zero_grad_buffer()
@@ -207,7 +210,7 @@ def _train_and_compare(case: Case) -> None:
             finalize_model_grads(ddp, pg_collection=pg)
         else:
             reports = forward_backward_pipelining_without_interleaving(
-                forward_step_func=gpt.gpt_forward_step,
+                forward_step_func=baseline.mean_loss_forward_step,
                 data_iterator=iter(mine),
                 model=ddp,
                 num_microbatches=per_dp,
@@ -244,6 +247,7 @@ def _train_and_compare(case: Case) -> None:
             )
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_optimus_gpt_trains_like_single_process(case: Case):
     launch(_train_and_compare, case.world, case, timeout=200)
@@ -255,9 +259,9 @@ def _dropout_patterns():
 
     from megatron_bitpipe.optimus.attention import get_optimus_bias_dropout_add
     from megatron_bitpipe.optimus.embedding import OptimusEmbedding
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
-    from tests.optimus_support import world_mesh
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
+    from .optimus_support import world_mesh
 
     enable_cpu_megatron()
     mesh = world_mesh()
@@ -280,6 +284,7 @@ def _dropout_patterns():
     return (embedded == 0).flatten().tolist(), (added == 1).flatten().tolist()
 
 
+@pytest.mark.multirank
 def test_dropout_masks_differ_per_mesh_position():
     per_rank = launch(_dropout_patterns, 4)
     for which in range(2):

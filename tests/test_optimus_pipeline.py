@@ -89,7 +89,7 @@ def test_bad_optimus_pipeline_fails_before_communication():
     from megatron_bitpipe.runtime.build import build_pipeline_model
     from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
     from megatron_bitpipe.schedules.placement import bidirectional_v
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 
     config = tiny_gpt_config(
         num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=65,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megatron_bitpipe.optimus.attention import dropout_matmul
 from megatron_bitpipe.optimus.recompute import attach_recipe, recipe_of, recomputed
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,8 +93,8 @@ def _layer_keeps():
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_bitpipe.optimus.spec import get_optimus_gpt_layer_spec
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
-    from tests.optimus_support import tiny_config, world_mesh
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from .optimus_support import tiny_config, world_mesh
 
     enable_cpu_megatron()
     mesh = world_mesh()
@@ -138,6 +138,7 @@ def _layer_keeps():
     return kept
 
 
+@pytest.mark.multirank
 def test_transformer_layer_keeps_no_recomputable_tensor():
     for kept in launch(_layer_keeps, 4):
         assert kept == {

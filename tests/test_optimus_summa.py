@@ -10,8 +10,8 @@ from megatron_bitpipe.optimus.layers import OptimusLayerNorm, OptimusLinear
 from megatron_bitpipe.optimus.layout import shard_serial_tensor
 from megatron_bitpipe.optimus.mesh import build_optimus_mesh, mesh_side
 from megatron_bitpipe.optimus.summa import summa_ab, summa_abt, summa_atb
-from megatron_bitpipe.testing.launcher import launch
-from tests.optimus_support import block, check, random, tiny_config, transposed, world_mesh
+from megatron_bitpipe.cpu.launcher import launch
+from .optimus_support import block, check, random, tiny_config, transposed, world_mesh
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,6 +39,7 @@ def _mesh_coordinates():
     )
 
 
+@pytest.mark.multirank
 def test_mesh_follows_tp_rank_list_not_global_ranks():
     result = launch(_mesh_coordinates, 8)
     # rank 2 is TP rank 1 of group [0, 2, 4, 6]: mesh (0, 1), row [0, 2], column [2, 6]
@@ -109,10 +110,12 @@ def _count_mismatches_of_transposed_mesh():
     return sum(not torch.allclose(actual, expected) for _, actual, expected in results)
 
 
+@pytest.mark.multirank
 def test_summa_products_and_grads_equal_serial():
     launch(_check_products, 4)
 
 
+@pytest.mark.multirank
 def test_transposed_mesh_is_caught():
     # Swapping rows and columns is self-consistent, so only the off-diagonal ranks (1 and 2)
     # can tell: every one of their 7 results must differ from the true block.
@@ -165,6 +168,7 @@ def _linear(skip_bias_add: bool):
     assert layer.bias.tensor_model_parallel == (mesh.row == 0)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("skip_bias_add", [False, True])
 def test_linear_equals_serial(skip_bias_add):
     launch(_linear, 4, skip_bias_add)
@@ -200,6 +204,7 @@ def _norm(normalization: str):
         check("dβ", layer.bias.grad, block(serial.bias.grad, {0: "column"}, mesh))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_norm_equals_serial(normalization):
     launch(_norm, 4, normalization)

@@ -74,12 +74,12 @@ def test_plans_are_valid_and_always_split():
                 for forward_only in (False, True):
                     plan = generate(schedule, D, N, forward_only=forward_only, split_backward=False)
                     validate_plan(plan)
-                    kinds = {a.type for _, a in plan}
+                    kinds = {a.type for _, a in plan.compute_only()}
                     if forward_only:
                         assert kinds == {ActionType.FORWARD}
                     else:
                         assert ActionType.BACKWARD_INPUT in kinds and ActionType.BACKWARD_WEIGHT in kinds
-                        assert plan.meta["split_backward"]
+                        assert plan.split_backward
 
 
 def test_dualpipe_overlapped_pairs_keep_whole_backwards():
@@ -110,6 +110,7 @@ def test_virtual_size_is_rejected_for_peers():
         generate("zbv", 4, 8, virtual_size=2)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("schedule", ALWAYS_SPLIT)
 def test_command_line_simulates_and_draws_every_peer(schedule, tmp_path):
     plot = tmp_path / "g.png"
@@ -123,3 +124,12 @@ def test_command_line_simulates_and_draws_every_peer(schedule, tmp_path):
     assert summary["schedule"] == schedule and summary["valid"]
     assert summary["makespan"] == pytest.approx(simulate(generate(schedule, 4, 8, costs=LATENCY), LATENCY).makespan)
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runtime_cases_split_and_order_for_the_message_time():
+    """The runtime cases' plans split backwards; a message time changes ZB-V's order."""
+    free = generate("zbv", 4, 4).compute_only()
+    timed = generate("zbv", 4, 4, costs=CostModel(t_p2p=0.2)).compute_only()
+    assert free.actions != timed.actions
+    for schedule, D, N in (("zbv", 2, 4), ("dualpipev", 4, 8), ("zb-h1", 4, 4), ("dualpipe", 4, 8)):
+        assert generate(schedule, D, N).split_backward

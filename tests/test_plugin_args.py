@@ -112,3 +112,41 @@ def test_split_backward_rules():
     text = str(info.value)
     assert "--split-backward needs --pipeline-schedule bitpipe (got default)" in text
     assert "use --transformer-impl local" in text and "--tensor-parallel-mode optimus2d" in text
+
+
+def test_schedule_costs_reach_the_schedule_choice(tmp_path):
+    """``--schedule-costs`` (the calibration file) is what the split places its W's for."""
+    from megatron_bitpipe.megatron_args import schedule_choice
+    from megatron_bitpipe.schedules import CostModel, ScheduleChoice
+
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"t_forward": 3.0, "t_backward": 7.0, "t_weight": 2.0, "t_p2p": 0.1, "num_layers": 32}')
+    args = parse("--pipeline-schedule", "bitpipe", "--split-backward", "--schedule-costs", str(costs))
+    megatron_bitpipe.validate_bitpipe_args(args)
+    expected = ScheduleChoice("bitpipe", True, CostModel(t_forward=3.0, t_backward=7.0, t_weight=2.0, t_p2p=0.1))
+    assert schedule_choice(args) == expected
+    assert schedule_choice(parse("--pipeline-schedule", "bitpipe")) == ScheduleChoice("bitpipe")
+    assert schedule_choice(parse(virtual_pipeline_model_parallel_size=2)) == ScheduleChoice("interleaved", virtual_size=2)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (None, "--schedule-costs {path}: "),
+        ("not json", "--schedule-costs {path}: "),
+        ('{"t_forward": -1}', "--schedule-costs {path}: cost t_forward must be >= 0"),
+    ],
+)
+def test_bad_schedule_cost_file_names_the_flag(tmp_path, content, message):
+    path = tmp_path / "costs.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(BitPipeConfigError, match=message.format(path=path)):
+        megatron_bitpipe.validate_bitpipe_args(
+            parse("--pipeline-schedule", "bitpipe", "--split-backward", "--schedule-costs", str(path))
+        )
+
+
+def test_schedule_costs_need_the_split(tmp_path):
+    with pytest.raises(BitPipeConfigError, match="--schedule-costs places the weight-gradient steps of --split-backward"):
+        megatron_bitpipe.validate_bitpipe_args(parse("--pipeline-schedule", "bitpipe", "--schedule-costs", str(tmp_path)))

@@ -26,9 +26,9 @@ from typing import Dict, List
 
 import pytest
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
-from pretrain_support import assert_same_records, checked, main_in_process, records, run_script, train_in_process
+from .pretrain_support import assert_same_records, checked, main_in_process, records, run_script, train_in_process
 
 ITERS, SAVE_AT = 3, 2
 MODEL = [
@@ -90,6 +90,7 @@ def _assert_same(actual: Dict[int, dict], expected: Dict[int, dict], iterations)
     assert_same_records(actual, expected, iterations, KEYS)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["bitpipe", "tp2_sp_1f1b"])
 def test_every_layout_trains_like_a_single_process(runs, layout):
     single = runs["records"]["single"]
@@ -100,6 +101,7 @@ def test_every_layout_trains_like_a_single_process(runs, layout):
     _assert_same(runs["records"][layout], single, range(1, ITERS + 1))
 
 
+@pytest.mark.multirank
 def test_progress_lines_report_both_losses(runs):
     lines = [line for line in runs["stdout"].splitlines() if line.startswith(" iteration")]
     assert len(lines) == ITERS and "lm loss:" in lines[-1] and "sop loss:" in lines[-1]
@@ -107,12 +109,14 @@ def test_progress_lines_report_both_losses(runs):
     assert "validation loss at iteration 2" in runs["stdout"]
 
 
+@pytest.mark.multirank
 def test_bitpipe_checkpoint_resumes_in_a_single_process(runs):
     resumed = runs["records"]["resume_single"]
     assert sorted(resumed) == list(range(SAVE_AT + 1, ITERS + 1))
     _assert_same(resumed, runs["records"]["bitpipe"], range(SAVE_AT + 1, ITERS + 1))
 
 
+@pytest.mark.multirank
 def test_checkpoint_with_a_binary_head_is_refused_without_one(runs):
     assert runs["refused"] is not None and "--bert-no-binary-head is False there, True here" in runs["refused"]
 
@@ -132,6 +136,7 @@ def _write_sentences(prefix: Path, vocab_size: int) -> None:
     builder.finalize(get_idx_path(str(prefix)))
 
 
+@pytest.mark.multirank
 def test_megatron_bert_dataset_without_binary_head(tmp_path):
     prefix = tmp_path / "tiny_text_sentence"
     _write_sentences(prefix, 100)
@@ -149,6 +154,7 @@ def test_megatron_bert_dataset_without_binary_head(tmp_path):
     assert any(name.endswith("BERTMaskedWordPieceDataset-sample_index.npy") for name in os.listdir(tmp_path / "cache"))
 
 
+@pytest.mark.multirank
 def test_bad_flags_fail_on_every_rank_naming_the_flag():
     bad = ["--tensor-model-parallel-size", "1", "--tensor-parallel-mode", "optimus2d", "--mask-prob", "1.5", "--eod-mask-loss"]
     results = launch(main_in_process, 2, "bert", [*MODEL, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", *bad], timeout=120)

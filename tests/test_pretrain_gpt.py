@@ -27,10 +27,10 @@ from typing import Dict, List
 
 import pytest
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
-import pretrain_support
-from pretrain_support import assert_same_records, checked, main_in_process, records, train_in_process
+from . import pretrain_support
+from .pretrain_support import assert_same_records, checked, main_in_process, records, train_in_process
 
 ITERS, SAVE_AT = 4, 2
 MODEL = [
@@ -97,6 +97,7 @@ def _assert_same(actual: Dict[int, dict], expected: Dict[int, dict], iterations,
     assert_same_records(actual, expected, iterations, ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples"), exact)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["bitpipe", "bitpipe_split", "interleaved", "optimus"])
 def test_every_layout_trains_like_a_single_process(runs, layout):
     single = runs["records"]["single"]
@@ -105,6 +106,7 @@ def test_every_layout_trains_like_a_single_process(runs, layout):
     assert single[ITERS]["lm_loss"] < single[1]["lm_loss"], "the loss should fall"
 
 
+@pytest.mark.multirank
 def test_log_json_fields(runs):
     for it, record in runs["records"]["bitpipe"].items():
         for key in ("iteration", "consumed_samples", "lm_loss", "grad_norm", "lr", "tokens_per_second", "elapsed_ms"):
@@ -114,6 +116,7 @@ def test_log_json_fields(runs):
         assert ("validation_lm_loss" in record) == (it % 2 == 0)
 
 
+@pytest.mark.multirank
 def test_megatron_style_progress_lines(runs):
     stdout = runs["stdout"]["bitpipe"]
     assert stdout.count("no CUDA GPU: training on the CPU with gloo") == 1
@@ -124,6 +127,7 @@ def test_megatron_style_progress_lines(runs):
     assert "validation loss at iteration 2" in stdout
 
 
+@pytest.mark.multirank
 def test_bitpipe_checkpoint_resumes_in_other_layouts(runs):
     uninterrupted = runs["records"]["bitpipe"]
     for name in ("resume_tp2_1f1b", "resume_single"):
@@ -132,6 +136,7 @@ def test_bitpipe_checkpoint_resumes_in_other_layouts(runs):
         _assert_same(resumed, uninterrupted, range(SAVE_AT + 1, ITERS + 1))
 
 
+@pytest.mark.multirank
 def test_resume_in_the_same_layout_is_exact(runs):
     _assert_same(runs["records"]["resume_single_exact"], runs["records"]["single"], range(SAVE_AT + 1, ITERS + 1), exact=True)
 
@@ -140,6 +145,7 @@ def _metadata(root: Path, iteration: int) -> dict:
     return json.loads((root / f"iter_{iteration:07d}" / "metadata.json").read_text())
 
 
+@pytest.mark.multirank
 def test_checkpoint_holds_one_logical_model(runs):
     import torch
 
@@ -156,6 +162,7 @@ def test_checkpoint_holds_one_logical_model(runs):
     assert {"param", "exp_avg", "exp_avg_sq", "step"} <= some.keys() and some["step"] == SAVE_AT
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout,iteration", [("optimus", SAVE_AT), ("single", SAVE_AT), ("tp2_1f1b", ITERS)])
 def test_every_layout_saves_the_same_logical_model(runs, layout, iteration):
     """Gathering Optimus 2D blocks, 1-D TP blocks (and the tied copy on the last stage, after a
@@ -171,10 +178,12 @@ def test_every_layout_saves_the_same_logical_model(runs, layout, iteration):
             torch.testing.assert_close(other[name][key], entry[key], rtol=1e-4, atol=atol, msg=lambda m: f"{name} {key}: {m}")
 
 
+@pytest.mark.multirank
 def test_checkpoint_of_another_model_is_refused(runs):
     assert runs["refused"] is not None and "--hidden-size is 32 there, 64 here" in runs["refused"]
 
 
+@pytest.mark.multirank
 def test_tensorboard_when_installed(runs):
     tb = runs["out"] / "tb"
     try:
@@ -198,6 +207,7 @@ def _write_indexed_dataset(prefix: Path) -> None:
     builder.finalize(get_idx_path(str(prefix)))
 
 
+@pytest.mark.multirank
 def test_megatron_indexed_dataset(tmp_path):
     prefix = tmp_path / "tiny_text_document"
     _write_indexed_dataset(prefix)
@@ -211,6 +221,7 @@ def test_megatron_indexed_dataset(tmp_path):
     assert any(name.endswith("GPTDataset-train-sample_index.npy") for name in os.listdir(tmp_path / "cache"))
 
 
+@pytest.mark.multirank
 def test_bad_flags_fail_on_every_rank_naming_the_flag():
     results = launch(main_in_process, 2, "gpt", [*MODEL, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--bf16"], timeout=120)
     for rank, (status, stderr) in enumerate(results):
@@ -218,6 +229,7 @@ def test_bad_flags_fail_on_every_rank_naming_the_flag():
         assert f"[rank {rank}] error: invalid arguments" in stderr and "--bf16 needs a CUDA GPU" in stderr
 
 
+@pytest.mark.multirank
 def test_a_failing_rank_ends_the_job(tmp_path):
     """Only rank 0 writes --log-json; a path it cannot create kills it after the model was
     built, while rank 1 goes on into the pipeline: the job must still end, with rank 0's error."""

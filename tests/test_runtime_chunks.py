@@ -22,9 +22,8 @@ import torch
 
 from megatron_bitpipe.runtime.layout import chunk_specs
 from megatron_bitpipe.schedules.placement import bidirectional, bidirectional_v, looped
-from megatron_bitpipe.testing.launcher import launch
 
-from runtime_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
+from .runtime_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
 
 GLOBAL_MICROBATCHES = 4
 SEED = 4321
@@ -43,6 +42,10 @@ class Case:
     def world_size(self) -> int:
         return self.tp * self.dp * self.pp
 
+    @property
+    def reference_key(self) -> bool:
+        return self.tied
+
 
 CASES_2 = [Case("pp2_tied", pp=2)]
 CASES_4 = [
@@ -51,13 +54,14 @@ CASES_4 = [
     Case("tp2_pp2_tied", pp=2, tp=2),
     Case("dp2_pp2_untied", pp=2, dp=2, tied=False),
 ]
+CASES = CASES_2 + CASES_4
 
 
 # ---------------------------------------------------------------------------- pure layout
 
 
 def test_bidirectional_v_chunk_layers_d4():
-    """DESIGN §2 table at D=4, 8 layers (one per stage): rank 0 holds s1, s4, s8, s5."""
+    """BitPipe's placement at D=4, 8 layers (one per stage): rank 0 holds s1, s4, s8, s5 (Wu et al., 2024)."""
     placement = bidirectional_v(4)
     expected = {  # rank -> (pipeline, stage) per chunk
         0: [(0, 0), (1, 3), (0, 7), (1, 4)],
@@ -90,17 +94,16 @@ def test_bidirectional_v_chunk_layers_d2():
 def test_tied_head_copies_only_where_megatron_ties_across_ranks():
     """Looped placements over several ranks tie megatron's way (a head copy of the embedding);
     V placements and a single rank tie one Parameter."""
-    from megatron_bitpipe.runtime.layout import head_copies_embedding
 
-    assert head_copies_embedding(looped(4)) and head_copies_embedding(looped(2, 2))
-    assert not any(head_copies_embedding(p) for p in (looped(1), bidirectional_v(4), bidirectional(4)))
+    assert looped(4).head_copies_embedding and looped(2, 2).head_copies_embedding
+    assert not any(p.head_copies_embedding for p in (looped(1), bidirectional_v(4), bidirectional(4)))
     interleaved = [chunk_specs(looped(2, 2), 8, rank, tied=True) for rank in range(2)]
     assert [[s.tied for s in rank] for rank in interleaved] == [[False, False], [False, True]]
     assert not any(s.tied for rank in range(4) for s in chunk_specs(bidirectional_v(4), 8, rank, tied=True))
 
 
 def test_num_layers_must_divide_into_stages():
-    with pytest.raises(ValueError, match=r"--num-layers 12 .* 16 pipeline stages .*2 x --pipeline-model-parallel-size"):
+    with pytest.raises(ValueError, match=r"--num-layers 12 must be divisible by 2 x --pipeline-model-parallel-size = 16"):
         chunk_specs(bidirectional_v(8), 12, 0)
 
 
@@ -144,9 +147,9 @@ def test_init_rules_cover_transformer_engine_names():
 
 
 def _batches(case_dp: int, dp_rank: int):
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
 
-    batches = gpt.synthetic_microbatches(SEED, GLOBAL_MICROBATCHES, MICRO_BATCH, SEQ, VOCAB)
+    batches = baseline.synthetic_microbatches(SEED, GLOBAL_MICROBATCHES, MICRO_BATCH, SEQ, VOCAB)
     per_dp = GLOBAL_MICROBATCHES // case_dp
     first = dp_rank * per_dp
     return list(enumerate(batches))[first : first + per_dp]
@@ -172,21 +175,23 @@ def _reference(tied: bool) -> dict:
 
     from megatron_bitpipe.runtime.init import initialize_from_seed
     from megatron_bitpipe.runtime.layout import ChunkLayers
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.testing.weights import collect_full
 
-    pg = gpt.build_process_groups(gpt.ParallelGrid())
-    gpt.init_megatron_state(pg, SEED)
+    pg = baseline.build_looped_process_groups(ParallelGrid())
+    init_megatron_state(pg, SEED)
     config = model_config()
-    model = gpt.build_gpt_model(
+    model = baseline.build_megatron_gpt_model(
         config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied
     )
     native_stats = _init_stats(model)
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
     seed_stats = _init_stats(model)
     initial = collect_full(model)
-    [ddp] = gpt.wrap_ddp([model], config, pg)
-    optimizer = gpt.build_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
+    [ddp] = baseline.wrap_looped_ddp([model], config, pg)
+    optimizer = baseline.build_baseline_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
     losses = {}
     batches = _batches(1, 0)
     for index, (tokens, labels) in batches:
@@ -217,7 +222,7 @@ def _run_pipeline(chunks, groups, pipeline: int, batches, divisor: int) -> Dict[
     """
     import torch.distributed as dist
 
-    from megatron_bitpipe.runtime.model import unwrap
+    from megatron.core.utils import unwrap_model
     from megatron_bitpipe.schedules.comm import Payload, Transfer
 
     stages = groups.placement.stages[pipeline]
@@ -250,7 +255,7 @@ def _run_pipeline(chunks, groups, pipeline: int, batches, divisor: int) -> Dict[
             chunk = chunks[loc.chunk]
             if s > 0:
                 inputs[s] = received.requires_grad_()
-                unwrap(chunk).set_input_tensor(inputs[s])
+                unwrap_model(chunk).set_input_tensor(inputs[s])
             output = chunk(tokens, position_ids, None, labels=labels)
             if s == last:
                 loss = output.float().mean()
@@ -296,12 +301,13 @@ def _bitpipe(case: Case) -> dict:
         stage_order,
         wrap_ddp,
     )
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
     grid = ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp)
     groups = PipelineGroups.build(grid, bidirectional_v(case.pp))
-    gpt.init_megatron_state(groups.rank_pgs, SEED)
+    init_megatron_state(groups.rank_pgs, SEED)
     config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
@@ -336,7 +342,7 @@ def _bitpipe(case: Case) -> dict:
 
     model = wrap_ddp(chunks, groups, config, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     mark_replica_parameters(model, specs)
-    optimizer = gpt.build_optimizer(model, groups.rank_pgs, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
+    optimizer = baseline.build_baseline_optimizer(model, groups.rank_pgs, lr=LR, adam_eps=ADAM_EPS, clip_grad=CLIP_GRAD)
 
     mine = _batches(case.dp, groups.dp_rank)
     per_pipeline = microbatches_per_replica(len(mine), groups.placement)
@@ -402,11 +408,11 @@ def _p2p_order(shared: bool) -> list:
 
 def _looped_specs_match_megatron() -> bool:
     """chunk_specs of the looped placement agree with megatron's own offsets."""
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.testing.weights import looped_chunk_layers
 
     for pp, vp in ((2, None), (4, 2), (2, 4)):
-        config = gpt.tiny_gpt_config(
+        config = baseline.tiny_gpt_config(
             num_layers=16, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
         )
         for rank in range(pp):
@@ -427,17 +433,17 @@ def _errors() -> List[str]:
     """Messages of the configuration errors the builders raise."""
     from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
     from megatron_bitpipe.runtime.model import build_gpt_chunks
-    from megatron_bitpipe.testing import gpt
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
 
     messages = []
     chimera = PipelineGroups.build(ParallelGrid(pp=2), bidirectional(2))
-    config = gpt.tiny_gpt_config(num_layers=4, pipeline_model_parallel_size=2)
+    config = baseline.tiny_gpt_config(num_layers=4, pipeline_model_parallel_size=2)
     attempts = [
         lambda: build_gpt_chunks(
             config, chimera, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=True
         ),
         lambda: build_gpt_chunks(
-            gpt.tiny_gpt_config(num_layers=6, pipeline_model_parallel_size=2),
+            baseline.tiny_gpt_config(num_layers=6, pipeline_model_parallel_size=2),
             PipelineGroups.build(ParallelGrid(pp=2), bidirectional_v(2)),
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
@@ -451,12 +457,15 @@ def _errors() -> List[str]:
     return messages
 
 
-def _launched(cases: List[Case], extras: bool) -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+def run_cases(cases: List[Case]) -> dict:
+    """Every case, and on the 2-rank launch the p2p-order, looped-layout and error checks."""
+    import torch.distributed as dist
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    out = {"cases": [_bitpipe(case) for case in cases]}
-    if extras:
+    out = {case.name: _bitpipe(case) for case in cases}
+    if dist.get_world_size() == 2:
         out["p2p"] = _p2p_order(shared=False)
         out["p2p_shared"] = _p2p_order(shared=True)
         out["looped"] = _looped_specs_match_megatron()
@@ -464,37 +473,17 @@ def _launched(cases: List[Case], extras: bool) -> dict:
     return out
 
 
-def _reference_launch() -> dict:
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+def run_references(keys) -> dict:
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    return {tied: _reference(tied) for tied in (False, True)}
+    return {tied: _reference(tied) for tied in keys}
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict:
-    return launch(_reference_launch, 1, timeout=120)[0]
-
-
-@pytest.fixture(scope="module")
-def two_ranks() -> List[dict]:
-    return launch(_launched, 2, CASES_2, True, timeout=240)
-
-
-@pytest.fixture(scope="module")
-def four_ranks() -> List[dict]:
-    return launch(_launched, 4, CASES_4, False, timeout=480)
-
-
-def _records(case: Case, two_ranks, four_ranks) -> List[dict]:
-    if case in CASES_2:
-        return [r["cases"][CASES_2.index(case)] for r in two_ranks]
-    return [r["cases"][CASES_4.index(case)] for r in four_ranks]
-
-
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_chunk_structure(case: Case, two_ranks, four_ranks):
-    for record in _records(case, two_ranks, four_ranks):
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_chunk_structure(case: Case, launched):
+    for record in launched[case]:
         specs = record["specs"]
         assert specs == chunk_specs(bidirectional_v(case.pp), NUM_LAYERS, record["pp_rank"])
         assert record["layer_numbers"] == [[layer + 1 for layer in spec.layers] for spec in specs]
@@ -506,11 +495,12 @@ def test_chunk_structure(case: Case, two_ranks, four_ranks):
         assert record["tied"] == ([expected_tied if case.tied else untied] if edge else [])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("tied", [False, True])
-def test_seed_init_follows_megatron_conventions(tied, reference):
+def test_seed_init_follows_megatron_conventions(tied, references):
     """Same constants (norm weights 1, biases 0) and, for random tensors, the same std as
     megatron's own initialisation (N(0, 0.02); N(0, 0.02 / sqrt(2 * layers)) for output projections)."""
-    native, seeded = reference[tied]["native_stats"], reference[tied]["seed_stats"]
+    native, seeded = references[tied]["native_stats"], references[tied]["seed_stats"]
     assert native.keys() == seeded.keys()
     for name, (constant, std) in native.items():
         assert seeded[name][0] == constant, name
@@ -519,10 +509,11 @@ def test_seed_init_follows_megatron_conventions(tied, reference):
     assert [s for n, (_, s) in seeded.items() if n.endswith("linear_fc2.weight")][0] < 0.01
 
 
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_initial_weights_are_layout_independent(case: Case, reference, two_ranks, four_ranks):
-    records = _records(case, two_ranks, four_ranks)
-    expected = reference[case.tied]["initial"]
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_initial_weights_are_layout_independent(case: Case, references, launched):
+    records = launched[case]
+    expected = references[case.tied]["initial"]
     actual = {}
     for record in records:  # merge_full inside each rank already required replica copies to be equal
         actual.update(record["initial"])
@@ -532,12 +523,13 @@ def test_initial_weights_are_layout_independent(case: Case, reference, two_ranks
         assert torch.equal(actual[name], expected[name]), name
 
 
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_one_step_matches_single_process(case: Case, reference, two_ranks, four_ranks):
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_one_step_matches_single_process(case: Case, references, launched):
     """Loss, gradients (tied embedding included), grad norm and weights after the step."""
     close = functools.partial(torch.testing.assert_close, rtol=RTOL, atol=ATOL)
-    ref = reference[case.tied]
-    records = _records(case, two_ranks, four_ranks)
+    ref = references[case.tied]
+    records = launched[case]
     losses = {}
     for record in records:
         losses.update(record["losses"])
@@ -556,9 +548,11 @@ def test_one_step_matches_single_process(case: Case, reference, two_ranks, four_
     assert all(record["replica_diff_after_step"] == 0.0 for record in records)
 
 
-def test_channel_groups(two_ranks, four_ranks):
-    for launched, pp in ((two_ranks, 2), (four_ranks[:2], 4)):
-        facts = launched[0]["cases"][0]["channels"]
+@pytest.mark.multirank
+def test_channel_groups(launched):
+    for case in (CASES_2[0], CASES_4[0]):
+        facts = launched[case][0]["channels"]
+        pp = case.pp
         assert facts["keys"] == sorted(
             (p, pipe, d, parity)
             for p in ("activation", "gradient")
@@ -571,21 +565,25 @@ def test_channel_groups(two_ranks, four_ranks):
         for stage, members in facts["stage_members"].items():
             d = stage if stage < pp else 2 * pp - 1 - stage
             assert members == tuple(sorted({d, pp - 1 - d}))
-    assert two_ranks[0]["cases"][0]["channels"]["members"] == {(0, 1)}
+    assert launched[CASES_2[0]][0]["channels"]["members"] == {(0, 1)}
 
 
-def test_p2p_channels_keep_streams_apart_at_d2(two_ranks):
+@pytest.mark.multirank
+def test_p2p_channels_keep_streams_apart_at_d2(launched):
+    two_ranks = launched.ranks(2)
     assert two_ranks[0]["p2p"] == [4.0]
     assert two_ranks[1]["p2p"] == [2.0, 1.0, 3.0]
     # Control: one shared group mixes the streams up, so the check above is meaningful.
     assert two_ranks[1]["p2p_shared"] != [2.0, 1.0, 3.0]
 
 
-def test_looped_specs_agree_with_megatron(two_ranks):
-    assert two_ranks[0]["looped"]
+@pytest.mark.multirank
+def test_looped_specs_agree_with_megatron(launched):
+    assert launched.ranks(2)[0]["looped"]
 
 
-def test_configuration_errors(two_ranks):
-    chimera, layers = two_ranks[0]["errors"]
+@pytest.mark.multirank
+def test_configuration_errors(launched):
+    chimera, layers = launched.ranks(2)[0]["errors"]
     assert "tied embeddings need each pipeline's first and last stage on one rank" in chimera
     assert "--num-layers 6" in layers

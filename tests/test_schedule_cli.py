@@ -15,6 +15,7 @@ def run(*args):
     )
 
 
+@pytest.mark.multirank
 def test_json_summary(tmp_path):
     plot, trace = tmp_path / "g.png", tmp_path / "t.json"
     out = run("simulate", "--schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--num-microbatches", "8",
@@ -32,6 +33,7 @@ def test_json_summary(tmp_path):
     assert sum(e.get("ph") == "X" and e["cat"] == "forward" for e in events) == 4 * 4 * 4
 
 
+@pytest.mark.multirank
 def test_cost_file_and_override(tmp_path):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"t_forward": 3.0, "t_backward": 6.0, "unrelated": 1}))
@@ -41,6 +43,7 @@ def test_cost_file_and_override(tmp_path):
     assert json.loads(out.stdout)["costs"]["t_backward"] == 3.0
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     "args,flag",
     [
@@ -61,6 +64,7 @@ def test_bad_input_exits_2_with_one_line(args, flag):
     assert len(lines) == 1 and flag in lines[0], out.stderr
 
 
+@pytest.mark.multirank
 def test_plan_listing():
     out = run("plan", "--schedule", "bitpipe", "-D", "2", "-N", "2")
     assert out.returncode == 0

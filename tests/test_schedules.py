@@ -48,7 +48,7 @@ def test_bitpipe_bubble_constant_absolute(D, units):
 
 
 def test_bitpipe_published_table():
-    """DESIGN §2 table: BitPipe 14.3% (D=4,N=4), 20.0% (D=8,N=8); ours 5.9% at D=8,N=32."""
+    """The published bubbles (Wu et al., 2024): BitPipe 14.3% (D=4,N=4), 20.0% (D=8,N=8); ours 5.9% at D=8,N=32."""
     assert round(100 * bubble("bitpipe", 4, 4), 1) == 14.3
     assert round(100 * bubble("bitpipe", 8, 8), 1) == 20.0
     assert round(100 * bubble("bitpipe", 8, 32), 1) == 5.9
@@ -125,7 +125,7 @@ def published_bitpipe_order(D):
 
 @pytest.mark.parametrize("D", [2, 4, 6, 8, 16])
 def test_bitpipe_reproduces_published_ordering(D):
-    plan = generate("bitpipe", D, D)
+    plan = generate("bitpipe", D, D).compute_only()
     assert [list(a) for a in plan.actions] == published_bitpipe_order(D)
 
 
@@ -181,7 +181,7 @@ def test_microbatches_split_between_replicas():
         ("bitpipe", 4, 2, "--num-microbatches"),
         ("chimera", 4, 6 - 3, "--num-microbatches"),
         ("interleaved", 4, 6, "--num-microbatches"),
-        ("1f1b", 4, 3, "--num-microbatches"),
+        ("1f1b", 4, 0, "--num-microbatches"),
         ("1f1b", 0, 3, "--pipeline-model-parallel-size"),
     ],
 )
@@ -237,7 +237,7 @@ def test_validator_channel_order():
     """Receiver consumes micro-batches 1, 0 while the sender sends 0, 1."""
     from megatron_bitpipe.schedules import PlanError
 
-    plan = generate("1f1b", 2, 2)
+    plan = generate("1f1b", 2, 2).compute_only()
     swapped = [Action(F, 0, 1), Action(F, 0, 0), Action(B, 0, 0), Action(B, 0, 1), Action(ActionType.SYNC, 0)]
     with pytest.raises(PlanError, match=r"activation channel of pipeline 0 from rank 0 to rank 1: message 0 is micro-batch 0"):
         validate_plan(replace_rank(plan, 1, swapped))
@@ -297,3 +297,43 @@ def test_looped_placement_matches_megatron_order():
     placement = looped(4, 2)
     assert [(loc.rank, loc.chunk) for loc in placement.stages[0]] == [(s % 4, s // 4) for s in range(8)]
     assert placement.stage_weight == 0.5
+
+
+# --- the schedule choice ---------------------------------------------------------------------
+
+def test_schedule_choice_label_is_the_one_spelling_of_a_variant():
+    from megatron_bitpipe.schedules import ScheduleChoice
+
+    split = ScheduleChoice("bitpipe", split_backward=True)
+    assert split.label == "bitpipe+split-backward" == split.plan(4, 4).name
+    assert ScheduleChoice.from_label(split.label) == split
+    assert ScheduleChoice.from_label("chimera") == ScheduleChoice("chimera")
+    assert generate("bitpipe", 4, 4, split_backward=True) == split.plan(4, 4)
+
+
+def test_schedule_choice_reports_every_broken_rule_at_once():
+    from megatron_bitpipe.schedules import ScheduleChoice, ScheduleConfigError
+
+    problems = ScheduleChoice("bitpipe", virtual_size=2).problems(4, 5, 12)
+    assert len(problems) == 3
+    assert problems[0].startswith("--virtual-pipeline-model-parallel-size must not be set with bitpipe")
+    assert "--num-microbatches = 5" in problems[1] and "even number" in problems[1]
+    assert problems[2].startswith("--num-layers 12 must be divisible by 2 x --pipeline-model-parallel-size = 8")
+    assert ScheduleChoice("bitpipe").problems(4, 8, 16) == []
+    assert ScheduleChoice("bitpipe").problems(3, None, 12) == ["--pipeline-model-parallel-size must be even and >= 2 for bitpipe (got 3)"]
+    source = "micro-batches per data-parallel rank"
+    assert ScheduleChoice("interleaved").problems(4, 6, microbatches=source)[0].startswith(f"{source} = 6:")
+    with pytest.raises(ScheduleConfigError, match="; "):
+        ScheduleChoice("chimera").plan(4, 3)
+    [unknown] = ScheduleChoice("gpipe").problems(4, 4)
+    assert unknown.startswith("--schedule: unknown schedule 'gpipe'; choose from 1f1b, interleaved, chimera, bitpipe")
+
+
+@pytest.mark.parametrize("schedule,D,smallest", [("bitpipe", 4, 4), ("bitpipe", 8, 8), ("chimera", 2, 2), ("interleaved", 4, 4), ("1f1b", 4, 1)])
+def test_smallest_number_of_microbatches_is_valid(schedule, D, smallest):
+    from megatron_bitpipe.schedules import ScheduleChoice
+
+    choice = ScheduleChoice(schedule)
+    assert choice.smallest_num_microbatches(D) == smallest
+    assert choice.problems(D, smallest) == []
+    assert smallest == 1 or choice.problems(D, smallest - 1)

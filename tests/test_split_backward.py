@@ -36,7 +36,7 @@ def test_split_plans_are_valid_and_keep_the_forward_and_input_gradient_order(sch
     plan = generate(schedule, D, N)
     split = generate(schedule, D, N, split_backward=True)
     validate_plan(split)
-    assert split.meta["split_backward"] and split.name == f"{schedule}+split"
+    assert split.split_backward and split.name == f"{schedule}+split-backward"
     for whole, parts in zip(plan.actions, split.actions):
         assert [a.comm_key for a in parts if a.type in (F, I)] == [a for a in whole if a.type in (F, B)]
         assert not any(a.type is B for a in parts)
@@ -106,7 +106,7 @@ def test_activation_limit_and_cost_ratios_shape_the_placement():
     assert simulate(split_backward(plan, heavy), heavy).makespan <= simulate(plan, heavy).makespan
     with pytest.raises(PlanError, match="no whole backward"):
         split_backward(generate("bitpipe", 4, 4, forward_only=True))
-    assert generate("bitpipe", 4, 4, forward_only=True, split_backward=True).meta.get("split_backward") is None
+    assert not generate("bitpipe", 4, 4, forward_only=True, split_backward=True).split_backward
 
 
 def test_cost_model_rejects_a_weight_part_larger_than_the_backward():
@@ -114,6 +114,7 @@ def test_cost_model_rejects_a_weight_part_larger_than_the_backward():
         CostModel(t_backward=2, t_weight=3)
 
 
+@pytest.mark.multirank
 def test_cli_split_backward(tmp_path):
     run = [sys.executable, "-m", "megatron_bitpipe.schedules"]
     out = subprocess.run(
@@ -122,7 +123,7 @@ def test_cli_split_backward(tmp_path):
         capture_output=True, text=True, check=True,
     )
     summary = json.loads(out.stdout)
-    assert summary["schedule"] == "bitpipe+split" and summary["costs"]["t_weight"] == 0.5 and summary["valid"]
+    assert summary["schedule"] == "bitpipe+split-backward" and summary["costs"]["t_weight"] == 0.5 and summary["valid"]
     trace = json.loads((tmp_path / "t.json").read_text())
     assert any(e.get("cat") == "backward_weight" for e in trace["traceEvents"])
     bad = subprocess.run(run + ["simulate", "--schedule", "bitpipe", "-D", "4", "-N", "4", "--t-weight", "3"],

@@ -21,9 +21,9 @@ from typing import List
 import pytest
 import torch
 
-from megatron_bitpipe.testing.launcher import launch
+from megatron_bitpipe.cpu.launcher import launch
 
-from runtime_support import STEPS, Case, assert_equals_reference, launch_references, pipeline
+from .runtime_support import STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,7 @@ CASES_4 = [
     SplitCase("split_bitpipe_pp4_n8_late", "bitpipe", pp=4, n=8, late=True),
     SplitCase("split_bitpipe_tp2_sp_pp2_n4_late", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True, late=True),
 ]
+CASES = CASES_2 + CASES_4
 
 
 def late_split_plan(plan):
@@ -66,10 +67,10 @@ def late_split_plan(plan):
     return dataclasses.replace(plan, actions=tuple(actions))
 
 
-def _run_cases(cases: List[SplitCase]) -> dict:
+def run_cases(cases: List[SplitCase]) -> dict:
     from megatron_bitpipe.runtime import forward_backward
     from megatron_bitpipe.runtime.weight_grad import WeightGradWork
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     plain = forward_backward._plan
@@ -86,11 +87,12 @@ def _run_cases(cases: List[SplitCase]) -> dict:
         served = []
         deferred.clear()
 
-        def derived(schedule, num_ranks, num_microbatches, forward_only, split_backward, costs, case=case, served=served):
-            served.append(split_backward and not forward_only)
+        def derived(choice, num_ranks, num_microbatches, forward_only, case=case, served=served):
+            served.append(choice.split_backward and not forward_only)
             if not (case.late and served[-1]):
-                return plain(schedule, num_ranks, num_microbatches, forward_only, split_backward, costs)
-            return late_split_plan(plain(schedule, num_ranks, num_microbatches, forward_only, False, costs))
+                return plain(choice, num_ranks, num_microbatches, forward_only)
+            whole = dataclasses.replace(choice, split_backward=False)
+            return late_split_plan(plain(whole, num_ranks, num_microbatches, forward_only))
 
         forward_backward._plan = derived
         out[case.name] = pipeline(case)
@@ -99,35 +101,20 @@ def _run_cases(cases: List[SplitCase]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def references() -> dict:
-    return launch_references(CASES_2 + CASES_4)
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_split_backward_equals_single_process_training(case, references, launched):
+    assert_equals_reference(case, launched[case], references[case.reference_key])
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> List[dict]:
-    return launch(_run_cases, 2, CASES_2, timeout=400)
-
-
-@pytest.fixture(scope="module")
-def four_ranks() -> List[dict]:
-    return launch(_run_cases, 4, CASES_4, timeout=600)
-
-
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_split_backward_equals_single_process_training(case, references, two_ranks, four_ranks):
-    records = [r[case.name] for r in (two_ranks if case in CASES_2 else four_ranks)]
-    assert_equals_reference(case, records, references[case.reference_key])
-
-
-def test_training_steps_ran_split_plans(two_ranks, four_ranks):
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_training_steps_ran_split_plans(case, launched):
     """Every training step got a split plan, the evaluation a plain forward-only one, and
     every ``W`` ran deferred linear weight gradients (4 per transformer layer of the chunk)."""
-    for records in (two_ranks, four_ranks):
-        for record in records:
-            for name, result in record.items():
-                assert result["split_plans_served"] == [True] * STEPS + [False], name
-                assert result["deferred_per_W"] and min(result["deferred_per_W"]) >= 4, name
+    for result in launched[case]:
+        assert result["split_plans_served"] == [True] * STEPS + [False]
+        assert result["deferred_per_W"] and min(result["deferred_per_W"]) >= 4
 
 
 def test_message_time_case_runs_a_list_scheduled_plan():
@@ -136,7 +123,7 @@ def test_message_time_case_runs_a_list_scheduled_plan():
 
     costs = schedules.CostModel(t_p2p=0.2)
     plan = schedules.generate("bitpipe", 4, 8, split_backward=True, costs=costs)
-    assert plan.actions != split_backward(schedules.generate("bitpipe", 4, 8), costs, 4).actions
+    assert plan.compute_only().actions != split_backward(schedules.generate("bitpipe", 4, 8), costs, 4).actions
 
 
 def test_late_plans_are_valid_and_defer_weight_gradients_past_later_backwards():
@@ -160,17 +147,17 @@ def test_late_plans_are_valid_and_defer_weight_gradients_past_later_backwards():
 
 def _linear_checks() -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.tensor_parallel import layers as megatron_layers
 
     from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.runtime.weight_grad import WeightGradWork, deferring, enable_split_backward
-    from megatron_bitpipe.testing import gpt
-    from megatron_bitpipe.testing.cpu_compat import enable_cpu_megatron
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    pg = gpt.build_process_groups(gpt.ParallelGrid())
+    pg = baseline.build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, 7)
-    config = gpt.tiny_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=2)
+    config = baseline.tiny_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=2)
 
     def make(kind, fusion=False):
         torch.manual_seed(3)
@@ -245,16 +232,14 @@ def _linear_checks_with_fake_fusion() -> dict:
 
 def _emulated_layer_checks() -> dict:
     """Two emulated layers (backward 0.2 s, of which weight gradients 0.15 s) on an
-    asynchronous emulated device, backward split: device time and live activations after
-    ``I`` and after ``W``, gradients against the whole backward."""
-    import time
-
+    asynchronous emulated device, backward split: the compute each part launched on the device
+    and the live activations after ``I`` and after ``W``, gradients against the whole backward."""
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_bitpipe.runtime.weight_grad import WeightGradWork, deferring
-    from megatron_bitpipe.testing.emulation import EmulatedDevice, emulated_layer_spec
-    from megatron_bitpipe.testing.gpt import tiny_gpt_config
-    from megatron_bitpipe.testing.measure import LiveActivationMeter
+    from megatron_bitpipe.benchmarking.emulation import EmulatedDevice, emulated_layer_spec
+    from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
+    from megatron_bitpipe.benchmarking.meters import LiveActivationMeter
 
     config = tiny_gpt_config(num_layers=2, hidden_size=8, num_attention_heads=2)
     spec = emulated_layer_spec(0.0, 0.2, 0.15)
@@ -281,14 +266,14 @@ def _emulated_layer_checks() -> dict:
     with EmulatedDevice(asynchronous=True) as device, meter:
         with deferring(work):
             loss = run()
-        start = time.perf_counter()
+        launched = device.launched_seconds
         loss.backward()
-        facts["I_s"] = device.free_at - start
+        facts["I_s"] = device.launched_seconds - launched
         facts["held_after_I"] = meter.live_layer_bytes
         facts["weight_grads_after_I"] = [layer.weight.grad for layer in layers]
-        before = max(device.free_at, time.perf_counter())
+        launched = device.launched_seconds
         work.run()
-        facts["W_s"] = device.free_at - before
+        facts["W_s"] = device.launched_seconds - launched
         facts["held_after_W"] = meter.live_layer_bytes
     split = [x.grad] + [layer.weight.grad for layer in layers]
     facts["grads_equal"] = all(torch.allclose(a, b) for a, b in zip(split, whole))
@@ -306,6 +291,7 @@ def single_process() -> dict:
     return launch(_single_process_checks, 1, timeout=120)[0]
 
 
+@pytest.mark.multirank
 def test_deferrable_linear_matches_megatron(single_process):
     results = single_process["linears"]
     assert set(results) == {"column", "column_fused", "row", "row_fused"}
@@ -313,12 +299,13 @@ def test_deferrable_linear_matches_megatron(single_process):
         assert all(checks.values()), f"{name}: {checks}"
 
 
+@pytest.mark.multirank
 def test_emulated_layer_splits_time_and_holds_its_input_until_w(single_process):
     facts = single_process["emulated"]
     assert facts["grads_equal"]
     assert facts["weight_grads_after_I"] == [None, None]
-    assert 2 * 0.05 <= facts["I_s"] < 2 * 0.05 + 0.05  # input-gradient part of both layers
-    assert 2 * 0.15 <= facts["W_s"] < 2 * 0.15 + 0.05
+    assert facts["I_s"] == pytest.approx(2 * 0.05)  # input-gradient part of both layers
+    assert facts["W_s"] == pytest.approx(2 * 0.15)
     assert facts["held_after_I"] >= facts["x_bytes"] and facts["held_after_W"] == 0
 
 

@@ -6,7 +6,7 @@
 
 :func:`validate_megatron_lm_args` runs after Megatron-LM's ``validate_args`` (which fills in
 ``data_parallel_size`` and the other derived fields) and before ``torch.distributed`` is
-initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.validate_bitpipe_args`
+initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`
 plus the Megatron-LM features the BitPipe chunks cannot be combined with. It raises
 :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Optional
 
-from ..megatron_args import BitPipeConfigError, add_bitpipe_args, validate_bitpipe_args
+from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
 
 __all__ = ["add_megatron_lm_args", "chain_args_provider", "validate_megatron_lm_args", "layout_independent_init"]
 
@@ -85,12 +85,7 @@ def layout_independent_init(args: argparse.Namespace) -> bool:
 
 def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     """Raise :class:`BitPipeConfigError` naming every flag that breaks a rule (no communication)."""
-    problems: List[str] = []
-    try:
-        validate_bitpipe_args(args)
-    except BitPipeConfigError as error:  # "invalid arguments:" and one indented line per rule
-        lines = str(error).splitlines()
-        problems.extend(line.strip() for line in lines[1:] or lines)
+    problems: List[str] = bitpipe_arg_problems(args)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(
             "--tensor-parallel-mode optimus2d is not available through Megatron-LM's scripts (their "

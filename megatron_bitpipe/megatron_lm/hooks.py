@@ -35,9 +35,9 @@ import functools
 from typing import Callable
 
 from ..plugin import register
-from ..runtime.forward_backward import make_forward_backward_func
+from ..megatron_args import schedule_choice
 from .args import chain_args_provider, layout_independent_init, validate_megatron_lm_args
-from .losses import forward_backward_for_megatron_lm
+from .losses import make_megatron_lm_forward_backward_func
 
 __all__ = ["PATCH_MARKER", "setup", "get_model", "broadcast_full_batch", "install"]
 
@@ -49,11 +49,9 @@ def setup(args: argparse.Namespace) -> None:
     """Check the parsed flags (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`) and
     install ``--pipeline-schedule``'s forward_backward_func. Local: no communication."""
     validate_megatron_lm_args(args)
-    bitpipe_func = forward_backward_for_megatron_lm
-    if getattr(args, "split_backward", False):
-        split = make_forward_backward_func("bitpipe", split_backward=True)
-        bitpipe_func = functools.partial(forward_backward_for_megatron_lm, bitpipe_func=split)
-    register(getattr(args, "pipeline_schedule", "default"), bitpipe_func=bitpipe_func)
+    schedule = getattr(args, "pipeline_schedule", "default")
+    bitpipe_func = make_megatron_lm_forward_backward_func(schedule_choice(args)) if schedule == "bitpipe" else None
+    register(schedule, bitpipe_func=bitpipe_func)
 
 
 def get_model(megatron_get_model: Callable, model_provider_func: Callable, *args, **kwargs) -> list:

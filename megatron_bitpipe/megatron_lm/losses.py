@@ -4,9 +4,10 @@ Megatron-LM's ``train_step`` and ``evaluate`` average the list returned by the
 ``forward_backward_func`` on ``is_pipeline_last_stage()`` ranks only, and expect it to hold one
 report per micro-batch of the step. BitPipe computes the losses on both edge ranks: pipeline
 rank 0 those of pipeline A (its micro-batches), pipeline rank D-1 those of pipeline B.
-:func:`forward_backward_for_megatron_lm` runs the BitPipe step and then sends pipeline rank 0's
-reports to pipeline rank D-1 of the same (tensor, data) slice, which returns all of them in
-micro-batch order; every other rank returns ``[]``, as with megatron's own schedules.
+:func:`make_megatron_lm_forward_backward_func` runs a step
+(:func:`~megatron_bitpipe.runtime.forward_backward.make_step_func`) and then sends pipeline
+rank 0's reports to pipeline rank D-1 of the same (tensor, data) slice, which returns all of
+them in micro-batch order; every other rank returns ``[]``, as with megatron's own schedules.
 
 A report is a dict of tensors (Megatron-LM's ``{'lm loss': tensor([sum, tokens])}`` or scalar
 losses); all reports of a step must have the same keys and shapes. They travel as one float64
@@ -20,10 +21,11 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from ..runtime.forward_backward import forward_backward_bitpipe, last_step, pipeline_groups_of
+from ..runtime.forward_backward import make_step_func, pipeline_groups_of
 from ..runtime.groups import PipelineGroups
+from ..schedules import ScheduleChoice
 
-__all__ = ["forward_backward_for_megatron_lm", "gather_losses_on_last_stage"]
+__all__ = ["gather_losses_on_last_stage", "make_megatron_lm_forward_backward_func"]
 
 Report = Dict[str, torch.Tensor]
 
@@ -74,16 +76,21 @@ def gather_losses_on_last_stage(reports: List[Report], microbatches: List[int], 
     return [_unflatten(row, reports[0]) for row in rows]
 
 
-def forward_backward_for_megatron_lm(*, bitpipe_func: Callable = forward_backward_bitpipe, **kwargs) -> list:
-    """``bitpipe_func`` (:func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe`,
-    or its split-backward variant) whose loss reports end up on the last pipeline stage
-    (module docstring). Otherwise megatron's keyword arguments.
+def make_megatron_lm_forward_backward_func(choice: ScheduleChoice) -> Callable:
+    """A forward_backward_func (megatron's keyword arguments) running ``choice``'s step, whose
+    loss reports end up on the last pipeline stage (module docstring).
 
     With ``collect_non_loss_data`` the reports are returned where they were computed.
     """
-    reports = bitpipe_func(**kwargs)
-    if kwargs.get("collect_non_loss_data"):
-        return reports
-    model = kwargs["model"]
-    groups = pipeline_groups_of(list(model) if isinstance(model, (list, tuple)) else [model])
-    return gather_losses_on_last_stage(reports, sorted(last_step().losses), groups)
+    step = make_step_func(choice)
+
+    def forward_backward(**kwargs) -> list:
+        result = step(**kwargs)
+        if kwargs.get("collect_non_loss_data"):
+            return result.loss_reports()
+        model = kwargs["model"]
+        groups = pipeline_groups_of(list(model) if isinstance(model, (list, tuple)) else [model])
+        return gather_losses_on_last_stage(result.loss_reports(), result.loss_microbatches, groups)
+
+    forward_backward.__name__ = f"forward_backward_{choice.schedule}_for_megatron_lm"
+    return forward_backward

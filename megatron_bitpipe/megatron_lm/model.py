@@ -41,12 +41,13 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.core.utils import unwrap_model
 
 from ..megatron_args import BitPipeConfigError
 from ..runtime.groups import ParallelGrid, PipelineGroups
 from ..runtime.init import initialize_from_seed
 from ..runtime.layout import ChunkSpec, chunk_layers_of, chunk_specs
-from ..runtime.model import build_chunks, unwrap
+from ..runtime.model import build_chunks
 from ..runtime.precision import ChunkFloat16Module
 from ..runtime.replicas import mark_replica_parameters, wrap_ddp
 from ..schedules.placement import bidirectional_v
@@ -67,7 +68,7 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
 
 def _check_chunk(chunk: torch.nn.Module, spec: ChunkSpec, pg_collection) -> None:
     """The script's model_provider honoured ``config`` (layer range) and ``pg_collection``."""
-    model = unwrap(chunk)
+    model = unwrap_model(chunk)
     block = getattr(model, "decoder", None) or getattr(model, "encoder", None)
     first = block.layers[0].layer_number - 1 if block is not None and len(block.layers) else None
     if getattr(model, "pg_collection", None) is not pg_collection or first != spec.first_layer:

@@ -4,37 +4,41 @@
 :class:`~megatron_bitpipe.schedules.actions.SchedulePlan` — the same object the simulator
 times — and for every action does what megatron-core's own schedules do for a micro-batch:
 
-* ``F(c, m)``: take the input (the data for a first stage, a received activation, or the
+* ``RECV_F(c, m)`` / ``RECV_B(c, m)``: post the ``irecv`` of the input of ``F(c, m)`` /
+  the output gradient of ``B(c, m)`` (or ``I(c, m)``) on the channel's group, into a new
+  buffer; the consuming action waits for it;
+* ``F(c, m)``: take the input (the data for a first stage, the received activation, or the
   local V-turn hand-over), run megatron's ``forward_step`` on chunk ``c`` (the loss stage
-  computes and records the loss), then hand the output on: ``isend`` to the next stage's
-  rank, or keep it for the next chunk of this rank;
+  computes and records the loss), then hand the output on: keep it for its ``SEND_F``, or
+  for the next chunk of this rank at the turn of a V;
 * ``B(c, m)``: take the output gradient (none at the loss stage), run megatron's
   ``backward_step``, hand the input gradient on the same way;
+* ``SEND_F(c, m)`` / ``SEND_B(c, m)``: ``isend`` the kept output of ``F(c, m)`` / input
+  gradient of ``B(c, m)`` (or ``I(c, m)``) to the next / previous stage's rank;
 * split backward (:mod:`.weight_grad`): the ``F`` of a micro-batch whose backward the plan
   splits runs inside :func:`~.weight_grad.deferring`, so deferrable linears leave their
   weight gradients out of the graph; ``I(c, m)`` is ``B`` with those weight gradients
   collected (by (chunk, micro-batch)) instead of computed, and ``W(c, m)`` runs them. After
   ``I`` the activation state is released as after ``B``, except what the deferred work holds
-  (each linear's input and output gradient) until ``W``. Transfers are keyed by
-  :attr:`~megatron_bitpipe.schedules.actions.Action.comm_key`, so ``I`` receives and sends
-  what ``B`` would;
+  (each linear's input and output gradient) until ``W``. ``I`` receives and sends what ``B``
+  would (``RECV_B`` / ``SEND_B``);
 * ``SYNC(c)``: start chunk ``c``'s asynchronous gradient all-reduce (megatron DDP's
   ``start_grad_sync``) — every backward of the chunk is done by then, and no deferred
   weight gradient still due adds to one of its parameters (a tied LM head on another chunk
   adds to the embedding chunk's weight: its ``W`` must come first; RuntimeError otherwise).
 
 At the end of the step nothing may be left: no unconsumed received or handed-over tensor,
-no activation kept for a backward, no deferred weight-gradient work.
+no unsent output, no activation kept for a backward, no deferred weight-gradient work.
 
-Communication follows the placement (:mod:`megatron_bitpipe.schedules.comm`), one process
-group per channel (:meth:`~megatron_bitpipe.runtime.groups.PipelineGroups.channel_group`).
-Receives are posted just before the action that needs them, or with
-``config.overlap_p2p_comm`` as soon as the previous action has been issued (as megatron's
-interleaved schedule does: on a GPU host the previous action's kernels are still running,
-so the receive overlaps them); within a channel they are posted in plan order, which the
-validator proved equal to the sender's order. Sends are never waited for on the critical
-path: a sent activation is only deallocated (``config.deallocate_pipeline_outputs``) once
-its send has completed, and all sends are waited for at the end of the step.
+The executor decides nothing about communication: it runs the plan's ``SEND`` and ``RECV``
+actions where the plan puts them (:mod:`megatron_bitpipe.schedules.lower` places them; the
+validator proved that every message is sent after its producer and received before its
+consumer, and that each channel's receives are posted in its sends' order). Each message
+travels on its channel's process group
+(:meth:`~megatron_bitpipe.runtime.groups.PipelineGroups.channel_group`); the placement only
+says which chunks of this rank hand over locally. Sends are never waited for on the
+critical path: a sent activation is only deallocated (``config.deallocate_pipeline_outputs``)
+once its send has completed, and all sends are waited for at the end of the step.
 
 Micro-batch data come from :class:`MicrobatchSource`: the ``m``-th item of the data iterator
 is micro-batch ``m`` on every chunk of every rank, so each pipeline sees its own half of the
@@ -58,7 +62,7 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_type
 
 from ..schedules.actions import Action, ActionType, SchedulePlan
-from ..schedules.comm import Payload, Transfer, received_by, sent_by
+from ..schedules.comm import Payload, transfer_of
 from .groups import PipelineGroups
 from .layout import ChunkSpec, chunk_specs
 from .weight_grad import WeightGradWork, deferring
@@ -98,10 +102,13 @@ class MicrobatchSource:
 
 
 @dataclass
-class _PendingSend:
-    work: object
+class _Outgoing:
+    """A tensor produced for another rank, kept until its ``SEND`` and, once sent, until the
+    send completed (``work``). ``deallocate``: free its storage then (a forward's output)."""
+
     tensor: torch.Tensor
     deallocate: bool
+    work: object = None
 
 
 @dataclass
@@ -120,12 +127,21 @@ class StepResult:
         losses: the loss reports of this rank's loss chunks, by micro-batch (megatron's
             ``forward_data_store`` entries).
         num_tokens: tokens counted by the loss function (for per-token loss).
-        trace: the actions executed, in order (``"F0.3"``, ``"S2"``, ...).
+        trace: the actions executed, in order (``"RECV_F0.3"``, ``"F0.3"``, ``"S2"``, ...).
     """
 
     losses: Dict[int, object] = field(default_factory=dict)
     num_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int))
     trace: List[str] = field(default_factory=list)
+
+    @property
+    def loss_microbatches(self) -> List[int]:
+        """The micro-batches whose loss this rank computed, ascending."""
+        return sorted(self.losses)
+
+    def loss_reports(self) -> List[object]:
+        """The loss reports in micro-batch order: what megatron's schedules return."""
+        return [self.losses[m] for m in self.loss_microbatches]
 
 
 class PlanExecutor:
@@ -177,9 +193,11 @@ class PlanExecutor:
         self.model_type = get_model_type(self.chunks[0])
         self.cp_size = groups.rank_pgs.cp.size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self._received: Dict[Action, Tuple[object, torch.Tensor]] = {}
+        self._links = [plan.placement.links(self.rank, c) for c in range(plan.placement.chunks_per_rank)]
+        self._received: Dict[Action, Tuple[object, torch.Tensor]] = {}  # consumer's comm_key -> irecv
         self._handed_over: Dict[Action, torch.Tensor] = {}
-        self._sends: Dict[Tuple[ActionType, int, int], _PendingSend] = {}
+        self._unsent: Dict[Action, _Outgoing] = {}  # producer's comm_key -> output waiting for its SEND
+        self._sends: Dict[Action, _Outgoing] = {}  # SEND action -> send in flight
         self._activations: Dict[Tuple[int, int], _Activations] = {}
         self._forwarded_chunks: set = set()
         self._deferred: Dict[Tuple[int, int], WeightGradWork] = {}
@@ -189,27 +207,28 @@ class PlanExecutor:
     def run(self) -> StepResult:
         """Execute every action of this rank; return its losses, token count and trace."""
         result = StepResult()
-        actions = self.plan.actions[self.rank]
-        for index, action in enumerate(actions):
-            self._post_receive(action)
+        for action in self.plan.actions[self.rank]:
             if action.type is ActionType.FORWARD:
                 self._forward(action, result)
             elif action.type.computes_input_grad:
                 self._backward(action)
             elif action.type is ActionType.BACKWARD_WEIGHT:
                 self._deferred.pop((action.chunk, action.microbatch)).run()
-            else:
+            elif action.type is ActionType.SYNC:
                 self._sync(action)
-            if self.config.overlap_p2p_comm and index + 1 < len(actions):
-                self._post_receive(actions[index + 1])
+            elif action.type.is_receive:
+                self._post_receive(action)
+            else:
+                self._send(action)
             result.trace.append(str(action))
             self._reap_sends(wait=False)
         self._reap_sends(wait=True)
-        if self._received or self._handed_over or self._deferred or (self._activations and not self.forward_only):
+        leftover = self._received or self._handed_over or self._unsent or self._deferred
+        if leftover or (self._activations and not self.forward_only):
             raise RuntimeError(
                 f"rank {self.rank}: plan left unconsumed tensors: received {sorted(map(str, self._received))}, "
-                f"handed over {sorted(map(str, self._handed_over))}, activations {sorted(self._activations)}, "
-                f"deferred weight gradients {sorted(self._deferred)}"
+                f"handed over {sorted(map(str, self._handed_over))}, unsent {sorted(map(str, self._unsent))}, "
+                f"activations {sorted(self._activations)}, deferred weight gradients {sorted(self._deferred)}"
             )
         self.source.finish()
         return result
@@ -251,7 +270,10 @@ class PlanExecutor:
         chunk, microbatch = action.chunk, action.microbatch
         saved = self._activations.pop((chunk, microbatch))
         output_grad = self._take_input(action)
-        pending = self._sends.pop((ActionType.FORWARD, chunk, microbatch), None)
+        forward = Action(ActionType.FORWARD, chunk, microbatch)
+        if forward in self._unsent:
+            raise RuntimeError(f"rank {self.rank}: plan runs {action} before sending the output of {forward}")
+        pending = self._sends.pop(Action(ActionType.SEND_ACTIVATION, chunk, microbatch), None)
         if pending is not None:  # the output must be sent (and deallocated) before its backward
             pending.work.wait()
             self._finish_send(pending)
@@ -281,41 +303,63 @@ class PlanExecutor:
     # -- tensors in and out -----------------------------------------------------------------
 
     def _post_receive(self, action: Action) -> None:
-        """irecv the action's input if it comes from another rank and is not posted yet."""
-        transfer = received_by(self.plan.placement, self.rank, action)
-        if transfer is None or transfer.is_local or action in self._received:
-            return
+        """``RECV_F`` / ``RECV_B``: irecv the consumer's input into a new buffer."""
+        transfer = transfer_of(self.plan.placement, self.rank, action)
+        if transfer.consumer in self._received:
+            raise RuntimeError(f"rank {self.rank}: plan posts {action} twice")
         activation = transfer.payload is Payload.ACTIVATION
         buffer = torch.empty(
             self.tensor_shape, dtype=self.config.pipeline_dtype, device=self.device, requires_grad=activation
         )
         work = dist.irecv(buffer, src=self.groups.pp_global_rank(transfer.src.rank), group=self.groups.channel_group(transfer))
-        self._received[action] = (work, buffer)
+        self._received[transfer.consumer] = (work, buffer)
+
+    def _send(self, action: Action) -> None:
+        """``SEND_F`` / ``SEND_B``: isend the producer's kept tensor; it is released when the send completed."""
+        transfer = transfer_of(self.plan.placement, self.rank, action)
+        outgoing = self._unsent.pop(action.compute_key, None)
+        if outgoing is None:
+            raise RuntimeError(f"rank {self.rank}: plan runs {action} before {transfer.producer} produced the tensor")
+        outgoing.work = dist.isend(
+            outgoing.tensor, dst=self.groups.pp_global_rank(transfer.dst.rank), group=self.groups.channel_group(transfer)
+        )
+        self._sends[action] = outgoing
 
     def _take_input(self, action: Action) -> Optional[torch.Tensor]:
-        transfer = received_by(self.plan.placement, self.rank, action)
-        if transfer is None:
+        """The input of an ``F`` (activation) or ``B`` / ``I`` (output gradient): None at a
+        pipeline's end, the local hand-over at a V's turn, else the posted receive, waited for."""
+        links = self._links[action.chunk]
+        source = links.previous if action.type is ActionType.FORWARD else links.next
+        if source is None:
             return None
-        if transfer.is_local:
+        if source.rank == self.rank:
             return self._handed_over.pop(action.comm_key)
-        work, buffer = self._received.pop(action)
+        posted = self._received.pop(action.comm_key, None)
+        if posted is None:
+            raise RuntimeError(
+                f"rank {self.rank}: plan runs {action} without posting the receive of its input first "
+                "(a compute-only plan? run plans of megatron_bitpipe.schedules.generate or lower())"
+            )
+        work, buffer = posted
         work.wait()
         return buffer
 
     def _hand_on(self, action: Action, tensor: torch.Tensor, output_of_forward: bool) -> None:
-        """Send ``tensor`` to the consumer of ``action``'s output, or hand it over locally."""
-        transfer: Transfer = sent_by(self.plan.placement, self.rank, action)
+        """Keep ``tensor`` for the ``SEND`` of ``action``, or hand it over to the next chunk of
+        this rank (the turn of a V)."""
+        links = self._links[action.chunk]
+        target = links.next if output_of_forward else links.previous
         deallocate = output_of_forward and self.config.deallocate_pipeline_outputs and not self.forward_only
-        if transfer.is_local:
-            handed = tensor.detach()
-            if output_of_forward:
-                handed.requires_grad_()
-            self._handed_over[transfer.consumer] = handed
-            if deallocate:
-                deallocate_output_tensor(tensor, True)
+        if target.rank != self.rank:
+            self._unsent[action.comm_key] = _Outgoing(tensor, deallocate)
             return
-        work = dist.isend(tensor, dst=self.groups.pp_global_rank(transfer.dst.rank), group=self.groups.channel_group(transfer))
-        self._sends[(action.type, action.chunk, action.microbatch)] = _PendingSend(work, tensor, deallocate)
+        handed = tensor.detach()
+        if output_of_forward:
+            handed.requires_grad_()
+        consumer = Action(ActionType.FORWARD if output_of_forward else ActionType.BACKWARD, target.chunk, action.microbatch)
+        self._handed_over[consumer] = handed
+        if deallocate:
+            deallocate_output_tensor(tensor, True)
 
     def _reap_sends(self, wait: bool) -> None:
         for key in list(self._sends):
@@ -327,7 +371,7 @@ class PlanExecutor:
             self._finish_send(self._sends.pop(key))
 
     @staticmethod
-    def _finish_send(pending: _PendingSend) -> None:
+    def _finish_send(pending: _Outgoing) -> None:
         # Only now may the sent activation's storage go: gloo may still read it before completion.
         if pending.deallocate:
             deallocate_output_tensor(pending.tensor, True)

@@ -1,18 +1,21 @@
 """megatron-core ``forward_backward_func`` implementations that execute plans.
 
-:func:`forward_backward_bitpipe` has megatron-core's keyword signature and return value
-(the loss reports of the micro-batches whose loss this rank computes, in micro-batch
-order; ``[]`` elsewhere), so Megatron-LM's training loop and evaluation call it like
-megatron's own schedules. The model chunks must come from
+:func:`make_step_func` runs one step of a :class:`~megatron_bitpipe.schedules.ScheduleChoice`
+and returns what it produced (:class:`~.executor.StepResult`). The functions with
+megatron-core's keyword signature and return value — :func:`make_forward_backward_func`,
+:func:`forward_backward_bitpipe` — are thin wrappers over it (the loss reports of the
+micro-batches whose loss this rank computes, in micro-batch order; ``[]`` elsewhere), so
+Megatron-LM's training loop and evaluation call them like megatron's own schedules. The model chunks must come from
 :func:`megatron_bitpipe.runtime.model.build_chunks` (GPT or BERT), which records their
 :class:`~megatron_bitpipe.runtime.groups.PipelineGroups` (``chunk.pipeline_groups``):
 placement, p2p channels and gradient-sync groups.
 
 One step:
 
-1. the plan for ``(D, num_microbatches)`` is generated (pure Python, identical on every
-   rank) — bad arguments raise :class:`~megatron_bitpipe.schedules.ScheduleConfigError`
-   naming the flag before any communication;
+1. the plan for ``(D, num_microbatches)`` is generated, with its sends and receives as
+   actions (pure Python, identical on every rank), and validated — bad arguments raise
+   :class:`~megatron_bitpipe.schedules.ScheduleConfigError` naming the flag before any
+   communication;
 2. with every chunk's DDP in ``no_sync``, :class:`~.executor.PlanExecutor` runs the
    plan; each chunk's gradient all-reduce (over its replicas x data parallel) starts
    asynchronously at its ``SYNC``, as soon as its last backward is done;
@@ -41,17 +44,12 @@ from .groups import PipelineGroups
 from .replicas import microbatches_per_replica, stage_order
 from .weight_grad import enable_split_backward
 
-__all__ = ["forward_backward_bitpipe", "make_forward_backward_func", "pipeline_groups_of", "last_step"]
+__all__ = ["forward_backward_bitpipe", "make_forward_backward_func", "make_step_func", "pipeline_groups_of"]
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(
-    schedule: str, num_ranks: int, num_microbatches: int, forward_only: bool, split_backward: bool,
-    costs: Optional[schedules.CostModel],
-) -> SchedulePlan:
-    plan = schedules.generate(
-        schedule, num_ranks, num_microbatches, forward_only=forward_only, split_backward=split_backward, costs=costs
-    )
+def _plan(choice: schedules.ScheduleChoice, num_ranks: int, num_microbatches: int, forward_only: bool) -> SchedulePlan:
+    plan = choice.plan(num_ranks, num_microbatches, forward_only)
     schedules.validate_plan(plan)
     return plan
 
@@ -67,32 +65,22 @@ def pipeline_groups_of(model: List[torch.nn.Module]) -> PipelineGroups:
     return groups
 
 
-_LAST: dict = {}
+def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult]:
+    """One training (or forward-only) step of ``choice``'s plans on the chunks: takes
+    megatron-core's forward_backward keyword arguments and returns the
+    :class:`~.executor.StepResult` (loss reports by micro-batch, token count, trace).
 
-
-def last_step() -> Optional[StepResult]:
-    """The :class:`~.executor.StepResult` of the latest step on this rank (trace, tokens)."""
-    return _LAST.get("result")
-
-
-def make_forward_backward_func(
-    schedule: str, split_backward: bool = False, costs: Optional[schedules.CostModel] = None
-) -> Callable:
-    """A megatron-core forward_backward_func executing ``schedule``'s plans.
-
-    ``split_backward``: every backward runs as ``I`` (input gradient) and, later, ``W``
-    (weight gradients), the plan placing the ``W``'s into bubbles for ``costs`` (default
-    :class:`~megatron_bitpipe.schedules.CostModel`; only the ratios matter); the chunks'
-    linears are made deferrable on the first call with each chunk
+    With ``choice.split_backward`` every backward runs as ``I`` (input gradient) and, later,
+    ``W`` (weight gradients), the plan placing the ``W``'s into bubbles for ``choice.costs``;
+    the chunks' linears are made deferrable on the first call with each chunk
     (:func:`~.weight_grad.enable_split_backward`, which raises for Transformer Engine and
     Optimus 2D layers). Same gradients as without. The schedules that always split their
     backwards (:data:`~megatron_bitpipe.schedules.ALWAYS_SPLIT`: ZB-H1, ZB-V, DualPipe,
-    DualPipeV) imply it.
+    DualPipeV) do so too (``choice.splits_backward``).
     """
-    split_backward = split_backward or schedule in schedules.ALWAYS_SPLIT
     split_enabled: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
-    def forward_backward(
+    def step(
         *,
         forward_step_func,
         data_iterator: Union[Iterator, List[Iterator], None],
@@ -108,18 +96,18 @@ def make_forward_backward_func(
         p2p_communicator=None,
         pg_collection=None,
         force_all_reduce: bool = False,
-    ) -> list:
+    ) -> StepResult:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         groups = pipeline_groups_of(chunks)
         config = get_model_config(chunks[0])
         placement = groups.placement
-        _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length)
-        if split_backward and not all(c in split_enabled for c in chunks):
+        _check_supported(choice.schedule, chunks, placement, config, seq_length, decoder_seq_length)
+        if choice.splits_backward and not all(c in split_enabled for c in chunks):
             enable_split_backward(chunks)
             split_enabled.update(chunks)
-        plan = _plan(schedule, placement.num_ranks, num_microbatches, forward_only, split_backward, costs)
+        plan = _plan(choice, placement.num_ranks, num_microbatches, forward_only)
         if plan.placement != placement:
-            raise ValueError(f"{schedule} plans use the {plan.placement.name} placement; the chunks were built for {placement.name}")
+            raise ValueError(f"{choice.schedule} plans use the {plan.placement.name} placement; the chunks were built for {placement.name}")
         divisor = microbatches_per_replica(num_microbatches, placement)
         eager = all(getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks)
         executor = PlanExecutor(
@@ -145,16 +133,27 @@ def make_forward_backward_func(
             finalize_grads(chunks, groups, config, result.num_tokens, force_all_reduce)
         if config.timers is not None:
             config.timers("forward-backward").stop()
-        _LAST["result"] = result
-        return [result.losses[m] for m in sorted(result.losses)]
+        return result
 
-    forward_backward.__name__ = f"forward_backward_{schedule}{'_split' if split_backward else ''}"
+    return step
+
+
+def make_forward_backward_func(choice: schedules.ScheduleChoice) -> Callable:
+    """A megatron-core forward_backward_func executing ``choice``'s plans: a thin wrapper over
+    :func:`make_step_func` returning the loss reports of this rank's loss chunks in
+    micro-batch order (``[]`` on ranks without a loss chunk), as megatron's schedules do."""
+    step = make_step_func(choice)
+
+    def forward_backward(**kwargs) -> list:
+        return step(**kwargs).loss_reports()
+
+    forward_backward.__name__ = "forward_backward_" + choice.label.replace("+", "_").replace("-", "_")
     forward_backward.__qualname__ = forward_backward.__name__
-    forward_backward.__doc__ = f"megatron-core forward_backward_func running the {schedule} schedule."
+    forward_backward.__doc__ = f"megatron-core forward_backward_func running the {choice.label} schedule."
     return forward_backward
 
 
-forward_backward_bitpipe = make_forward_backward_func("bitpipe")
+forward_backward_bitpipe = make_forward_backward_func(schedules.ScheduleChoice("bitpipe"))
 
 
 def _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length) -> None:

@@ -18,7 +18,7 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
   (a group of one, not None: ``finalize_model_grads`` looks a None embedding group up in the
   global parallel state, which Megatron-LM's training loop has initialised) — unless the
   placement ties embeddings megatron's way
-  (:func:`~megatron_bitpipe.runtime.layout.head_copies_embedding`: one pipeline whose first
+  (:attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`: one pipeline whose first
   and last stage are on different ranks): then, on those two ranks, ``embd`` is megatron's
   embedding group, the first- and last-stage ranks of this (tp, dp) slice.
   ``pp`` is the pipeline ranks of this (tp, dp) slice in grid order, for every chunk; its
@@ -46,7 +46,6 @@ from ..optimus.args import TENSOR_PARALLEL_MODES
 from ..optimus.mesh import OptimusMesh, build_optimus_mesh, mesh_side
 from ..schedules.comm import Payload, Transfer
 from ..schedules.placement import Placement
-from .layout import head_copies_embedding
 
 __all__ = ["ParallelGrid", "new_groups", "process_group_collection", "PipelineGroups"]
 
@@ -263,7 +262,7 @@ class PipelineGroups:
 
         mesh = build_optimus_mesh(tp) if tensor_parallel_mode == "optimus2d" else None
         embd = solo
-        if head_copies_embedding(placement):
+        if placement.head_copies_embedding:
             ends = (placement.location(0, 0).rank, placement.location(0, placement.num_stages - 1).rank)
             slices = [(t, d) for d in range(grid.dp) for t in range(grid.tp)]
             embd = new_groups([sorted(grid.rank(t, d, p) for p in ends) for t, d in slices], rank) or solo

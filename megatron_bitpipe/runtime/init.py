@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 
 from .layout import ChunkLayers, full_shape, to_global_name, tp_block
-from .model import unwrap
+from megatron.core.utils import unwrap_model
 
 __all__ = ["init_method_for", "initialize_from_seed"]
 
@@ -91,7 +91,7 @@ def initialize_from_seed(
     tp_rank, tp_size = (tp_group.rank(), tp_group.size()) if tp_group is not None else (0, 1)
     with torch.no_grad():
         for chunk, chunk_layers in zip(chunks, layers):
-            model = unwrap(chunk)
+            model = unwrap_model(chunk)
             for local_name, param in model.named_parameters():
                 if not getattr(param, "allreduce", True):
                     raise NotImplementedError(f"{local_name}: expert-parallel parameters are not supported")

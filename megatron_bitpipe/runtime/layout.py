@@ -42,7 +42,6 @@ __all__ = [
     "ChunkSpec",
     "chunk_specs",
     "chunk_layers_of",
-    "head_copies_embedding",
     "to_global_name",
     "to_local_name",
     "is_tensor_parallel",
@@ -72,7 +71,7 @@ class ChunkLayers:
     ``num_layers`` consecutive layers. ``tied`` marks a chunk whose own ``output_layer.weight``
     is a copy of the word embeddings (megatron's tying with
     ``share_embeddings_and_output_weights`` when the head sits on another rank than the
-    embedding; see :func:`head_copies_embedding`).
+    embedding; see :attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`).
     """
 
     first_layer: int
@@ -95,38 +94,21 @@ class ChunkSpec(ChunkLayers):
     stage: int
 
 
-def head_copies_embedding(placement: Placement) -> bool:
-    """Whether tied embeddings of ``placement`` use megatron's own tying: a copy of the word
-    embeddings as the head's ``output_layer.weight``, kept equal by all-reducing the two
-    copies' gradients over megatron's embedding group.
-
-    True for a single pipeline whose first and last stage sit on different ranks (the looped
-    placement with more than one rank). Placements whose pipelines start and end on the same
-    rank tie one Parameter instead (:mod:`megatron_bitpipe.runtime.model`); several pipelines
-    with ends on different ranks (Chimera) are not supported with tied embeddings.
-    """
-    if placement.num_pipelines != 1:
-        return False
-    return placement.location(0, 0).rank != placement.location(0, placement.num_stages - 1).rank
-
-
 def chunk_specs(placement: Placement, num_layers: int, rank: int, tied: bool = False) -> List[ChunkSpec]:
     """The chunks pipeline rank ``rank`` holds, indexed by local chunk id.
 
     ``tied`` (``share_embeddings_and_output_weights``) marks the head chunk ``tied`` when its
-    output layer is a copy of the embeddings (:func:`head_copies_embedding`). Raises
-    ValueError naming ``--num-layers`` if ``num_layers`` is not a positive multiple of the
-    number of stages (``2 x --pipeline-model-parallel-size`` for BitPipe).
+    output layer is a copy of the embeddings
+    (:attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`). Raises
+    ValueError naming ``--num-layers`` if ``num_layers`` does not fill the placement's stages
+    (:meth:`~megatron_bitpipe.schedules.placement.Placement.layer_problem`).
     """
+    problem = placement.layer_problem(num_layers)
+    if problem:
+        raise ValueError(problem)
     stages = placement.num_stages
-    if num_layers <= 0 or num_layers % stages:
-        raise ValueError(
-            f"--num-layers {num_layers} must be a positive multiple of the {stages} pipeline "
-            f"stages of the {placement.name} placement on {placement.num_ranks} pipeline ranks "
-            f"({stages // placement.num_ranks} x --pipeline-model-parallel-size)"
-        )
     per_stage = num_layers // stages
-    head_copy = tied and head_copies_embedding(placement)
+    head_copy = tied and placement.head_copies_embedding
     specs = []
     for chunk in range(placement.chunks_per_rank):
         role = placement.role(rank, chunk)
@@ -152,9 +134,9 @@ def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
     :func:`megatron_bitpipe.runtime.model.chunk_config`). A chunk without layers gets
     ``first_layer`` 0, which no parameter name depends on.
     """
-    from .model import unwrap
+    from megatron.core.utils import unwrap_model
 
-    inner = unwrap(model)
+    inner = unwrap_model(model)
     block = inner.encoder if hasattr(inner, "encoder") else inner.decoder  # BERT / GPT
     layers = block.layers
     return ChunkLayers(

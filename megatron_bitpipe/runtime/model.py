@@ -28,7 +28,7 @@ tying machinery (zeroed copy + all-reduce over the embedding group at constructi
 after every backward) is not used. Not handled yet: megatron's ``sharded_state_dict``
 (distributed checkpointing) of such a head chunk, which expects its own
 ``output_layer.weight`` entry. A single pipeline whose ends are on different ranks (the looped
-placement, :func:`~megatron_bitpipe.runtime.layout.head_copies_embedding`) uses megatron's
+placement, :attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`) uses megatron's
 own tying over the embedding group of :class:`~megatron_bitpipe.runtime.groups.PipelineGroups`;
 several such pipelines (Chimera) are rejected.
 
@@ -70,12 +70,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
-from megatron.core.utils import unwrap_model
 
 from ..optimus.gpt_model import OptimusGPTModel
 from ..optimus.spec import get_optimus_gpt_block_spec
 from .groups import PipelineGroups
-from .layout import ChunkLayers, ChunkSpec, chunk_specs, head_copies_embedding
+from .layout import ChunkLayers, ChunkSpec, chunk_specs
 from .norms import SequenceParallelTorchNorm
 
 __all__ = [
@@ -88,7 +87,6 @@ __all__ = [
     "ChunkFactory",
     "build_chunks",
     "build_gpt_chunks",
-    "unwrap",
 ]
 
 
@@ -197,14 +195,6 @@ def chunk_block_spec(layer_spec: ModuleSpec, num_layers: int) -> ModuleSpec:
     )
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The language model inside DDP / Float16Module wrappers (itself if unwrapped).
-
-    Unwraps by wrapper type, not by looking for a model attribute: ``ChunkFloat16Module``
-    carries ``pre_process``/``post_process`` of its own."""
-    return unwrap_model(model)
-
-
 def build_chunks(
     config: TransformerConfig,
     groups: PipelineGroups,
@@ -247,7 +237,7 @@ def build_chunks(
     if vocab_size % groups.grid.tp:
         raise ValueError(f"vocab_size {vocab_size} is not divisible by the tensor-parallel size {groups.grid.tp}")
     specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank, share_embeddings_and_output_weights)
-    megatron_ties = share_embeddings_and_output_weights and head_copies_embedding(groups.placement)
+    megatron_ties = share_embeddings_and_output_weights and groups.placement.head_copies_embedding
     if share_embeddings_and_output_weights and not megatron_ties:
         _check_tied_placement(groups)
     chunks = []

@@ -1,7 +1,7 @@
 """Keeping the weight replicas of a multi-pipeline placement one logical model.
 
 Chimera and BitPipe hold one copy of every stage per pipeline. The copies must start equal
-(:func:`megatron_bitpipe.runtime.init.initialize_from_seed`; :func:`broadcast_replicas` and
+(:func:`megatron_bitpipe.runtime.init.initialize_from_seed`; and
 :func:`max_replica_difference` for checks), receive the same averaged gradient, and be counted
 once in the gradient norm.
 
@@ -38,14 +38,13 @@ from megatron.core.transformer import TransformerConfig
 from ..schedules.placement import Placement
 from .groups import PipelineGroups
 from .layout import ChunkSpec
-from .model import unwrap
+from megatron.core.utils import unwrap_model
 
 __all__ = [
     "microbatches_per_replica",
     "wrap_ddp",
     "stage_order",
     "mark_replica_parameters",
-    "broadcast_replicas",
     "max_replica_difference",
 ]
 
@@ -98,7 +97,7 @@ def mark_replica_parameters(chunks: Sequence[torch.nn.Module], specs: Sequence[C
     """
     for chunk, spec in zip(chunks, specs):
         if spec.pipeline != 0:
-            for param in unwrap(chunk).parameters():
+            for param in unwrap_model(chunk).parameters():
                 param.shared = True
 
 
@@ -116,21 +115,7 @@ def stage_order(groups: PipelineGroups) -> List[int]:
 
 
 def _flat(chunk: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in unwrap(chunk).parameters()])
-
-
-def broadcast_replicas(chunks: Sequence[torch.nn.Module], groups: PipelineGroups) -> None:
-    """Copy every stage's parameters from the lowest rank of its grad-sync group to the others.
-
-    Collective over all ranks. Not needed after :func:`initialize_from_seed`; for weights
-    that did not come from it (e.g. a checkpoint loaded on one replica only).
-    """
-    with torch.no_grad():
-        for c in stage_order(groups):
-            group = groups.grad_sync_group(c)
-            src = dist.get_global_rank(group, 0)
-            for param in unwrap(chunks[c]).parameters():
-                dist.broadcast(param.data, src=src, group=group)
+    return torch.cat([p.detach().reshape(-1).float() for p in unwrap_model(chunk).parameters()])
 
 
 def max_replica_difference(chunks: Sequence[torch.nn.Module], groups: PipelineGroups) -> float:

@@ -40,24 +40,35 @@ is returned — never above ``D`` Ma of activations per rank.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 from .actions import SchedulePlan
-from .compose import bidirectional_plan, check_bidirectional
+from .compose import bidirectional_plan, bidirectional_problems, smallest_bidirectional_microbatches
 from .list_scheduling import latency_aware_split
 from .placement import bidirectional_v
 from .simulate import CostModel
 
 
+placement = bidirectional_v
+
+
+def problems(num_ranks: int, num_microbatches: Optional[int], source: str) -> List[str]:
+    """Even ``D >= 2``; ``N`` even (half per replica) and at least ``D``."""
+    return bidirectional_problems("bitpipe", num_ranks, num_microbatches, source)
+
+
+smallest_num_microbatches = smallest_bidirectional_microbatches
+
+
 def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
-    """BitPipe plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= D)."""
-    check_bidirectional("bitpipe", num_ranks, num_microbatches)
-    placement = bidirectional_v(num_ranks)
-    return bidirectional_plan("bitpipe", placement, num_microbatches, forward_only)
+    """BitPipe plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= D);
+    the arguments must satisfy :func:`problems`."""
+    return bidirectional_plan("bitpipe", bidirectional_v(num_ranks), num_microbatches, forward_only)
 
 
 def with_split_backward(plan: SchedulePlan, costs: Optional[CostModel] = None) -> SchedulePlan:
-    """BitPipe ``plan`` (whole backwards) with a split backward, ordered for ``costs``.
+    """BitPipe ``plan`` (whole backwards, compute-only) with a split backward, ordered for
+    ``costs``.
 
     At most ``D`` Ma per rank (1F1B's peak, the unsplit plan's); the list schedule's
     first group of ``D/2`` micro-batches per direction enters without release times.

@@ -13,12 +13,25 @@ state each rank runs one forward and one backward per round. Bubble: Chimera's p
 
 from __future__ import annotations
 
+from typing import List, Optional
+
 from .actions import SchedulePlan
-from .compose import bidirectional_plan, check_bidirectional
+from .compose import bidirectional_plan, bidirectional_problems, smallest_bidirectional_microbatches
 from .placement import bidirectional
 
 
+placement = bidirectional
+
+
+def problems(num_ranks: int, num_microbatches: Optional[int], source: str) -> List[str]:
+    """Even ``D >= 2``; ``N`` even (half per replica) and at least ``D``."""
+    return bidirectional_problems("chimera", num_ranks, num_microbatches, source)
+
+
+smallest_num_microbatches = smallest_bidirectional_microbatches
+
+
 def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
-    """Chimera plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= D)."""
-    check_bidirectional("chimera", num_ranks, num_microbatches)
+    """Chimera plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= D);
+    the arguments must satisfy :func:`problems`."""
     return bidirectional_plan("chimera", bidirectional(num_ranks), num_microbatches, forward_only)

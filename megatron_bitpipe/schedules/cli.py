@@ -2,7 +2,9 @@
 
 ``simulate`` validates and simulates one schedule and prints a summary (or one JSON
 object with ``--json``); ``--plot`` writes a Gantt PNG, ``--trace`` a Chrome trace.
-``plan`` prints every rank's action list. Costs come from ``--costs FILE`` (a JSON
+``plan`` prints every rank's compute actions in order, or with ``--communication`` the
+lowered plan with its ``SEND``/``RECV`` actions (``--receive-lookahead K`` posts each
+receive ``K`` actions before its consumer, :func:`~.lower.lower`). Costs come from ``--costs FILE`` (a JSON
 object with :class:`~.simulate.CostModel` fields, e.g. written by
 ``scripts/calibrate_gpu.py``) and/or the ``--t-*`` flags, which take precedence.
 
@@ -14,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-from . import SCHEDULES, generate
+from . import SCHEDULES, ScheduleChoice
 from .errors import PlanError, ScheduleConfigError
-from .simulate import CostModel, simulate
+from .lower import lower
+from .simulate import CostModel, read_cost_file, simulate
 from .validate import validate_plan
 
 _COST_FLAGS = {
@@ -45,7 +47,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags choosing a plan: ``--schedule``, ``--pipeline-model-parallel-size``
     (``args.pp``), ``--num-microbatches`` (``args.num_microbatches``),
     ``--virtual-pipeline-model-parallel-size`` (``args.vp``) and ``--split-backward``,
-    as :func:`generate` takes them."""
+    as :class:`~.choice.ScheduleChoice` and its ``plan`` take them."""
     parser.add_argument("--schedule", choices=SCHEDULES, required=True)
     parser.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp")
     parser.add_argument("--num-microbatches", "-N", type=int, required=True, dest="num_microbatches")
@@ -62,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text)
         add_plan_arguments(sub)
         sub.add_argument("--forward-only", action="store_true", help="evaluation plan (forwards only)")
+        if name == "plan":
+            sub.add_argument("--communication", action="store_true",
+                             help="also print the send and receive actions (SEND_F, RECV_F, SEND_B, RECV_B)")
+            sub.add_argument("--receive-lookahead", type=_non_negative_int, default=0, metavar="K",
+                             help="with --communication: post each receive K actions before its consumer (default 0)")
         if name == "simulate":
             sub.add_argument("--costs", metavar="FILE", help="JSON cost file (CostModel fields)")
             for field, flag in _COST_FLAGS.items():
@@ -72,13 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_cost_file(path: str) -> Dict[str, float]:
-    """The :class:`~.simulate.CostModel` fields found in JSON cost file ``path`` (other keys,
-    e.g. a calibration's sizes, are ignored). Raises OSError / JSONDecodeError."""
-    with open(path, encoding="utf-8") as handle:
-        loaded = json.load(handle)
-    known = {f.name for f in fields(CostModel)}
-    return {k: (int(v) if k == "data_parallel_size" else float(v)) for k, v in loaded.items() if k in known and v is not None}
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {text!r})")
+    return value
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:
@@ -101,10 +109,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         costs = cost_model(args) if args.command == "simulate" else None
-        plan = generate(args.schedule, args.pp, args.num_microbatches, args.vp, args.forward_only,
-                        args.split_backward, costs)
+        choice = ScheduleChoice(args.schedule, args.split_backward, costs, args.vp)
+        plan = choice.plan(args.pp, args.num_microbatches, args.forward_only)
         if args.command == "plan":
-            print(plan.format())
+            print(lower(plan, args.receive_lookahead).format() if args.communication else plan.compute_only().format())
             return 0
         validate_plan(plan)
         result = simulate(plan, costs)

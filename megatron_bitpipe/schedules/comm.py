@@ -1,12 +1,15 @@
 """Communication implied by a plan: which tensor each action receives and sends.
 
-Nothing here is written per schedule. A forward of stage ``s`` receives the activation
-of stage ``s-1`` and sends its output to stage ``s+1``; a backward receives the gradient
-from stage ``s+1`` and sends the input gradient to stage ``s-1``. Where the neighbouring
-stage lives on the same rank (the turn of a V) the hand-over is local and no message is
-sent. In a split backward the input-gradient action ``I`` communicates exactly as ``B``
-does and the weight-gradient action ``W`` not at all; transfers name their producer and
-consumer by :attr:`~.actions.Action.comm_key` (``B`` for both forms).
+This is the data flow that the lowering pass (:mod:`.lower`) writes into a plan as ``SEND``
+and ``RECV`` actions, and that the validator, the simulator and the runtime resolve those
+actions with (:func:`transfer_of`). Nothing here is written per schedule. A forward of
+stage ``s`` receives the activation of stage ``s-1`` and sends its output to stage ``s+1``;
+a backward receives the gradient from stage ``s+1`` and sends the input gradient to stage
+``s-1``. Where the neighbouring stage lives on the same rank (the turn of a V) the hand-over
+is local and no message is sent. In a split backward the input-gradient action ``I``
+communicates exactly as ``B`` does and the weight-gradient action ``W`` not at all;
+transfers name their producer and consumer by :attr:`~.actions.Action.comm_key` (``B`` for
+both forms).
 
 Messages travel on *channels*. A channel is identified by (payload, pipeline, source
 rank, destination rank); within a channel messages must be received in the order they
@@ -64,6 +67,18 @@ class Transfer:
         return (self.dst.rank > self.src.rank) - (self.dst.rank < self.src.rank)
 
     @property
+    def send(self) -> Action:
+        """The ``SEND_F`` / ``SEND_B`` action that sends this message, on rank ``src.rank``."""
+        kind = ActionType.SEND_ACTIVATION if self.payload is Payload.ACTIVATION else ActionType.SEND_GRADIENT
+        return Action(kind, self.src.chunk, self.microbatch)
+
+    @property
+    def receive(self) -> Action:
+        """The ``RECV_F`` / ``RECV_B`` action that posts this message's receive, on rank ``dst.rank``."""
+        kind = ActionType.RECV_ACTIVATION if self.payload is Payload.ACTIVATION else ActionType.RECV_GRADIENT
+        return Action(kind, self.dst.chunk, self.microbatch)
+
+    @property
     def producer(self) -> Action:
         """The producing action's :attr:`~.actions.Action.comm_key`."""
         kind = ActionType.FORWARD if self.payload is Payload.ACTIVATION else ActionType.BACKWARD
@@ -77,16 +92,15 @@ class Transfer:
 
 
 def _neighbour(placement: Placement, rank: int, chunk: int, step: int) -> Optional[Tuple[int, StageLocation]]:
-    role = placement.role(rank, chunk)
-    stage = role.stage + step
-    if not 0 <= stage < placement.num_stages:
-        return None
-    return role.pipeline, placement.location(role.pipeline, stage)
+    links = placement.links(rank, chunk)
+    location = links.previous if step < 0 else links.next
+    return None if location is None else (links.pipeline, location)
 
 
 def received_by(placement: Placement, rank: int, action: Action) -> Optional[Transfer]:
-    """The transfer ``action`` on ``rank`` consumes, or None (first-stage F, last-stage B, W, SYNC)."""
-    if action.type in (ActionType.SYNC, ActionType.BACKWARD_WEIGHT):
+    """The transfer ``action`` on ``rank`` consumes, or None (first-stage F, last-stage B, W, SYNC,
+    communication actions)."""
+    if not action.type.moves_data:
         return None
     forward = action.type is ActionType.FORWARD
     found = _neighbour(placement, rank, action.chunk, -1 if forward else +1)
@@ -98,8 +112,9 @@ def received_by(placement: Placement, rank: int, action: Action) -> Optional[Tra
 
 
 def sent_by(placement: Placement, rank: int, action: Action) -> Optional[Transfer]:
-    """The transfer ``action`` on ``rank`` produces, or None (last-stage F, first-stage B, W, SYNC)."""
-    if action.type in (ActionType.SYNC, ActionType.BACKWARD_WEIGHT):
+    """The transfer ``action`` on ``rank`` produces, or None (last-stage F, first-stage B, W, SYNC,
+    communication actions)."""
+    if not action.type.moves_data:
         return None
     forward = action.type is ActionType.FORWARD
     found = _neighbour(placement, rank, action.chunk, +1 if forward else -1)
@@ -108,3 +123,47 @@ def sent_by(placement: Placement, rank: int, action: Action) -> Optional[Transfe
     pipeline, dst = found
     payload = Payload.ACTIVATION if forward else Payload.GRADIENT
     return Transfer(payload, pipeline, action.microbatch, StageLocation(rank, action.chunk), dst)
+
+
+def receive_action(placement: Placement, rank: int, action: Action) -> Optional[Action]:
+    """The ``RECV_F`` / ``RECV_B`` that posts the receive of ``action``'s input, or None if the
+    input comes from no other rank (a first stage's data, the loss, a local hand-over, ``W``)."""
+    if not action.type.moves_data:
+        return None
+    links = placement.links(rank, action.chunk)
+    forward = action.type is ActionType.FORWARD
+    source = links.previous if forward else links.next
+    if source is None or source.rank == rank:
+        return None
+    return Action(ActionType.RECV_ACTIVATION if forward else ActionType.RECV_GRADIENT, action.chunk, action.microbatch)
+
+
+def send_action(placement: Placement, rank: int, action: Action) -> Optional[Action]:
+    """The ``SEND_F`` / ``SEND_B`` that sends ``action``'s output, or None if it goes to no
+    other rank (the loss stage, a first stage's input gradient, a local hand-over, ``W``)."""
+    if not action.type.moves_data:
+        return None
+    links = placement.links(rank, action.chunk)
+    forward = action.type is ActionType.FORWARD
+    target = links.next if forward else links.previous
+    if target is None or target.rank == rank:
+        return None
+    return Action(ActionType.SEND_ACTIVATION if forward else ActionType.SEND_GRADIENT, action.chunk, action.microbatch)
+
+
+def transfer_of(placement: Placement, rank: int, action: Action) -> Transfer:
+    """The message a communication action on ``rank`` sends or receives.
+
+    ``SEND_F(c, m)`` sends what ``F(c, m)`` produces, ``RECV_F(c, m)`` receives what it
+    consumes, and ``SEND_B`` / ``RECV_B`` likewise for ``B(c, m)`` or ``I(c, m)``. Raises
+    ValueError for an action that is not a communication action or has no message to move
+    (a first or last stage's end, or a local hand-over).
+    """
+    if not action.type.is_communication:
+        raise ValueError(f"{action} is not a communication action")
+    find = sent_by if action.type.is_send else received_by
+    transfer = find(placement, rank, action.compute_key)
+    if transfer is None or transfer.is_local:
+        why = "the hand-over is local" if transfer is not None else "it is a pipeline's end"
+        raise ValueError(f"rank {rank}: {action} has no message to move ({why})")
+    return transfer

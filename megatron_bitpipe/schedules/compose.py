@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .actions import Action, ActionType, SchedulePlan, make_plan
-from .errors import MICROBATCH_FLAG, PP_FLAG, require
+from .errors import PP_FLAG
 from .placement import Placement
 
 ChunkMicrobatch = Tuple[int, int]
@@ -94,23 +94,26 @@ def lockstep_order(
     return [[action for _, _, action in sorted(events, key=lambda e: e[:2])] for events in timed]
 
 
-def check_bidirectional(schedule: str, num_ranks: int, num_microbatches: int) -> None:
-    """Argument rules shared by the two-replica schedules (clear errors naming the flag)."""
-    require(
-        num_ranks >= 2 and num_ranks % 2 == 0,
-        PP_FLAG,
-        f"{schedule} needs an even pipeline size >= 2 (got {num_ranks})",
-    )
-    require(
-        num_microbatches % 2 == 0,
-        MICROBATCH_FLAG,
-        f"{schedule} splits the micro-batches between two pipelines and needs an even number (got {num_microbatches})",
-    )
-    require(
-        num_microbatches >= num_ranks,
-        MICROBATCH_FLAG,
-        f"{schedule} needs at least {PP_FLAG}={num_ranks} micro-batches (got {num_microbatches})",
-    )
+def bidirectional_problems(schedule: str, num_ranks: int, num_microbatches: Optional[int], source: str) -> List[str]:
+    """Rules of the two-replica schedules, one message per broken rule (``source`` names where
+    the number of micro-batches comes from, e.g. ``--num-microbatches``)."""
+    if num_ranks < 2 or num_ranks % 2:
+        return [f"{PP_FLAG} must be even and >= 2 for {schedule} (got {num_ranks})"]
+    problems = []
+    if num_microbatches is not None:
+        if num_microbatches % 2:
+            problems.append(
+                f"{source} = {num_microbatches}: {schedule} splits the micro-batches between two pipelines "
+                "and needs an even number of micro-batches"
+            )
+        if num_microbatches < num_ranks:
+            problems.append(f"{source} = {num_microbatches}: {schedule} needs at least {PP_FLAG}={num_ranks} micro-batches")
+    return problems
+
+
+def smallest_bidirectional_microbatches(num_ranks: int) -> int:
+    """The smallest N a two-replica schedule accepts: even and at least ``D``."""
+    return num_ranks + num_ranks % 2
 
 
 def bidirectional_plan(name: str, placement: Placement, num_microbatches: int, forward_only: bool) -> SchedulePlan:
@@ -123,4 +126,4 @@ def bidirectional_plan(name: str, placement: Placement, num_microbatches: int, f
     actions = lockstep_order(placement, microbatch_pipeline, entry_round, forward_only)
     if not forward_only:
         actions = [with_eager_syncs(a) for a in actions]
-    return make_plan(name, placement, num_microbatches, microbatch_pipeline, actions, entry_round=tuple(entry_round))
+    return make_plan(name, placement, num_microbatches, microbatch_pipeline, actions)

@@ -33,11 +33,11 @@ Needs ``N >= 2D``, even; 2x weights; peak activations ``D + 1`` Ma on the middle
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, List, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
-from .errors import MICROBATCH_FLAG, PP_FLAG, require
+from .errors import PP_FLAG
 from .placement import bidirectional
 
 F, B, I, W = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
@@ -121,16 +121,26 @@ def overlapped_rank_order(order: PhaseOrder, half_rank: int, half_ranks: int, pe
     return order.actions
 
 
+placement = bidirectional
+
+
+def problems(num_ranks: int, num_microbatches: Optional[int], source: str) -> List[str]:
+    """Even ``D >= 2``; ``N`` even and at least ``2D``."""
+    if num_ranks < 2 or num_ranks % 2:
+        return [f"{PP_FLAG} must be even and >= 2 for dualpipe (got {num_ranks})"]
+    if num_microbatches is not None and (num_microbatches % 2 or num_microbatches < 2 * num_ranks):
+        return [f"{source} = {num_microbatches}: dualpipe needs an even number of micro-batches, "
+                f"at least 2 x {PP_FLAG} = {2 * num_ranks}"]
+    return []
+
+
+def smallest_num_microbatches(num_ranks: int) -> int:
+    return 2 * num_ranks
+
+
 def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
-    """DualPipe plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= 2D)."""
-    require(num_ranks >= 2 and num_ranks % 2 == 0, PP_FLAG, f"dualpipe needs an even pipeline size >= 2 (got {num_ranks})")
-    require(
-        num_microbatches % 2 == 0 and num_microbatches >= 2 * num_ranks,
-        MICROBATCH_FLAG,
-        f"dualpipe needs an even number of micro-batches, at least 2 x {PP_FLAG} = {2 * num_ranks} "
-        f"(got {num_microbatches})",
-    )
-    placement = bidirectional(num_ranks)
+    """DualPipe plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= 2D); the
+    arguments must satisfy :func:`problems`."""
     per_direction = num_microbatches // 2
     microbatches = {0: list(range(per_direction)), 1: list(range(per_direction, num_microbatches))}
     microbatch_pipeline = [0] * per_direction + [1] * per_direction
@@ -143,5 +153,4 @@ def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) 
         order = PhaseOrder((1, 0) if lower_half else (0, 1), microbatches)
         half_rank = min(rank, num_ranks - 1 - rank)
         actions.append(with_eager_syncs(overlapped_rank_order(order, half_rank, num_ranks // 2, per_direction)))
-    return make_plan("dualpipe", placement, num_microbatches, microbatch_pipeline, actions,
-                     split_backward=not forward_only)
+    return make_plan("dualpipe", bidirectional(num_ranks), num_microbatches, microbatch_pipeline, actions)

@@ -15,22 +15,31 @@ activations ``D + 1/2`` Ma (``2D + 1`` chunk activations of ``L/2D`` layers).
 
 from __future__ import annotations
 
+from typing import List, Optional
+
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
 from .dualpipe import PhaseOrder, overlapped_rank_order
-from .errors import MICROBATCH_FLAG, PP_FLAG, require
+from .errors import PP_FLAG
 from .placement import v_shape
+
+placement = v_shape
+
+
+def problems(num_ranks: int, num_microbatches: Optional[int], source: str) -> List[str]:
+    """``N >= 2D``."""
+    if num_microbatches is not None and num_microbatches < 2 * num_ranks:
+        return [f"{source} = {num_microbatches}: dualpipev needs at least 2 x {PP_FLAG} = {2 * num_ranks} micro-batches"]
+    return []
+
+
+def smallest_num_microbatches(num_ranks: int) -> int:
+    return 2 * num_ranks
 
 
 def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
-    """DualPipeV plan for ``num_ranks`` ranks and ``num_microbatches`` (>= 2D) micro-batches."""
-    require(num_ranks >= 1, PP_FLAG, f"must be >= 1 (got {num_ranks})")
-    require(
-        num_microbatches >= 2 * num_ranks,
-        MICROBATCH_FLAG,
-        f"dualpipev needs at least 2 x {PP_FLAG} = {2 * num_ranks} micro-batches (got {num_microbatches})",
-    )
-    placement = v_shape(num_ranks)
+    """DualPipeV plan for ``num_ranks`` ranks and ``num_microbatches`` (>= 2D) micro-batches;
+    the arguments must satisfy :func:`problems`."""
     microbatches = {0: list(range(num_microbatches)), 1: list(range(num_microbatches))}
     actions = []
     for rank in range(num_ranks):
@@ -39,5 +48,4 @@ def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) 
             continue
         order = PhaseOrder((0, 1), microbatches)
         actions.append(with_eager_syncs(overlapped_rank_order(order, rank, num_ranks, num_microbatches)))
-    return make_plan("dualpipev", placement, num_microbatches, [0] * num_microbatches, actions,
-                     split_backward=not forward_only)
+    return make_plan("dualpipev", v_shape(num_ranks), num_microbatches, [0] * num_microbatches, actions)

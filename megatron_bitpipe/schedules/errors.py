@@ -15,12 +15,6 @@ class ScheduleConfigError(ValueError):
     """
 
 
-def require(condition: bool, flag: str, rule: str) -> None:
-    """Raise :class:`ScheduleConfigError` ``"<flag>: <rule>"`` unless ``condition`` holds."""
-    if not condition:
-        raise ScheduleConfigError(f"{flag}: {rule}")
-
-
 PP_FLAG = "--pipeline-model-parallel-size"
 MICROBATCH_FLAG = "--num-microbatches"
 VP_FLAG = "--virtual-pipeline-model-parallel-size"

@@ -10,11 +10,11 @@ multiple of ``D``: ``(D - 1) / (v N + D - 1)``.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from .actions import SchedulePlan, make_plan
 from .compose import one_f_one_b, with_eager_syncs
-from .errors import MICROBATCH_FLAG, PP_FLAG, VP_FLAG, require
+from .errors import PP_FLAG
 from .placement import looped
 
 
@@ -28,18 +28,26 @@ def schedule_table(num_microbatches: int, chunks: int, group_size: int) -> List[
     ]
 
 
+#: stage ``s`` on rank ``s % D``, chunk ``s // D`` (``placement(D, virtual_size)``)
+placement = looped
+
+
+def problems(num_ranks: int, num_microbatches: Optional[int], source: str) -> List[str]:
+    """``N`` a positive multiple of ``D`` (whole groups, as megatron-core requires)."""
+    if num_microbatches is not None and (num_microbatches < num_ranks or num_microbatches % num_ranks):
+        return [f"{source} = {num_microbatches}: interleaved needs a positive multiple of {PP_FLAG} {num_ranks}"]
+    return []
+
+
+def smallest_num_microbatches(num_ranks: int) -> int:
+    return num_ranks
+
+
 def generate(
     num_ranks: int, num_microbatches: int, virtual_size: int = 2, forward_only: bool = False
 ) -> SchedulePlan:
-    """Interleaved plan with ``virtual_size`` chunks per rank."""
-    require(num_ranks >= 1, PP_FLAG, f"must be >= 1 (got {num_ranks})")
-    require(virtual_size >= 1, VP_FLAG, f"must be >= 1 (got {virtual_size})")
-    require(
-        num_microbatches >= num_ranks and num_microbatches % num_ranks == 0,
-        MICROBATCH_FLAG,
-        f"interleaved needs a positive multiple of {PP_FLAG}={num_ranks} (got {num_microbatches})",
-    )
-    placement = looped(num_ranks, virtual_size)
+    """Interleaved plan with ``virtual_size`` chunks per rank; the arguments must satisfy
+    :func:`problems` (``virtual_size >= 1``)."""
     forwards = schedule_table(num_microbatches, virtual_size, num_ranks)
     backwards = [(virtual_size - 1 - c, m) for c, m in forwards]
     actions = []
@@ -49,5 +57,4 @@ def generate(
             continue
         warmup = 2 * (num_ranks - rank - 1) + (virtual_size - 1) * num_ranks
         actions.append(with_eager_syncs(one_f_one_b(forwards, backwards, warmup)))
-    return make_plan("interleaved", placement, num_microbatches, [0] * num_microbatches, actions,
-                     virtual_size=virtual_size)
+    return make_plan("interleaved", looped(num_ranks, virtual_size), num_microbatches, [0] * num_microbatches, actions)

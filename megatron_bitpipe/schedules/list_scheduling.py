@@ -229,6 +229,7 @@ def latency_aware_split(
     times (module docstring). All hold at most ``activation_limit`` Ma per rank; a tie
     keeps the earlier plan, the lock-step one first.
     """
+    plan = plan.compute_only()
     placed = split_backward(plan, costs, activation_limit)
     timeline = simulate(placed, costs)
     placement = plan.placement
@@ -256,7 +257,7 @@ def latency_aware_split(
         except PlanError:
             continue
         scheduled = make_plan(placed.name, placement, plan.num_microbatches, plan.microbatch_pipeline,
-                              [with_eager_syncs(o) for o in orders], **placed.meta)
+                              [with_eager_syncs(o) for o in orders])
         result = simulate(scheduled, costs)
         if result.makespan < best_makespan - _EPS and max(result.peak_activations) <= activation_limit + _EPS:
             best, best_makespan = scheduled, result.makespan

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True, order=True)
@@ -37,6 +37,23 @@ class ChunkRole:
 
     pipeline: int
     stage: int
+
+
+@dataclass(frozen=True)
+class ChunkLinks:
+    """Where the stage held by a (rank, chunk) slot sits in its pipeline.
+
+    Attributes:
+        pipeline: the pipeline the slot belongs to.
+        previous: slot of the previous stage (None for the first stage): a forward's input
+            comes from there and a backward's input gradient goes there.
+        next: slot of the next stage (None for the last stage): a forward's output goes
+            there and a backward's output gradient comes from there.
+    """
+
+    pipeline: int
+    previous: Optional[StageLocation]
+    next: Optional[StageLocation]
 
 
 @dataclass(frozen=True)
@@ -100,6 +117,23 @@ class Placement:
         except KeyError:
             raise ValueError(f"rank {rank} has no chunk {chunk} (chunks per rank: {self.chunks_per_rank})") from None
 
+    @cached_property
+    def _links(self) -> Dict[Tuple[int, int], ChunkLinks]:
+        links = {}
+        for p, pipe in enumerate(self.stages):
+            for s, loc in enumerate(pipe):
+                before = pipe[s - 1] if s > 0 else None
+                after = pipe[s + 1] if s + 1 < len(pipe) else None
+                links[(loc.rank, loc.chunk)] = ChunkLinks(p, before, after)
+        return links
+
+    def links(self, rank: int, chunk: int) -> ChunkLinks:
+        """The pipeline and neighbouring stages' slots of ``chunk`` on ``rank``."""
+        try:
+            return self._links[(rank, chunk)]
+        except KeyError:
+            raise ValueError(f"rank {rank} has no chunk {chunk} (chunks per rank: {self.chunks_per_rank})") from None
+
     def location(self, pipeline: int, stage: int) -> StageLocation:
         return self.stages[pipeline][stage]
 
@@ -111,11 +145,42 @@ class Placement:
         """All slots holding the same layers as (rank, chunk), itself included."""
         return self.replicas(self.role(rank, chunk).stage)
 
-    def is_first_stage(self, rank: int, chunk: int) -> bool:
-        return self.role(rank, chunk).stage == 0
+    def layer_problem(self, num_layers: int) -> Optional[str]:
+        """Why ``num_layers`` cannot be cut into this placement's equal stages, or None.
 
-    def is_last_stage(self, rank: int, chunk: int) -> bool:
-        return self.role(rank, chunk).stage == self.num_stages - 1
+        The message names the flags the stage count comes from (``--num-layers`` must be a
+        positive multiple of the stages of one pipeline).
+        """
+        stages = self.num_stages
+        if num_layers > 0 and num_layers % stages == 0:
+            return None
+        per_rank = stages // self.num_ranks
+        if per_rank == 1:
+            sizes = "--pipeline-model-parallel-size"
+        elif self.name == "looped":
+            sizes = "--pipeline-model-parallel-size x --virtual-pipeline-model-parallel-size"
+        else:
+            sizes = f"{per_rank} x --pipeline-model-parallel-size"
+        return (
+            f"--num-layers {num_layers} must be divisible by {sizes} = {stages} "
+            f"(the {self.name} placement runs {stages} stages of equal size)"
+        )
+
+    @property
+    def head_copies_embedding(self) -> bool:
+        """Whether tied embeddings use megatron's own tying: a copy of the word embeddings as
+        the head's ``output_layer.weight``, kept equal by all-reducing the two copies'
+        gradients over megatron's embedding group.
+
+        True for a single pipeline whose first and last stage sit on different ranks (the
+        looped placement with more than one rank). Placements whose pipelines start and end
+        on the same rank tie one Parameter instead (:mod:`megatron_bitpipe.runtime.model`);
+        several pipelines with ends on different ranks (Chimera) are not supported with tied
+        embeddings.
+        """
+        if self.num_pipelines != 1:
+            return False
+        return self.location(0, 0).rank != self.location(0, self.num_stages - 1).rank
 
 
 def _placement(name: str, num_ranks: int, pipelines: Sequence[Sequence[Tuple[int, int]]]) -> Placement:

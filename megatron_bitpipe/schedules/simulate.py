@@ -8,8 +8,13 @@ Execution model (the same one the runtime implements):
   is free and the output gradient has arrived (the loss stage needs only its own
   forward, which the plan orders before it); a weight-gradient action ``W`` when the
   rank is free (its ``I`` ran earlier on the same rank);
-* a message is sent as soon as its producer finishes and arrives ``message_time``
-  later; sends never block the sender; a local V-turn hand-over costs nothing;
+* communication is what the plan's ``SEND`` and ``RECV`` actions say (a compute-only
+  plan is lowered first, :func:`~.lower.lower`): a ``SEND`` costs the rank nothing and
+  never blocks it (it needs only its producer, earlier on the same rank); its message
+  arrives ``message_time`` after the ``SEND`` is issued — directly after the producer
+  ends, in a plan lowered by :func:`~.lower.lower`. A ``RECV`` only posts the receive
+  and costs nothing; the consuming action waits for the message. A local V-turn
+  hand-over costs nothing;
 * ``SYNC(chunk)`` costs the rank no compute time: it *issues* an asynchronous
   all-reduce of that chunk's gradients among the chunk's replicas (mirror slots) and
   the data-parallel ranks. The all-reduce starts when every replica has issued it and
@@ -28,12 +33,14 @@ forward saved), and exactly what the emulated layers of the benchmark hold.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from .actions import Action, ActionType, SchedulePlan
 from .comm import received_by
 from .errors import PlanError
+from .lower import lower
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class CostModel:
 
     @property
     def message_time(self) -> float:
-        """Time from the end of a producer to the arrival of its message."""
+        """Time from a ``SEND`` (issued when its producer ends) to the arrival of its message."""
         bandwidth_term = self.p2p_bytes / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
         return self.t_p2p + bandwidth_term
 
@@ -117,12 +124,26 @@ class CostModel:
         return per_share.get(action.type, 0.0) * stage_weight
 
 
+def read_cost_file(path: str) -> Dict[str, float]:
+    """The :class:`CostModel` fields found in JSON cost file ``path`` (other keys,
+    e.g. a calibration's sizes, are ignored). Raises OSError / JSONDecodeError."""
+    with open(path, encoding="utf-8") as handle:
+        loaded = json.load(handle)
+    known = {f.name for f in fields(CostModel)}
+    return {
+        k: (int(v) if k == "data_parallel_size" else float(v)) for k, v in loaded.items() if k in known and v is not None
+    }
+
+
 ENDS_BACKWARD = frozenset(kind for kind in ActionType if kind.ends_backward)
 
 
 def same_rank_prerequisite(action: Action) -> Optional[Action]:
     """The action of the same rank that must have run before ``action``: the forward of a
-    ``B`` or ``I``, the ``I`` of a ``W``; None for ``F`` and ``SYNC``."""
+    ``B`` or ``I``, the ``I`` of a ``W``, the producer of a ``SEND`` (``B`` standing for
+    ``I``); None for ``F``, ``SYNC`` and ``RECV``."""
+    if action.type.is_send:
+        return action.compute_key
     if action.type.computes_input_grad:
         return Action(ActionType.FORWARD, action.chunk, action.microbatch)
     if action.type is ActionType.BACKWARD_WEIGHT:
@@ -188,19 +209,26 @@ class SimulationResult:
 def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> SimulationResult:
     """Simulate one step of ``plan``; raise :class:`PlanError` on a deadlock.
 
-    The plan's structure is assumed valid (see :func:`~.validate.validate_plan`); a
-    dependency that can never be satisfied is reported as a deadlock naming each
-    blocked rank, its action and what it waits for.
+    A compute-only plan is lowered first (:func:`~.lower.lower`, default policy); the
+    result's ``plan`` is the plan simulated. The plan is assumed valid (see
+    :func:`~.validate.validate_plan`); a dependency that can never be satisfied is
+    reported as a deadlock naming each blocked rank, its action and what it waits for.
     """
     costs = costs or CostModel()
+    if not plan.has_communication:
+        plan = lower(plan)
     placement = plan.placement
     weight = placement.stage_weight
     message_time = costs.message_time
     num_ranks = plan.num_ranks
 
+    F, B, W = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT
     duration = {kind: costs.compute_time(Action(kind, 0, 0), weight) for kind in ActionType if kind is not ActionType.SYNC}
-    finish: Dict[Tuple[int, ActionType, int, int], float] = {}  # (rank, comm_key type, chunk, mb) -> end
-    sources: Dict[Tuple[int, int, bool], Optional[Tuple[int, int, float]]] = {}
+    # Keys are (rank, type, chunk, micro-batch) tuples: ``F``/``B`` (``B`` for ``I`` too) of
+    # finished compute actions, ``SEND_F``/``SEND_B`` of issued sends.
+    finish: Dict[Tuple[int, ActionType, int, int], float] = {}  # -> end of a compute action
+    arrival: Dict[Tuple[int, ActionType, int, int], float] = {}  # -> arrival of a send's message
+    sources: Dict[Tuple[int, int, bool], Optional[Tuple[int, ActionType, int, bool]]] = {}
     pipeline_of = [[placement.role(r, c).pipeline for c in range(placement.chunks_per_rank)] for r in range(num_ranks)]
     clock = [0.0] * num_ranks
     cursor = [0] * num_ranks
@@ -210,32 +238,36 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     events: List[Event] = []
     sync_issue: Dict[Tuple[int, int], float] = {}
 
-    def source(rank: int, chunk: int, forward: bool) -> Optional[Tuple[int, int, float]]:
-        """(rank, chunk, delay) of the stage a chunk's forward (or backward) receives from."""
+    def source(rank: int, chunk: int, forward: bool) -> Optional[Tuple[int, ActionType, int, bool]]:
+        """(rank, producer or send type, chunk, local) of what a chunk's forward (or backward)
+        receives: the producer on this rank for a V turn, else the other rank's send."""
         key = (rank, chunk, forward)
         if key not in sources:
-            transfer = received_by(placement, rank, Action(ActionType.FORWARD if forward else ActionType.BACKWARD, chunk, 0))
-            sources[key] = None if transfer is None else (
-                transfer.src.rank, transfer.src.chunk, 0.0 if transfer.is_local else message_time)
+            transfer = received_by(placement, rank, Action(F if forward else B, chunk, 0))
+            if transfer is None:
+                sources[key] = None
+            elif transfer.is_local:
+                sources[key] = (rank, transfer.producer.type, transfer.src.chunk, True)
+            else:
+                sources[key] = (transfer.src.rank, transfer.send.type, transfer.src.chunk, False)
         return sources[key]
 
     def input_ready(rank: int, action: Action) -> Optional[float]:
         """When the action's prerequisite on this rank is done and its input has arrived, or
         None if either has not run yet."""
         kind, chunk, microbatch = action.type, action.chunk, action.microbatch
-        if kind is ActionType.BACKWARD_WEIGHT:
-            return finish.get((rank, ActionType.BACKWARD, chunk, microbatch))
-        forward = kind is ActionType.FORWARD
-        own = 0.0 if forward else finish.get((rank, ActionType.FORWARD, chunk, microbatch))
+        if kind is W:
+            return finish.get((rank, B, chunk, microbatch))
+        forward = kind is F
+        own = 0.0 if forward else finish.get((rank, F, chunk, microbatch))
         if own is None:
             return None
         src = source(rank, chunk, forward)
         if src is None:
             return own
-        produced = finish.get((src[0], ActionType.FORWARD if forward else ActionType.BACKWARD, src[1], microbatch))
-        if produced is None:
-            return None
-        return max(own, produced + src[2])
+        src_rank, src_type, src_chunk, local = src
+        produced = (finish if local else arrival).get((src_rank, src_type, src_chunk, microbatch))
+        return None if produced is None else max(own, produced)
 
     progressed = True
     while progressed:
@@ -246,18 +278,23 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                 action = actions[cursor[rank]]
                 if action.type is ActionType.SYNC:
                     sync_issue[(rank, action.chunk)] = clock[rank]
-                else:
+                elif action.type.is_send:
+                    producer = action.compute_key
+                    if (rank, producer.type, producer.chunk, producer.microbatch) not in finish:
+                        break
+                    arrival[(rank, action.type, action.chunk, action.microbatch)] = clock[rank] + message_time
+                elif not action.type.is_receive:
                     ready = input_ready(rank, action)
                     if ready is None:
                         break
                     start = max(clock[rank], ready)
                     end = start + duration[action.type]
-                    kind = ActionType.BACKWARD if action.type is ActionType.BACKWARD_INPUT else action.type
+                    kind = B if action.type is ActionType.BACKWARD_INPUT else action.type
                     finish[(rank, kind, action.chunk, action.microbatch)] = end
                     clock[rank] = end
                     busy[rank] += end - start
                     events.append(Event(rank, action, start, end, pipeline_of[rank][action.chunk], ready))
-                    if action.type is ActionType.FORWARD:
+                    if action.type is F:
                         in_flight[rank] += weight
                         peak[rank] = max(peak[rank], in_flight[rank])
                     elif action.type in ENDS_BACKWARD:
@@ -310,8 +347,11 @@ def _deadlock_message(plan: SchedulePlan, blocked: List[int], cursor: List[int],
             lines.append(f"  rank {rank} at {action}: its {before} has not run")
             continue
         transfer = received_by(plan.placement, rank, action)
+        producer = transfer.producer
+        produced = (transfer.src.rank, producer.type, producer.chunk, producer.microbatch) in finish
+        state = f"run but {transfer.send} not yet issued" if produced and not transfer.is_local else "not yet run"
         lines.append(
             f"  rank {rank} at {action}: waits for the {transfer.payload.value} of micro-batch "
-            f"{action.microbatch} from rank {transfer.src.rank} ({transfer.producer}), not yet run"
+            f"{action.microbatch} from rank {transfer.src.rank} ({transfer.producer}), {state}"
         )
     return "\n".join(lines)

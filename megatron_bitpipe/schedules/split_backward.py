@@ -37,7 +37,11 @@ from .compose import with_eager_syncs
 from .errors import PlanError
 from .simulate import CostModel, SimulationResult, simulate
 
-__all__ = ["split_backward"]
+__all__ = ["SPLIT_BACKWARD_SUFFIX", "split_backward"]
+
+#: what a split plan's name adds to its schedule's (``bitpipe+split-backward``): the one spelling
+#: of the variant, as in ``--split-backward``
+SPLIT_BACKWARD_SUFFIX = "+split-backward"
 
 #: Placement rounds: each re-places every W against the previous round's simulated arrivals.
 ROUNDS = 4
@@ -52,7 +56,8 @@ def split_backward(
     """``plan`` with every ``B(c, m)`` run as ``I(c, m)`` followed later by ``W(c, m)``.
 
     Args:
-        plan: a training plan with whole backwards (``B``).
+        plan: a training plan with whole backwards (``B``); its communication actions, if
+            it was lowered, are dropped (lower the result again, :func:`~.lower.lower`).
         costs: the cost model the ``W``'s are placed for (default :class:`CostModel`,
             ``t_weight`` half of ``t_backward``).
         activation_limit: most in-flight activations (Ma) a rank may hold, counting a
@@ -61,9 +66,10 @@ def split_backward(
             first backward keeps that peak (its ``W``'s then run as early as possible).
 
     Returns:
-        A plan with the same name suffixed ``+split``, the same forwards and input
-        gradients in the same order per rank, and ``meta["split_backward"] = True``.
+        A compute-only plan named with :data:`SPLIT_BACKWARD_SUFFIX` (``bitpipe+split-backward``),
+        the same forwards and input gradients in the same order per rank.
     """
+    plan = plan.compute_only()
     if not any(a.type is ActionType.BACKWARD for _, a in plan):
         raise PlanError(f"plan '{plan.name}' has no whole backward (B) to split")
     costs = costs or CostModel()
@@ -132,7 +138,4 @@ def _arrivals(result: SimulationResult) -> Arrivals:
 
 
 def _with_actions(plan: SchedulePlan, actions: Sequence[Sequence[Action]]) -> SchedulePlan:
-    return make_plan(
-        f"{plan.name}+split", plan.placement, plan.num_microbatches, plan.microbatch_pipeline, actions,
-        **{**plan.meta, "split_backward": True},
-    )
+    return make_plan(f"{plan.name}{SPLIT_BACKWARD_SUFFIX}", plan.placement, plan.num_microbatches, plan.microbatch_pipeline, actions)

@@ -18,8 +18,9 @@ from collections import defaultdict
 from typing import Dict, List, Tuple
 
 from .actions import Action, ActionType, SchedulePlan
-from .comm import received_by, sent_by
+from .comm import Transfer, receive_action, received_by, send_action, sent_by, transfer_of
 from .errors import PlanError
+from .lower import lower
 from .simulate import CostModel, simulate
 
 
@@ -41,7 +42,7 @@ def check_structure(plan: SchedulePlan) -> None:
             raise PlanError(f"micro-batch {m} routed to pipeline {p}, placement has {placement.num_pipelines}")
     training = is_training_plan(plan)
     for rank, actions in enumerate(plan.actions):
-        position: Dict[Action, int] = {}
+        position: Dict[Action, int] = {}  # every action of the rank, communication included
         for index, action in enumerate(actions):
             where = f"rank {rank}, action {action} (position {index})"
             if not 0 <= action.chunk < placement.chunks_per_rank:
@@ -100,37 +101,72 @@ def _check_backward(rank: int, forward: Action, position: Dict[Action, int]) -> 
     return position[previous]
 
 
-def check_channels(plan: SchedulePlan) -> None:
-    sent: Dict[Tuple, List[int]] = defaultdict(list)
-    received: Dict[Tuple, List[int]] = defaultdict(list)
-    for rank, action in plan:
-        out = sent_by(plan.placement, rank, action)
-        if out is not None and not out.is_local:
-            sent[out.channel].append(out.microbatch)
-        inp = received_by(plan.placement, rank, action)
-        if inp is not None and not inp.is_local:
-            received[inp.channel].append(inp.microbatch)
+def check_communication(plan: SchedulePlan) -> None:
+    """Check the ``SEND`` and ``RECV`` actions of a lowered plan (see the module doc)."""
+    placement = plan.placement
+    sent: Dict[Tuple, List[Transfer]] = defaultdict(list)
+    received: Dict[Tuple, List[Transfer]] = defaultdict(list)
+    for rank, actions in enumerate(plan.actions):
+        computed = {a.comm_key: i for i, a in enumerate(actions) if not a.type.is_communication}
+        posted = {a: i for i, a in enumerate(actions) if a.type.is_communication}
+        for action, index in posted.items():
+            where = f"rank {rank}, action {action} (position {index})"
+            try:
+                transfer = transfer_of(placement, rank, action)
+            except ValueError as exc:
+                raise PlanError(str(exc)) from None
+            partner = action.compute_key
+            if partner not in computed:
+                raise PlanError(f"{where}: the rank runs no {partner}")
+            if action.type.is_send and index < computed[partner]:
+                raise PlanError(f"{where}: sends before {partner} at position {computed[partner]} produced the tensor")
+            if action.type.is_receive and index > computed[partner]:
+                raise PlanError(f"{where}: posted after its consumer {partner} at position {computed[partner]}")
+            (sent if action.type.is_send else received)[transfer.channel].append(transfer)
+        for action in actions:
+            receive = receive_action(placement, rank, action)
+            if receive is not None and receive not in posted:
+                inp = received_by(placement, rank, action)
+                raise PlanError(
+                    f"rank {rank}: {action} needs the {inp.payload.value} of micro-batch {inp.microbatch} "
+                    f"from rank {inp.src.rank}, but no {receive} is posted before it"
+                )
+            send = send_action(placement, rank, action)
+            if send is not None and send not in posted:
+                out = sent_by(placement, rank, action)
+                raise PlanError(f"rank {rank}: {action} produces a message for rank {out.dst.rank} that no {send} sends")
     for channel in sorted(set(sent) | set(received), key=lambda c: (c[0].value, *c[1:])):
-        payload, pipeline, src, dst = channel
-        if sent[channel] != received[channel]:
-            order_sent, order_recv = sent[channel], received[channel]
-            first = next(
-                (i for i, (a, b) in enumerate(zip(order_sent, order_recv)) if a != b),
-                min(len(order_sent), len(order_recv)),
-            )
-            raise PlanError(
-                f"{payload.value} channel of pipeline {pipeline} from rank {src} to rank {dst}: "
-                f"message {first} is micro-batch {_at(order_sent, first)} at the sender but rank {dst} "
-                f"expects micro-batch {_at(order_recv, first)} (sent order {order_sent}, received order {order_recv})"
-            )
+        _check_fifo(channel, sent[channel], received[channel])
 
 
-def _at(items: List[int], index: int):
-    return items[index] if index < len(items) else "none"
+def _check_fifo(channel: Tuple, sent: List[Transfer], received: List[Transfer]) -> None:
+    """Messages of one channel are matched in posting order: the receiver must post for the
+    same (micro-batch, source chunk, destination chunk) as the sender sends, one by one."""
+    if sent == received:
+        return
+    payload, pipeline, src, dst = channel
+    first = next((i for i, (a, b) in enumerate(zip(sent, received)) if a != b), min(len(sent), len(received)))
+    raise PlanError(
+        f"{payload.value} channel of pipeline {pipeline} from rank {src} to rank {dst}: "
+        f"message {first} is {_message(sent, first, 'send')} at the sender but rank {dst} expects "
+        f"{_message(received, first, 'receive')} (sent order {[t.microbatch for t in sent]}, "
+        f"received order {[t.microbatch for t in received]})"
+    )
+
+
+def _message(transfers: List[Transfer], index: int, side: str) -> str:
+    if index >= len(transfers):
+        return "none"
+    transfer = transfers[index]
+    return f"micro-batch {transfer.microbatch} ({getattr(transfer, side)})"
 
 
 def validate_plan(plan: SchedulePlan) -> None:
-    """Raise :class:`PlanError` unless ``plan`` is well-formed and runs to completion."""
+    """Raise :class:`PlanError` unless ``plan`` is well-formed and runs to completion.
+
+    A compute-only plan is checked as :func:`~.lower.lower` lowers it.
+    """
     check_structure(plan)
-    check_channels(plan)
-    simulate(plan, CostModel())
+    lowered = plan if plan.has_communication else lower(plan)
+    check_communication(lowered)
+    simulate(lowered, CostModel())

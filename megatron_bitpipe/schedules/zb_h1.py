@@ -21,12 +21,12 @@ the peak activations stay at 1F1B's ``D`` Ma (a micro-batch counts until its ``W
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List
+from typing import Deque, List, Optional
 
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
-from .errors import MICROBATCH_FLAG, PP_FLAG, require
-from .placement import looped
+from .errors import PP_FLAG
+from .placement import Placement, looped
 
 F, I, W = ActionType.FORWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
 
@@ -55,17 +55,27 @@ def rank_order(rank: int, num_ranks: int, num_microbatches: int) -> List[Action]
     return actions
 
 
+def placement(num_ranks: int) -> Placement:
+    """Stage ``s`` on rank ``s``."""
+    return looped(num_ranks)
+
+
+def problems(num_ranks: int, num_microbatches: Optional[int], source: str) -> List[str]:
+    """``N >= D``."""
+    if num_microbatches is not None and num_microbatches < num_ranks:
+        return [f"{source} = {num_microbatches}: zb-h1 needs at least {PP_FLAG}={num_ranks} micro-batches"]
+    return []
+
+
+def smallest_num_microbatches(num_ranks: int) -> int:
+    return num_ranks
+
+
 def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
-    """ZB-H1 plan for ``num_ranks`` stages and ``num_microbatches`` (>= D) micro-batches."""
-    require(num_ranks >= 1, PP_FLAG, f"must be >= 1 (got {num_ranks})")
-    require(
-        num_microbatches >= num_ranks,
-        MICROBATCH_FLAG,
-        f"zb-h1 needs at least {PP_FLAG}={num_ranks} micro-batches (got {num_microbatches})",
-    )
-    placement = looped(num_ranks)
+    """ZB-H1 plan for ``num_ranks`` stages and ``num_microbatches`` (>= D) micro-batches; the
+    arguments must satisfy :func:`problems`."""
     if forward_only:
         actions = [[Action(F, 0, m) for m in range(num_microbatches)] for _ in range(num_ranks)]
     else:
         actions = [with_eager_syncs(rank_order(r, num_ranks, num_microbatches)) for r in range(num_ranks)]
-    return make_plan("zb-h1", placement, num_microbatches, [0] * num_microbatches, actions, split_backward=not forward_only)
+    return make_plan("zb-h1", looped(num_ranks), num_microbatches, [0] * num_microbatches, actions)

@@ -24,11 +24,12 @@ messages both reach the V's bound ``3N + (D-1) t_F/2`` (``t_B = 2 t_F``, ``t_W =
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import lockstep_order, with_eager_syncs
-from .errors import MICROBATCH_FLAG, PP_FLAG, require
+from .errors import PP_FLAG
 from .list_scheduling import latency_aware_split
 from .placement import v_shape
 from .simulate import CostModel, simulate
@@ -86,29 +87,35 @@ def lockstep_plan(num_ranks: int, num_microbatches: int, forward_only: bool = Fa
     return make_plan("zbv", placement, num_microbatches, routing, actions)
 
 
+placement = v_shape
+
+
+def problems(num_ranks: int, num_microbatches: Optional[int], source: str) -> List[str]:
+    """``N >= D``."""
+    if num_microbatches is not None and num_microbatches < num_ranks:
+        return [f"{source} = {num_microbatches}: zbv needs at least {PP_FLAG}={num_ranks} micro-batches"]
+    return []
+
+
+def smallest_num_microbatches(num_ranks: int) -> int:
+    return num_ranks
+
+
 def generate(
     num_ranks: int, num_microbatches: int, forward_only: bool = False, costs: Optional[CostModel] = None
 ) -> SchedulePlan:
-    """ZB-V plan for ``num_ranks`` ranks and ``num_microbatches`` (>= D), ordered for ``costs``."""
-    require(num_ranks >= 1, PP_FLAG, f"must be >= 1 (got {num_ranks})")
-    require(
-        num_microbatches >= num_ranks,
-        MICROBATCH_FLAG,
-        f"zbv needs at least {PP_FLAG}={num_ranks} micro-batches (got {num_microbatches})",
-    )
+    """ZB-V plan for ``num_ranks`` ranks and ``num_microbatches`` (>= D), ordered for ``costs``;
+    the arguments must satisfy :func:`problems`."""
     if forward_only:
         return lockstep_plan(num_ranks, num_microbatches, forward_only=True)
     costs = costs or CostModel()
-    placement = v_shape(num_ranks)
     paper = make_plan(
-        "zbv", placement, num_microbatches, [0] * num_microbatches,
+        "zbv", v_shape(num_ranks), num_microbatches, [0] * num_microbatches,
         [with_eager_syncs(paper_rank_order(r, num_ranks, num_microbatches)) for r in range(num_ranks)],
-        split_backward=True,
     )
     scheduled = latency_aware_split(lockstep_plan(num_ranks, num_microbatches), costs, num_ranks,
                                     (num_ranks // 2, num_ranks))
-    scheduled = make_plan("zbv", placement, num_microbatches, scheduled.microbatch_pipeline, scheduled.actions,
-                          split_backward=True)
+    scheduled = dataclasses.replace(scheduled, name="zbv")
     if simulate(scheduled, costs).makespan < simulate(paper, costs).makespan:
         return scheduled
     return paper

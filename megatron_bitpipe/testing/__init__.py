@@ -1,9 +1,5 @@
-"""Test and demo support; production code never imports this package.
+"""Test-only helpers; nothing outside ``tests/`` imports this package.
 
-* :mod:`.launcher` — run a function on N gloo ranks (CPU processes).
-* :mod:`.cpu_compat` — let megatron-core run on a CPU-only torch.
-* :mod:`.gpt` — tiny megatron-core GPT models, process groups, DDP and optimizer.
-* :mod:`.weights` — map chunk parameters to full-model names (layout-independent weights).
-* :mod:`.measure` — saved-activation and collective meters for benchmarks.
-* :mod:`.emulation` — transformer layers whose compute is emulated time (the emulated cluster).
+* :mod:`.weights` — map chunk parameters to full-model names (layout-independent weights);
+* :mod:`.fp32_cross_entropy` — fp32 gradients from megatron's native fused cross entropy.
 """

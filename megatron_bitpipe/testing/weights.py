@@ -94,12 +94,12 @@ def load_full(
     tensor-parallel parameters take their block. Raises KeyError if ``full`` lacks a value
     and ValueError on a shape mismatch; in-place copies keep DDP's buffer views valid.
     """
-    from ..runtime.model import unwrap
+    from megatron.core.utils import unwrap_model
 
     chunk = chunk or chunk_layers_of(model)
     tp_rank, tp_size = (tp_group.rank(), tp_group.size()) if tp_group is not None else (0, 1)
     with torch.no_grad():
-        for name, param in unwrap(model).named_parameters():
+        for name, param in unwrap_model(model).named_parameters():
             value = tp_block(full[to_global_name(name, chunk)], param, tp_rank, tp_size)
             if value.shape != param.shape:
                 raise ValueError(
@@ -123,11 +123,11 @@ def collect_full(
     blocks are reassembled by their ``optimus_layout``, which also checks that copies of
     column-replicated parameters are bit-identical.
     """
-    from ..runtime.model import unwrap
+    from megatron.core.utils import unwrap_model
 
     chunk = chunk or chunk_layers_of(model)
     out = {}
-    for name, param in unwrap(model).named_parameters():
+    for name, param in unwrap_model(model).named_parameters():
         value = tensor_of(param)
         if value is None:
             continue

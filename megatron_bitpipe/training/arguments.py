@@ -27,11 +27,13 @@ import argparse
 import importlib.util
 import math
 import os
+import signal
 from typing import List, Optional, Sequence
 
-from ..megatron_args import BitPipeConfigError, add_bitpipe_args, validate_bitpipe_args
+from ..megatron_args import MICROBATCHES_SOURCE, PLAN_SCHEDULES, BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
+from ..schedules import ScheduleChoice
 
-__all__ = ["BitPipeConfigError", "build_parser", "parse_args", "validate", "padded_vocab_size"]
+__all__ = ["BitPipeConfigError", "EXIT_SIGNALS", "build_parser", "parse_args", "validate", "padded_vocab_size"]
 
 #: --tokenizer-type -> the file flags it needs
 TOKENIZER_FILES = {
@@ -44,7 +46,14 @@ TOKENIZER_FILES = {
     "Llama2Tokenizer": ("tokenizer_model",),
     "TikTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
+    "ByteLevelTokenizer": (),  # megatron-core's byte-level tokenizer: no files
 }
+#: the fewest tokens of ByteLevelTokenizer's vocabulary (one per byte)
+BYTE_VOCAB = 256
+
+
+#: names ``--exit-signal`` accepts (Megatron-LM's spelling: ``SIGTERM``, ``SIGUSR1``, ...)
+EXIT_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
 def _flag(dest: str) -> str:
@@ -104,6 +113,14 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--exit-interval", type=int, default=None, help="save and exit 0 after every iteration divisible by this")
+    group.add_argument(
+        "--exit-duration-in-mins", type=float, default=None, help="save and exit 0 after the first iteration ending this many minutes after start"
+    )
+    group.add_argument(
+        "--exit-signal-handler", action="store_true", help="on --exit-signal: finish the iteration, save and exit 0"
+    )
+    group.add_argument("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM", metavar="SIGNAL", help="e.g. SIGTERM (default), SIGUSR1")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +131,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None, help="default nccl with a GPU, gloo without")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    group.add_argument("--overlap-p2p-comm", action="store_true", help="post pipeline receives one action early (bitpipe, interleaved)")
+    group.add_argument(
+        "--overlap-p2p-comm",
+        action="store_true",
+        help="megatron's interleaved schedule: overlap its p2p with compute (bitpipe's plans post each receive where the plan says, right after the previous action, with or without the flag)",
+    )
     group.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the data-parallel gradient reduction (always on with bitpipe)")
     add_bitpipe_args(parser)
 
@@ -146,7 +167,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vocab-file", default=None)
     group.add_argument("--merge-file", default=None)
     group.add_argument("--tokenizer-model", default=None)
-    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer and mock data")
+    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer and mock data; of ByteLevelTokenizer (at least 256, default 512)")
     group.add_argument("--eod-mask-loss", action="store_true")
 
 
@@ -237,28 +258,31 @@ def _model_problems(args) -> List[str]:
 
 
 def _pipeline_problems(args) -> List[str]:
+    """megatron-core's own schedules on this package's chunks: the layers fill equal stages and
+    the interleaved schedule's rules (the plan-executed schedules' are in
+    :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`)."""
     problems = []
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
-    if args.schedule in ("1f1b", "interleaved", "no_pipelining"):
-        stages = pp * (vp or 1)
-        if args.num_layers % stages:
-            sizes = "--pipeline-model-parallel-size" + (" x --virtual-pipeline-model-parallel-size" if vp else "")
-            problems.append(f"--num-layers {args.num_layers} must be divisible by {sizes} = {stages}")
-    if args.schedule == "interleaved":
-        if pp < 2:
-            problems.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2")
-        if args.num_microbatches % pp:
-            problems.append(
-                f"the interleaved schedule needs the micro-batches per data-parallel rank (--global-batch-size / "
-                f"(--micro-batch-size x data-parallel size) = {args.num_microbatches}) to be a multiple of "
-                f"--pipeline-model-parallel-size {pp}"
-            )
+    if args.pipeline_schedule not in PLAN_SCHEDULES and not _flag_combination_problem(args):
+        choice = ScheduleChoice("interleaved" if args.schedule == "interleaved" else "1f1b", virtual_size=vp)
+        problems += choice.problems(pp, args.num_microbatches, args.num_layers, microbatches=MICROBATCHES_SOURCE)
+    if args.schedule == "interleaved" and pp < 2:
+        problems.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2")
     if args.tensor_parallel_mode == "optimus2d" and args.schedule == "interleaved":
         problems.append(
             "--tensor-parallel-mode optimus2d runs with --pipeline-schedule bitpipe, 1f1b or default, not "
             "with --virtual-pipeline-model-parallel-size"
         )
     return problems
+
+
+def _flag_combination_problem(args) -> bool:
+    """Whether --pipeline-schedule and the virtual size contradict each other (reported by
+    :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`)."""
+    vp = args.virtual_pipeline_model_parallel_size
+    return (args.pipeline_schedule == "interleaved" and vp in (None, 1)) or (
+        args.pipeline_schedule == "1f1b" and vp not in (None, 1)
+    )
 
 
 def _precision_problems(args, cuda_available: bool) -> List[str]:
@@ -291,6 +315,9 @@ def _schedule_problems(args) -> List[str]:
         problems.append("--eval-iters must be >= 0")
     if args.eval_iters > 0 and args.eval_interval <= 0:
         problems.append("--eval-interval must be positive (or set --eval-iters 0)")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            problems.append(f"{_flag(name)} must be positive")
     if args.ckpt_step is not None and args.load is None:
         problems.append("--ckpt-step needs --load DIR")
     if args.save_interval is not None:
@@ -317,6 +344,8 @@ def _data_problems(args) -> List[str]:
             problems.append(f"--tokenizer-type {tokenizer} needs {' and '.join(missing)}")
     if args.vocab_size is not None and args.vocab_size <= 0:
         problems.append("--vocab-size must be positive")
+    elif tokenizer == "ByteLevelTokenizer" and args.vocab_size is not None and args.vocab_size < BYTE_VOCAB:
+        problems.append(f"--vocab-size {args.vocab_size}: ByteLevelTokenizer needs at least {BYTE_VOCAB} (one token per byte)")
     return problems
 
 
@@ -324,10 +353,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
     """Raise :class:`BitPipeConfigError` listing every broken rule; no communication."""
     problems = _model_problems(args)
     if not problems:  # later rules divide by these sizes
-        try:
-            validate_bitpipe_args(args)
-        except BitPipeConfigError as error:
-            problems += [line.strip() for line in str(error).splitlines()[1:]]
+        problems += bitpipe_arg_problems(args)
         problems += _pipeline_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)

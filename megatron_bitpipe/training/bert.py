@@ -6,7 +6,7 @@
   BERT: tied embeddings unless ``--untie-embeddings-and-output-weights``, the binary
   (next-sentence) head and two token types unless ``--bert-no-binary-head``. Initial weights
   come from ``--seed`` alone, so every layout starts from the single-process model.
-* **Data.** :class:`~megatron_bitpipe.bert_pretraining.MockBERTDataset` by default (masking
+* **Data.** :class:`MockBERTDataset` by default (masking
   ``--mask-prob`` of the words); with ``--data-path``, megatron-core's
   ``BERTMaskedWordPieceDataset`` over Megatron indexed datasets of sentences (one document
   per paragraph, one sequence per sentence, as Megatron-LM's ``preprocess_data.py
@@ -15,28 +15,207 @@
   (``--tokenizer-type BertWordPieceLowerCase`` or ``BertWordPieceCase``). Every pipeline
   rank reads the micro-batches itself: every chunk needs the padding mask, first chunks the
   tokens and token types, loss chunks (BitPipe: both edge ranks) the labels.
-* **Loss.** Megatron-LM's (:func:`~megatron_bitpipe.bert_pretraining.bert_loss`): per
+* **Loss.** Megatron-LM's (:func:`bert_loss`): per
   micro-batch the masked-LM cross entropy averaged over its masked tokens plus the
   next-sentence cross entropy averaged over its sequences; reported as ``lm loss`` and
   ``sop loss`` (``lm loss`` only without the binary head), each averaged over the global
   batch's masked tokens / sequences.
+
+The pieces work with megatron's own schedules and any training loop too: :class:`MockBERTDataset`
+and :func:`collate_bert` give micro-batches in the format of megatron-core's BERT dataset
+(:class:`megatron.core.datasets.bert_dataset.BERTMaskedWordPieceDataset`: ``text`` token ids,
+``types`` segment 0 / 1, ``labels`` original token where masked and -1 elsewhere,
+``loss_mask`` 1 where masked, ``padding_mask`` 1 for tokens, all ``[b, s]`` int64, and
+``is_random`` ``[b]``, 1 if the second segment is a random one); :func:`bert_forward_step` is a
+megatron ``forward_step_func`` whose loss (:func:`bert_loss`) is returned in megatron-core's
+three-value form (loss times masked-token count, the count, sum/count reports): megatron's
+``forward_step`` divides by the count and by the number of micro-batches (the BitPipe runtime
+by the number per replica, :func:`megatron_bitpipe.runtime.replicas.microbatches_per_replica`),
+so the gradient is that of the mean micro-batch loss over the global batch, whatever the
+layout. Per-token loss (``calculate_per_token_loss``) is not supported: the next-sentence loss
+is per sequence.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import List
+import functools
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+import numpy
 import torch
+import torch.nn.functional as F
+from megatron.core.utils import get_model_config, unwrap_model
 
-from ..bert_pretraining import MockBERTDataset, bert_forward_step
 from ..runtime.bert import build_bert_chunks
 from ..schedules.placement import Placement
 from .data import indexed_datasets
 from .model import build_model
 from .task import PretrainTask
 
-__all__ = ["BertTask", "WORDPIECE_TOKENIZERS", "MOCK_VALID_OFFSET"]
+__all__ = [
+    "BERT_KEYS",
+    "BertTask",
+    "MOCK_VALID_OFFSET",
+    "MockBERTDataset",
+    "WORDPIECE_TOKENIZERS",
+    "bert_forward_step",
+    "bert_loss",
+    "bert_microbatches",
+    "collate_bert",
+]
+
+BERT_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mask")
+
+# Token ids of the mock vocabulary; ordinary tokens are [_FIRST_WORD, vocab_size).
+_PAD, _CLS, _SEP, _MASK, _FIRST_WORD = 0, 1, 2, 3, 4
+#: shortest mock sample: [CLS] word [SEP] word [SEP]
+_MOCK_MIN_LENGTH = 5
+
+
+class MockBERTDataset(torch.utils.data.Dataset):
+    """Deterministic synthetic BERT samples: sample ``i`` depends only on ``(seed, i)`` (a NumPy
+    generator seeded with both).
+
+    Each sample is ``[CLS] A [SEP] B [SEP]`` followed by padding, with a length drawn from
+    ``[min_length, seq_length]`` (``min_length`` defaults to half the sequence, at least 5),
+    A and B non-empty random words; ``max(1, round(mask_prob x words))`` word positions are
+    replaced by ``[MASK]`` and become the MLM targets; ``is_random`` is a fair coin.
+    Token ids: 0 padding, 1 CLS, 2 SEP, 3 MASK, words 4..vocab_size-1.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        seq_length: int,
+        vocab_size: int,
+        seed: int,
+        mask_prob: float = 0.15,
+        min_length: Optional[int] = None,
+    ):
+        min_length = max(_MOCK_MIN_LENGTH, seq_length // 2) if min_length is None else min_length
+        if vocab_size <= _FIRST_WORD:
+            raise ValueError(f"--vocab-size {vocab_size}: the mock BERT data needs more than {_FIRST_WORD} tokens")
+        if not _MOCK_MIN_LENGTH <= min_length <= seq_length:
+            raise ValueError(f"--seq-length {seq_length}: mock BERT samples need at least {_MOCK_MIN_LENGTH} positions")
+        if not 0.0 < mask_prob < 1.0:
+            raise ValueError(f"--mask-prob {mask_prob} must be in (0, 1)")
+        self.num_samples = num_samples
+        self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.mask_prob = mask_prob
+        self.min_length = min_length
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        rng = numpy.random.default_rng([self.seed, index])
+        length = int(rng.integers(self.min_length, self.seq_length, endpoint=True))
+        words_a = int(rng.integers(1, length - 4, endpoint=True))
+        words_b = length - 3 - words_a
+        text = numpy.full(self.seq_length, _PAD, dtype=numpy.int64)
+        text[:length] = rng.integers(_FIRST_WORD, self.vocab_size, length)
+        text[[0, 1 + words_a, length - 1]] = (_CLS, _SEP, _SEP)
+        types = numpy.zeros(self.seq_length, dtype=numpy.int64)
+        types[2 + words_a : length] = 1
+        words = numpy.array([p for p in range(1, length - 1) if p != 1 + words_a])
+        count = max(1, round(self.mask_prob * (words_a + words_b)))
+        masked = rng.permutation(words)[:count]
+        labels = numpy.full(self.seq_length, -1, dtype=numpy.int64)
+        labels[masked] = text[masked]
+        text[masked] = _MASK
+        loss_mask = numpy.zeros(self.seq_length, dtype=numpy.int64)
+        loss_mask[masked] = 1
+        padding_mask = numpy.zeros(self.seq_length, dtype=numpy.int64)
+        padding_mask[:length] = 1
+        is_random = int(rng.integers(0, 1, endpoint=True))
+        return {
+            "text": torch.from_numpy(text),
+            "types": torch.from_numpy(types),
+            "labels": torch.from_numpy(labels),
+            "is_random": torch.tensor(is_random),
+            "loss_mask": torch.from_numpy(loss_mask),
+            "padding_mask": torch.from_numpy(padding_mask),
+        }
+
+
+def collate_bert(samples: Sequence[Mapping[str, object]]) -> Dict[str, torch.Tensor]:
+    """Stack samples (tensors, NumPy arrays or ints, as megatron's dataset gives them) into a
+    micro-batch of int64 tensors with the :data:`BERT_KEYS`; other keys are dropped."""
+    batch = torch.utils.data.default_collate([{k: sample[k] for k in BERT_KEYS} for sample in samples])
+    return {k: v.long() for k, v in batch.items()}
+
+
+def bert_microbatches(
+    dataset: torch.utils.data.Dataset, first_sample: int, num_microbatches: int, micro_batch_size: int
+) -> List[Dict[str, torch.Tensor]]:
+    """``num_microbatches`` consecutive micro-batches of ``dataset`` from sample ``first_sample``."""
+    return [
+        collate_bert([dataset[first_sample + m * micro_batch_size + i] for i in range(micro_batch_size)])
+        for m in range(num_microbatches)
+    ]
+
+
+def bert_loss(
+    loss_mask: torch.Tensor, is_random: Optional[torch.Tensor], output: Tuple[torch.Tensor, Optional[torch.Tensor]]
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    """Loss of one micro-batch from a BERT post-process chunk's ``(per-token MLM loss [b, s],
+    binary logits [b, 2] or None)``, in megatron-core's three-value form.
+
+    The micro-batch loss is Megatron-LM's ``lm + sop``: ``lm`` the MLM cross entropy averaged
+    over the ``n`` positions with ``loss_mask`` 1 (``n >= 1``), ``sop`` the binary-head cross
+    entropy against ``is_random`` averaged over the sequences (-1 ignored; 0 without a binary
+    head). Returns ``(n * (lm + sop), n, reports)``: megatron-core's ``forward_step`` divides
+    the first by ``n`` (and by the micro-batches). ``reports`` (detached, Megatron-LM's names)
+    are ``{"lm loss": [lm sum, n], "sop loss": [sop sum, sequences]}`` (no "sop loss" without
+    a binary head): sum and count, so a training loop can average them over any set of
+    micro-batches and data-parallel ranks.
+    """
+    per_token, binary_logits = output
+    mask = loss_mask.float().reshape(-1)
+    num_masked = mask.sum()
+    lm_sum = torch.sum(per_token.float().reshape(-1) * mask)
+    reports = {"lm loss": torch.stack([lm_sum.detach(), num_masked])}
+    loss_sum = lm_sum
+    if binary_logits is not None:
+        labels = is_random.reshape(-1)
+        sop_sum = F.cross_entropy(binary_logits.reshape(-1, 2).float(), labels, ignore_index=-1, reduction="sum")
+        sequences = (labels != -1).sum().float()
+        loss_sum = lm_sum + num_masked * sop_sum / sequences
+        reports["sop loss"] = torch.stack([sop_sum.detach(), sequences])
+    return loss_sum, num_masked.to(torch.int), reports
+
+
+def bert_forward_step(data_iterator: Iterator, model: torch.nn.Module):
+    """megatron ``forward_step_func`` for BERT on :func:`collate_bert` micro-batches.
+
+    Every chunk reads the next micro-batch from its iterator: every pipeline rank needs data,
+    since every chunk needs the padding mask (first chunks also the tokens and types, loss
+    chunks the labels, loss mask and ``is_random``). Token types are passed iff the model has
+    token-type embeddings. ValueError naming ``--calculate-per-token-loss`` if the config
+    asks for per-token loss.
+    """
+    if get_model_config(model).calculate_per_token_loss:
+        raise ValueError(
+            "BERT's loss is per micro-batch (the next-sentence loss is per sequence); drop --calculate-per-token-loss"
+        )
+    batch = next(data_iterator)
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    inner = unwrap_model(model)
+    with_types = inner.pre_process and inner.embedding.tokentype_embeddings is not None
+    output = model(
+        batch["text"],
+        batch["padding_mask"],
+        tokentype_ids=batch["types"] if with_types else None,
+        lm_labels=batch["labels"],
+    )
+    return output, functools.partial(bert_loss, batch["loss_mask"], batch["is_random"])
+
 
 #: --tokenizer-type values megatron's BERT dataset works with (it needs [CLS], [SEP], [MASK])
 WORDPIECE_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
@@ -44,8 +223,6 @@ WORDPIECE_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
 MOCK_VALID_OFFSET = 1 << 40
 #: RotaryEmbedding's base in megatron's BertModel (not configurable there)
 _BERT_ROTARY_BASE = 10000
-#: the mock data's special tokens (padding, [CLS], [SEP], [MASK]) and shortest sample
-_MOCK_SPECIAL_TOKENS, _MOCK_MIN_LENGTH = 4, 5
 
 
 class BertTask(PretrainTask):
@@ -87,8 +264,8 @@ class BertTask(PretrainTask):
         if args.position_embedding_type == "rope" and args.rotary_base != _BERT_ROTARY_BASE:
             problems.append(f"--rotary-base: megatron's BertModel uses {_BERT_ROTARY_BASE} (got {args.rotary_base})")
         if args.use_mock_data:
-            if args.vocab_size is not None and args.vocab_size <= _MOCK_SPECIAL_TOKENS:
-                problems.append(f"--vocab-size {args.vocab_size}: mock BERT data needs more than {_MOCK_SPECIAL_TOKENS} tokens")
+            if args.vocab_size is not None and args.vocab_size <= _FIRST_WORD:
+                problems.append(f"--vocab-size {args.vocab_size}: mock BERT data needs more than {_FIRST_WORD} tokens")
             if args.seq_length < _MOCK_MIN_LENGTH:
                 problems.append(f"--seq-length {args.seq_length}: mock BERT samples need at least {_MOCK_MIN_LENGTH} positions")
         elif args.tokenizer_type is not None and args.tokenizer_type not in WORDPIECE_TOKENIZERS:

@@ -28,7 +28,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from ..runtime.build import PipelineModel
 from ..runtime.layout import full_shape, to_global_name, tp_block
-from ..runtime.model import unwrap
+from megatron.core.utils import unwrap_model
 from .distributed import log
 from .errors import CheckpointError
 from .sharding import gather_full
@@ -69,7 +69,7 @@ def _local_parameters(model: PipelineModel) -> Iterator[Tuple[str, torch.nn.Para
     """(global name, parameter) of every registered parameter of this rank's chunks, in the
     same order on every rank of a TP group."""
     for chunk, spec in zip(model.chunks, model.specs, strict=True):
-        for local_name, param in unwrap(chunk).named_parameters():
+        for local_name, param in unwrap_model(chunk).named_parameters():
             yield to_global_name(local_name, spec), param
 
 

@@ -26,7 +26,8 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
-from ..schedules.placement import Placement, bidirectional_v, looped
+from ..megatron_args import schedule_choice
+from ..schedules.placement import Placement
 
 __all__ = [
     "transformer_config",
@@ -105,13 +106,9 @@ def use_global_tp_group(tp_group) -> None:
 
 
 def placement_for(args: argparse.Namespace) -> Placement:
-    """BitPipe's bidirectional V, or megatron's looped placement (``v`` chunks per rank)."""
-    pp = args.pipeline_model_parallel_size
-    if args.schedule == "bitpipe":
-        return bidirectional_v(pp)
-    if args.schedule == "interleaved":
-        return looped(pp, args.virtual_pipeline_model_parallel_size)
-    return looped(pp)
+    """The selected schedule's placement: BitPipe's bidirectional V, or megatron's looped
+    placement (``v`` chunks per rank)."""
+    return schedule_choice(args).placement(args.pipeline_model_parallel_size)
 
 
 def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:

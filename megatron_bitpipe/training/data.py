@@ -20,6 +20,12 @@ set, so successive validation losses are comparable and do not depend on resumes
 **Tokenizers** are megatron-core's (``megatron.core.tokenizers``), selected with
 Megatron-LM's ``--tokenizer-type`` and file flags; mock data without ``--tokenizer-type``
 uses the null tokenizer of ``--vocab-size`` tokens (plus end-of-document).
+``--tokenizer-type ByteLevelTokenizer`` is megatron-core's byte-level tokenizer (library
+``byte-level``; not one of Megatron-LM's choices): a token is a UTF-8 byte, the
+end-of-document token is 0 (the NUL byte, absent from text), the vocabulary
+``--vocab-size`` (at least 256; megatron-core's default 512). It needs no files and no
+download, which makes it the tokenizer of the built-in corpus
+(:mod:`megatron_bitpipe.training.preprocess`).
 """
 
 from __future__ import annotations
@@ -32,11 +38,22 @@ import torch
 
 from ..megatron_args import BitPipeConfigError
 
-__all__ = ["build_tokenizer", "indexed_datasets", "microbatches", "collate"]
+__all__ = ["BYTE_LEVEL_TOKENIZER", "build_tokenizer", "indexed_datasets", "microbatches", "collate"]
+
+
+#: --tokenizer-type of megatron-core's byte-level tokenizer
+BYTE_LEVEL_TOKENIZER = "ByteLevelTokenizer"
 
 
 def build_tokenizer(args: argparse.Namespace):
-    """megatron-core's tokenizer for the flags; BitPipeConfigError naming the flag if it fails."""
+    """megatron-core's tokenizer for the flags (``tokenizer_type``, ``vocab_file``,
+    ``merge_file``, ``tokenizer_model``, ``vocab_size``); BitPipeConfigError naming the flag
+    if it fails."""
+    if args.tokenizer_type == BYTE_LEVEL_TOKENIZER:
+        from megatron.core.tokenizers import MegatronTokenizer
+
+        size = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"}, **size)
     from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build
 
     settings = SimpleNamespace(

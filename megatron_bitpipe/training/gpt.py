@@ -2,7 +2,7 @@
 
 * **Model.** megatron-core ``GPTModel`` chunks of the schedule's placement, or
   ``OptimusGPTModel`` with ``--tensor-parallel-mode optimus2d``
-  (:mod:`megatron_bitpipe.training.gpt_model`). Initial weights come from ``--seed`` alone,
+  (:func:`build_gpt_model`). Initial weights come from ``--seed`` alone,
   so every layout and schedule starts from the single-process model.
 * **Data.** :class:`MockGPTDataset` by default; Megatron indexed datasets
   (``--data-path``) through megatron-core's ``GPTDataset`` and
@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import argparse
 from functools import partial
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 import torch
 
+from ..optimus.gpt_model import optimus_p2p_tensor_shapes
+from ..runtime.build import PipelineModel
 from ..schedules.placement import Placement
 from .data import indexed_datasets
-from .gpt_model import build_gpt_model, optimus_shapes_fn
+from .model import build_model
 from .task import PretrainTask
 
-__all__ = ["GPTTask", "MockGPTDataset", "gpt_loss", "gpt_forward_step"]
+__all__ = ["GPTTask", "MockGPTDataset", "build_gpt_model", "gpt_forward_step", "gpt_loss", "optimus_shapes_fn"]
 
 
 class MockGPTDataset:
@@ -79,6 +81,18 @@ def gpt_forward_step(data_iterator, model):
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(gpt_loss, batch["loss_mask"])
+
+
+def build_gpt_model(args: argparse.Namespace, placement: Placement) -> PipelineModel:
+    """This rank's GPTModel chunks of ``placement`` (``OptimusGPTModel`` with
+    ``--tensor-parallel-mode optimus2d``), seed-initialised and DDP-wrapped (collective)."""
+    return build_model(args, placement, rotary_base=args.rotary_base)
+
+
+def optimus_shapes_fn(model: PipelineModel) -> Optional[Callable]:
+    """megatron's ``adjust_tensor_shapes_fn`` for an Optimus model ([s, b/q, h/q]), else None."""
+    mesh = model.groups.mesh
+    return optimus_p2p_tensor_shapes(mesh) if mesh is not None else None
 
 
 class GPTTask(PretrainTask):

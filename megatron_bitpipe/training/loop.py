@@ -5,7 +5,10 @@ tokenizer, starts ``torch.distributed`` (:mod:`.distributed`), asks the
 :class:`~.task.PretrainTask` for the model and the datasets, and trains ``--train-iters``
 iterations with the schedule the flags select (:mod:`.schedule`): evaluation every
 ``--eval-interval`` iterations, logs (:mod:`.logs`), checkpoints every ``--save-interval`` and
-at the end (:mod:`.checkpoint`), resuming from ``--load``.
+at the end (:mod:`.checkpoint`), resuming from ``--load``. Megatron-LM's early exits
+(:mod:`.exit_conditions`: ``--exit-signal-handler``, ``--exit-duration-in-mins``,
+``--exit-interval``) end the loop after an iteration, with a checkpoint when ``--save`` is
+given and exit status 0; a run resumed from that checkpoint continues the same loss curve.
 
 One iteration: zero the gradient buffers, run the forward_backward function on this
 data-parallel rank's micro-batches of the global batch, step the optimizer (grad norm and
@@ -32,6 +35,7 @@ from .checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from .config import lr_scheduler, optimizer_config, placement_for, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .errors import BitPipeConfigError, CheckpointError
+from .exit_conditions import ExitConditions
 from .logs import IterationRecord, TrainingLogger
 from .schedule import Schedule
 from .task import PretrainTask
@@ -131,7 +135,9 @@ class Trainer:
         directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
         distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
 
-    def train(self) -> None:
+    def train(self, exits: ExitConditions) -> None:
+        """Train to ``--train-iters`` or until one of ``exits`` says stop; save at the end
+        unless this iteration was just saved."""
         args = self.args
         saved = self.state.iteration  # nothing new to save unless an iteration runs
         while self.state.iteration < args.train_iters:
@@ -142,6 +148,12 @@ class Trainer:
             if args.save and self._due(args.save_interval):
                 self.save()
                 saved = self.state.iteration
+            reason = exits.reason(self.state.iteration, self.env.device)
+            if reason is not None:
+                self.logger.finish_interval()
+                after = "saving and exiting" if args.save else "exiting without a checkpoint (no --save)"
+                distributed.log(f"stopping after iteration {self.state.iteration} of {args.train_iters}: {reason}; {after}")
+                break
         if args.save and saved != self.state.iteration:
             self.save()
         self.logger.close()
@@ -151,20 +163,23 @@ def pretrain(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fa
     """Train ``task`` as the flags ``argv`` (default ``sys.argv[1:]``) say.
 
     Run on every rank of the job (torchrun) or alone. ``cpu_fallback`` is called when there
-    is no GPU (the scripts pass the CPU compatibility layer). Raises BitPipeConfigError for
-    bad flags (before any communication) and CheckpointError for a checkpoint that does not
-    fit (before anything is loaded).
+    is no GPU (the scripts pass the CPU compatibility layer). ``--exit-signal-handler``'s
+    handler is in place from the end of argument parsing to the end of training. Raises
+    BitPipeConfigError for bad flags (before any communication) and CheckpointError for a
+    checkpoint that does not fit (before anything is loaded).
     """
+    start_time = time.time()
     args = parse_args(task, argv)
-    tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    env = distributed.initialize(args, cpu_fallback)
-    distributed.log(
-        f"{task.name}: {args.schedule} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
-        f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, {args.num_microbatches} micro-batches "
-        f"of {args.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
-    )
-    Trainer(task, args, tokenizer, env).train()
+    with ExitConditions(args, start_time) as exits:
+        tokenizer = build_tokenizer(args)
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+        env = distributed.initialize(args, cpu_fallback)
+        distributed.log(
+            f"{task.name}: {args.schedule} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
+            f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, {args.num_microbatches} micro-batches "
+            f"of {args.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
+        )
+        Trainer(task, args, tokenizer, env).train(exits)
     dist.destroy_process_group()
 
 

@@ -3,8 +3,9 @@
 ================  ======================================================  ==================
 ``args.schedule``  forward_backward function                              placement
 ================  ======================================================  ==================
-bitpipe           :func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe`  bidirectional V
-                  (``--split-backward``: ``make_forward_backward_func("bitpipe", split_backward=True)``)
+bitpipe           :func:`~megatron_bitpipe.runtime.forward_backward.make_forward_backward_func`  bidirectional V
+                  of the flags' :class:`~megatron_bitpipe.schedules.ScheduleChoice` (``--split-backward``,
+                  ``--schedule-costs``)
 no_pipelining     megatron-core ``forward_backward_no_pipelining``         looped, 1 rank
 1f1b              megatron-core ``forward_backward_pipelining_without_interleaving``  looped
 interleaved       megatron-core ``forward_backward_pipelining_with_interleaving``  looped, v chunks
@@ -26,12 +27,12 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ..runtime.build import PipelineModel
-from ..runtime.forward_backward import forward_backward_bitpipe, make_forward_backward_func
+from ..megatron_args import schedule_choice
+from ..runtime.forward_backward import make_forward_backward_func
 
 __all__ = ["Schedule"]
 
-_FUNCTIONS = {
-    "bitpipe": forward_backward_bitpipe,
+_MEGATRON_FUNCTIONS = {
     "no_pipelining": megatron_schedules.forward_backward_no_pipelining,
     "1f1b": megatron_schedules.forward_backward_pipelining_without_interleaving,
     "interleaved": megatron_schedules.forward_backward_pipelining_with_interleaving,
@@ -48,9 +49,10 @@ class Schedule:
     def __init__(self, args, model: PipelineModel, optimizer, task):
         self.args = args
         self.model = model
-        self.function = _FUNCTIONS[args.schedule]
-        if args.schedule == "bitpipe" and args.split_backward:
-            self.function = make_forward_backward_func("bitpipe", split_backward=True)
+        if args.schedule == "bitpipe":
+            self.function = make_forward_backward_func(schedule_choice(args))
+        else:
+            self.function = _MEGATRON_FUNCTIONS[args.schedule]
         config = model.config
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss

@@ -1,6 +1,6 @@
 """Measure what one rank saves for backward and what it sends through collectives.
 
-Dev/benchmark helpers (nothing in production imports them):
+Benchmark helpers (the library never imports them):
 
 * :class:`SavedActivationMeter` — a ``saved_tensors_hooks`` context: bytes of distinct
   tensor storages autograd saves for backward while it is active, parameters excluded.
@@ -8,7 +8,7 @@ Dev/benchmark helpers (nothing in production imports them):
 * :class:`LiveActivationMeter` — the same storages tracked over their lifetime (saved
   until autograd releases them): live and peak bytes over a whole pipeline step, with the
   activations of marked layers (the emulated layers of
-  :mod:`megatron_bitpipe.testing.emulation`) counted separately.
+  :mod:`megatron_bitpipe.benchmarking.emulation`) counted separately.
 * :class:`CollectiveMeter` — wraps ``torch.distributed``'s collectives (and the aliases
   megatron-core binds at import time) while active and records every call: operation,
   group size and payload bytes. :meth:`CollectiveMeter.wire_bytes` turns the log into the

@@ -1,4 +1,7 @@
-"""Run megatron-core 0.16 on a CPU-only torch with the gloo backend (tests and demos only).
+"""Run megatron-core on a CPU-only torch with the gloo backend.
+
+A supported feature: the pretraining scripts fall back to it when no GPU is present, the
+Megatron-LM CPU entry point (:mod:`.megatron_lm`) and the multi-rank tests and benchmarks use it.
 
 megatron-core assumes a CUDA device in a few dozen places: it allocates buffers on
 ``torch.cuda.current_device()`` or ``device="cuda"``, moves tensors with ``.cuda()``, keeps
@@ -44,11 +47,12 @@ Invariants:
   megatron's schedules and the forward and backward of CPU tensors. Call
   :func:`enable_cpu_megatron` again on any other thread that calls megatron-core.
 * Only for CPU-only torch: with CUDA available this module refuses to run, so a GPU process can
-  never silently train on the CPU. Production code (everything outside
-  ``megatron_bitpipe.testing``) never imports it.
+  never silently train on the CPU. The library itself (schedules, runtime, optimus, training)
+  never imports it: entry points opt in.
 
-Config choices that avoid further patches are documented in :mod:`megatron_bitpipe.testing.gpt`
-(``use_cpu_initialization``, no fused kernels, ``cross_entropy_fusion_impl='native'``).
+Config choices that avoid further patches are documented in
+:func:`megatron_bitpipe.benchmarking.megatron_baseline.tiny_gpt_config` (``use_cpu_initialization``, no
+fused kernels, ``cross_entropy_fusion_impl='native'``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,25 @@
-"""Tiny megatron-core GPT models with explicit process groups, for tests and demos.
+"""megatron-core's stock GPTModel on megatron's looped placement, wired as Megatron-LM wires it.
 
-Plain megatron-core usage with no CPU-specific code (models move to the current CUDA device
-when there is one); on a CPU-only torch call
-:func:`megatron_bitpipe.testing.cpu_compat.enable_cpu_megatron` first.
+The baseline of the benchmarks (megatron's own 1F1B and interleaved schedules) and the
+reference of the equivalence tests: nothing here goes through this package's chunk builder,
+initialisation or executor, so a test comparing the two compares independent code. Plain
+megatron-core usage with no CPU-specific code (models move to the current CUDA device when
+there is one); on a CPU-only torch call :func:`megatron_bitpipe.cpu.enable_cpu_megatron` first.
 
-* :func:`build_process_groups` — for a :class:`~megatron_bitpipe.runtime.groups.ParallelGrid`
-  (re-exported here), a ``ProcessGroupCollection`` holding every group that megatron-core's
-  GPTModel, DDP, optimizer, ``finalize_model_grads`` and megatron's looped pipeline schedules
-  read, built with ``torch.distributed.new_group`` and no ``initialize_model_parallel``.
+* :func:`build_looped_process_groups` — for a :class:`~megatron_bitpipe.runtime.groups.ParallelGrid`,
+  a ``ProcessGroupCollection`` holding every group that megatron-core's GPTModel, DDP,
+  optimizer, ``finalize_model_grads`` and megatron's looped pipeline schedules read, built
+  with ``torch.distributed.new_group`` and no ``initialize_model_parallel``.
 * :func:`tiny_gpt_config` — an fp32 ``TransformerConfig`` without fused kernels.
-* :func:`build_gpt_chunks` / :func:`build_gpt_model` — GPTModel chunks of the looped
-  placement (chunk ``v`` of pipeline rank ``r`` is stage ``v * pp + r``), local layer spec.
-* :func:`wrap_ddp`, :func:`build_optimizer` — megatron DDP and optimizer over the chunks.
-* :func:`init_megatron_state` — the module globals megatron-core still reads.
-* :func:`synthetic_microbatches`, :func:`gpt_forward_step` — deterministic data and the
-  ``forward_step_func`` megatron's schedules call.
+* :func:`build_looped_chunks` / :func:`build_megatron_gpt_model` — stock GPTModel chunks of
+  the looped placement (chunk ``v`` of pipeline rank ``r`` is stage ``v * pp + r``) with
+  megatron's own initialisation, local layer spec.
+* :func:`wrap_looped_ddp`, :func:`build_baseline_optimizer` — megatron DDP (bucketing on the
+  first chunk only, as Megatron-LM) and megatron's optimizer over the chunks.
+* :func:`synthetic_microbatches`, :func:`mean_loss_forward_step` — deterministic
+  ``(tokens, labels)`` data and a ``forward_step_func`` returning the mean token loss (the
+  training scripts' :func:`megatron_bitpipe.training.gpt.gpt_forward_step` takes dict samples
+  and returns Megatron-LM's sum and token count instead).
 """
 
 from __future__ import annotations
@@ -35,24 +40,21 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..runtime.build import init_megatron_state
 from ..runtime.groups import ParallelGrid, new_groups, process_group_collection
 
 __all__ = [
-    "ParallelGrid",
-    "build_process_groups",
+    "build_looped_process_groups",
     "tiny_gpt_config",
-    "init_megatron_state",
-    "build_gpt_model",
-    "build_gpt_chunks",
-    "wrap_ddp",
-    "build_optimizer",
+    "build_megatron_gpt_model",
+    "build_looped_chunks",
+    "wrap_looped_ddp",
+    "build_baseline_optimizer",
     "synthetic_microbatches",
-    "gpt_forward_step",
+    "mean_loss_forward_step",
 ]
 
 
-def build_process_groups(grid: ParallelGrid) -> ProcessGroupCollection:
+def build_looped_process_groups(grid: ParallelGrid) -> ProcessGroupCollection:
     """Build this rank's groups for ``grid``; a collective call on the default group.
 
     The collection holds ``tp, pp, dp, dp_cp, mp, embd, pos_embd, cp, tp_cp, ep, expt_tp,
@@ -129,7 +131,7 @@ def tiny_gpt_config(
     return TransformerConfig(**fields)
 
 
-def build_gpt_model(
+def build_megatron_gpt_model(
     config: TransformerConfig,
     pg_collection: ProcessGroupCollection,
     *,
@@ -170,14 +172,14 @@ def build_gpt_model(
     return model
 
 
-def build_gpt_chunks(
+def build_looped_chunks(
     config: TransformerConfig, pg_collection: ProcessGroupCollection, **kwargs
 ) -> List[GPTModel]:
     """This pipeline rank's chunks of the looped placement, in virtual-stage order.
 
     Chunk ``v`` is pipeline stage ``v * pp + pp_rank``; it has the embedding iff it is stage 0
     and the final norm, output layer and loss iff it is the last stage. ``kwargs`` go to
-    :func:`build_gpt_model`.
+    :func:`build_megatron_gpt_model`.
     """
     pp_size, pp_rank = pg_collection.pp.size(), pg_collection.pp.rank()
     vp_size = config.virtual_pipeline_model_parallel_size or 1
@@ -186,7 +188,7 @@ def build_gpt_chunks(
     chunks = []
     for v in range(vp_size):
         chunks.append(
-            build_gpt_model(
+            build_megatron_gpt_model(
                 config,
                 pg_collection,
                 pre_process=(v == 0 and pp_rank == 0),
@@ -198,7 +200,7 @@ def build_gpt_chunks(
     return chunks
 
 
-def wrap_ddp(
+def wrap_looped_ddp(
     chunks: Sequence[torch.nn.Module],
     config: TransformerConfig,
     pg_collection: ProcessGroupCollection,
@@ -225,7 +227,7 @@ def wrap_ddp(
     return wrapped
 
 
-def build_optimizer(
+def build_baseline_optimizer(
     ddp_chunks: Sequence[DistributedDataParallel],
     pg_collection: ProcessGroupCollection,
     **optimizer_config,
@@ -266,7 +268,7 @@ def _mean_loss(per_token_loss: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def gpt_forward_step(data_iterator: Iterator, model: torch.nn.Module):
+def mean_loss_forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """``forward_step_func`` for megatron's schedules on :func:`synthetic_microbatches` data.
 
     Every chunk takes the next micro-batch from its own iterator (so each chunk's iterator must

@@ -1,11 +1,11 @@
-"""Run Megatron-LM's own training scripts on CPU ranks with gloo (tests and demos only).
+"""Run Megatron-LM's own training scripts on CPU ranks with gloo.
 
-    torchrun --nproc-per-node 4 -m megatron_bitpipe.testing.megatron_lm_cpu \\
+    torchrun --nproc-per-node 4 -m megatron_bitpipe.cpu.megatron_lm \\
         <Megatron-LM>/pretrain_gpt.py [Megatron-LM flags] $CPU_FLAGS --pipeline-schedule bitpipe
 
 is ``python -m megatron_bitpipe.run`` (same arguments, same checks, same hooks) with, once the
 checkout is importable, megatron-core's CPU layer
-(:func:`~megatron_bitpipe.testing.cpu_compat.enable_cpu_megatron`) and these patches of
+(:func:`~megatron_bitpipe.cpu.compat.enable_cpu_megatron`) and these patches of
 Megatron-LM's start-up (tag core_v0.16.1), each needed on a CPU-only torch:
 
 * ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``: passed as true;
@@ -22,8 +22,8 @@ Megatron-LM's start-up (tag core_v0.16.1), each needed on a CPU-only torch:
   ``current_stream`` and ``stream`` become stand-ins that order nothing (the CPU runs in order).
 
 :data:`CPU_FLAGS` are the Megatron-LM flags that keep a run off CUDA-only code paths (no fused
-kernels, no Transformer Engine, weights created on the CPU, gloo); pass them too. Production
-code never imports this module.
+kernels, no Transformer Engine, weights created on the CPU, gloo); pass them too. The library
+never imports this module: it is an entry point.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def enable_cpu_megatron_lm() -> None:
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
-    from .cpu_compat import enable_cpu_megatron
+    from .compat import enable_cpu_megatron
 
     enable_cpu_megatron()
     if getattr(training.initialize_megatron, "allows_no_cuda", False):

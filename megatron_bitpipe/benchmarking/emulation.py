@@ -15,7 +15,7 @@ like devices that compute for the configured time.
 * :class:`EmulatedDevice` — where the layer time goes: a blocking sleep per layer, or a
   CUDA-stream-like timeline that the CPU runs ahead of (see the class).
 * Activation memory is measured with
-  :class:`megatron_bitpipe.testing.measure.LiveActivationMeter`; the layers mark their saved
+  :class:`megatron_bitpipe.benchmarking.meters.LiveActivationMeter`; the layers mark their saved
   input as a layer activation when one is active.
 
 Times are ``time.perf_counter()`` seconds.
@@ -37,7 +37,7 @@ from megatron.core.transformer.transformer_layer import BaseTransformerLayer, ge
 from megatron.core.utils import get_pg_rank
 
 from ..runtime.weight_grad import accumulate_weight_grad, active_work
-from .measure import LiveActivationMeter
+from .meters import LiveActivationMeter
 
 __all__ = ["EmulatedDevice", "EmulatedTransformerLayer", "emulated_layer_spec", "sleep_until"]
 
@@ -115,6 +115,9 @@ class EmulatedDevice:
     def __init__(self, asynchronous: bool = True):
         self.asynchronous = asynchronous
         self.free_at = 0.0
+        #: total compute seconds launched on this device (what the layers asked for, whatever
+        #: the wall clock did)
+        self.launched_seconds = 0.0
         self._pending: List[_DeferredSend] = []
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
@@ -125,6 +128,7 @@ class EmulatedDevice:
 
     def launch(self, seconds: float, launched_at: float) -> None:
         """Queue ``seconds`` of compute launched at ``launched_at``; block if synchronous."""
+        self.launched_seconds += seconds
         if not self.asynchronous:
             sleep_until(launched_at + seconds)
             return

@@ -1,0 +1,166 @@
+"""The pipeline schedule a job runs: one frozen object and one rule check.
+
+A :class:`ScheduleChoice` is what the flags select — the schedule, whether its backwards are
+split (``--split-backward``), the costs the split places its weight-gradient actions for
+(``--schedule-costs``) and the chunks per rank of the interleaved schedule
+(``--virtual-pipeline-model-parallel-size``). Everything that needs a plan or checks the
+flags goes through it: :meth:`ScheduleChoice.problems` is the only statement of each
+schedule's rules (the schedule command line, the pretraining scripts, the Megatron-LM
+argument hook and :meth:`ScheduleChoice.plan` all call it), and :attr:`ScheduleChoice.label`
+is the only spelling of a variant (``bitpipe+split-backward``) in plan names, benchmark
+labels and tables.
+
+Rules are stated per generator module (``problems(num_ranks, num_microbatches, source)``,
+which with ``num_microbatches=None`` gives the pipeline size's rules alone);
+the rules common to every schedule — the layers must fill the placement's stages, the
+virtual size belongs to the interleaved schedule alone — are stated here and in
+:meth:`~.placement.Placement.layer_problem`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from . import bitpipe, chimera, dualpipe, dualpipev, interleaved, one_f_one_b, zb_h1, zbv
+from .actions import SchedulePlan
+from .errors import MICROBATCH_FLAG, PP_FLAG, VP_FLAG, ScheduleConfigError
+from .lower import lower
+from .placement import Placement
+from .simulate import CostModel
+from .split_backward import SPLIT_BACKWARD_SUFFIX, split_backward as place_weight_gradients
+
+__all__ = ["ALWAYS_SPLIT", "GENERATORS", "SCHEDULES", "SPLIT_BACKWARD_SUFFIX", "ScheduleChoice"]
+
+#: schedule name -> generator module (``placement``, ``problems``, ``generate``)
+GENERATORS = {
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "chimera": chimera,
+    "bitpipe": bitpipe,
+    "zb-h1": zb_h1,
+    "zbv": zbv,
+    "dualpipe": dualpipe,
+    "dualpipev": dualpipev,
+}
+SCHEDULES = tuple(GENERATORS)
+#: the peers whose own order splits every backward (``split_backward`` changes nothing for them)
+ALWAYS_SPLIT = ("zb-h1", "zbv", "dualpipe", "dualpipev")
+#: the interleaved schedule's chunks per rank when no virtual size is given
+DEFAULT_VIRTUAL_SIZE = 2
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """A pipeline schedule as the flags select it.
+
+    Attributes:
+        schedule: generator name (:data:`SCHEDULES`).
+        split_backward: every backward runs as an input-gradient ``I`` and, later in a
+            bubble, a weight-gradient ``W`` (:mod:`.split_backward`; BitPipe's order is then
+            planned for ``costs``, :mod:`.list_scheduling`). The :data:`ALWAYS_SPLIT`
+            schedules split either way.
+        costs: the costs the ``W``'s are placed (and BitPipe's and ZB-V's orders planned)
+            for (only their ratios matter); ``None`` is :class:`~.simulate.CostModel`'s
+            default (``t_B = 2 t_F``, half of it ``W``). Unused by plans without a split
+            backward.
+        virtual_size: chunks per rank of ``interleaved`` (``None``: 2); other schedules
+            have a fixed number and take ``None`` (or 1).
+    """
+
+    schedule: str
+    split_backward: bool = False
+    costs: Optional[CostModel] = None
+    virtual_size: Optional[int] = None
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the plans run split backwards (``I`` and ``W``)."""
+        return self.split_backward or self.schedule in ALWAYS_SPLIT
+
+    @property
+    def label(self) -> str:
+        """``bitpipe`` or ``bitpipe+split-backward`` (``zbv``: its backwards are always split):
+        the plan's name and the variant's name in benchmark labels and tables."""
+        suffix = self.split_backward and self.schedule not in ALWAYS_SPLIT
+        return self.schedule + (SPLIT_BACKWARD_SUFFIX if suffix else "")
+
+    @classmethod
+    def from_label(cls, label: str, costs: Optional[CostModel] = None, virtual_size: Optional[int] = None) -> "ScheduleChoice":
+        """Inverse of :attr:`label`."""
+        split = label.endswith(SPLIT_BACKWARD_SUFFIX)
+        return cls(label.removesuffix(SPLIT_BACKWARD_SUFFIX), split, costs, virtual_size)
+
+    @property
+    def virtual_chunks(self) -> int:
+        """The interleaved schedule's chunks per rank (its default when unset)."""
+        return DEFAULT_VIRTUAL_SIZE if self.virtual_size is None else self.virtual_size
+
+    def placement(self, num_ranks: int) -> Placement:
+        """Where the stages live on ``num_ranks`` pipeline ranks (the same for every N)."""
+        generator = GENERATORS[self.schedule]
+        if self.schedule == "interleaved":
+            return generator.placement(num_ranks, self.virtual_chunks)
+        return generator.placement(num_ranks)
+
+    def problems(
+        self,
+        num_ranks: int,
+        num_microbatches: Optional[int] = None,
+        num_layers: Optional[int] = None,
+        *,
+        microbatches: str = MICROBATCH_FLAG,
+    ) -> List[str]:
+        """Every rule the arguments break, one message per rule naming the flag; ``[]`` if none.
+
+        ``num_microbatches`` (N, per data-parallel rank) and ``num_layers`` are checked when
+        given. ``microbatches`` names where N comes from in the messages (the schedule command
+        line's ``--num-microbatches``; the training scripts derive it from the batch sizes).
+        Pure: no communication, no torch.
+        """
+        if self.schedule not in GENERATORS:
+            return [f"--schedule: unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}"]
+        problems: List[str] = []
+        if num_ranks < 1:
+            return [f"{PP_FLAG} must be >= 1 (got {num_ranks})"]
+        generator = GENERATORS[self.schedule]
+        if self.schedule == "interleaved":
+            if self.virtual_chunks < 1:
+                return [f"{VP_FLAG} must be >= 1 (got {self.virtual_size})"]
+        elif self.virtual_size not in (None, 1):
+            problems.append(f"{VP_FLAG} must not be set with {self.schedule} (its chunks per rank are fixed)")
+        problems += generator.problems(num_ranks, num_microbatches, microbatches)
+        pipeline_size_ok = not generator.problems(num_ranks, None, microbatches)  # N=None: D's rules only
+        if num_layers is not None and pipeline_size_ok:
+            layer_problem = self.placement(num_ranks).layer_problem(num_layers)
+            if layer_problem:
+                problems.append(layer_problem)
+        return problems
+
+    def smallest_num_microbatches(self, num_ranks: int) -> int:
+        """The smallest N (per data-parallel rank) the schedule accepts on ``num_ranks`` ranks."""
+        return GENERATORS[self.schedule].smallest_num_microbatches(num_ranks)
+
+    def plan(self, num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
+        """The lowered plan of one step (:func:`~.lower.lower`: explicit ``SEND`` / ``RECV``
+        actions, each receive posted right before its consumer; ``plan.compute_only()`` is the
+        generator's order); :class:`~.errors.ScheduleConfigError` listing every broken rule.
+
+        A forward-only plan has no backward to split.
+        """
+        problems = self.problems(num_ranks, num_microbatches)
+        if problems:
+            raise ScheduleConfigError("; ".join(problems))
+        generator = GENERATORS[self.schedule]
+        if self.schedule == "interleaved":
+            plan = generator.generate(num_ranks, num_microbatches, self.virtual_chunks, forward_only)
+        elif self.schedule == "zbv":  # ordered for the costs
+            plan = generator.generate(num_ranks, num_microbatches, forward_only, self.costs)
+        else:
+            plan = generator.generate(num_ranks, num_microbatches, forward_only)
+        if self.split_backward and not forward_only and self.schedule not in ALWAYS_SPLIT:
+            if self.schedule == "bitpipe":
+                plan = bitpipe.with_split_backward(plan, self.costs)
+            else:
+                plan = place_weight_gradients(plan, self.costs)
+        return lower(plan)
