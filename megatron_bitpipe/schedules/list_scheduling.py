@@ -23,8 +23,10 @@ pipeline's order so every channel stays FIFO:
 
 So a rank never waits for one message while another input is ready, and the ``W``'s fill
 every wait. Everything a rank knows at time ``t`` is known to the planner (actions are
-planned in time order, and every action takes time), and :func:`~.simulate.simulate`
-reproduces the planned timeline for the resulting plan.
+planned in time order, and every action takes time). The plan keeps only the order;
+:func:`~.simulate.simulate` times it (a forward held back by its release time may then
+start earlier than planned), and that simulated makespan is what the candidates are
+compared by.
 
 Release times keep the steady state's memory: the forwards of micro-batches after the
 first ``free`` of each pipeline start no earlier than in the lock-step plan with its
