@@ -19,9 +19,12 @@ schedule runs on the same emulated model, built the way each runtime builds it:
   for interleaved);
 * ``bitpipe``, ``chimera`` — this package's ``make_forward_backward_func`` on
   ``build_pipeline_model`` chunks (overlapped p2p, eager per-chunk gradient sync);
-* ``bitpipe-split`` — BitPipe with a split backward (``--split-backward``): each emulated
+* ``bitpipe+split-backward`` — BitPipe with a split backward (``--split-backward``): each emulated
   layer's backward time is ``t_B - t_W`` in ``I`` and ``t_W`` (``--t-weight``, default half
-  of ``t_B``) in the deferred ``W``; its ``W``'s are placed for ``CostModel(t_F, t_B, t_W)``;
+  of ``t_B``) in the deferred ``W``; its order is planned for ``CostModel(t_F, t_B, t_W)``;
+* ``zbv``, ``dualpipev`` — the zero-bubble V and DeepSeek's DualPipeV (one replica on a V,
+  split backwards of their own, ordered for the same costs) on the same executor;
+  DualPipeV runs only where ``N >= 2D``;
 * optionally ``plan-1f1b``, ``plan-interleaved`` — megatron's schedules as plans on this
   package's executor (separates the schedule from the runtime executing it).
 
@@ -56,10 +59,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
-PLAN_SCHEDULES = ("bitpipe", "bitpipe+split-backward", "chimera", "plan-1f1b", "plan-interleaved")
+PLAN_SCHEDULES = ("bitpipe", "bitpipe+split-backward", "chimera", "zbv", "dualpipev", "plan-1f1b", "plan-interleaved")
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 SCHEDULES = MEGATRON_SCHEDULES + PLAN_SCHEDULES
-DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward")
+DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward", "zbv", "dualpipev")
 BASELINE = "interleaved"
 SEED = 1234
 
@@ -104,12 +107,13 @@ class Settings:
 
 def plan_choice(schedule: str, settings: Settings):
     """The :class:`~megatron_bitpipe.schedules.ScheduleChoice` of a plan-executed ``schedule``
-    label (``plan-1f1b``: our executor running 1F1B's plan); a ``+split-backward`` variant
-    places its W's for the emulated compute costs."""
+    label (``plan-1f1b``: our executor running 1F1B's plan); a ``+split-backward`` variant, and
+    the schedules that always split (``zbv``, ``dualpipev``), are ordered for the emulated
+    compute costs."""
     from megatron_bitpipe.schedules import ScheduleChoice
 
     choice = ScheduleChoice.from_label(schedule.removeprefix("plan-"))
-    return replace(choice, costs=settings.compute_costs()) if choice.split_backward else choice
+    return replace(choice, costs=settings.compute_costs()) if choice.splits_backward else choice
 
 
 def plan_of(schedule: str, settings: Settings, pipeline_size: int, num_microbatches: int):
@@ -294,6 +298,7 @@ def _run_rank(settings: Settings, pipeline_size: int, microbatches: Sequence[int
         dict(schedule=schedule, num_microbatches=n, starts=[], ends=[], meter=LiveActivationMeter(runner.parameters()))
         for schedule, runner in runners.items()
         for n in microbatches
+        if valid_microbatches(schedule, pipeline_size, n)
     ]
     batches = {
         n: synthetic_microbatches(SEED, n, settings.micro_batch_size, settings.seq_length, settings.vocab_size)
@@ -396,7 +401,7 @@ def run_grid(settings: Settings, grid: Dict[int, Sequence[int]], schedule_names:
 
     rows = []
     for pipeline_size, microbatches in grid.items():
-        runnable = [n for n in microbatches if all(valid_microbatches(s, pipeline_size, n) for s in schedule_names)]
+        runnable = [n for n in microbatches if any(valid_microbatches(s, pipeline_size, n) for s in schedule_names)]
         if not runnable:
             continue
         load_before = os.getloadavg()[0]

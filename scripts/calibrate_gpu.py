@@ -9,10 +9,13 @@ fp32, ``--bf16`` or ``--fp16``. Communication:
 
 * with two or more GPUs, NCCL between GPU 0 and GPU 1: the one-way time of a pipeline
   message (a 4-byte and an ``[s, b, h]`` message give latency and bandwidth) and the
-  all-reduce of the device share's gradients over the pair (a replica pair; measured on at
-  most 1 GiB and scaled by size);
+  all-reduce of the device share's gradients over the pair (measured on at most 1 GiB),
+  whose bus bandwidth is the file's ``sync_bandwidth``;
 * with one GPU, from ``--p2p-latency-ms``, ``--p2p-bandwidth-gbs`` and
-  ``--allreduce-bandwidth-gbs`` (ring all-reduce over 2 ranks).
+  ``--allreduce-bandwidth-gbs``.
+
+The file's ``grad_bytes`` are the device share's gradient bytes; the simulator times
+each chunk's all-reduce from them for its group (replicas x ``--data-parallel-size``).
 
 Writes ``--output`` (default ``costs.json``): one JSON object whose keys are exactly the
 fields of :class:`megatron_bitpipe.schedules.CostModel` (milliseconds, bytes, bytes/ms),
@@ -38,23 +41,24 @@ import sys
 from dataclasses import asdict
 from typing import Callable, Dict, List, Optional
 
-from megatron_bitpipe.schedules.costs import allreduce_ms
 from megatron_bitpipe.schedules.simulate import CostModel
 
 NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured"
 MAX_ALLREDUCE_BYTES = 1 << 30
 
 
-def cost_model(t_forward: float, t_backward: float, p2p: Dict[str, float], t_sync: float) -> CostModel:
-    """The CostModel of one measurement: compute (ms), ``p2p`` = {latency_ms, bytes,
-    bandwidth (bytes/ms)}, gradient all-reduce (ms). Raises ValueError for negative values."""
+def cost_model(t_forward: float, t_backward: float, comm: Dict[str, float], grad_bytes: float) -> CostModel:
+    """The CostModel of one measurement: compute (ms), ``comm`` = {latency_ms, bytes,
+    bandwidth (bytes/ms), sync_bandwidth (bytes/ms)}, the device share's gradient bytes.
+    Raises ValueError for negative values."""
     return CostModel(
         t_forward=t_forward,
         t_backward=t_backward,
-        t_p2p=p2p["latency_ms"],
-        p2p_bytes=p2p["bytes"],
-        p2p_bandwidth=p2p["bandwidth"],
-        t_sync=t_sync,
+        t_p2p=comm["latency_ms"],
+        p2p_bytes=comm["bytes"],
+        p2p_bandwidth=comm["bandwidth"],
+        grad_bytes=grad_bytes,
+        sync_bandwidth=comm["sync_bandwidth"],
     )
 
 
@@ -65,13 +69,13 @@ def write_cost_file(path: str, costs: CostModel) -> None:
         handle.write("\n")
 
 
-def assumed_communication(args: argparse.Namespace, message_bytes: int, gradient_bytes: int) -> Dict[str, float]:
+def assumed_communication(args: argparse.Namespace, message_bytes: int) -> Dict[str, float]:
     """p2p and all-reduce terms from the flags (one GPU: nothing to measure between GPUs)."""
     return {
         "latency_ms": args.p2p_latency_ms,
         "bytes": float(message_bytes),
         "bandwidth": args.p2p_bandwidth_gbs * 1e6,
-        "t_sync": allreduce_ms(gradient_bytes, 2, args.allreduce_bandwidth_gbs),
+        "sync_bandwidth": args.allreduce_bandwidth_gbs * 1e6,
         "source": (
             f"assumed: p2p {args.p2p_latency_ms:g} ms + {args.p2p_bandwidth_gbs:g} GB/s, "
             f"all-reduce bus bandwidth {args.allreduce_bandwidth_gbs:g} GB/s"
@@ -208,13 +212,13 @@ def measured_communication(message_bytes: int, gradient_bytes: int, iters: int) 
     mp.start_processes(
         _nccl_probe, args=(port, message_bytes, gradient_bytes, iters, results), nprocs=2, start_method="spawn"
     )
-    small, large, t_sync = results.get()
+    small, large, pair_allreduce_ms = results.get()
     bandwidth = (message_bytes - 4) / max(large - small, 1e-6)
     return {
         "latency_ms": small,
         "bytes": float(message_bytes),
         "bandwidth": bandwidth,
-        "t_sync": t_sync,
+        "sync_bandwidth": gradient_bytes / max(pair_allreduce_ms, 1e-6),  # bus bandwidth of a 2-rank ring
         "source": "measured with NCCL between GPU 0 and GPU 1",
     }
 
@@ -290,8 +294,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if torch.cuda.device_count() >= 2:
         comm = measured_communication(message_bytes, gradient_bytes, args.iters)
     else:
-        comm = assumed_communication(args, message_bytes, gradient_bytes)
-    costs = cost_model(compute["t_forward"], compute["t_backward"], comm, comm["t_sync"])
+        comm = assumed_communication(args, message_bytes)
+    costs = cost_model(compute["t_forward"], compute["t_backward"], comm, gradient_bytes)
     write_cost_file(args.output, costs)
     print(
         f"{torch.cuda.get_device_name(0)}, {args.transformer_impl} layers ({compute['layer_impl']}), {dtype}: "
@@ -299,7 +303,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"{compute['parameters'] / 1e6:.1f}M parameters"
     )
     print(f"forward {costs.t_forward:.3f} ms, backward {costs.t_backward:.3f} ms (median of {args.iters})")
-    print(f"communication {comm['source']}: p2p {costs.message_time:.4f} ms per message, t_sync {costs.t_sync:.3f} ms")
+    print(
+        f"communication {comm['source']}: p2p {costs.message_time:.4f} ms per message, gradient all-reduce of "
+        f"the device share over a replica pair {costs.sync_time(1.0, 2):.3f} ms"
+    )
     print(f"wrote {args.output}")
     return 0
 

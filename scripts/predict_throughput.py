@@ -18,9 +18,11 @@ file, from FLOP counts at an *assumed* achieved GPU throughput (``--achieved-tfl
 default 140 TFLOP/s, about 45% of an A100's 312 TFLOP/s fp16 peak) and assumed link
 bandwidths (:mod:`megatron_bitpipe.schedules.costs`). The output says which.
 
-Gradient sync: a cost file's ``t_sync`` is the all-reduce of one device share's gradients
-over a replica pair (2 ranks); schedules with one replica and no data parallelism have
-nothing to all-reduce (``t_sync = 0``).
+Gradient sync: each chunk's gradients are all-reduced among its replicas (two for
+Chimera, BitPipe and DualPipe) and the ``--data-parallel-size`` ranks, timed from the
+device share's gradient bytes and the all-reduce bus bandwidth (``grad_bytes``,
+``sync_bandwidth``); schedules with one replica and no data parallelism have nothing to
+all-reduce.
 
 Usage::
 
@@ -35,7 +37,7 @@ import argparse
 import json
 import shlex
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
 from megatron_bitpipe import schedules
@@ -50,20 +52,12 @@ SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backwar
 BASELINE = "interleaved"
 
 
-def schedule_costs(base: schedules.CostModel, schedule: str, pipeline_size: int) -> schedules.CostModel:
-    """``base`` with the gradient sync of ``schedule``'s replicas: a pair's ``t_sync`` for two
-    replicas, none for one (no data parallelism here)."""
-    replicas = schedules.ScheduleChoice.from_label(schedule).placement(pipeline_size).num_pipelines
-    return base if replicas == 2 else replace(base, t_sync=0.0)
-
-
-def predict(model: str, base: schedules.CostModel, microbatch_counts: Sequence[int], source: str) -> List[dict]:
-    """One row per (N, schedule) for ``model`` under ``base`` costs (two-replica t_sync)."""
+def predict(model: str, costs: schedules.CostModel, microbatch_counts: Sequence[int], source: str) -> List[dict]:
+    """One row per (N, schedule) for ``model`` under ``costs``."""
     shape = MODELS[model]["shape"]
     rows = []
     for num_microbatches in microbatch_counts:
         for schedule in SCHEDULES:
-            costs = schedule_costs(base, schedule, PIPELINE_SIZE)
             plan = schedules.ScheduleChoice.from_label(schedule, costs).plan(PIPELINE_SIZE, num_microbatches)
             schedules.validate_plan(plan)
             result = schedules.simulate(plan, costs)
@@ -145,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 parser.error(f"--costs: {error}")
             source = f"calibrated ({args.costs})"
         else:
-            base = analytic_costs(shape, PIPELINE_SIZE, hardware, sync_group_size=2)
+            base = analytic_costs(shape, PIPELINE_SIZE, hardware)
             source = (
                 f"FLOP-based, assumed {hardware.achieved_tflops:g} TFLOP/s per GPU, p2p {hardware.p2p_bandwidth_gbs:g} GB/s "
                 f"+ {hardware.p2p_latency_ms:g} ms, all-reduce {hardware.allreduce_bandwidth_gbs:g} GB/s"
@@ -157,7 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         notes.append(
             f"{model.upper()} costs: {source}. Per device share ({shape.num_layers // PIPELINE_SIZE} layers, one "
             f"micro-batch): t_F = {base.t_forward:.1f} ms, t_B = {base.t_backward:.1f} ms, p2p {base.message_time:.3f} ms "
-            f"per message, gradient all-reduce over a replica pair t_sync = {base.t_sync:.1f} ms."
+            f"per message, gradient all-reduce of a device share over a replica pair {base.sync_time(1.0, 2):.1f} ms."
         )
     if args.json:
         print(json.dumps(rows))

@@ -55,6 +55,7 @@ class Case:
     tensor_parallel_mode: str = "1d"
     split_backward: bool = False
     distributed_optimizer: bool = False
+    t_p2p: float = 0.0  # the message time (in t_F) the plan is ordered for
 
     @property
     def world_size(self) -> int:
@@ -200,7 +201,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     from megatron_bitpipe.runtime.replicas import max_replica_difference
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
-    choice = schedules.ScheduleChoice(case.schedule, case.split_backward)
+    choice = schedules.ScheduleChoice(case.schedule, case.split_backward, schedules.CostModel(t_p2p=case.t_p2p))
     config = model_config(
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,

@@ -178,28 +178,33 @@ def test_benchmark_smoke_json():
 
     t_forward, t_backward = 4.0, 8.0
     done = _run_script(
-        "--grid", "2:2", "--t-forward", str(t_forward), "--t-backward", str(t_backward),
+        "--grid", "2:2,4", "--t-forward", str(t_forward), "--t-backward", str(t_backward),
         "--repeats", "1", "--warmup", "0", "--json",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout)
-    assert [r["schedule"] for r in rows] == ["1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward"]
-    assert [r["runtime"] for r in rows] == ["megatron-core"] * 2 + ["megatron_bitpipe"] * 3
+    schedules = ["1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward", "zbv", "dualpipev"]
+    assert [(r["schedule"], r["num_microbatches"]) for r in rows] == [
+        (s, n) for s in schedules for n in (2, 4) if (s, n) != ("dualpipev", 2)  # DualPipeV: N >= 2D
+    ]
+    assert [r["runtime"] for r in rows] == ["megatron-core"] * 4 + ["megatron_bitpipe"] * 9
     for row in rows:
         assert FIELDS <= row.keys()
-        assert (row["pp"], row["num_microbatches"]) == (2, 2)
+        assert row["pp"] == 2
         costs = CostModel(**row["costs"])
         assert (costs.t_forward, costs.t_backward) == (t_forward, t_backward)
         assert costs.t_p2p > 0, "the p2p latency is measured"
         name, split = row["schedule"].removesuffix("+split-backward"), row["schedule"].endswith("+split-backward")
-        plan = generate(name, 2, 2, split_backward=split, costs=CostModel(t_forward, t_backward) if split else None)
+        ordered = split or name in ("zbv", "dualpipev")
+        plan = generate(name, 2, row["num_microbatches"], split_backward=split,
+                        costs=CostModel(t_forward, t_backward) if ordered else None)
         assert row["predicted_step_time"] == pytest.approx(simulate(plan, costs).makespan)
         # Every rank computes N x (t_F + t_B) of emulated time: no step can be shorter.
-        assert row["step_time"] >= 0.99 * 2 * (t_forward + t_backward)
+        assert row["step_time"] >= 0.99 * row["num_microbatches"] * (t_forward + t_backward)
         assert row["speedup_vs_interleaved"] > 0
         assert row["peak_activations"] == row["predicted_peak_activations"]  # split: held until W
         assert all(b > 0 for b in row["peak_saved_bytes"])
-    assert rows[1]["speedup_vs_interleaved"] == 1.0
+    assert rows[2]["speedup_vs_interleaved"] == rows[3]["speedup_vs_interleaved"] == 1.0
 
 
 @pytest.mark.multirank

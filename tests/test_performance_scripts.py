@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -20,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_bitpipe.schedules import CostModel
-from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, allreduce_ms, analytic_costs
 from megatron_bitpipe.cpu.launcher import launch
+from megatron_bitpipe.schedules import CostModel, generate, simulate
+from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, analytic_costs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,15 +55,19 @@ def test_layer_counts_match_closed_forms():
 def test_analytic_costs_units():
     shape = TransformerShape(8, 1024, 16, 512, 2)
     hardware = Hardware(achieved_tflops=100.0, p2p_latency_ms=0.01, p2p_bandwidth_gbs=50.0, allreduce_bandwidth_gbs=25.0)
-    costs = analytic_costs(shape, 4, hardware, sync_group_size=2)
+    costs = analytic_costs(shape, 4, hardware)
     assert costs.t_forward == pytest.approx(2 * shape.layer_forward_flops() / 100e12 * 1e3)
     assert costs.t_backward == pytest.approx(2 * costs.t_forward)
     assert costs.message_time == pytest.approx(0.01 + shape.message_bytes(2) / 50e9 * 1e3)
-    assert costs.t_sync == pytest.approx(2 * shape.layer_parameters() * 2 / 25e9 * 1e3)  # ring over 2: bytes / bw
-    assert analytic_costs(shape, 4, hardware, sync_group_size=1).t_sync == 0.0
-    assert allreduce_ms(1e6, 4, 1.0) == pytest.approx(1.5)
+    share_bytes = 2 * shape.layer_parameters() * 2  # 2 layers per device share, 2-byte gradients
+    assert costs.grad_bytes == share_bytes
+    assert costs.sync_time(1.0, 2) == pytest.approx(share_bytes / 25e9 * 1e3)  # ring over 2: bytes / bus bandwidth
+    assert costs.sync_time(0.5, 1) == 0.0  # one replica, no data parallelism
+    with_dp = analytic_costs(shape, 4, hardware, data_parallel_size=2)
+    assert with_dp.sync_time(1.0, 1) == pytest.approx(share_bytes / 25e9 * 1e3)
+    assert with_dp.sync_time(1.0, 2) == pytest.approx(1.5 * share_bytes / 25e9 * 1e3)  # 2 (g-1)/g at g = 4
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 3"):
-        analytic_costs(shape, 3, hardware, 2)
+        analytic_costs(shape, 3, hardware)
 
 
 def test_calibrate_without_gpu_stops_clearly(capsys):
@@ -84,13 +89,15 @@ def test_calibrate_rejects_bad_sizes_naming_the_flag(capsys):
 
 def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
     args = calibrate._parser().parse_args([*GPT_SHARE, "--p2p-latency-ms", "0.05", "--p2p-bandwidth-gbs", "20"])
-    comm = calibrate.assumed_communication(args, message_bytes=8192, gradient_bytes=4_000_000)
-    assert comm["t_sync"] == pytest.approx(4_000_000 / 100e9 * 1e3)
-    costs = calibrate.cost_model(12.5, 25.0, comm, comm["t_sync"])
+    comm = calibrate.assumed_communication(args, message_bytes=8192)
+    assert comm["sync_bandwidth"] == pytest.approx(100e9 / 1e3)  # bytes per ms
+    costs = calibrate.cost_model(12.5, 25.0, comm, grad_bytes=4_000_000)
+    assert costs.sync_time(1.0, 2) == pytest.approx(4_000_000 / 100e9 * 1e3)
     path = tmp_path / "costs.json"
     calibrate.write_cost_file(str(path), costs)
     written = json.loads(path.read_text())
-    assert set(written) == {"t_forward", "t_backward", "t_p2p", "p2p_bytes", "p2p_bandwidth", "t_sync"}
+    assert set(written) == {"t_forward", "t_backward", "t_p2p", "p2p_bytes", "p2p_bandwidth", "t_sync", "grad_bytes",
+                            "sync_bandwidth", "data_parallel_size"}
     assert CostModel(**written) == costs
 
     from megatron_bitpipe.schedules.cli import main as schedules_cli
@@ -105,7 +112,10 @@ def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     by_schedule = {(r["schedule"], r["num_microbatches"]): r for r in rows}
     assert by_schedule[("bitpipe", 16)]["costs"] == {**written, "t_weight": None}
-    assert by_schedule[("1f1b", 16)]["costs"]["t_sync"] == 0.0, "one replica, no data parallelism: nothing to sync"
+    no_sync = dataclasses.replace(costs, sync_bandwidth=0.0)
+    assert by_schedule[("1f1b", 16)]["step_time"] == pytest.approx(
+        simulate(generate("1f1b", 8, 16), no_sync).makespan), "one replica, no data parallelism: nothing to sync"
+    assert by_schedule[("chimera", 16)]["step_time"] > simulate(generate("chimera", 8, 16), no_sync).makespan
     assert all(r["cost_source"].startswith("calibrated") for r in rows)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_bitpipe.schedules import CostModel, SCHEDULES, generate, simulate, validate_plan
+from megatron_bitpipe.schedules import ALWAYS_SPLIT, CostModel, SCHEDULES, generate, simulate, validate_plan
 from megatron_bitpipe.schedules.actions import Action, ActionType, SchedulePlan
 from megatron_bitpipe.schedules.comm import Payload, received_by, sent_by
 from megatron_bitpipe.schedules.compose import one_f_one_b, with_eager_syncs
@@ -142,6 +142,8 @@ def all_configs():
     for D in (1, 2, 3, 4, 6, 8):
         for N in range(D, 4 * D + 3):
             for schedule in SCHEDULES:
+                if schedule in ALWAYS_SPLIT:  # the peers: tests/test_peer_schedules.py
+                    continue
                 if schedule in ("bitpipe", "chimera") and (D % 2 or N % 2):
                     continue
                 if schedule == "interleaved":

@@ -5,7 +5,8 @@
   linear gives — into ``.grad``, or into ``main_grad`` with gradient-accumulation fusion;
 * BitPipe with every ``B`` split equals single-process training (loss, every gradient,
   weights after 3 Adam steps, replicas identical, evaluation, tied embeddings): with the
-  plans of ``schedules.generate(..., split_backward=True)``, and with a variant derived here
+  plans of ``schedules.generate(..., split_backward=True)`` (also ordered for a message
+  time, the list-scheduled plan), and with a variant derived here
   (:func:`late_split_plan`) that defers every ``W`` to just before its chunk's ``SYNC``
   (long-lived deferred work, ``W``'s long after their ``I``); TP=2 with sequence parallelism;
 * layers whose weight gradients cannot be deferred are refused naming the flag.
@@ -39,6 +40,7 @@ CASES_2 = [
 ]
 CASES_4 = [
     SplitCase("split_bitpipe_pp4_n4", "bitpipe", pp=4, n=4),
+    SplitCase("split_bitpipe_pp4_n8_p2p", "bitpipe", pp=4, n=8, t_p2p=0.2),  # the latency-aware order
     SplitCase("split_bitpipe_pp4_n8_late", "bitpipe", pp=4, n=8, late=True),
     SplitCase("split_bitpipe_tp2_sp_pp2_n4_late", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True, late=True),
 ]
@@ -113,6 +115,15 @@ def test_training_steps_ran_split_plans(case, launched):
     for result in launched[case]:
         assert result["split_plans_served"] == [True] * STEPS + [False]
         assert result["deferred_per_W"] and min(result["deferred_per_W"]) >= 4
+
+
+def test_message_time_case_runs_a_list_scheduled_plan():
+    from megatron_bitpipe import schedules
+    from megatron_bitpipe.schedules.split_backward import split_backward
+
+    costs = schedules.CostModel(t_p2p=0.2)
+    plan = schedules.generate("bitpipe", 4, 8, split_backward=True, costs=costs)
+    assert plan.compute_only().actions != split_backward(schedules.generate("bitpipe", 4, 8), costs, 4).actions
 
 
 def test_late_plans_are_valid_and_defer_weight_gradients_past_later_backwards():

@@ -73,7 +73,9 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
     ``W`` (weight gradients), the plan placing the ``W``'s into bubbles for ``choice.costs``;
     the chunks' linears are made deferrable on the first call with each chunk
     (:func:`~.weight_grad.enable_split_backward`, which raises for Transformer Engine and
-    Optimus 2D layers). Same gradients as without.
+    Optimus 2D layers). Same gradients as without. The schedules that always split their
+    backwards (:data:`~megatron_bitpipe.schedules.ALWAYS_SPLIT`: ZB-H1, ZB-V, DualPipe,
+    DualPipeV) do so too (``choice.splits_backward``).
     """
     split_enabled: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
@@ -99,7 +101,7 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
         config = get_model_config(chunks[0])
         placement = groups.placement
         _check_supported(choice.schedule, chunks, placement, config, seq_length, decoder_seq_length)
-        if choice.split_backward and not all(c in split_enabled for c in chunks):
+        if choice.splits_backward and not all(c in split_enabled for c in chunks):
             enable_split_backward(chunks)
             split_enabled.update(chunks)
         plan = _plan(choice, placement.num_ranks, num_microbatches, forward_only)

@@ -12,7 +12,9 @@ draws it and the runtime executes it.
 :func:`generate` is the short form ``ScheduleChoice(...).plan(D, N)`` (lowered plans;
 ``plan.compute_only()`` is the generator's order);
 ``split_backward=True`` runs every backward as an input-gradient and a later
-weight-gradient action (:mod:`.split_backward`).
+weight-gradient action (:mod:`.split_backward`; BitPipe's is ordered for the cost model,
+:mod:`.list_scheduling`). The zero-bubble and DualPipe peers (``zb-h1``, ``zbv``,
+``dualpipe``, ``dualpipev``) always split their backwards.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .actions import Action, ActionType, SchedulePlan
-from .choice import GENERATORS, SCHEDULES, ScheduleChoice
+from .choice import ALWAYS_SPLIT, GENERATORS, SCHEDULES, ScheduleChoice
 from .errors import PlanError, ScheduleConfigError
 from .lower import lower
 from .placement import Placement, StageLocation
@@ -45,6 +47,7 @@ def generate(
 
 
 __all__ = [
+    "ALWAYS_SPLIT",
     "Action",
     "ActionType",
     "CostModel",

@@ -30,6 +30,12 @@ Why this works:
 
 ``N`` must be even and at least ``D``. When ``N/2`` is not a multiple of ``D/2`` the last
 group is partial and the bubble is that of Chimera at the same ``N``.
+
+With a split backward (:func:`with_split_backward`) the order is planned for the cost
+model: with free messages the lock-step order with its ``W``'s placed reaches the
+placement's bound; with a message time the latency-aware list schedule
+(:mod:`.list_scheduling`) usually wins, and the faster of the two under the given costs
+is returned — never above ``D`` Ma of activations per rank.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from typing import List, Optional
 
 from .actions import SchedulePlan
 from .compose import bidirectional_plan, bidirectional_problems, smallest_bidirectional_microbatches
+from .list_scheduling import latency_aware_split
 from .placement import bidirectional_v
+from .simulate import CostModel
 
 
 placement = bidirectional_v
@@ -56,3 +64,14 @@ def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) 
     """BitPipe plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= D);
     the arguments must satisfy :func:`problems`."""
     return bidirectional_plan("bitpipe", bidirectional_v(num_ranks), num_microbatches, forward_only)
+
+
+def with_split_backward(plan: SchedulePlan, costs: Optional[CostModel] = None) -> SchedulePlan:
+    """BitPipe ``plan`` (whole backwards, compute-only) with a split backward, ordered for
+    ``costs``.
+
+    At most ``D`` Ma per rank (1F1B's peak, the unsplit plan's); the list schedule's
+    first group of ``D/2`` micro-batches per direction enters without release times.
+    """
+    num_ranks = plan.num_ranks
+    return latency_aware_split(plan, costs or CostModel(), num_ranks, (num_ranks // 2,))

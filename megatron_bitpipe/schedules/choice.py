@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from . import bitpipe, chimera, interleaved, one_f_one_b
+from . import bitpipe, chimera, dualpipe, dualpipev, interleaved, one_f_one_b, zb_h1, zbv
 from .actions import SchedulePlan
 from .errors import MICROBATCH_FLAG, PP_FLAG, VP_FLAG, ScheduleConfigError
 from .lower import lower
@@ -30,7 +30,7 @@ from .placement import Placement
 from .simulate import CostModel
 from .split_backward import SPLIT_BACKWARD_SUFFIX, split_backward as place_weight_gradients
 
-__all__ = ["GENERATORS", "SCHEDULES", "SPLIT_BACKWARD_SUFFIX", "ScheduleChoice"]
+__all__ = ["ALWAYS_SPLIT", "GENERATORS", "SCHEDULES", "SPLIT_BACKWARD_SUFFIX", "ScheduleChoice"]
 
 #: schedule name -> generator module (``placement``, ``problems``, ``generate``)
 GENERATORS = {
@@ -38,8 +38,14 @@ GENERATORS = {
     "interleaved": interleaved,
     "chimera": chimera,
     "bitpipe": bitpipe,
+    "zb-h1": zb_h1,
+    "zbv": zbv,
+    "dualpipe": dualpipe,
+    "dualpipev": dualpipev,
 }
 SCHEDULES = tuple(GENERATORS)
+#: the peers whose own order splits every backward (``split_backward`` changes nothing for them)
+ALWAYS_SPLIT = ("zb-h1", "zbv", "dualpipe", "dualpipev")
 #: the interleaved schedule's chunks per rank when no virtual size is given
 DEFAULT_VIRTUAL_SIZE = 2
 
@@ -51,10 +57,13 @@ class ScheduleChoice:
     Attributes:
         schedule: generator name (:data:`SCHEDULES`).
         split_backward: every backward runs as an input-gradient ``I`` and, later in a
-            bubble, a weight-gradient ``W`` (:mod:`.split_backward`).
-        costs: the costs the ``W``'s are placed for (only their ratios matter); ``None`` is
-            :class:`~.simulate.CostModel`'s default (``t_B = 2 t_F``, half of it ``W``).
-            Unused without ``split_backward``.
+            bubble, a weight-gradient ``W`` (:mod:`.split_backward`; BitPipe's order is then
+            planned for ``costs``, :mod:`.list_scheduling`). The :data:`ALWAYS_SPLIT`
+            schedules split either way.
+        costs: the costs the ``W``'s are placed (and BitPipe's and ZB-V's orders planned)
+            for (only their ratios matter); ``None`` is :class:`~.simulate.CostModel`'s
+            default (``t_B = 2 t_F``, half of it ``W``). Unused by plans without a split
+            backward.
         virtual_size: chunks per rank of ``interleaved`` (``None``: 2); other schedules
             have a fixed number and take ``None`` (or 1).
     """
@@ -65,10 +74,16 @@ class ScheduleChoice:
     virtual_size: Optional[int] = None
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether the plans run split backwards (``I`` and ``W``)."""
+        return self.split_backward or self.schedule in ALWAYS_SPLIT
+
+    @property
     def label(self) -> str:
-        """``bitpipe`` or ``bitpipe+split-backward``: the plan's name and the variant's name in
-        benchmark labels and tables."""
-        return self.schedule + (SPLIT_BACKWARD_SUFFIX if self.split_backward else "")
+        """``bitpipe`` or ``bitpipe+split-backward`` (``zbv``: its backwards are always split):
+        the plan's name and the variant's name in benchmark labels and tables."""
+        suffix = self.split_backward and self.schedule not in ALWAYS_SPLIT
+        return self.schedule + (SPLIT_BACKWARD_SUFFIX if suffix else "")
 
     @classmethod
     def from_label(cls, label: str, costs: Optional[CostModel] = None, virtual_size: Optional[int] = None) -> "ScheduleChoice":
@@ -142,8 +157,13 @@ class ScheduleChoice:
         generator = GENERATORS[self.schedule]
         if self.schedule == "interleaved":
             plan = generator.generate(num_ranks, num_microbatches, self.virtual_chunks, forward_only)
+        elif self.schedule == "zbv":  # ordered for the costs
+            plan = generator.generate(num_ranks, num_microbatches, forward_only, self.costs)
         else:
             plan = generator.generate(num_ranks, num_microbatches, forward_only)
-        if self.split_backward and not forward_only:
-            plan = place_weight_gradients(plan, self.costs)
+        if self.split_backward and not forward_only and self.schedule not in ALWAYS_SPLIT:
+            if self.schedule == "bitpipe":
+                plan = bitpipe.with_split_backward(plan, self.costs)
+            else:
+                plan = place_weight_gradients(plan, self.costs)
         return lower(plan)

@@ -36,8 +36,11 @@ _COST_FLAGS = {
     "p2p_bytes": ("--p2p-bytes", "bytes of one message (an activation or gradient at a stage boundary; default 0)"),
     "p2p_bandwidth": ("--p2p-bandwidth", "bytes per TIME unit; with --p2p-bytes adds bytes/bandwidth to each message (default 0: none)"),
     "t_sync": ("--t-sync", "gradient all-reduce of L/D layers among replicas and data-parallel ranks, in TIME units (default 0)"),
+    "grad_bytes": ("--grad-bytes", "bytes of the gradients of L/D layers that one all-reduce moves (default 0)"),
+    "sync_bandwidth": ("--sync-bandwidth", "all-reduce bus bandwidth in bytes per TIME unit (as nccl-tests reports it); with --grad-bytes adds the ring's bandwidth term to --t-sync (default 0: none)"),
+    "data_parallel_size": ("--data-parallel-size", "data-parallel ranks each stage's gradients are averaged over, besides BitPipe's two replicas (default 1)"),
 }
-_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME"}
+_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME", "data_parallel_size": "N"}
 #: the command's one-line description (--help)
 DESCRIPTION = "Plan, validate and simulate pipeline schedules: per-rank actions, makespan, bubble, peak activations."
 #: what installs --plot's library
@@ -79,7 +82,7 @@ def _parser(prog: Optional[str] = None) -> FlagParser:
             costs.add_argument("--costs", metavar="FILE",
                                help="JSON cost file with these fields (t_forward, t_backward, ...), e.g. from scripts/calibrate_gpu.py")
             for field, (flag, help_text) in _COST_FLAGS.items():
-                costs.add_argument(flag, type=float, default=None, dest=field, metavar=_COST_METAVARS.get(field, "TIME"),
+                costs.add_argument(flag, type=int if field == "data_parallel_size" else float, default=None, dest=field, metavar=_COST_METAVARS.get(field, "TIME"),
                                    help=help_text)
             sub.add_argument("--json", action="store_true", help="print one JSON object")
             sub.add_argument("--plot", metavar="FILE.png", help=f"write a Gantt chart; needs matplotlib: {PLOT_EXTRA}")
@@ -104,6 +107,8 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     for key, value in values.items():
         if value < 0:
             raise ScheduleConfigError(f"{_COST_FLAGS[key][0]}: costs must be >= 0 (got {value:g})")
+    if values.get("data_parallel_size", 1) < 1:
+        raise ScheduleConfigError(f"--data-parallel-size: must be >= 1 (got {values['data_parallel_size']})")
     try:
         return CostModel(**values)
     except ValueError as exc:

@@ -9,8 +9,10 @@ micro-batch) in milliseconds. :func:`analytic_costs` derives them from a
   ``f = 4h`` that is ``24bsh² + 4bs²h``), backward twice the forward, at an *achieved*
   throughput (not the datasheet peak). Embedding, LM head, norms and softmax are left out;
 * point-to-point — latency plus ``[s, b, h]`` activation bytes over a link bandwidth;
-* gradient sync — a ring all-reduce of one device share's gradients over ``group_size``
-  ranks: ``2 (g-1) / g x bytes / bus bandwidth`` (0 for a group of one).
+* gradient sync — the bytes of one device share's gradients and the all-reduce bus
+  bandwidth; the simulator times each stage's ring all-reduce over its group (replicas x
+  data-parallel ranks, :meth:`~.simulate.CostModel.sync_time`): ``2 (g-1) / g x bytes /
+  bus bandwidth``, nothing for a group of one.
 
 ``scripts/predict_throughput.py`` uses these when no calibration file exists and
 ``scripts/calibrate_gpu.py`` for the communication terms it cannot measure on one GPU.
@@ -24,7 +26,7 @@ from typing import Optional
 
 from .simulate import CostModel
 
-__all__ = ["TransformerShape", "Hardware", "allreduce_ms", "analytic_costs"]
+__all__ = ["TransformerShape", "Hardware", "analytic_costs"]
 
 
 @dataclass(frozen=True)
@@ -95,29 +97,24 @@ class Hardware:
             raise ValueError("latency must be >= 0")
 
 
-def allreduce_ms(nbytes: float, group_size: int, bus_bandwidth_gbs: float) -> float:
-    """Ring all-reduce time of ``nbytes`` over ``group_size`` ranks, bandwidth term only."""
-    if group_size <= 1:
-        return 0.0
-    return 2 * (group_size - 1) / group_size * nbytes / (bus_bandwidth_gbs * 1e6)
-
-
-def analytic_costs(shape: TransformerShape, pipeline_size: int, hardware: Hardware, sync_group_size: int) -> CostModel:
+def analytic_costs(
+    shape: TransformerShape, pipeline_size: int, hardware: Hardware, data_parallel_size: int = 1
+) -> CostModel:
     """CostModel (ms) for ``shape`` cut into ``pipeline_size`` device shares.
 
-    ``sync_group_size``: ranks averaging each stage's gradients (replicas x data parallel).
     Raises ValueError unless ``pipeline_size`` divides the layers.
     """
     if pipeline_size < 1 or shape.num_layers % pipeline_size:
         raise ValueError(f"--pipeline-model-parallel-size {pipeline_size} must divide --num-layers {shape.num_layers}")
     layers = shape.num_layers // pipeline_size
     t_forward = layers * shape.layer_forward_flops() / (hardware.achieved_tflops * 1e9)
-    gradient_bytes = layers * shape.layer_parameters() * hardware.grad_bytes_per_element
     return CostModel(
         t_forward=t_forward,
         t_backward=2 * t_forward,
         t_p2p=hardware.p2p_latency_ms,
         p2p_bytes=shape.message_bytes(hardware.bytes_per_element),
         p2p_bandwidth=hardware.p2p_bandwidth_gbs * 1e6,
-        t_sync=allreduce_ms(gradient_bytes, sync_group_size, hardware.allreduce_bandwidth_gbs),
+        grad_bytes=layers * shape.layer_parameters() * hardware.grad_bytes_per_element,
+        sync_bandwidth=hardware.allreduce_bandwidth_gbs * 1e6,
+        data_parallel_size=data_parallel_size,
     )

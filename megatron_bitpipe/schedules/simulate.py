@@ -16,9 +16,11 @@ Execution model (the same one the runtime implements):
   and costs nothing; the consuming action waits for the message. A local V-turn
   hand-over costs nothing;
 * ``SYNC(chunk)`` costs the rank no compute time: it *issues* an asynchronous
-  all-reduce of that chunk's gradients among the chunk's replicas (mirror slots). The
-  all-reduce starts when every replica has issued it and the communication lane of
-  each participant is free, and lasts ``t_sync * stage_weight``.
+  all-reduce of that chunk's gradients among the chunk's replicas (mirror slots) and
+  the data-parallel ranks. The all-reduce starts when every replica has issued it and
+  the communication lane of each participant is free, and lasts
+  :meth:`CostModel.sync_time` (its bytes over the all-reduce bandwidth, for a group of
+  replicas x data-parallel ranks, plus any fixed ``t_sync``).
 
 The step ends when every rank has finished computing and every all-reduce has
 completed. Bubble ratio is ``1 - busy / makespan`` averaged over ranks. Activations
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from .actions import Action, ActionType, SchedulePlan
 from .comm import received_by
@@ -56,8 +58,17 @@ class CostModel:
         p2p_bytes: bytes of one message (activation or gradient of one micro-batch at a
             stage boundary); with ``p2p_bandwidth`` gives the bandwidth term.
         p2p_bandwidth: bytes per time unit; 0 means the bandwidth term is ignored.
-        t_sync: all-reduce time of the gradients of ``L / D`` layers among replicas and
-            data-parallel ranks.
+        t_sync: a fixed all-reduce time of the gradients of ``L / D`` layers (whatever the
+            group), added to the bandwidth term below; e.g. a time measured for one group.
+        grad_bytes: bytes of the gradients of ``L / D`` layers that an all-reduce moves
+            (parameters x gradient element size).
+        sync_bandwidth: all-reduce *bus* bandwidth (bytes per time unit, as nccl-tests
+            reports it); with ``grad_bytes`` gives the bandwidth term of a ring
+            all-reduce, ``2 (g-1)/g x bytes / bandwidth`` for a group of ``g`` ranks. 0:
+            no bandwidth term.
+        data_parallel_size: data-parallel ranks each stage's gradients are averaged over
+            besides its replicas: the group of a stage held by ``R`` replicas is
+            ``R x data_parallel_size`` ranks.
     """
 
     t_forward: float = 1.0
@@ -67,11 +78,16 @@ class CostModel:
     p2p_bytes: float = 0.0
     p2p_bandwidth: float = 0.0
     t_sync: float = 0.0
+    grad_bytes: float = 0.0
+    sync_bandwidth: float = 0.0
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if value is not None and value < 0:
                 raise ValueError(f"cost {name} must be >= 0, got {value}")
+        if self.data_parallel_size < 1 or self.data_parallel_size != int(self.data_parallel_size):
+            raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size}")
         if self.t_forward + self.t_backward <= 0:
             raise ValueError("t_forward + t_backward must be > 0")
         if self.t_weight is not None and self.t_weight > self.t_backward:
@@ -87,6 +103,15 @@ class CostModel:
         """Time from a ``SEND`` (issued when its producer ends) to the arrival of its message."""
         bandwidth_term = self.p2p_bytes / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
         return self.t_p2p + bandwidth_term
+
+    def sync_time(self, stage_weight: float, replicas: int) -> float:
+        """All-reduce time of the gradients of a stage of ``stage_weight`` device shares held
+        by ``replicas`` slots, among those and the data-parallel ranks."""
+        group = replicas * int(self.data_parallel_size)
+        ring = 0.0
+        if self.sync_bandwidth > 0 and group > 1:
+            ring = 2 * (group - 1) / group * self.grad_bytes * stage_weight / self.sync_bandwidth
+        return self.t_sync * stage_weight + ring
 
     def compute_time(self, action: Action, stage_weight: float) -> float:
         """Time of ``action`` on a stage holding ``stage_weight`` device shares (0 for SYNC)."""
@@ -105,8 +130,12 @@ def read_cost_file(path: str) -> Dict[str, float]:
     with open(path, encoding="utf-8") as handle:
         loaded = json.load(handle)
     known = {f.name for f in fields(CostModel)}
-    return {k: float(v) for k, v in loaded.items() if k in known and v is not None}
+    return {
+        k: (int(v) if k == "data_parallel_size" else float(v)) for k, v in loaded.items() if k in known and v is not None
+    }
 
+
+ENDS_BACKWARD = frozenset(kind for kind in ActionType if kind.ends_backward)
 
 
 def same_rank_prerequisite(action: Action) -> Optional[Action]:
@@ -122,8 +151,7 @@ def same_rank_prerequisite(action: Action) -> Optional[Action]:
     return None
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     """One interval of the timeline: a compute action, or a gradient all-reduce (``SYNC``).
 
     ``ready`` is when the action could have started had the rank been free: its
@@ -194,8 +222,14 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     message_time = costs.message_time
     num_ranks = plan.num_ranks
 
-    finish: Dict[Tuple[int, Action], float] = {}  # (rank, comm_key) -> end of a compute action
-    arrival: Dict[Tuple[int, Action], float] = {}  # (sending rank, SEND action) -> its message's arrival
+    F, B, W = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT
+    duration = {kind: costs.compute_time(Action(kind, 0, 0), weight) for kind in ActionType if kind is not ActionType.SYNC}
+    # Keys are (rank, type, chunk, micro-batch) tuples: ``F``/``B`` (``B`` for ``I`` too) of
+    # finished compute actions, ``SEND_F``/``SEND_B`` of issued sends.
+    finish: Dict[Tuple[int, ActionType, int, int], float] = {}  # -> end of a compute action
+    arrival: Dict[Tuple[int, ActionType, int, int], float] = {}  # -> arrival of a send's message
+    sources: Dict[Tuple[int, int, bool], Optional[Tuple[int, ActionType, int, bool]]] = {}
+    pipeline_of = [[placement.role(r, c).pipeline for c in range(placement.chunks_per_rank)] for r in range(num_ranks)]
     clock = [0.0] * num_ranks
     cursor = [0] * num_ranks
     busy = [0.0] * num_ranks
@@ -204,20 +238,35 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     events: List[Event] = []
     sync_issue: Dict[Tuple[int, int], float] = {}
 
+    def source(rank: int, chunk: int, forward: bool) -> Optional[Tuple[int, ActionType, int, bool]]:
+        """(rank, producer or send type, chunk, local) of what a chunk's forward (or backward)
+        receives: the producer on this rank for a V turn, else the other rank's send."""
+        key = (rank, chunk, forward)
+        if key not in sources:
+            transfer = received_by(placement, rank, Action(F if forward else B, chunk, 0))
+            if transfer is None:
+                sources[key] = None
+            elif transfer.is_local:
+                sources[key] = (rank, transfer.producer.type, transfer.src.chunk, True)
+            else:
+                sources[key] = (transfer.src.rank, transfer.send.type, transfer.src.chunk, False)
+        return sources[key]
+
     def input_ready(rank: int, action: Action) -> Optional[float]:
         """When the action's prerequisite on this rank is done and its input has arrived, or
         None if either has not run yet."""
-        before = same_rank_prerequisite(action)
-        own = 0.0 if before is None else finish.get((rank, before.comm_key))
+        kind, chunk, microbatch = action.type, action.chunk, action.microbatch
+        if kind is W:
+            return finish.get((rank, B, chunk, microbatch))
+        forward = kind is F
+        own = 0.0 if forward else finish.get((rank, F, chunk, microbatch))
         if own is None:
             return None
-        transfer = received_by(placement, rank, action)
-        if transfer is None:
+        src = source(rank, chunk, forward)
+        if src is None:
             return own
-        if transfer.is_local:
-            produced = finish.get((rank, transfer.producer))
-        else:
-            produced = arrival.get((transfer.src.rank, transfer.send))
+        src_rank, src_type, src_chunk, local = src
+        produced = (finish if local else arrival).get((src_rank, src_type, src_chunk, microbatch))
         return None if produced is None else max(own, produced)
 
     progressed = True
@@ -230,24 +279,25 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                 if action.type is ActionType.SYNC:
                     sync_issue[(rank, action.chunk)] = clock[rank]
                 elif action.type.is_send:
-                    if (rank, action.compute_key) not in finish:
+                    producer = action.compute_key
+                    if (rank, producer.type, producer.chunk, producer.microbatch) not in finish:
                         break
-                    arrival[(rank, action)] = clock[rank] + message_time
+                    arrival[(rank, action.type, action.chunk, action.microbatch)] = clock[rank] + message_time
                 elif not action.type.is_receive:
                     ready = input_ready(rank, action)
                     if ready is None:
                         break
                     start = max(clock[rank], ready)
-                    end = start + costs.compute_time(action, weight)
-                    finish[(rank, action.comm_key)] = end
+                    end = start + duration[action.type]
+                    kind = B if action.type is ActionType.BACKWARD_INPUT else action.type
+                    finish[(rank, kind, action.chunk, action.microbatch)] = end
                     clock[rank] = end
                     busy[rank] += end - start
-                    pipeline = placement.role(rank, action.chunk).pipeline
-                    events.append(Event(rank, action, start, end, pipeline, ready))
-                    if action.type is ActionType.FORWARD:
+                    events.append(Event(rank, action, start, end, pipeline_of[rank][action.chunk], ready))
+                    if action.type is F:
                         in_flight[rank] += weight
                         peak[rank] = max(peak[rank], in_flight[rank])
-                    elif action.type.ends_backward:
+                    elif action.type in ENDS_BACKWARD:
                         in_flight[rank] -= weight
                 cursor[rank] += 1
                 progressed = True
@@ -268,7 +318,6 @@ def _schedule_syncs(
 ) -> List[Event]:
     """Place every all-reduce: after all replicas issued it, serialised per rank's comm lane."""
     placement = plan.placement
-    duration = costs.t_sync * placement.stage_weight
     groups: Dict[Tuple, List[Tuple[int, int]]] = {}
     for rank, chunk in issued:
         members = tuple(sorted((loc.rank, loc.chunk) for loc in placement.mirror_slots(rank, chunk)))
@@ -280,6 +329,7 @@ def _schedule_syncs(
         missing = [m for m in members if m not in issued]
         if missing:
             raise PlanError(f"SYNC of rank {members[0][0]} chunk {members[0][1]} never issued by replica(s) {missing}")
+        duration = costs.sync_time(placement.stage_weight, len(members))
         start = max(max(issued[m] for m in members), max(lane_free[r] for r, _ in members))
         for rank, chunk in members:
             lane_free[rank] = start + duration
@@ -293,11 +343,12 @@ def _deadlock_message(plan: SchedulePlan, blocked: List[int], cursor: List[int],
     for rank in blocked:
         action = plan.actions[rank][cursor[rank]]
         before = same_rank_prerequisite(action)
-        if before is not None and (rank, before.comm_key) not in finish:
+        if before is not None and (rank, before.comm_key.type, before.chunk, before.microbatch) not in finish:
             lines.append(f"  rank {rank} at {action}: its {before} has not run")
             continue
         transfer = received_by(plan.placement, rank, action)
-        produced = (transfer.src.rank, transfer.producer) in finish
+        producer = transfer.producer
+        produced = (transfer.src.rank, producer.type, producer.chunk, producer.microbatch) in finish
         state = f"run but {transfer.send} not yet issued" if produced and not transfer.is_local else "not yet run"
         lines.append(
             f"  rank {rank} at {action}: waits for the {transfer.payload.value} of micro-batch "

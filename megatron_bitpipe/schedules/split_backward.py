@@ -73,8 +73,7 @@ def split_backward(
     if not any(a.type is ActionType.BACKWARD for _, a in plan):
         raise PlanError(f"plan '{plan.name}' has no whole backward (B) to split")
     costs = costs or CostModel()
-    unsplit = simulate(plan, costs)
-    limit = max(unsplit.peak_activations) if activation_limit is None else activation_limit
+    limit = max(simulate(plan, costs).peak_activations) if activation_limit is None else activation_limit
     ordered = [
         [Action(ActionType.BACKWARD_INPUT, a.chunk, a.microbatch) if a.type is ActionType.BACKWARD else a
          for a in actions if a.type is not ActionType.SYNC]
