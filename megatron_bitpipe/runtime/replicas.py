@@ -28,6 +28,7 @@ scales all parameters; count-zeros counts each once.
 
 from __future__ import annotations
 
+import copy
 from typing import List, Sequence
 
 import torch
@@ -71,8 +72,14 @@ def wrap_ddp(
     groups: PipelineGroups,
     config: TransformerConfig,
     ddp_config: DistributedDataParallelConfig,
+    reduce_gradients: bool = True,
 ) -> List[DistributedDataParallel]:
     """One megatron DDP per chunk, reducing over the chunk's grad-sync group.
+
+    ``reduce_gradients=False``: each DDP's data-parallel group is this rank alone, so the
+    gradient buffers keep this rank's own gradients after a step and the caller reduces
+    them over :meth:`~.groups.PipelineGroups.grad_sync_group` itself (ABS-SGD's delayed
+    all-reduce, :mod:`megatron_bitpipe.training.abs_sgd`).
 
     ``config`` is the caller's (shared) config: ``get_model_config`` of every wrapped chunk
     returns it. Every chunk is a single bucket: megatron turns bucketing off on pipeline
@@ -83,10 +90,19 @@ def wrap_ddp(
     """
     if ddp_config.use_distributed_optimizer:
         raise NotImplementedError("the distributed optimizer is not supported with per-chunk grad-sync groups")
+    collections = groups.model_pgs if reduce_gradients else [_without_data_parallel(pgs) for pgs in groups.model_pgs]
     return [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
-        for chunk, pgs in zip(chunks, groups.model_pgs)
+        for chunk, pgs in zip(chunks, collections)
     ]
+
+
+def _without_data_parallel(pgs):
+    """``pgs`` with its data-parallel groups replaced by this rank alone (``pgs.cp``, a
+    group of one: context parallelism is off)."""
+    local = copy.copy(pgs)
+    local.dp = local.dp_cp = local.expt_dp = pgs.cp
+    return local
 
 
 def mark_replica_parameters(chunks: Sequence[torch.nn.Module], specs: Sequence[ChunkSpec]) -> None:

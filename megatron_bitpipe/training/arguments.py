@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence
 
 from ..megatron_args import MICROBATCHES_SOURCE, PLAN_SCHEDULES, BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
 from ..schedules import ScheduleChoice
+from .abs_sgd.args import abs_sgd_problems, add_data_parallel_args
 
 __all__ = ["BitPipeConfigError", "build_parser", "parse_args", "validate", "padded_vocab_size"]
 
@@ -125,6 +126,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the data-parallel gradient reduction (always on with bitpipe)")
     add_bitpipe_args(parser)
+    add_data_parallel_args(parser)
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -339,6 +341,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
     if not problems:  # later rules divide by these sizes
         problems += bitpipe_arg_problems(args)
         problems += _pipeline_problems(args)
+        problems += abs_sgd_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
     problems += _data_problems(args)

@@ -12,7 +12,8 @@ a broadcast.
 
 **Megatron indexed datasets** (``--data-path``) come from megatron-core's
 ``BlendedMegatronDatasetBuilder`` (:func:`indexed_datasets`): ``--train-iters`` and
-``--eval-iters`` global batches of samples, the blend and ``--split`` of the flags.
+``--eval-iters`` global batches of samples (ABS-SGD: as far as any replica's stream can
+reach, :func:`~.abs_sgd.dataset_train_samples`), the blend and ``--split`` of the flags.
 
 **Evaluation** always runs on the first ``--eval-iters`` global batches of the validation
 set, so successive validation losses are comparable and do not depend on resumes.
@@ -37,6 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..megatron_args import BitPipeConfigError
+from .abs_sgd.args import dataset_train_samples
 
 __all__ = ["BYTE_LEVEL_TOKENIZER", "build_tokenizer", "indexed_datasets", "microbatches", "collate"]
 
@@ -98,7 +100,7 @@ def indexed_datasets(args: argparse.Namespace, tokenizer, dataset_class, config_
         mmap_bin_files=True,
         **fields,
     )
-    samples = [args.train_iters * args.global_batch_size, args.eval_iters * args.global_batch_size, 0]
+    samples = [dataset_train_samples(args), args.eval_iters * args.global_batch_size, 0]
     train, valid, _ = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
     return train, (valid if args.eval_iters > 0 else None)
 

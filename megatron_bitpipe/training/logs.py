@@ -8,7 +8,8 @@ gathered from the loss ranks by the loop). One :class:`IterationRecord` per iter
 * ``--log-json PATH``: one JSON object per iteration with ``iteration``,
   ``consumed_samples``, ``elapsed_ms``, ``tokens_per_second``, ``lr``, ``grad_norm``,
   ``loss_scale``, ``skipped``, one key per loss (``"lm loss"`` -> ``lm_loss``) and, after an
-  evaluation, ``validation_<loss>`` (e.g. ``validation_lm_loss``). A resumed run appends;
+  evaluation, ``validation_<loss>`` (e.g. ``validation_lm_loss``), and the mode's own
+  fields (:attr:`IterationRecord.extra`; ABS-SGD's ``abs_*``). A resumed run appends;
 * ``--tensorboard-dir``: the same scalars, when TensorBoard is installed (a warning otherwise).
 """
 
@@ -37,7 +38,8 @@ class IterationRecord:
     Units: ``elapsed_ms`` wall-clock milliseconds of the iteration on rank 0; ``lr`` the
     learning rate of this iteration's update; ``grad_norm`` the global L2 norm before clipping
     (None when megatron did not compute it); ``validation`` the losses of an evaluation run
-    right after this iteration, if any.
+    right after this iteration, if any; ``extra`` further JSON fields of a data-parallel
+    mode, also shown on the progress line (lists as ``a/b/c``).
     """
 
     iteration: int
@@ -50,6 +52,7 @@ class IterationRecord:
     skipped: bool
     losses: Dict[str, float]
     validation: Dict[str, float] = field(default_factory=dict)
+    extra: Dict[str, object] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         out = {
@@ -64,7 +67,14 @@ class IterationRecord:
         }
         out.update({json_key(name): value for name, value in self.losses.items()})
         out.update({f"validation_{json_key(name)}": value for name, value in self.validation.items()})
+        out.update(self.extra)
         return out
+
+
+def _shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "/".join(_shown(v) for v in value)
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
 class TrainingLogger:
@@ -123,6 +133,7 @@ class TrainingLogger:
         if last.grad_norm is not None:
             fields.append(f"grad norm: {last.grad_norm:.3f}")
         fields.append(f"number of skipped iterations: {len(records) - len(done):3d}")
+        fields += [f"{key.replace('_', ' ')}: {_shown(value)}" for key, value in last.extra.items() if value is not None]
         log(" " + " | ".join(fields) + " |")
 
     def _validation(self, record: IterationRecord) -> None:
