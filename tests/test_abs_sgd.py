@@ -109,7 +109,15 @@ def test_zero_delay_with_equal_counts_is_synchronous_bit_for_bit(runs, layout):
             assert torch.equal(rank_zero["params"][name], value), name
 
 
-def _assert_replayed(runs, name: str, delay: int = 1, atol: float = 5e-6):
+#: fp32 ranks vs the fp64 replay: the largest difference measured was 2e-7
+REPLAY_ATOL = 1e-6
+
+
+def _max_difference(per_rank: List[dict], expected: dict) -> float:
+    return max((value.double() - expected[param]).abs().max().item() for rank in per_rank for param, value in rank["params"].items())
+
+
+def _assert_replayed(runs, name: str, delay: int = 1):
     case = _case_named(name)
     per_rank = runs[name]
     records = _records(per_rank)
@@ -117,11 +125,7 @@ def _assert_replayed(runs, name: str, delay: int = 1, atol: float = 5e-6):
     assert len(batches) == case.iterations - delay
     model = [*MODEL, "--train-iters", str(case.iterations)]  # the single process: no parallelism flags
     expected = launch(replay, 1, model, batches, delay, case.iterations, timeout=600)[0]
-    for rank in per_rank:
-        for param, value in rank["params"].items():
-            want = expected[param]
-            diff = (value.double() - want).abs().max().item()
-            assert diff <= atol + 1e-5 * want.abs().max().item(), f"rank {rank} {param}: max |diff| {diff}"
+    assert _max_difference(per_rank, expected) <= REPLAY_ATOL
     return records, batches
 
 
@@ -141,6 +145,10 @@ def _assert_streams(per_rank: List[dict], dp: int):
 
 def test_adaptive_time_trigger_replays_exactly(runs):
     records, batches = _assert_replayed(runs, "time_dp4")
+    # the check discriminates: the same batches applied without delay end elsewhere
+    model = [*MODEL, "--train-iters", "6"]
+    undelayed = launch(replay, 1, model, batches, 0, len(batches), timeout=600)[0]
+    assert _max_difference(runs["time_dp4"], undelayed) > 100 * REPLAY_ATOL
     _assert_streams(runs["time_dp4"], dp=4)
     counts = [len(batch[r]) for batch in batches for r in range(4)]
     assert min(counts) >= 1 and max(counts) <= 6
