@@ -20,7 +20,13 @@ setup(
     packages=find_packages(include=["megatron_bitpipe", "megatron_bitpipe.*"]),
     install_requires=["megatron-core==0.16.*", "torch>=2.6", "numpy"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10"],
+        "test": [
+            "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10",
+            "schedulefree==1.4.*",  # --optimizer schedulefree_adamw and its reference
+            "pytorch-optimizer>=4.1",  # REX oracle
+        ],
+        # --optimizer schedulefree_adamw
+        "schedulefree": ["schedulefree==1.4.*"],
         # exhaustive schedule search (scripts/optimal_schedule.py)
         "search": ["ortools>=9.10"],
         "plot": ["matplotlib>=3.7"],

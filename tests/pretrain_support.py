@@ -98,3 +98,35 @@ def main_in_process(task: str, argv: List[str]):
         status = main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
     dist.barrier()  # every rank got here: nobody waits in a collective of the failed run
     return status, stderr.getvalue()
+
+
+def main_signalled(task: str, argv: List[str], signal_rank: int, signal_call: int) -> int:
+    """Rank body: the script's main() (its exit status); rank ``signal_rank`` sends itself
+    SIGUSR1 in its ``signal_call``-th call of the task's forward step, as SLURM's warning
+    signal would arrive in the middle of an iteration, on some ranks first."""
+    import signal
+
+    import torch.distributed as dist
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import main
+
+    the_task = make_task(task)
+    forward_step, calls = the_task.forward_step, [0]
+
+    def signalling_forward_step(*args, **kwargs):
+        calls[0] += 1
+        if dist.get_rank() == signal_rank and calls[0] == signal_call:
+            signal.raise_signal(signal.SIGUSR1)
+        return forward_step(*args, **kwargs)
+
+    the_task.forward_step = signalling_forward_step
+    return main(the_task, argv, cpu_fallback=enable_cpu_megatron)
+
+
+def main_status(task: str, argv: List[str]) -> int:
+    """Rank body: the script's main(), its exit status."""
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import main
+
+    return main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)

@@ -129,6 +129,21 @@ def test_optimus2d_is_not_wired_into_megatron_lm_scripts():
         validate_megatron_lm_args(megatron_lm_args("--tensor-parallel-mode", "optimus2d", tensor_model_parallel_size=4, pipeline_model_parallel_size=1))
 
 
+def test_optimizer_flags_on_megatron_lm():
+    """The optimizers' flags exist on Megatron-LM's parser; 1-bit LAMB needs bitpipe there."""
+    args = megatron_lm_args("--onebit-freeze-iters", "2", "--rex-beta", "0.3", optimizer="onebit_lamb", pipeline_model_parallel_size=2, world_size=2)
+    assert args.onebit_freeze_iters == 2 and args.rex_beta == 0.3 and args.lamb_max_coeff == 10.0
+    with pytest.raises(BitPipeConfigError, match="--optimizer onebit_lamb runs in Megatron-LM's scripts with --pipeline-schedule bitpipe only"):
+        validate_megatron_lm_args(args)
+    args.pipeline_schedule = "bitpipe"
+    validate_megatron_lm_args(args)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--optimizer", choices=["adam", "sgd"])
+    parser.add_argument("--lr-decay-style", choices=["linear", "cosine"])
+    parsed = add_megatron_lm_args(parser).parse_args(["--optimizer", "lamb", "--lr-decay-style", "rex"])
+    assert parsed.optimizer == "lamb" and parsed.lr_decay_style == "rex"
+
+
 class _Layer(torch.nn.Module):
     def __init__(self, layer_number: int):
         super().__init__()

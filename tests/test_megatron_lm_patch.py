@@ -31,7 +31,7 @@ def test_patch_is_small_and_only_calls_the_plugin():
     text = PATCH.read_text()
     assert re.findall(r"^diff --git a/(\S+) b/", text, re.M) == PATCHED_FILES
     added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
-    assert len(added) <= 25
+    assert len(added) <= 40
     imports = [line.strip() for line in added if "import" in line]
     assert imports and all(line.startswith("from megatron_bitpipe.megatron_lm.") for line in imports)
 

@@ -12,7 +12,9 @@ the 7 digits Megatron-LM prints):
 * resuming that checkpoint (``--load``, ``--ckpt-step 2``) continues the same loss curve;
 * patch route: a copy of the checkout patched by ``scripts/apply_megatron_patch.py``,
   pipeline 4 (4 ranks);
-* invalid flags stop every rank with one error line before torch.distributed starts.
+* invalid flags stop every rank with one error line before torch.distributed starts;
+* ``--optimizer lamb --lr-decay-style rex`` and ``--optimizer schedulefree_adamw``: BitPipe
+  (pipeline 4) trains like the default schedule (pipeline 2) with the same optimizer.
 
 (pretrain_bert.py at core_v0.16.1 imports Transformer Engine's BERT layer spec when it is
 loaded, so it cannot run on a CPU machine at all.)
@@ -121,3 +123,20 @@ def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):
     assert "--use-distributed-optimizer cannot be used with --pipeline-schedule bitpipe" in run.output
     assert "initializing torch distributed" not in run.output
 
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        ["--optimizer", "lamb", "--lr-decay-style", "rex"],
+        ["--optimizer", "schedulefree_adamw", "--lr-decay-style", "constant", "--lr-warmup-iters", "2"],
+    ],
+    ids=["lamb_rex", "schedulefree_adamw"],
+)
+def test_runtime_route_optimizers_bitpipe_equals_default_schedule(checkout, workdir, optimizer):
+    """LAMB with REX decay and Schedule-Free AdamW (validation on its averaged weights) inside
+    Megatron-LM's loop: BitPipe over 4 pipeline ranks trains like the default schedule."""
+    default = _ok(torchrun(checkout / "pretrain_gpt.py", 2, [*TINY_GPT, *optimizer, "--pipeline-model-parallel-size", "2", "--layout-independent-init"], workdir))
+    bitpipe = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*TINY_GPT, *optimizer, *BITPIPE, "--pipeline-model-parallel-size", "4"], workdir))
+    _assert_same_curve(bitpipe, default)

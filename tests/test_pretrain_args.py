@@ -53,6 +53,8 @@ BAD = [
     (["--lr-warmup-iters", "4"], 1, "--lr-warmup-iters 4 must be smaller than --lr-decay-iters 4"),
     (["--save-interval", "2"], 1, "--save-interval needs --save DIR"),
     (["--ckpt-step", "2"], 1, "--ckpt-step needs --load DIR"),
+    (["--exit-interval", "0"], 1, "--exit-interval must be positive"),
+    (["--exit-duration-in-mins", "-1"], 1, "--exit-duration-in-mins must be positive"),
     (["--tokenizer-type", "GPT2BPETokenizer"], 1, "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
     (["--data-path", "corpus_text_document", "--mock-data", "--tokenizer-type", "NullTokenizer"], 1, "--mock-data and --data-path are mutually exclusive"),
     (["--data-path", "corpus_text_document"], 1, "--data-path needs --tokenizer-type"),
@@ -64,6 +66,15 @@ def test_bad_flags_name_the_flag(extra, world_size, message):
     with pytest.raises(BitPipeConfigError) as info:
         parse(*extra, world_size=world_size)
     assert message in str(info.value)
+
+
+def test_exit_flags_take_megatron_lm_spellings(capsys):
+    args = parse("--exit-signal-handler", "--exit-signal", "SIGUSR1", "--exit-interval", "5", "--exit-duration-in-mins", "0.5")
+    assert (args.exit_signal_handler, args.exit_signal, args.exit_interval, args.exit_duration_in_mins) == (True, "SIGUSR1", 5, 0.5)
+    assert parse().exit_signal == "SIGTERM" and not parse().exit_signal_handler
+    with pytest.raises(SystemExit):
+        parse("--exit-signal", "USR1")
+    assert "--exit-signal: invalid choice: 'USR1'" in capsys.readouterr().err
 
 
 def test_mock_data_needs_a_vocabulary():

@@ -14,7 +14,8 @@ Benchmark helpers (the library never imports them):
   group size and payload bytes. :meth:`CollectiveMeter.wire_bytes` turns the log into the
   bytes one rank receives with bandwidth-optimal algorithms (ring all-reduce
   ``2(p−1)/p·n``; all-gather, reduce-scatter, broadcast and reduce ``(p−1)/p·n`` with ``n``
-  the full tensor), the usual "bandwidth term" of communication cost.
+  the full tensor; all-to-all ``(p−1)/p·n`` with ``n`` the rank's input), the usual
+  "bandwidth term" of communication cost.
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ _PAYLOAD: Dict[str, Callable] = {
     "reduce_scatter_tensor": lambda a, k: _nbytes(a[1]),
     "_reduce_scatter_base": lambda a, k: _nbytes(a[1]),
     "reduce_scatter": lambda a, k: sum(_nbytes(t) for t in a[1]),
+    "all_to_all_single": lambda a, k: _nbytes(a[1]),
 }
 _CANONICAL = {
     "all_gather_into_tensor": "all_gather",

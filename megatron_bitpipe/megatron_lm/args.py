@@ -1,7 +1,10 @@
 """megatron-bitpipe's flags on Megatron-LM's command line, and the rules of its training loop.
 
 :func:`add_megatron_lm_args` is an ``extra_args_provider``: it adds the plugin's flags
-(:func:`megatron_bitpipe.megatron_args.add_bitpipe_args`) and ``--layout-independent-init``.
+(:func:`megatron_bitpipe.megatron_args.add_bitpipe_args`), ``--layout-independent-init`` and
+the optimizer flags (:func:`megatron_bitpipe.optimizers.add_optimizer_args`), and extends the
+choices of Megatron-LM's ``--optimizer`` (``lamb``, ``onebit_lamb``,
+``schedulefree_adamw``), ``--lr-decay-style`` and ``--lr-wsd-decay-style`` (``rex``).
 :func:`chain_args_provider` puts it after a script's own provider.
 
 :func:`validate_megatron_lm_args` runs after Megatron-LM's ``validate_args`` (which fills in
@@ -17,6 +20,7 @@ import argparse
 from typing import Callable, List, Optional
 
 from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
+from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 
 __all__ = ["add_megatron_lm_args", "chain_args_provider", "validate_megatron_lm_args", "layout_independent_init"]
 
@@ -53,8 +57,21 @@ _BITPIPE_CONFLICTS = (
 _PARALLEL_SIZES = {"context_parallel_size", "expert_model_parallel_size"}
 
 
+def _extend_choices(parser: argparse.ArgumentParser, flag: str, extra) -> None:
+    """Add ``extra`` to the choices of Megatron-LM's ``flag`` (if the parser has that flag)."""
+    action = parser._option_string_actions.get(flag)
+    if action is not None and action.choices is not None:
+        action.choices = list(action.choices) + [c for c in extra if c not in action.choices]
+
+
 def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--pipeline-schedule``, ``--tensor-parallel-mode`` and ``--layout-independent-init``."""
+    """Add ``--pipeline-schedule``, ``--tensor-parallel-mode``, ``--layout-independent-init``
+    and the optimizer flags; extend ``--optimizer``, ``--lr-decay-style`` and
+    ``--lr-wsd-decay-style``."""
+    _extend_choices(parser, "--optimizer", OPTIMIZERS)
+    _extend_choices(parser, "--lr-decay-style", [REX])
+    _extend_choices(parser, "--lr-wsd-decay-style", [REX])
+    add_optimizer_args(parser)
     parser = add_bitpipe_args(parser)
     group = parser.add_argument_group(title="megatron-bitpipe (Megatron-LM)")
     group.add_argument(
@@ -86,6 +103,8 @@ def layout_independent_init(args: argparse.Namespace) -> bool:
 def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     """Raise :class:`BitPipeConfigError` naming every flag that breaks a rule (no communication)."""
     problems: List[str] = bitpipe_arg_problems(args)
+    schedule = "bitpipe" if getattr(args, "pipeline_schedule", "default") == "bitpipe" else "megatron"
+    problems += optimizer_problems(args, schedule=schedule, megatron_lm=True)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(
             "--tensor-parallel-mode optimus2d is not available through Megatron-LM's scripts (their "

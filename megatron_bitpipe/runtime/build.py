@@ -13,11 +13,12 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from ..optimizers import OptimizerChoice, build_megatron_optimizer
 from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
 from .groups import ParallelGrid, PipelineGroups
@@ -122,12 +123,13 @@ def build_pipeline_model(
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config, reduce_gradients), groups, specs, config)
 
 
-def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig):
-    """megatron-core's optimizer over all chunks; grad norm over the model-parallel group.
+def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, choice: OptimizerChoice = OptimizerChoice()):
+    """megatron-core's optimizer (``choice``: Adam, or one of
+    :mod:`megatron_bitpipe.optimizers`) over all chunks; grad norm over the model-parallel group.
 
     Parameters of the second replica are marked ``shared`` (:mod:`.replicas`), so the norm
     and clipping count every logical parameter once.
     """
-    return get_megatron_optimizer(
-        optimizer_config, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
+    return build_megatron_optimizer(
+        optimizer_config, choice, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
     )

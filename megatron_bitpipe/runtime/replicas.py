@@ -43,6 +43,7 @@ from megatron.core.utils import unwrap_model
 
 __all__ = [
     "microbatches_per_replica",
+    "ChunkDistributedDataParallel",
     "wrap_ddp",
     "stage_order",
     "mark_replica_parameters",
@@ -67,14 +68,39 @@ def microbatches_per_replica(num_microbatches: int, placement: Placement) -> int
     return num_microbatches // pipelines
 
 
+class ChunkDistributedDataParallel(DistributedDataParallel):
+    """megatron DDP whose gradient synchronisation an optimizer may take over.
+
+    ``gradient_exchange`` is None (megatron's all-reduce over the grad-sync group) or an object
+    with ``start()`` and ``finish()`` that replaces it: ``start_grad_sync`` (BitPipe's eager
+    ``SYNC``) calls ``start()``, ``finish_grad_sync`` (megatron's ``finalize_model_grads``)
+    calls ``finish()``, which must also work without a preceding ``start()``. 1-bit LAMB's
+    compression stage installs its momentum exchange here
+    (:class:`megatron_bitpipe.optimizers.onebit_lamb.ChunkMomentum`).
+    """
+
+    gradient_exchange = None
+
+    def start_grad_sync(self, *unused):
+        if self.gradient_exchange is None:
+            return super().start_grad_sync(*unused)
+        self.gradient_exchange.start()
+
+    def finish_grad_sync(self, force_all_reduce: bool = False):
+        if self.gradient_exchange is None:
+            return super().finish_grad_sync(force_all_reduce=force_all_reduce)
+        self.gradient_exchange.finish()
+
+
 def wrap_ddp(
     chunks: Sequence[torch.nn.Module],
     groups: PipelineGroups,
     config: TransformerConfig,
     ddp_config: DistributedDataParallelConfig,
     reduce_gradients: bool = True,
-) -> List[DistributedDataParallel]:
-    """One megatron DDP per chunk, reducing over the chunk's grad-sync group.
+) -> List[ChunkDistributedDataParallel]:
+    """One megatron DDP (:class:`ChunkDistributedDataParallel`) per chunk, reducing over the
+    chunk's grad-sync group.
 
     ``reduce_gradients=False``: each DDP's data-parallel group is this rank alone, so the
     gradient buffers keep this rank's own gradients after a step and the caller reduces
@@ -92,7 +118,7 @@ def wrap_ddp(
         raise NotImplementedError("the distributed optimizer is not supported with per-chunk grad-sync groups")
     collections = groups.model_pgs if reduce_gradients else [_without_data_parallel(pgs) for pgs in groups.model_pgs]
     return [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
+        ChunkDistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
         for chunk, pgs in zip(chunks, collections)
     ]
 

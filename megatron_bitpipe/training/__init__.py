@@ -7,7 +7,8 @@
   datasets); :mod:`.gpt` — :class:`~.gpt.GPTTask`, its model, data and loss;
   :mod:`.bert` — :class:`~.bert.BertTask`, its data and loss; :mod:`.model` — the model from the common flags;
 * :mod:`.arguments` — Megatron-LM's flags and their checks;
-* :mod:`.config` — megatron-core configs (model, DDP, Adam, learning-rate schedule);
+* :mod:`.config` — megatron-core configs (model, DDP, optimizer — Adam or one of
+  :mod:`megatron_bitpipe.optimizers` —, learning-rate schedule);
 * :mod:`.schedule` — BitPipe or megatron-core's own schedules on the model's groups;
 * :mod:`.data` — tokenizers, Megatron indexed datasets, global-batch order, micro-batches;
   :mod:`.preprocess` — text to Megatron indexed datasets (``scripts/preprocess_data.py``)
@@ -15,7 +16,8 @@
 * :mod:`.checkpoint` — layout-independent checkpoints; :mod:`.sharding` — full tensors
   from the TP blocks (1-D and Optimus 2D);
 * :mod:`.logs` — Megatron-style lines, JSON lines, TensorBoard; :mod:`.distributed` —
-  torch.distributed start-up under torchrun or alone.
+  torch.distributed start-up under torchrun or alone;
+* :mod:`.exit_conditions` — Megatron-LM's early exits (signal, time budget, interval).
 
 See ``docs/running.md`` and ``docs/checkpoints.md``.
 """

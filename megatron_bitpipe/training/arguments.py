@@ -27,13 +27,15 @@ import argparse
 import importlib.util
 import math
 import os
+import signal
 from typing import List, Optional, Sequence
 
 from ..megatron_args import MICROBATCHES_SOURCE, PLAN_SCHEDULES, BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems
+from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 from .abs_sgd.args import abs_sgd_problems, add_data_parallel_args
 
-__all__ = ["BitPipeConfigError", "build_parser", "parse_args", "validate", "padded_vocab_size"]
+__all__ = ["BitPipeConfigError", "EXIT_SIGNALS", "build_parser", "parse_args", "validate", "padded_vocab_size"]
 
 #: --tokenizer-type -> the file flags it needs
 TOKENIZER_FILES = {
@@ -50,6 +52,10 @@ TOKENIZER_FILES = {
 }
 #: the fewest tokens of ByteLevelTokenizer's vocabulary (one per byte)
 BYTE_VOCAB = 256
+
+
+#: names ``--exit-signal`` accepts (Megatron-LM's spelling: ``SIGTERM``, ``SIGUSR1``, ...)
+EXIT_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
 def _flag(dest: str) -> str:
@@ -100,15 +106,24 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     group.add_argument("--lr", type=float, required=True)
     group.add_argument("--min-lr", type=float, default=0.0)
-    group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"), default="linear")
+    group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", REX), default="linear")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
     group.add_argument("--lr-warmup-init", type=float, default=0.0)
+    group.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--clip-grad", type=float, default=1.0)
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--exit-interval", type=int, default=None, help="save and exit 0 after every iteration divisible by this")
+    group.add_argument(
+        "--exit-duration-in-mins", type=float, default=None, help="save and exit 0 after the first iteration ending this many minutes after start"
+    )
+    group.add_argument(
+        "--exit-signal-handler", action="store_true", help="on --exit-signal: finish the iteration, save and exit 0"
+    )
+    group.add_argument("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM", metavar="SIGNAL", help="e.g. SIGTERM (default), SIGUSR1")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -165,6 +180,7 @@ def build_parser(task=None, prog: Optional[str] = None) -> argparse.ArgumentPars
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_checkpoint_args, _add_data_args):
         add(parser)
+    add_optimizer_args(parser)
     if task is not None:
         task.add_arguments(parser)
     return parser
@@ -304,6 +320,9 @@ def _schedule_problems(args) -> List[str]:
         problems.append("--eval-iters must be >= 0")
     if args.eval_iters > 0 and args.eval_interval <= 0:
         problems.append("--eval-interval must be positive (or set --eval-iters 0)")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            problems.append(f"{_flag(name)} must be positive")
     if args.ckpt_step is not None and args.load is None:
         problems.append("--ckpt-step needs --load DIR")
     if args.save_interval is not None:
@@ -344,6 +363,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
         problems += abs_sgd_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
+    problems += optimizer_problems(args, schedule=args.schedule)
     problems += _data_problems(args)
     if task is not None:
         problems += task.validate(args)

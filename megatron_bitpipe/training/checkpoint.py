@@ -3,7 +3,9 @@
 A checkpoint stores the *full* (single-process) model under megatron-core's global parameter
 names (:mod:`megatron_bitpipe.runtime.layout`), each logical parameter once whatever the
 number of weight replicas (BitPipe's two), data-parallel copies, tied copies or TP blocks,
-with its Adam moments. Any other layout of the same model (another pipeline size or
+with its optimizer state (Adam or LAMB moments, Schedule-Free's ``z``/``y``, 1-bit LAMB's
+frozen and fresh variances and coefficients; parameter-group state such as Schedule-Free's
+step count and averaging weights in ``common.pt``). Any other layout of the same model (another pipeline size or
 schedule, TP size or mode, data-parallel size, a single process) loads it by taking its own
 blocks. See ``docs/checkpoints.md`` for the directory format.
 
@@ -19,13 +21,14 @@ import json
 import os
 import random
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from ..optimizers import megatron_parts
 from ..runtime.build import PipelineModel
 from ..runtime.layout import full_shape, to_global_name, tp_block
 from megatron.core.utils import unwrap_model
@@ -89,14 +92,14 @@ class _Blocks:
         return gather_full(local, param, self.tp)
 
 
-def _adam_slots(optimizer) -> Dict[int, Tuple[torch.optim.Optimizer, torch.Tensor]]:
+def _optimizer_slots(optimizer) -> Dict[int, Tuple[torch.optim.Optimizer, torch.Tensor]]:
     """``id(model parameter) -> (torch optimizer, main parameter)`` of a megatron optimizer.
 
     The main parameter is the fp32 copy of mixed-precision optimizers and the model
-    parameter itself otherwise; its entry of ``optimizer.state`` holds the Adam moments.
+    parameter itself otherwise; its entry of ``optimizer.state`` holds the optimizer state.
     """
     slots = {}
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for part in megatron_parts(optimizer):
         inner = part.optimizer
         if hasattr(part, "float16_groups"):
             for models, mains in zip(part.float16_groups, part.fp32_from_float16_groups):
@@ -114,26 +117,42 @@ def _group_of(inner: torch.optim.Optimizer, main: torch.Tensor) -> dict:
 
 
 def _per_parameter_step(inner: torch.optim.Optimizer) -> bool:
-    """torch's Adam/AdamW count steps per parameter; apex/TE fused Adam per parameter group."""
-    return type(inner).__module__.startswith("torch.optim")
+    """torch's Adam/AdamW and this package's optimizers count steps per parameter; apex/TE
+    fused Adam per parameter group."""
+    return type(inner).__module__.startswith(("torch.optim", "megatron_bitpipe"))
 
 
-def _adam_entry(inner, main, param, blocks: _Blocks) -> Dict[str, object]:
+def _state_entry(inner, main, param, blocks: _Blocks) -> Dict[str, object]:
+    """The optimizer state of one logical parameter: tensors shaped like the parameter
+    (moments, Schedule-Free's ``z``/``y``, ...) as full tensors, scalars as numbers."""
     state = inner.state.get(main, {})
-    entry = {key: blocks.gather(state[key], param) for key in ("exp_avg", "exp_avg_sq") if key in state}
-    if "step" in state:
-        entry["step"] = int(state["step"])
-    elif "step" in _group_of(inner, main):
+    entry: Dict[str, object] = {}
+    for key, value in state.items():
+        if key == "step":
+            entry[key] = int(value)
+        elif torch.is_tensor(value) and value.shape == main.shape and value.dim() > 0:
+            entry[key] = blocks.gather(value, param)
+        elif torch.is_tensor(value):
+            entry[key] = value.item()
+        else:
+            entry[key] = value
+    if "step" not in entry and "step" in _group_of(inner, main):
         entry["step"] = int(_group_of(inner, main)["step"])
     return entry
 
 
-def _set_adam_state(inner, main, entry: dict, block) -> None:
-    if "exp_avg" not in entry:
-        return
+_WEIGHTS = ("param", "main_param")
+
+
+def _set_optimizer_state(inner, main, entry: dict, block) -> None:
     state = inner.state[main]
-    for key in ("exp_avg", "exp_avg_sq"):
-        state[key] = block(entry[key]).to(device=main.device, dtype=main.dtype).clone()
+    for key, value in entry.items():
+        if key in _WEIGHTS or key == "step":
+            continue
+        if torch.is_tensor(value):
+            state[key] = block(value).to(device=main.device, dtype=main.dtype).clone()
+        else:
+            state[key] = value
     if "step" not in entry:
         return
     group = _group_of(inner, main)
@@ -142,6 +161,42 @@ def _set_adam_state(inner, main, entry: dict, block) -> None:
         state["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32, device=main.device if on_device else "cpu")
     else:
         group["step"] = entry["step"]
+
+
+def _group_states(optimizer) -> List[List[dict]]:
+    """Per megatron part, per parameter group: the group entries that are optimizer state
+    (the torch optimizer's ``group_state``, e.g. Schedule-Free's step count and averaging
+    weights); the same groups exist in every layout."""
+    return [
+        [{key: group[key] for key in getattr(part.optimizer, "group_state", ())} for group in part.optimizer.param_groups]
+        for part in megatron_parts(optimizer)
+    ]
+
+
+def _set_group_states(optimizer, saved: List[List[dict]]) -> None:
+    for part, groups in zip(megatron_parts(optimizer), saved, strict=True):
+        for group, values in zip(part.optimizer.param_groups, groups, strict=True):
+            group.update(values)
+
+
+def _layout_states(optimizer) -> Dict[int, object]:
+    """Per megatron part: this rank's layout-dependent optimizer state (1-bit LAMB's error
+    feedback)."""
+    return {
+        index: part.optimizer.error_feedback_state()
+        for index, part in enumerate(megatron_parts(optimizer))
+        if hasattr(part.optimizer, "error_feedback_state")
+    }
+
+
+def _set_layout_states(optimizer, saved: Optional[Dict[int, object]]) -> List[int]:
+    """Restore :func:`_layout_states` (None: reset them); the parts whose state was reset."""
+    reset = []
+    for index, part in enumerate(megatron_parts(optimizer)):
+        if hasattr(part.optimizer, "load_error_feedback_state"):
+            if not part.optimizer.load_error_feedback_state(None if saved is None else saved.get(index)):
+                reset.append(index)
+    return reset
 
 
 def _rng_state() -> dict:
@@ -166,7 +221,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _grad_scalers(optimizer):
-    return [getattr(part, "grad_scaler", None) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [getattr(part, "grad_scaler", None) for part in megatron_parts(optimizer)]
 
 
 def _rank_file(kind: str, rank: int) -> str:
@@ -185,7 +240,7 @@ def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optim
     directory = checkpoint_dir(root, state.iteration)
     rank, groups = dist.get_rank(), model.groups
     os.makedirs(directory, exist_ok=True)
-    slots, blocks = _adam_slots(optimizer), _Blocks(model)
+    slots, blocks = _optimizer_slots(optimizer), _Blocks(model)
     entries = {}
     with torch.no_grad():
         for name, param in _local_parameters(model):
@@ -195,7 +250,7 @@ def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optim
             entry = {"param": blocks.gather(param.detach(), param)}
             if main is not param:
                 entry["main_param"] = blocks.gather(main.detach(), param)
-            entry.update(_adam_entry(inner, main, param, blocks))
+            entry.update(_state_entry(inner, main, param, blocks))
             if groups.tp_rank == 0:
                 entries[name] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
     index = {}
@@ -204,6 +259,9 @@ def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optim
         torch.save(entries, os.path.join(directory, filename))
         index = {n: {"file": filename, "shape": list(e["param"].shape), "dtype": str(e["param"].dtype)} for n, e in entries.items()}
     torch.save(_rng_state(), os.path.join(directory, _rank_file("rng", rank)))
+    layout_states = _layout_states(optimizer)
+    if layout_states:
+        torch.save(layout_states, os.path.join(directory, _rank_file("optimizer", rank)))
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, index)
     if rank == 0:
@@ -214,11 +272,13 @@ def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optim
                 raise RuntimeError(f"parameters written twice: {sorted(duplicated)}")
             merged.update(part)
         scalers = [s.state_dict() if s is not None else None for s in _grad_scalers(optimizer)]
-        torch.save({"scheduler": scheduler.state_dict(), "grad_scalers": scalers}, os.path.join(directory, COMMON))
+        common = {"scheduler": scheduler.state_dict(), "grad_scalers": scalers, "optimizer_groups": _group_states(optimizer)}
+        torch.save(common, os.path.join(directory, COMMON))
         metadata = {
             "format": FORMAT,
             "version": VERSION,
             "task": task.name,
+            "optimizer": args.optimizer,
             "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
             "model": task.model_signature(args),
@@ -264,6 +324,10 @@ def _check_model(directory: str, metadata: dict, model: PipelineModel, args, tas
     """CheckpointError naming every flag, then every parameter, that differs."""
     if metadata["task"] != task.name:
         raise CheckpointError(f"{directory} holds a {metadata['task']} model, this run trains {task.name}")
+    if metadata.get("optimizer", "adam") != args.optimizer:
+        raise CheckpointError(
+            f"{directory} holds the state of --optimizer {metadata.get('optimizer', 'adam')}, this run uses --optimizer {args.optimizer}"
+        )
     current = json.loads(json.dumps(task.model_signature(args)))
     saved = metadata["model"]
     flags = [f"{flag} is {saved.get(flag)!r} there, {value!r} here" for flag, value in current.items() if saved.get(flag) != value]
@@ -286,10 +350,13 @@ def load_checkpoint(
     """Load checkpoint ``iteration`` (default: the latest) under ``root`` into this run; None
     if there is no checkpoint at all (CheckpointError if the requested one is missing).
 
-    Weights (fp32 main weights when the checkpoint has them), Adam moments and step counts,
-    the learning-rate schedule and fp16 loss scale are loaded whatever the layout; the RNG
-    states only when the layout is the one that saved (otherwise the ranks do not
-    correspond; a log line says so). Reads files only, no communication.
+    Weights (fp32 main weights when the checkpoint has them), optimizer state and step
+    counts, the learning-rate schedule and fp16 loss scale are loaded whatever the layout; the
+    RNG states and 1-bit LAMB's error feedback only when the layout is the one that saved
+    (otherwise the ranks do not correspond; a log line says so; the error feedback restarts
+    from zero). Reads files only, no communication. A Schedule-Free run must load inside
+    :func:`megatron_bitpipe.optimizers.averaged_weights` (checkpoints hold its averaged
+    weights and, as state ``y``, the training weights).
     """
     found = _read_metadata(root, iteration)
     if found is None:
@@ -298,7 +365,7 @@ def load_checkpoint(
     directory, metadata = found
     _check_model(directory, metadata, model, args, task)
     index, shards = metadata["parameters"], {}
-    slots, blocks = _adam_slots(optimizer), _Blocks(model)
+    slots, blocks = _optimizer_slots(optimizer), _Blocks(model)
     with torch.no_grad():
         for name, param in _local_parameters(model):
             filename = index[name]["file"]
@@ -310,7 +377,7 @@ def load_checkpoint(
             param.copy_(value)
             if main is not param:
                 main.copy_(value)
-            _set_adam_state(inner, main, entry, lambda full, p=param: blocks.block(full, p))
+            _set_optimizer_state(inner, main, entry, lambda full, p=param: blocks.block(full, p))
     common = torch.load(os.path.join(directory, COMMON), weights_only=False)
     try:
         scheduler.load_state_dict(common["scheduler"])
@@ -322,7 +389,13 @@ def load_checkpoint(
     for scaler, saved in zip(_grad_scalers(optimizer), common["grad_scalers"]):
         if scaler is not None and saved is not None:
             scaler.load_state_dict(saved)
-    if metadata["layout"] == json.loads(json.dumps(layout_of(args))):
+    _set_group_states(optimizer, common["optimizer_groups"])
+    same_layout = metadata["layout"] == json.loads(json.dumps(layout_of(args)))
+    layout_file = os.path.join(directory, _rank_file("optimizer", dist.get_rank()))
+    layout_states = torch.load(layout_file, weights_only=False) if same_layout and os.path.isfile(layout_file) else None
+    if _set_layout_states(optimizer, layout_states):
+        log(f"loading {directory}: 1-bit LAMB's error feedback restarts from zero (saved in another layout or not at all)")
+    if same_layout:
         _set_rng_state(torch.load(os.path.join(directory, _rank_file("rng", dist.get_rank())), weights_only=False))
     else:
         log(f"loading {directory} into another layout ({metadata['layout']}): RNG states are not restored")

@@ -2,8 +2,10 @@
 
 * :func:`transformer_config` — the ``TransformerConfig`` of the model;
 * :func:`placement_for` — which pipeline placement the chosen schedule runs;
-* :func:`ddp_config`, :func:`optimizer_config`, :func:`lr_scheduler` — DDP, Adam and
-  Megatron's learning-rate / weight-decay schedule (counted in samples, like Megatron-LM).
+* :func:`ddp_config`, :func:`optimizer_config`, :func:`optimizer_choice`,
+  :func:`lr_scheduler` — DDP, the optimizer (``--optimizer``: Adam or one of
+  :mod:`megatron_bitpipe.optimizers`) and Megatron's learning-rate / weight-decay schedule
+  (counted in samples, like Megatron-LM; ``--lr-decay-style rex`` too).
 
 Kernel choices: without a GPU every fused kernel is off (they are CUDA-only); with one, the
 bias-activation and bias-dropout fusions are on and gradient-accumulation fusion follows
@@ -23,10 +25,10 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
 from ..megatron_args import schedule_choice
+from ..optimizers import OptimizerChoice, ParamScheduler
 from ..schedules.placement import Placement
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "placement_for",
     "ddp_config",
     "optimizer_config",
+    "optimizer_choice",
     "lr_scheduler",
     "params_dtype",
 ]
@@ -121,7 +124,9 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
 
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    """Adam with Megatron's flags (fp32 main weights for bf16/fp16)."""
+    """megatron's optimizer config from Megatron's flags (fp32 main weights for bf16/fp16);
+    ``--optimizer`` other than adam reads its hyper-parameters from it
+    (:func:`optimizer_choice`)."""
     return OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
@@ -139,16 +144,26 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     )
 
 
-def lr_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
+def optimizer_choice(args: argparse.Namespace) -> OptimizerChoice:
+    """``--optimizer`` and the flags of :mod:`megatron_bitpipe.optimizers`."""
+    return OptimizerChoice.from_args(args)
+
+
+def lr_scheduler(args: argparse.Namespace, optimizer) -> ParamScheduler:
     """Megatron-LM's scheduler over samples: warm-up and decay lengths are iterations x
-    ``--global-batch-size``; step it by the global batch size after each successful update."""
+    ``--global-batch-size``; step it by the global batch size after each successful update.
+    megatron's class with ``rex`` added (:class:`~megatron_bitpipe.optimizers.ParamScheduler`).
+    With ``--optimizer schedulefree_adamw`` the optimizer warms up itself, so the scheduler
+    has no warm-up (its decay style is ``constant``)."""
     samples = args.global_batch_size
-    return OptimizerParamScheduler(
+    warmup = 0 if args.optimizer == "schedulefree_adamw" else args.lr_warmup_iters
+    return ParamScheduler(
         optimizer,
+        rex_beta=args.rex_beta,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_warmup_steps=warmup * samples,
         lr_decay_steps=args.lr_decay_iters * samples,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,

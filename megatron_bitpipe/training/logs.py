@@ -3,8 +3,8 @@
 Only rank 0 writes; every value it writes is already reduced over the job (losses are
 gathered from the loss ranks by the loop). One :class:`IterationRecord` per iteration:
 
-* stdout, every ``--log-interval`` iterations: Megatron-LM's line (time, throughput and
-  losses averaged over the interval), and Megatron-LM's validation block after an evaluation;
+* stdout, every ``--log-interval`` iterations and after the last one: Megatron-LM's line
+  (time, throughput and losses averaged over the interval), and Megatron-LM's validation block after an evaluation;
 * ``--log-json PATH``: one JSON object per iteration with ``iteration``,
   ``consumed_samples``, ``elapsed_ms``, ``tokens_per_second``, ``lr``, ``grad_norm``,
   ``loss_scale``, ``skipped``, one key per loss (``"lm loss"`` -> ``lm_loss``) and, after an
@@ -155,7 +155,13 @@ class TrainingLogger:
         if record.grad_norm is not None:
             writer.add_scalar("grad-norm", record.grad_norm, step)
 
+    def finish_interval(self) -> None:
+        """Print the line of the iterations logged since the last one (a run that stops early)."""
+        if self.active and self.interval:
+            self._line()
+
     def close(self) -> None:
+        self.finish_interval()
         if self.json is not None:
             self.json.close()
         if self.tensorboard is not None:

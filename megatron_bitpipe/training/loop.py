@@ -5,7 +5,10 @@ tokenizer, starts ``torch.distributed`` (:mod:`.distributed`), asks the
 :class:`~.task.PretrainTask` for the model and the datasets, and trains ``--train-iters``
 iterations with the schedule the flags select (:mod:`.schedule`): evaluation every
 ``--eval-interval`` iterations, logs (:mod:`.logs`), checkpoints every ``--save-interval`` and
-at the end (:mod:`.checkpoint`), resuming from ``--load``.
+at the end (:mod:`.checkpoint`), resuming from ``--load``. Megatron-LM's early exits
+(:mod:`.exit_conditions`: ``--exit-signal-handler``, ``--exit-duration-in-mins``,
+``--exit-interval``) end the loop after an iteration, with a checkpoint when ``--save`` is
+given and exit status 0; a run resumed from that checkpoint continues the same loss curve.
 
 One iteration: zero the gradient buffers, run the forward_backward function on this
 data-parallel rank's micro-batches of the global batch, step the optimizer (grad norm and
@@ -27,16 +30,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
-
+from ..optimizers import averaged_weights, lr_for_logging
 from ..runtime.build import build_optimizer
 from . import distributed
 from .arguments import padded_vocab_size, parse_args
 from .abs_sgd.step import AbsSgdStep, resume_data_parallel
 from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_checkpoint
-from .config import lr_scheduler, optimizer_config, placement_for, use_global_tp_group
+from .config import lr_scheduler, optimizer_choice, optimizer_config, placement_for, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .errors import BitPipeConfigError, CheckpointError
+from .exit_conditions import ExitConditions
 from .logs import IterationRecord, TrainingLogger
 from .schedule import Schedule
 from .task import PretrainTask
@@ -52,13 +55,14 @@ class Trainer:
         self.model = task.build_model(args, placement_for(args))
         self.groups = self.model.groups
         use_global_tp_group(self.groups.tp)
-        self.optimizer = build_optimizer(self.model, optimizer_config(args))
+        self.optimizer = build_optimizer(self.model, optimizer_config(args), optimizer_choice(args))
         self.scheduler = lr_scheduler(args, self.optimizer)
         self.schedule = Schedule(args, self.model, self.optimizer, task)
         self.state = TrainingState()
         loaded = None
         if args.load:
-            loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task, args.ckpt_step)
+            with averaged_weights(self.optimizer):  # checkpoints hold Schedule-Free's averaged weights
+                loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task, args.ckpt_step)
             self.state = loaded or self.state
         self.train_data, self.valid_data = task.build_datasets(args, tokenizer)
         self.abs_sgd = AbsSgdStep(self) if args.data_parallel_mode == "abs-sgd" else None
@@ -96,7 +100,7 @@ class Trainer:
         for chunk in self.model.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
+        lr = lr_for_logging(self.optimizer)
         batches = microbatches(self.train_data, self.state.consumed_train_samples, args, self.groups.dp_rank)
         reports = self.schedule.run(self.task.forward_step, batches, forward_only=False)
         success, grad_norm, _ = self.optimizer.step()
@@ -107,6 +111,11 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.state.iteration += 1
         self.state.consumed_train_samples += args.global_batch_size
+        if args.optimizer == "onebit_lamb" and self.state.iteration == args.onebit_freeze_iters:
+            distributed.log(
+                f"1-bit LAMB: variance frozen after iteration {self.state.iteration}; from now on momenta are averaged "
+                "with 1-bit compression instead of all-reducing gradients (--clip-grad no longer applies)"
+            )
         return IterationRecord(
             iteration=self.state.iteration,
             consumed_samples=self.state.consumed_train_samples,
@@ -120,11 +129,12 @@ class Trainer:
         )
 
     def evaluate(self) -> Dict[str, float]:
-        """Mean losses over the first ``--eval-iters`` validation global batches."""
+        """Mean losses over the first ``--eval-iters`` validation global batches (of
+        Schedule-Free's averaged weights with that optimizer)."""
         for chunk in self.model.chunks:
             chunk.eval()
         reports: List[dict] = []
-        with torch.no_grad():
+        with torch.no_grad(), averaged_weights(self.optimizer):
             for batch in range(self.args.eval_iters):
                 first = batch * self.args.global_batch_size
                 batches = microbatches(self.valid_data, first, self.args, self.groups.dp_rank)
@@ -141,10 +151,13 @@ class Trainer:
     def save(self) -> None:
         if self.abs_sgd is not None:
             self.abs_sgd.save(checkpoint_dir(self.args.save, self.state.iteration))
-        directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
+        with averaged_weights(self.optimizer):  # Schedule-Free saves its averaged weights
+            directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
         distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
 
-    def train(self) -> None:
+    def train(self, exits: ExitConditions) -> None:
+        """Train to ``--train-iters`` or until one of ``exits`` says stop; save at the end
+        unless this iteration was just saved."""
         args = self.args
         saved = self.state.iteration  # nothing new to save unless an iteration runs
         while self.state.iteration < args.train_iters:
@@ -155,6 +168,12 @@ class Trainer:
             if args.save and self._due(args.save_interval):
                 self.save()
                 saved = self.state.iteration
+            reason = exits.reason(self.state.iteration, self.env.device)
+            if reason is not None:
+                self.logger.finish_interval()
+                after = "saving and exiting" if args.save else "exiting without a checkpoint (no --save)"
+                distributed.log(f"stopping after iteration {self.state.iteration} of {args.train_iters}: {reason}; {after}")
+                break
         if args.save and saved != self.state.iteration:
             self.save()
         if self.abs_sgd is not None:
@@ -166,20 +185,23 @@ def pretrain(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fa
     """Train ``task`` as the flags ``argv`` (default ``sys.argv[1:]``) say.
 
     Run on every rank of the job (torchrun) or alone. ``cpu_fallback`` is called when there
-    is no GPU (the scripts pass the CPU compatibility layer). Raises BitPipeConfigError for
-    bad flags (before any communication) and CheckpointError for a checkpoint that does not
-    fit (before anything is loaded).
+    is no GPU (the scripts pass the CPU compatibility layer). ``--exit-signal-handler``'s
+    handler is in place from the end of argument parsing to the end of training. Raises
+    BitPipeConfigError for bad flags (before any communication) and CheckpointError for a
+    checkpoint that does not fit (before anything is loaded).
     """
+    start_time = time.time()
     args = parse_args(task, argv)
-    tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    env = distributed.initialize(args, cpu_fallback)
-    distributed.log(
-        f"{task.name}: {args.schedule} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
-        f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, {args.num_microbatches} micro-batches "
-        f"of {args.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
-    )
-    Trainer(task, args, tokenizer, env).train()
+    with ExitConditions(args, start_time) as exits:
+        tokenizer = build_tokenizer(args)
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+        env = distributed.initialize(args, cpu_fallback)
+        distributed.log(
+            f"{task.name}: {args.schedule} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
+            f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, {args.num_microbatches} micro-batches "
+            f"of {args.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
+        )
+        Trainer(task, args, tokenizer, env).train(exits)
     dist.destroy_process_group()
 
 

@@ -3,10 +3,26 @@
 #
 #   bash scripts/slurm/torchrun_job.sh scripts/pretrain_gpt.py [Megatron flags...]
 #
-# Called by the *.sbatch templates; also works inside `salloc`. Environment:
-#   GPUS_PER_NODE  processes (GPUs) per node (default: 8)
-#   MASTER_ADDR    rendezvous host (default: the allocation's first node)
-#   MASTER_PORT    rendezvous port (default: 29500)
+# The *.sbatch templates `exec` it, so that it is the batch shell: it receives the warning
+# signal SLURM sends before the time limit (#SBATCH --signal=B:USR1@SECONDS) and passes it on to
+# the training processes (torchrun itself ignores it), which finish their iteration, save a
+# checkpoint and exit 0 (--exit-signal-handler --exit-signal SIGUSR1). Then, if training is
+# not finished, it requeues the job (scontrol requeue; the job needs --requeue), and the
+# requeued job resumes from the latest checkpoint. Also works inside `salloc`.
+#
+# Environment (all optional):
+#   NPROC_PER_NODE  processes per node (default: the GPUs SLURM gave this node, else 1)
+#   OMP_NUM_THREADS CPU threads per process (default: the task's CPUs, at most this node's
+#                   usable cores, divided by NPROC_PER_NODE; at least 1)
+#   MASTER_ADDR     rendezvous host (default: the allocation's first node)
+#   MASTER_PORT     rendezvous port (default: 20000 + job id modulo 20000)
+#   EXIT_SIGNAL     the warning signal to pass on, without SIG (default: USR1)
+#   CKPT_DIR, TRAIN_ITERS
+#                   with both set (the templates set them) and REQUEUE=1 (default), a run
+#                   that exits 0 after saving a checkpoint short of TRAIN_ITERS in CKPT_DIR
+#                   (Megatron's latest_checkpointed_iteration.txt) requeues the job: after
+#                   the warning signal, --exit-duration-in-mins or --exit-interval alike.
+# Exit status: torchrun's (a failing rank ends the job with its status).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -15,14 +31,22 @@ if [[ $# -lt 1 ]]; then
 fi
 : "${SLURM_JOB_NODELIST:?run inside a SLURM allocation (sbatch or salloc)}"
 
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${SLURM_JOB_NUM_NODES:-1}
+gpus=${SLURM_GPUS_ON_NODE:-0}
+NPROC_PER_NODE=${NPROC_PER_NODE:-$((gpus > 0 ? gpus : 1))}
 MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
-MASTER_PORT=${MASTER_PORT:-29500}
+MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+EXIT_SIGNAL=${EXIT_SIGNAL:-USR1}
+REQUEUE=${REQUEUE:-1}
 
+# Threads: the cores this task may use (SLURM's count, capped by what this node really lets
+# it run on) shared by the node's processes; oversubscribed cores slow every rank down.
+cores=$(nproc)
+task_cpus=${SLURM_CPUS_PER_TASK:-$cores}
+threads=$(( (task_cpus < cores ? task_cpus : cores) / NPROC_PER_NODE ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 # megatron-core: one hardware queue keeps the kernel order its communication overlap expects.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 # NCCL, to adapt to the cluster's fabric:
 # export NCCL_SOCKET_IFNAME=ib0          # interface for NCCL's bootstrap
 # export NCCL_IB_HCA=mlx5                # InfiniBand adapters to use
@@ -31,12 +55,67 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 # export NCCL_DEBUG=WARN                 # INFO to debug hangs
 # export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 
-echo "torchrun on ${NNODES} node(s) x ${GPUS_PER_NODE} GPU(s), rendezvous ${MASTER_ADDR}:${MASTER_PORT}"
+latest_checkpoint() {  # the iteration of CKPT_DIR's latest checkpoint (0: none)
+    local tracker=${CKPT_DIR:-}/latest_checkpointed_iteration.txt value=0
+    [[ -n "${CKPT_DIR:-}" && -f "$tracker" ]] && value=$(tr -d '[:space:]' <"$tracker")
+    [[ "$value" =~ ^[0-9]+$ ]] && echo "$((10#$value))" || echo 0
+}
+
+# The warning signal: pass it on to the training processes now and every 30 s until they
+# exit (one that arrives while they start, before their handler is installed, is ignored).
+warned=0 step="" resender=""
+pass_on() {
+    ((warned)) && return
+    warned=1
+    echo "$(date '+%F %T') received SIG${EXIT_SIGNAL}: passing it on to the training processes"
+    if [[ -n "$step" ]]; then start_resender; fi
+}
+start_resender() {  # srun forwards the signal to every process of the step
+    (while kill -s "$EXIT_SIGNAL" "$step" 2>/dev/null; do sleep 30; done) &
+    resender=$!
+}
+trap pass_on "$EXIT_SIGNAL"
+
+start_checkpoint=$(latest_checkpoint)
+echo "job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}): torchrun on ${NNODES} node(s) x ${NPROC_PER_NODE}" \
+    "process(es), ${OMP_NUM_THREADS} thread(s) each, rendezvous ${MASTER_ADDR}:${MASTER_PORT}," \
+    "latest checkpoint: iteration ${start_checkpoint}"
+echo "+ $*"
+
+# torchrun starts with the warning signal ignored (an ignored signal stays ignored across
+# exec, so its workers start that way too, until the training loop installs its handler).
 srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    bash -c 'trap "" "$0"; exec "$@"' "$EXIT_SIGNAL" \
     torchrun \
     --nnodes="$NNODES" \
-    --nproc-per-node="$GPUS_PER_NODE" \
+    --nproc-per-node="$NPROC_PER_NODE" \
     --rdzv-id="${SLURM_JOB_ID:-bitpipe}" \
     --rdzv-backend=c10d \
     --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}" \
-    "$@"
+    "$@" &
+step=$!
+if ((warned)); then start_resender; fi
+
+# A trapped signal interrupts `wait`; wait again until srun has really ended.
+while :; do
+    status=0
+    wait "$step" || status=$?
+    if [[ $status -gt 128 ]] && kill -0 "$step" 2>/dev/null; then
+        continue
+    fi
+    break
+done
+trap - "$EXIT_SIGNAL"
+if [[ -n "$resender" ]]; then kill "$resender" 2>/dev/null || true; fi
+
+end_checkpoint=$(latest_checkpoint)
+echo "$(date '+%F %T') training processes exited with status ${status}; latest checkpoint: iteration ${end_checkpoint}"
+if [[ $status -eq 0 && $REQUEUE == 1 && -n "${CKPT_DIR:-}" && -n "${TRAIN_ITERS:-}" && -n "${SLURM_JOB_ID:-}" ]] &&
+    ((end_checkpoint > start_checkpoint && end_checkpoint < TRAIN_ITERS)); then
+    echo "training stopped at iteration ${end_checkpoint} of ${TRAIN_ITERS}: requeueing job ${SLURM_JOB_ID} to resume from it"
+    scontrol requeue "$SLURM_JOB_ID" || {
+        echo "could not requeue (submit with --requeue); resubmit the same job to resume" >&2
+        exit 1
+    }
+fi
+exit "$status"

@@ -267,6 +267,11 @@ def abs_sgd_problems(args: argparse.Namespace) -> List[str]:
             f"{mode} does not support --fp16: dynamic loss scaling would unscale a delayed gradient by a later "
             "loss scale; use --bf16 or fp32"
         )
+    if getattr(args, "optimizer", "adam") == "onebit_lamb":
+        problems.append(
+            f"{mode} does not support --optimizer onebit_lamb: its compression stage exchanges momenta instead of "
+            "gradients, and ABS-SGD exchanges the delayed gradients itself"
+        )
     if args.overlap_grad_reduce:
         problems.append(f"{mode} overlaps its own gradient all-reduce with the next iteration: drop --overlap-grad-reduce")
     trigger = args.abs_trigger or "time"

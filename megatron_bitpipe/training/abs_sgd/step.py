@@ -44,8 +44,8 @@ import time
 from typing import List, Optional
 
 import torch
-from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
+from ...optimizers import lr_for_logging
 from ..errors import CheckpointError
 from ..data import collate
 from ..distributed import log
@@ -152,7 +152,7 @@ class AbsSgdStep:
         for chunk in chunks:
             chunk.zero_grad_buffer()
         t.optimizer.zero_grad()
-        lr = get_canonical_lr_for_logging(t.optimizer.param_groups)
+        lr = lr_for_logging(t.optimizer)
         count, divisor, reports = self._compute(started)
         self._synchronize()
         compute_s = time.perf_counter() - started

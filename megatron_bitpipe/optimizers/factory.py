@@ -1,0 +1,342 @@
+"""Building the optimizers of this package the way megatron-core builds its own.
+
+:func:`build_megatron_optimizer` is ``megatron.core.optimizer.get_megatron_optimizer`` for
+``--optimizer adam`` and, for ``lamb``, ``onebit_lamb`` and ``schedulefree_adamw``, does
+what megatron-core does for its optimizers outside the factory (Muon): a torch optimizer over
+megatron's parameter groups (``_get_param_groups``: weight-decay and learning-rate overrides,
+the same groups on every rank), wrapped in ``FP32Optimizer`` or, with ``--bf16``/``--fp16``,
+``Float16OptimizerWithFloat16Params`` (fp32 main parameters, loss scaling), inside a
+``ChainedOptimizer``. Gradient clipping, the grad norm, checkpointing hooks and the
+learning-rate scheduler then work as for Adam. The distributed optimizer, CPU offloading and
+expert parallelism are not supported by these optimizers (refused by
+:func:`optimizer_problems`).
+
+:func:`add_optimizer_args` adds the flags (Megatron-style names that neither Megatron-LM
+core_v0.16.1 nor core_v0.19.0 defines); :func:`optimizer_problems` checks them without
+communication; :func:`averaged_weights` and :func:`lr_for_logging` are what a training loop
+needs besides ``step()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
+
+import torch
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    OptimizerConfig,
+    _get_param_groups,
+    get_megatron_optimizer,
+    get_standard_config_overrides,
+)
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from .lamb import Lamb
+from .onebit_lamb import OnebitLamb
+from .rex import REX
+
+__all__ = [
+    "OPTIMIZERS",
+    "OptimizerChoice",
+    "add_optimizer_args",
+    "optimizer_problems",
+    "build_megatron_optimizer",
+    "averaged_weights",
+    "lr_for_logging",
+    "megatron_parts",
+]
+
+OPTIMIZERS = ("adam", "lamb", "onebit_lamb", "schedulefree_adamw")
+OWN_OPTIMIZERS = OPTIMIZERS[1:]
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """``--optimizer`` and the flags of this package's optimizers (the rest is megatron's
+    ``OptimizerConfig``: lr, betas, eps, weight decay, clipping, precision)."""
+
+    name: str = "adam"
+    lamb_min_coeff: float = 0.01
+    lamb_max_coeff: float = 10.0
+    onebit_freeze_iters: Optional[int] = None
+    sf_warmup_iters: int = 0
+    sf_weight_lr_power: float = 2.0
+    sf_r: float = 0.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "OptimizerChoice":
+        return cls(
+            name=args.optimizer,
+            lamb_min_coeff=args.lamb_min_coeff,
+            lamb_max_coeff=args.lamb_max_coeff,
+            onebit_freeze_iters=args.onebit_freeze_iters,
+            sf_warmup_iters=args.lr_warmup_iters or 0,
+            sf_weight_lr_power=args.sf_weight_lr_power,
+            sf_r=args.sf_r,
+        )
+
+
+def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of REX, LAMB, 1-bit LAMB and Schedule-Free AdamW (not ``--optimizer`` or
+    ``--lr-decay-style`` themselves, whose choices the caller owns)."""
+    group = parser.add_argument_group(title="megatron-bitpipe optimizers")
+    group.add_argument("--rex-beta", type=float, default=0.5,
+                       help="--lr-decay-style rex: lr = min + (max - min)(1 - z)/(1 - beta z), z the elapsed decay "
+                       "fraction; 0.5 is the REX paper's schedule, 0 linear decay")
+    group.add_argument("--lamb-min-coeff", type=float, default=0.01, help="lamb, onebit_lamb: lower bound of the trust ratio ||w||/||u||")
+    group.add_argument("--lamb-max-coeff", type=float, default=10.0, help="lamb, onebit_lamb: upper bound of the trust ratio")
+    group.add_argument("--onebit-freeze-iters", type=int, default=None,
+                       help="onebit_lamb: iterations of plain LAMB (full-precision gradient all-reduce) before the "
+                       "variance freezes and momenta are exchanged with 1-bit compression")
+    group.add_argument("--sf-weight-lr-power", type=float, default=2.0,
+                       help="schedulefree_adamw: weights of the averaged iterate are lr_max^power during warm-up")
+    group.add_argument("--sf-r", type=float, default=0.0, help="schedulefree_adamw: polynomial weighting power of the average")
+    return parser
+
+
+def optimizer_problems(args: argparse.Namespace, *, schedule: str, megatron_lm: bool = False) -> List[str]:
+    """Every broken rule of the optimizer flags, each naming its flags (no communication).
+
+    ``schedule`` is the pipeline schedule that runs (``bitpipe`` or another); ``megatron_lm``
+    for Megatron-LM's training loop (whose own schedules build megatron's DDP).
+    """
+    problems: List[str] = []
+    name = getattr(args, "optimizer", "adam")
+    if not 0.0 <= args.rex_beta < 1.0:
+        problems.append(f"--rex-beta must lie in [0, 1) (got {args.rex_beta})")
+    if name not in OWN_OPTIMIZERS:
+        return problems
+    for attribute, flag in (
+        ("use_distributed_optimizer", "--use-distributed-optimizer"),
+        ("optimizer_cpu_offload", "--optimizer-cpu-offload"),
+        ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
+        ("num_experts", "--num-experts"),
+    ):
+        if getattr(args, attribute, None):
+            problems.append(f"--optimizer {name} cannot be combined with {flag} (megatron builds that only for Adam and SGD)")
+    if name in ("lamb", "onebit_lamb") and not 0.0 < args.lamb_min_coeff <= args.lamb_max_coeff:
+        problems.append(
+            f"--lamb-min-coeff {args.lamb_min_coeff} and --lamb-max-coeff {args.lamb_max_coeff} must satisfy 0 < min <= max"
+        )
+    if name == "schedulefree_adamw":
+        if importlib.util.find_spec("schedulefree") is None:
+            problems.append("--optimizer schedulefree_adamw needs the schedulefree package: pip install 'megatron-bitpipe[schedulefree]'")
+        if getattr(args, "lr_decay_style", "linear") != "constant":
+            problems.append(
+                f"--optimizer schedulefree_adamw does not decay the learning rate: use --lr-decay-style constant "
+                f"(got {args.lr_decay_style}); --lr-warmup-iters becomes its own warm-up"
+            )
+        if getattr(args, "lr_warmup_init", 0.0):
+            problems.append("--optimizer schedulefree_adamw warms up from 0: --lr-warmup-init must be 0")
+        for attribute, flag in (("lr_warmup_fraction", "--lr-warmup-fraction"), ("lr_warmup_samples", "--lr-warmup-samples")):
+            if getattr(args, attribute, None):
+                problems.append(f"--optimizer schedulefree_adamw takes its warm-up from --lr-warmup-iters, not {flag}")
+    if name == "onebit_lamb":
+        problems += _onebit_problems(args, schedule, megatron_lm)
+    return problems
+
+
+def _onebit_problems(args, schedule: str, megatron_lm: bool) -> List[str]:
+    problems = []
+    if args.onebit_freeze_iters is None or args.onebit_freeze_iters < 1:
+        problems.append("--optimizer onebit_lamb needs --onebit-freeze-iters N >= 1 (iterations of plain LAMB before compression)")
+    why = "the momentum exchange replaces the gradient all-reduce"
+    if getattr(args, "fp16", False):
+        problems.append(f"--optimizer onebit_lamb cannot be combined with --fp16 ({why}, before loss-scale unscaling); use --bf16")
+    if getattr(args, "sequence_parallel", False):
+        problems.append(f"--optimizer onebit_lamb cannot be combined with --sequence-parallel ({why}, before the norms' TP gradient sum)")
+    if getattr(args, "calculate_per_token_loss", False):
+        problems.append(f"--optimizer onebit_lamb cannot be combined with --calculate-per-token-loss ({why})")
+    if schedule != "bitpipe":
+        if megatron_lm:
+            problems.append(
+                "--optimizer onebit_lamb runs in Megatron-LM's scripts with --pipeline-schedule bitpipe only "
+                "(megatron's own schedules build a DDP whose gradient all-reduce cannot be replaced)"
+            )
+        if getattr(args, "overlap_grad_reduce", False):
+            problems.append(
+                f"--optimizer onebit_lamb cannot be combined with --overlap-grad-reduce under the {schedule} schedule "
+                "(megatron's backward hooks would start the gradient all-reduce it replaces)"
+            )
+        if args.pipeline_model_parallel_size > 1 and not getattr(args, "untie_embeddings_and_output_weights", False):
+            problems.append(
+                f"--optimizer onebit_lamb with the {schedule} schedule and --pipeline-model-parallel-size > 1 needs "
+                "--untie-embeddings-and-output-weights (the tied embedding gradients are summed across ranks after the exchange)"
+            )
+    return problems
+
+
+def megatron_parts(optimizer) -> List:
+    """The megatron optimizers inside ``optimizer`` (a ChainedOptimizer's parts, or itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _grad_scaler(config: OptimizerConfig):
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None
+
+
+def _torch_optimizer(config: OptimizerConfig, choice: OptimizerChoice, param_groups: List[dict], tp_group):
+    common = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, weight_decay=config.weight_decay)
+    if choice.name == "lamb":
+        return Lamb(param_groups, min_coeff=choice.lamb_min_coeff, max_coeff=choice.lamb_max_coeff, tp_group=tp_group, **common)
+    if choice.name == "onebit_lamb":
+        return OnebitLamb(
+            param_groups,
+            freeze_step=choice.onebit_freeze_iters,
+            min_coeff=choice.lamb_min_coeff,
+            max_coeff=choice.lamb_max_coeff,
+            tp_group=tp_group,
+            **common,
+        )
+    try:
+        from .schedule_free import ScheduleFreeAdamW
+    except ImportError as error:
+        raise ImportError(
+            "--optimizer schedulefree_adamw needs the schedulefree package: pip install 'megatron-bitpipe[schedulefree]'"
+        ) from error
+    return ScheduleFreeAdamW(
+        param_groups, warmup_steps=choice.sf_warmup_iters, r=choice.sf_r, weight_lr_power=choice.sf_weight_lr_power, **common
+    )
+
+
+class _PerRankOptimizerState:
+    """Mixin for megatron's wrappers of 1-bit LAMB: its per-rank state (error feedback, and the
+    per-parameter coefficients keyed by this rank's parameter ids) becomes one
+    ``ShardedObject`` per rank in megatron's sharded (``torch_dist``) checkpoints, instead of
+    common state that only rank 0 would write."""
+
+    PER_RANK_KEYS = ("coefficients", "error_feedback")
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        state = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        inner = state["optimizer"] if "optimizer" in state else state
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        for key in self.PER_RANK_KEYS:
+            if key in inner:
+                inner[key] = ShardedObject(f"optimizer.onebit_lamb.{key}", inner[key], (world,), (rank,), replica_id=0)
+        return state
+
+
+class _OnebitFP32Optimizer(_PerRankOptimizerState, FP32Optimizer):
+    """``FP32Optimizer`` of 1-bit LAMB (per-rank sharded state)."""
+
+
+class _OnebitFloat16Optimizer(_PerRankOptimizerState, Float16OptimizerWithFloat16Params):
+    """``Float16OptimizerWithFloat16Params`` of 1-bit LAMB (per-rank sharded state)."""
+
+
+def _optimizer_param_of(wrapped) -> Dict[int, torch.Tensor]:
+    """``id(model parameter) -> the parameter the torch optimizer holds for it``."""
+    if isinstance(wrapped, Float16OptimizerWithFloat16Params):
+        mapping = {}
+        for models, mains in zip(wrapped.float16_groups, wrapped.fp32_from_float16_groups):
+            mapping.update({id(m): main for m, main in zip(models, mains)})
+        for group in wrapped.fp32_from_fp32_groups:
+            mapping.update({id(p): p for p in group})
+        return mapping
+    return {id(p): p for group in wrapped.optimizer.param_groups for p in group["params"]}
+
+
+def build_megatron_optimizer(
+    config: OptimizerConfig,
+    choice: OptimizerChoice,
+    model_chunks: List[torch.nn.Module],
+    *,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    config_overrides=None,
+    use_gloo_process_groups: bool = False,
+    **megatron_kwargs,
+):
+    """The megatron optimizer of ``choice`` over ``model_chunks`` (see the module docstring).
+
+    ``pg_collection`` supplies the tensor-parallel group (LAMB's norms) and the model-parallel
+    group (grad norm); None means megatron's global groups (Megatron-LM's loop).
+    ``--optimizer onebit_lamb`` needs chunks wrapped by
+    :func:`megatron_bitpipe.runtime.replicas.wrap_ddp`. Collective (parameter groups are
+    aligned across ranks, as in megatron).
+    """
+    if choice.name == "adam":
+        return get_megatron_optimizer(
+            config,
+            model_chunks,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            pg_collection=pg_collection,
+            **megatron_kwargs,
+        )
+    if choice.name not in OWN_OPTIMIZERS:
+        raise ValueError(f"--optimizer {choice.name!r} is not one of {', '.join(OPTIMIZERS)}")
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    overrides = config_overrides if config_overrides is not None else get_standard_config_overrides(config)
+    param_groups = _get_param_groups(model_chunks, config, overrides)
+    if any(group["is_expert_parallel"] and group["params"] for group in param_groups):
+        raise ValueError(f"--optimizer {choice.name} does not support expert-parallel parameters")
+    param_groups = [group for group in param_groups if not group["is_expert_parallel"]]
+    inner = _torch_optimizer(config, choice, param_groups, pg_collection.tp)
+    init_state_fn = type(inner).init_state
+    onebit = isinstance(inner, OnebitLamb)
+    if config.fp16 or config.bf16:
+        wrapper = _OnebitFloat16Optimizer if onebit else Float16OptimizerWithFloat16Params
+        wrapped = wrapper(inner, config, _grad_scaler(config), init_state_fn)
+    else:
+        wrapped = (_OnebitFP32Optimizer if onebit else FP32Optimizer)(inner, config, init_state_fn)
+    wrapped.grad_stats_parallel_group = pg_collection.mp
+    wrapped.tp_group = pg_collection.tp
+    if onebit:
+        inner.attach(model_chunks, _optimizer_param_of(wrapped))
+    return ChainedOptimizer([wrapped])
+
+
+@contextlib.contextmanager
+def averaged_weights(optimizer) -> Iterator[None]:
+    """Inside: the model (and the optimizer's main parameters) hold Schedule-Free's averaged
+    iterate ``x``; afterwards ``y`` again, bit for bit. A no-op for other optimizers. Use it
+    around evaluation, checkpoint saving and checkpoint loading. Mixed-precision wrappers
+    copy their fp32 main parameters into the bf16/fp16 model weights after each switch."""
+    parts = [part for part in megatron_parts(optimizer) if getattr(getattr(part, "optimizer", None), "averages_weights", False)]
+    for part in parts:
+        part.optimizer.eval()
+        _refresh_model_weights(part)
+    try:
+        yield
+    finally:
+        for part in parts:
+            part.optimizer.train()
+            _refresh_model_weights(part)
+
+
+def _refresh_model_weights(part) -> None:
+    copy = getattr(part, "_copy_main_params_to_model_params", None)
+    if copy is not None:
+        copy()
+
+
+def lr_for_logging(optimizer) -> float:
+    """The learning rate of the next step: megatron's canonical one, or Schedule-Free's with
+    its own warm-up applied."""
+    for part in megatron_parts(optimizer):
+        inner = getattr(part, "optimizer", None)
+        if getattr(inner, "averages_weights", False):
+            return inner.lr_for_logging()
+    return get_canonical_lr_for_logging(optimizer.param_groups)
