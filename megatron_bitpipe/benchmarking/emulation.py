@@ -14,6 +14,9 @@ like devices that compute for the configured time.
   real models builds the emulated one.
 * :class:`EmulatedDevice` — where the layer time goes: a blocking sleep per layer, or a
   CUDA-stream-like timeline that the CPU runs ahead of (see the class).
+* :class:`ReplicaSlowdown` — a data-parallel replica made a constant factor slower than the
+  process it runs on (``--emulate-replica-slowdown``: heterogeneous clusters for tests and
+  benchmarks).
 * Activation memory is measured with
   :class:`megatron_bitpipe.benchmarking.meters.LiveActivationMeter`; the layers mark their saved
   input as a layer activation when one is active.
@@ -39,7 +42,7 @@ from megatron.core.utils import get_pg_rank
 from ..runtime.weight_grad import accumulate_weight_grad, active_work
 from .meters import LiveActivationMeter
 
-__all__ = ["EmulatedDevice", "EmulatedTransformerLayer", "emulated_layer_spec", "sleep_until"]
+__all__ = ["EmulatedDevice", "EmulatedTransformerLayer", "ReplicaSlowdown", "emulated_layer_spec", "sleep_until"]
 
 
 def sleep_until(deadline: float) -> None:
@@ -199,6 +202,30 @@ def _compute(seconds: float, launched_at: float) -> None:
         sleep_until(launched_at + seconds)
     else:
         device.launch(seconds, launched_at)
+
+
+class ReplicaSlowdown:
+    """A device ``factor`` times slower than this process: after each piece of work that
+    began at ``started`` (``time.perf_counter()`` seconds), :meth:`after` adds ``(factor - 1)``
+    times its duration as emulated compute — queued on the active :class:`EmulatedDevice`, a
+    blocking sleep otherwise. So a replica whose every rank is slowed by ``factor`` takes
+    ``factor`` times as long per step as an unslowed one, whatever its model (emulated layers
+    or real ones). A testing and benchmarking aid (``--emulate-replica-slowdown``).
+    """
+
+    def __init__(self, factor: float):
+        if not factor >= 1.0:
+            raise ValueError(f"a slowdown factor must be >= 1, got {factor}")
+        self.factor = factor
+        #: total extra seconds added so far
+        self.added_seconds = 0.0
+
+    def after(self, started: float) -> None:
+        now = time.perf_counter()
+        extra = (self.factor - 1.0) * (now - started)
+        self.added_seconds += extra
+        if extra > 0:
+            _compute(extra, now)
 
 
 class _TimedLayer(torch.autograd.Function):

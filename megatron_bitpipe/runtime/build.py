@@ -79,6 +79,7 @@ def build_pipeline_model(
     ddp_config: Optional[DistributedDataParallelConfig] = None,
     tensor_parallel_mode: str = "1d",
     chunk_builder: Callable[..., List[torch.nn.Module]] = build_gpt_chunks,
+    reduce_gradients: bool = True,
     **model_kwargs,
 ) -> PipelineModel:
     """Build, initialise and wrap this rank's model chunks of ``placement`` on ``grid``.
@@ -107,7 +108,8 @@ def build_pipeline_model(
     ``model.groups.mesh``). Its size constraints are checked here, before any communication
     (:func:`megatron_bitpipe.optimus.validation.check_optimus_model_config`); GPT only.
     ``model_kwargs`` go to ``chunk_builder`` (``layer_spec``, ``position_embedding_type``,
-    ``add_binary_head``, ...).
+    ``add_binary_head``, ...). ``reduce_gradients=False`` leaves the data-parallel gradient
+    reduction to the caller (:func:`~.replicas.wrap_ddp`).
     """
     if tensor_parallel_mode == "optimus2d":
         check_optimus_model_config(config, grid.tp, vocab_size)
@@ -129,7 +131,7 @@ def build_pipeline_model(
         mark_replica_parameters(chunks, specs)
     if config.bf16 or config.fp16:
         chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
-    return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config), groups, specs, config)
+    return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config, reduce_gradients), groups, specs, config)
 
 
 def _without_megatron_init(config: TransformerConfig) -> TransformerConfig:

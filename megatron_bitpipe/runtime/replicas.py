@@ -31,6 +31,7 @@ megatron sums the owners' squares over all ranks.
 
 from __future__ import annotations
 
+import copy
 from typing import List, Sequence
 
 import torch
@@ -99,9 +100,15 @@ def wrap_ddp(
     groups: PipelineGroups,
     config: TransformerConfig,
     ddp_config: DistributedDataParallelConfig,
+    reduce_gradients: bool = True,
 ) -> List[ChunkDistributedDataParallel]:
     """One megatron DDP (:class:`ChunkDistributedDataParallel`) per chunk, reducing over the
     chunk's grad-sync group.
+
+    ``reduce_gradients=False``: each DDP's data-parallel group is this rank alone, so the
+    gradient buffers keep this rank's own gradients after a step and the caller reduces
+    them over :meth:`~.groups.PipelineGroups.grad_sync_group` itself (ABS-SGD's delayed
+    all-reduce, :mod:`megatron_bitpipe.training.abs_sgd`).
 
     ``config`` is the caller's (shared) config: ``get_model_config`` of every wrapped chunk
     returns it. Every chunk is a single bucket: megatron turns bucketing off on pipeline
@@ -112,10 +119,19 @@ def wrap_ddp(
     then needs its own distributed optimizer over that group
     (:func:`megatron_bitpipe.runtime.build.build_optimizer`).
     """
+    collections = groups.model_pgs if reduce_gradients else [_without_data_parallel(pgs) for pgs in groups.model_pgs]
     return [
         ChunkDistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
-        for chunk, pgs in zip(chunks, groups.model_pgs)
+        for chunk, pgs in zip(chunks, collections)
     ]
+
+
+def _without_data_parallel(pgs):
+    """``pgs`` with its data-parallel groups replaced by this rank alone (``pgs.cp``, a
+    group of one: context parallelism is off)."""
+    local = copy.copy(pgs)
+    local.dp = local.dp_cp = local.expt_dp = pgs.cp
+    return local
 
 
 def mark_replica_parameters(chunks: Sequence[torch.nn.Module], specs: Sequence[ChunkSpec]) -> None:

@@ -47,6 +47,7 @@ from ..megatron_args import (
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 from ..usage import FlagParser
+from .abs_sgd.args import abs_sgd_problems, add_data_parallel_args
 
 __all__ = [
     "BYTE_LEVEL_TOKENIZER",
@@ -216,6 +217,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the data-parallel gradient reduction (always on with bitpipe)")
     add_bitpipe_args(parser)
+    add_data_parallel_args(parser)
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -509,6 +511,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
         problems += bitpipe_arg_problems(args)
         problems += _pipeline_problems(args)
         problems += _recompute_problems(args)
+        problems += abs_sgd_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
     problems += optimizer_problems(args, schedule=args.schedule)

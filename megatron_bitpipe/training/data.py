@@ -12,8 +12,9 @@ a broadcast.
 
 **Megatron indexed datasets** (``--data-path``) come from megatron-core's
 ``BlendedMegatronDatasetBuilder`` (:func:`indexed_datasets`): ``--train-iters`` and
-``--eval-iters`` global batches of samples (``--eval-iters`` for the test split too), the
-blend and ``--split`` of the flags.
+``--eval-iters`` global batches of samples (``--eval-iters`` for the test split too; ABS-SGD's
+training set: as far as any replica's stream can reach,
+:func:`~.abs_sgd.dataset_train_samples`), the blend and ``--split`` of the flags.
 
 **Evaluation** always runs on the first ``--eval-iters`` global batches of the validation
 set, so successive validation losses are comparable and do not depend on resumes; the test
@@ -40,6 +41,7 @@ import torch
 from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
 from .arguments import BYTE_LEVEL_TOKENIZER
+from .abs_sgd.args import dataset_train_samples
 
 __all__ = ["BYTE_LEVEL_TOKENIZER", "build_tokenizer", "indexed_datasets", "microbatches", "collate"]
 
@@ -120,7 +122,7 @@ def indexed_datasets(
         held.append(not empty)
     config.split_matrix = [share if has_data else None for share, has_data in zip(config.split_matrix, held)]
     evaluated = args.eval_iters * args.global_batch_size
-    samples = [args.train_iters * args.global_batch_size, evaluated, evaluated]
+    samples = [dataset_train_samples(args), evaluated, evaluated]
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
     if args.eval_iters == 0:
         return train, None, None

@@ -12,7 +12,8 @@ output:
   ``--log-interval`` iterations Megatron-LM's line (timestamp, throughput, losses averaged
   over the interval, loss scale with ``--fp16``, grad norm, skipped and NaN iterations) with
   the busiest rank's memory and, with a GPU, TFLOP/s per device; Megatron-LM's validation
-  block after an evaluation;
+  block after an evaluation; a data-parallel mode's own fields (:attr:`IterationRecord.extra`,
+  ABS-SGD's ``abs_*``) on the line and in the JSON;
 * **the end** (:meth:`TrainingLogger.summary`): the test-set evaluation where there is one,
   and a summary (iterations, total and training time, final validation and test losses,
   peak memory).
@@ -69,7 +70,8 @@ class IterationRecord:
     (None when megatron did not compute it); ``max_memory_mib`` the busiest rank's memory
     (:mod:`.report`); ``tflops_per_device`` model TFLOP/s per device (None without a GPU);
     ``time`` when the iteration ended (``time.time()``); ``validation`` the losses of an
-    evaluation run right after this iteration, if any.
+    evaluation run right after this iteration, if any; ``extra`` further JSON fields of a data-parallel
+    mode, also shown on the progress line (lists as ``a/b/c``).
     """
 
     iteration: int
@@ -85,6 +87,7 @@ class IterationRecord:
     tflops_per_device: Optional[float] = None
     time: float = field(default_factory=time.time)
     validation: Dict[str, float] = field(default_factory=dict)
+    extra: Dict[str, object] = field(default_factory=dict)
 
     @property
     def nan(self) -> bool:
@@ -109,6 +112,7 @@ class IterationRecord:
         }
         out.update({json_key(name): value for name, value in self.losses.items()})
         out.update({f"validation_{json_key(name)}": value for name, value in self.validation.items()})
+        out.update(self.extra)
         return out
 
 
@@ -123,6 +127,12 @@ def schedule_label(args) -> str:
         chunks = ScheduleChoice("interleaved", virtual_size=args.virtual_pipeline_model_parallel_size).virtual_chunks
         return f"interleaved ({chunks} chunks per rank)"
     return args.schedule
+
+
+def _shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "/".join(_shown(v) for v in value)
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
 class TrainingLogger:
@@ -225,6 +235,7 @@ class TrainingLogger:
         fields.append(f"number of nan iterations: {sum(r.nan for r in records):3d}")
         if last.max_memory_mib is not None:
             fields.append(f"max memory (MiB): {max(r.max_memory_mib for r in records):.1f}")
+        fields += [f"{key.replace('_', ' ')}: {_shown(value)}" for key, value in last.extra.items() if value is not None]
         log(" " + " | ".join(fields) + " |")
 
     def evaluation(self, label: str, losses: Dict[str, float]) -> None:

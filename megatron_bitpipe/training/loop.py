@@ -18,6 +18,10 @@ clipping over each logical parameter once) and, if the update happened, the lear
 schedule by ``--global-batch-size`` samples. Loss reports live on the loss ranks (the last
 pipeline stage; BitPipe's edge ranks); they are summed over the job so every rank holds the
 global-batch loss.
+
+With ``--data-parallel-mode abs-sgd`` an iteration is ABS-SGD's instead
+(:class:`~.abs_sgd.step.AbsSgdStep`: it applies the previous iteration's gradients while
+this one's all-reduce overlaps the next compute); its state travels with the checkpoints.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from ..optimizers import averaged_weights, lr_for_logging
 from ..runtime.build import build_optimizer
 from . import distributed
 from .arguments import padded_vocab_size, parse_args
-from .checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from .abs_sgd.step import AbsSgdStep, resume_data_parallel
+from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import lr_scheduler, optimizer_choice, optimizer_config, placement_for, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .exit_conditions import ExitConditions
@@ -59,11 +64,15 @@ class Trainer:
         self.scheduler = lr_scheduler(args, self.optimizer)
         self.schedule = Schedule(args, self.model, self.optimizer, task)
         self.state = TrainingState()
+        loaded = None
         if args.load:
             with averaged_weights(self.optimizer):  # checkpoints hold Schedule-Free's averaged weights
                 loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task)
             self.state = loaded or self.state
         self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
+        self.abs_sgd = AbsSgdStep(self) if args.data_parallel_mode == "abs-sgd" else None
+        if loaded is not None:
+            resume_data_parallel(checkpoint_dir(args.load, loaded.iteration), self.abs_sgd)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
         self.flops_per_iteration = args.global_batch_size * model_flops_per_sample(args, task.causal_attention)
         self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration)
@@ -90,6 +99,8 @@ class Trainer:
             torch.cuda.synchronize()
 
     def train_step(self) -> IterationRecord:
+        if self.abs_sgd is not None:
+            return self.abs_sgd.train_step()
         args = self.args
         self._synchronize()
         reset_peak_memory(self.env.device)
@@ -150,6 +161,8 @@ class Trainer:
         return bool(interval) and self.state.iteration % interval == 0
 
     def save(self) -> None:
+        if self.abs_sgd is not None:
+            self.abs_sgd.save(checkpoint_dir(self.args.save, self.state.iteration))
         with averaged_weights(self.optimizer):  # Schedule-Free saves its averaged weights
             directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
         distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
@@ -197,6 +210,8 @@ class Trainer:
                 break
         if args.save and saved != self.state.iteration:
             self.save()
+        if self.abs_sgd is not None:
+            self.abs_sgd.finish()
         self.finish(first, started, validation, evaluate=not stopped)
         self.logger.close()
 

@@ -5,7 +5,9 @@ everything the common flags fix (model config, parallel grid, padded vocabulary,
 sequence length, seed, tied embeddings, DDP config, tensor-parallel mode, position
 embeddings); a task adds its chunk builder and model-specific keywords. Initial weights are
 blocks of the full model drawn from ``--seed`` alone, whatever the layout; with
-``--bf16``/``--fp16`` the chunks are wrapped for mixed precision.
+``--bf16``/``--fp16`` the chunks are wrapped for mixed precision. With
+``--data-parallel-mode abs-sgd`` the chunks' DDP does not reduce over data parallelism
+(:mod:`.abs_sgd` does, one iteration later).
 """
 
 from __future__ import annotations
@@ -37,5 +39,6 @@ def build_model(args: argparse.Namespace, placement: Placement, **model_kwargs) 
         ddp_config=ddp_config(args),
         tensor_parallel_mode=args.tensor_parallel_mode,
         position_embedding_type=args.position_embedding_type,
+        reduce_gradients=args.data_parallel_mode == "sync",
         **model_kwargs,
     )

@@ -16,10 +16,15 @@ megatron-core's schedules get the model's explicit process groups (``pg_collecti
 model config: ``finalize_model_grads_func`` (data-parallel reduction, tied-embedding
 all-reduce), ``grad_scale_func`` (fp16 loss scaling) and, with ``--overlap-grad-reduce``,
 ``no_sync_func``. BitPipe's function needs none of them (its chunks carry their groups).
+
+With ``--emulate-replica-slowdown`` every training call on a rank of data-parallel replica
+``r`` is followed by ``(F_r - 1)`` times its duration of emulated compute
+(:class:`~megatron_bitpipe.benchmarking.emulation.ReplicaSlowdown`); evaluation is not slowed.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, List
 
 from megatron.core.distributed import finalize_model_grads
@@ -65,6 +70,11 @@ class Schedule:
         if args.schedule in ("1f1b", "interleaved"):
             self.kwargs["p2p_communicator"] = P2PCommunicator(model.groups.pp, config)
             self.kwargs["adjust_tensor_shapes_fn"] = task.adjust_tensor_shapes_fn(model)
+        self.slowdown = None
+        if args.emulate_replica_slowdown is not None:
+            from ..benchmarking.emulation import ReplicaSlowdown
+
+            self.slowdown = ReplicaSlowdown(args.emulate_replica_slowdown[model.groups.dp_rank])
 
     def run(self, forward_step_func: Callable, batches: List[dict], forward_only: bool) -> List[dict]:
         """Forward (and backward) of this data-parallel rank's micro-batches; the loss
@@ -73,7 +83,8 @@ class Schedule:
             data_iterator = [iter(batches) for _ in self.model.chunks]  # each chunk reads every micro-batch
         else:
             data_iterator = iter(batches)
-        return self.function(
+        started = time.perf_counter()
+        reports = self.function(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
             model=self.model.chunks,
@@ -83,3 +94,6 @@ class Schedule:
             forward_only=forward_only,
             **self.kwargs,
         )
+        if self.slowdown is not None and not forward_only:
+            self.slowdown.after(started)
+        return reports

@@ -1,0 +1,310 @@
+"""ABS-SGD iterations inside the pretraining loop: :class:`AbsSgdStep`.
+
+Iteration ``k`` on every rank:
+
+1. zero the gradient buffers and compute this replica's micro-batches at the weights
+   ``w_k`` — a count planned before the iteration (:func:`~.counts.plan_counts`), or, for a
+   replica of one rank with ``--abs-trigger time``, one micro-batch per call until the
+   trigger fires: at least ``--abs-min-microbatches``, at most ``--abs-max-microbatches``,
+   otherwise until the previous iteration's all-reduce has completed and
+   ``--abs-step-seconds`` have passed;
+2. wait for the previous iteration's exchange (delay 1), then launch this iteration's
+   (:class:`~.exchange.GradientExchange`: scaled gradient sums plus statistics, asynchronous);
+3. apply the previous iteration's gradient — ``sum of G / sum of n`` over all replicas,
+   computed at ``w_{k-1}`` — with the optimizer (clipping included) and advance the
+   learning-rate schedule by its samples; iteration 1 has nothing to apply yet.
+
+With ``--abs-gradient-delay 0`` step 2 waits for this iteration's own exchange and step 3
+applies it: synchronous data parallelism with per-replica counts (with equal counts summing
+to ``--global-batch-size`` it is Megatron's synchronous step, bit for bit).
+
+**Progress counters.** ``consumed_train_samples`` counts the samples whose gradients have
+been applied (what the learning-rate schedule counts); each replica's stream position
+counts the micro-batches it has computed, the ones in flight included.
+
+**Logs** (``IterationRecord.extra``; ``None`` before the first update), for the batch the
+iteration applied: ``abs_applied_iteration`` (the iteration that computed it),
+``abs_staleness`` (iterations between computing and applying: the delay),
+``abs_samples_per_replica``, ``abs_compute_ms_per_replica`` (its ranks' compute time) and
+``abs_sync_wait_ms_per_replica`` (time its ranks blocked on a gradient all-reduce before
+launching that batch's: with delay 1 the wait for the batch before it; with delay 0 the wait
+for the previous iteration's own exchange). The losses are the applied batch's.
+
+**Checkpoints** carry the exchange in flight: a save waits for it to complete (which does
+not change the math) and stores the reduced sums and statistics per rank
+(``abs_sgd_rank<r>.pt``) with the stream positions and speeds (``abs_sgd.json``), so a resume
+in the same layout continues the exact trajectory. See ``docs/heterogeneous.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import List, Optional
+
+import torch
+
+from ...optimizers import lr_for_logging
+from ..errors import CheckpointError
+from ..data import collate
+from ..distributed import log
+from ..logs import IterationRecord
+from .args import AbsSgdSettings
+from .counts import SpeedEstimate, plan_counts, stream_samples
+from .exchange import GradientExchange, StatsLayout
+
+__all__ = ["AbsSgdStep", "resume_data_parallel", "COMMON_FILE"]
+
+COMMON_FILE = "abs_sgd.json"
+VERSION = 1
+
+
+def _rank_file(rank: int) -> str:
+    return f"abs_sgd_rank{rank:05d}.pt"
+
+
+class AbsSgdStep:
+    """ABS-SGD's iteration for a :class:`~megatron_bitpipe.training.loop.Trainer` (its model,
+    optimizer, scheduler, schedule, task, data and progress counters)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        args = trainer.args
+        self.settings = AbsSgdSettings.from_args(args)
+        grid = trainer.groups.grid
+        self.dp, self.replica = grid.dp, trainer.groups.dp_rank
+        self.layout = StatsLayout(grid.dp, grid.tp * grid.pp, tuple(trainer.task.loss_names))
+        self.adaptive = self.settings.trigger == "time" and grid.tp * grid.pp == 1
+        self.pipelines = trainer.groups.placement.num_pipelines
+        self.speeds = SpeedEstimate()
+        start = trainer.state.consumed_train_samples // (args.micro_batch_size * grid.dp)
+        #: every replica's stream position after the last applied batch
+        self.positions: List[int] = [start] * grid.dp
+        #: this replica's next stream position (the batch in flight included)
+        self.next_position = start
+        self.in_flight: Optional[GradientExchange] = None
+        self.last_wait_s = 0.0
+
+    # -- one iteration ----------------------------------------------------------------------
+
+    def _synchronize(self) -> None:
+        if self.trainer.env.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _microbatch(self, position: int) -> dict:
+        args = self.trainer.args
+        samples = stream_samples(self.replica, position, self.dp, args.micro_batch_size)
+        return collate([self.trainer.train_data[i] for i in samples])
+
+    def _run(self, positions: range) -> list:
+        t = self.trainer
+        return t.schedule.run(t.task.forward_step, [self._microbatch(p) for p in positions], forward_only=False)
+
+    def _compute(self, started: float):
+        """Run this replica's micro-batches; ``(count, loss divisor, loss reports)``."""
+        s = self.settings
+        if self.adaptive:
+            reports, count = [], 0
+            while True:
+                reports += self._run(range(self.next_position, self.next_position + 1))
+                self.next_position += 1
+                count += 1
+                if count >= s.rule.highest:
+                    break
+                if count < s.rule.lowest or (self.in_flight is not None and not self.in_flight.completed()):
+                    continue
+                if time.perf_counter() - started >= s.step_seconds:
+                    break
+            return count, 1, reports
+        counts = plan_counts(
+            s.trigger,
+            s.rule,
+            self.speeds.speeds,
+            initial=s.initial_microbatches,
+            target=s.reference_microbatches,
+            step_seconds=s.step_seconds,
+            data_parallel_size=self.dp,
+            fixed=s.replica_microbatches,
+        )
+        count = counts[self.replica]
+        reports = self._run(range(self.next_position, self.next_position + count))
+        self.next_position += count
+        return count, count // self.pipelines, reports
+
+    def _loss_totals(self, reports) -> torch.Tensor:
+        """``[sum, count]`` per loss name of this rank's reports (TP rank 0 only: every TP
+        rank of a loss stage holds the same reports)."""
+        names = self.layout.loss_names
+        totals = torch.zeros(len(names), 2, dtype=torch.float64)
+        if self.trainer.groups.tp_rank == 0:
+            for report in reports:
+                for i, name in enumerate(names):
+                    totals[i] += report[name].detach().to(totals)
+        return totals
+
+    def train_step(self) -> IterationRecord:
+        t, s = self.trainer, self.settings
+        args, chunks = t.args, t.model.chunks
+        iteration = t.state.iteration + 1
+        self._synchronize()
+        started = time.perf_counter()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        t.optimizer.zero_grad()
+        lr = lr_for_logging(t.optimizer)
+        count, divisor, reports = self._compute(started)
+        self._synchronize()
+        compute_s = time.perf_counter() - started
+        if self.in_flight is not None:
+            self.last_wait_s = self.in_flight.wait()
+        stats = self.layout.encode(self.replica, count, compute_s, self.last_wait_s, self._loss_totals(reports))
+        scale = divisor / s.reference_microbatches
+        exchange = GradientExchange.launch(chunks, t.groups, [scale] * len(chunks), stats.to(t.env.device), iteration)
+        if s.delay == 0:
+            self.last_wait_s = exchange.wait()
+            applying = exchange
+        else:
+            applying, self.in_flight = self.in_flight, exchange
+        return self._apply(applying, iteration, lr, started)
+
+    def _apply(self, applying: Optional[GradientExchange], iteration: int, lr: float, started: float) -> IterationRecord:
+        """Apply ``applying``'s gradient (None: nothing yet) and describe the iteration."""
+        t, args = self.trainer, self.trainer.args
+        mbs = args.micro_batch_size
+        grad_norm, skipped, losses, samples = None, True, {}, 0
+        extra = dict.fromkeys(
+            ("abs_applied_iteration", "abs_staleness", "abs_samples_per_replica", "abs_compute_ms_per_replica", "abs_sync_wait_ms_per_replica")
+        )
+        if applying is not None:
+            stats = self.layout.decode(applying.stats)
+            total = stats.microbatches
+            applying.write_gradients(t.model.chunks, self.settings.reference_microbatches / total)
+            success, norm, _ = t.optimizer.step()
+            samples = total * mbs
+            if success:
+                t.scheduler.step(increment=samples)
+            grad_norm, skipped, losses = (None if norm is None else float(norm)), not success, stats.losses()
+            self.speeds.update(stats.counts, stats.compute_seconds)
+            self.positions = [p + c for p, c in zip(self.positions, stats.counts)]
+            t.state.consumed_train_samples += samples
+            extra.update(
+                abs_applied_iteration=applying.iteration,
+                abs_staleness=iteration - applying.iteration,
+                abs_samples_per_replica=[c * mbs for c in stats.counts],
+                abs_compute_ms_per_replica=[1000.0 * x for x in stats.compute_seconds],
+                abs_sync_wait_ms_per_replica=[1000.0 * x for x in stats.wait_seconds],
+            )
+        self._synchronize()
+        elapsed = time.perf_counter() - started
+        t.state.iteration = iteration
+        return IterationRecord(
+            iteration=iteration,
+            consumed_samples=t.state.consumed_train_samples,
+            elapsed_ms=1000.0 * elapsed,
+            tokens_per_second=samples * args.seq_length / elapsed,
+            lr=float(lr),
+            grad_norm=grad_norm,
+            loss_scale=float(t.optimizer.get_loss_scale()),
+            skipped=skipped,
+            losses=losses,
+            extra=extra,
+        )
+
+    def finish(self) -> None:
+        """Say what is still in flight at the end of training (rank 0)."""
+        if self.in_flight is None:
+            return
+        stats = self.layout.decode(self.in_flight.state_dict()["stats"])
+        where = "it is in the checkpoint; a resume applies it" if self.trainer.args.save else "without --save it is not applied"
+        log(
+            f"abs-sgd: the gradients of iteration {self.in_flight.iteration} "
+            f"({stats.microbatches * self.trainer.args.micro_batch_size} samples) were computed and not yet applied; {where}"
+        )
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _layout(self) -> dict:
+        args = self.trainer.args
+        return {
+            "world_size": args.world_size,
+            "tensor_model_parallel_size": args.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "data_parallel_size": args.data_parallel_size,
+            "schedule": args.schedule,
+            "tensor_parallel_mode": args.tensor_parallel_mode,
+        }
+
+    def save(self, directory: str) -> None:
+        """Write this rank's ABS-SGD state into checkpoint ``directory`` (before the
+        checkpoint itself, which makes it the latest). Waits for the exchange in flight."""
+        os.makedirs(directory, exist_ok=True)
+        rank = self.trainer.env.rank
+        in_flight = self.in_flight.state_dict() if self.in_flight is not None else None
+        if in_flight is not None:
+            torch.save(in_flight, os.path.join(directory, _rank_file(rank)))
+        if rank == 0:
+            common = {
+                "version": VERSION,
+                "layout": self._layout(),
+                "positions": self.positions,
+                "speeds": self.speeds.state_dict(),
+                "last_wait_s": self.last_wait_s,
+                "in_flight_iteration": None if in_flight is None else in_flight["iteration"],
+            }
+            with open(os.path.join(directory, COMMON_FILE), "w", encoding="utf-8") as f:
+                json.dump(common, f, indent=1)
+
+    def load(self, directory: str, common: dict) -> None:
+        """Restore the state :meth:`save` wrote (``common``: its ``abs_sgd.json``);
+        CheckpointError naming the flags when this run cannot continue it."""
+        if common.get("version") != VERSION:
+            raise CheckpointError(f"{directory}: {COMMON_FILE} is not version {VERSION}")
+        pending = common["in_flight_iteration"]
+        if pending is not None:
+            if common["layout"] != self._layout():
+                raise CheckpointError(
+                    f"{directory} holds abs-sgd gradients in flight for another layout ({common['layout']}); resume it with "
+                    "the same world size, --tensor-model-parallel-size, --pipeline-model-parallel-size, schedule and "
+                    "--tensor-parallel-mode"
+                )
+            if self.settings.delay == 0:
+                raise CheckpointError(
+                    f"{directory} holds the gradients of iteration {pending} still to be applied: resume it with "
+                    "--abs-gradient-delay 1"
+                )
+        if len(common["positions"]) != self.dp:
+            raise CheckpointError(f"{directory}: abs-sgd streams of {len(common['positions'])} replicas, this run has {self.dp}")
+        self.positions = list(common["positions"])
+        self.speeds.load_state_dict(common["speeds"])
+        self.last_wait_s = common["last_wait_s"]
+        self.next_position = self.positions[self.replica]
+        if pending is not None:
+            state = torch.load(os.path.join(directory, _rank_file(self.trainer.env.rank)), weights_only=False)
+            try:
+                self.in_flight = GradientExchange.from_state_dict(state, self.trainer.model.chunks)
+            except ValueError as error:
+                raise CheckpointError(f"{directory}: {error}") from None
+            self.next_position += self.layout.decode(self.in_flight.stats.cpu()).counts[self.replica]
+        log(f"abs-sgd: resumed the replicas' streams at micro-batches {self.positions}" + ("" if pending is None else f", gradients of iteration {pending} in flight"))
+
+
+def resume_data_parallel(directory: str, abs_sgd: Optional[AbsSgdStep]) -> None:
+    """After loading checkpoint ``directory``: restore ABS-SGD's state (``abs_sgd`` None in
+    synchronous mode). A synchronous run refuses an ABS-SGD checkpoint (its replicas read
+    their own streams, and gradients may be in flight); an ABS-SGD run starting from a
+    synchronous checkpoint starts every stream where the synchronous run stopped."""
+    path = os.path.join(directory, COMMON_FILE)
+    if not os.path.isfile(path):
+        if abs_sgd is not None:
+            log(f"abs-sgd: {directory} is a synchronous checkpoint; every replica's stream starts at micro-batch {abs_sgd.positions[0]}")
+        return
+    with open(path, encoding="utf-8") as f:
+        common = json.load(f)
+    if abs_sgd is None:
+        raise CheckpointError(
+            f"{directory} was saved with --data-parallel-mode abs-sgd (each replica reads its own sample stream"
+            + ("" if common.get("in_flight_iteration") is None else f"; the gradients of iteration {common['in_flight_iteration']} are in flight")
+            + "): resume it with --data-parallel-mode abs-sgd"
+        )
+    abs_sgd.load(directory, common)

@@ -1,0 +1,198 @@
+"""Rank-side code of the ABS-SGD tests: training runs that record their samples, and the
+single-process fp64 replay of ABS-SGD's delayed update.
+
+:func:`train_case` trains with the pretrain loop (:class:`~megatron_bitpipe.training.loop.Trainer`)
+on the launcher's ranks with a GPT task whose training set records every sample index it
+is asked for, and returns the rank's record: its sample indices in reading order, its
+parameters under their full-model names, its data-parallel/pipeline coordinates and (rank 0)
+the ``--log-json`` records.
+
+:func:`replay` is an independent statement of the method: one process, float64, the same
+seed-initialised model; iteration ``k`` computes the gradient sum ``G^k`` of every replica's
+micro-batches (the recorded sample indices, split by the logged counts) at the current
+weights, then applies ``G^{k-delay}`` normalised by its micro-batch count with the
+optimizer's rules written out: global-norm clipping, AdamW (no weight decay on biases and
+1-D parameters) and Megatron's learning-rate schedule advanced by the applied samples.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Sequence
+
+import torch
+
+from megatron_bitpipe.training.gpt import GPTTask
+
+
+class RecordingDataset:
+    """A dataset that notes every index it is asked for, in order."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.indices: List[int] = []
+
+    def __getitem__(self, index: int):
+        self.indices.append(int(index))
+        return self.dataset[index]
+
+
+class RecordingGPTTask(GPTTask):
+    """GPT whose training set records the indices read."""
+
+    def build_datasets(self, args, tokenizer):
+        train, valid = super().build_datasets(args, tokenizer)
+        self.recorded = RecordingDataset(train)
+        return self.recorded, valid
+
+
+def _full_parameters(model) -> Dict[str, torch.Tensor]:
+    from megatron.core.utils import unwrap_model
+
+    from megatron_bitpipe.runtime.layout import to_global_name
+
+    params = {}
+    for chunk, spec in zip(model.chunks, model.specs):
+        for name, param in unwrap_model(chunk).named_parameters():
+            params[to_global_name(name, spec)] = param.detach().clone()
+    return params
+
+
+def train_case(argv: Sequence[str], log_json: str) -> dict:
+    """Rank body: train with ``argv`` (plus ``--log-json log_json``); this rank's record, or
+    ``{"error": message}`` if the loop refused a checkpoint."""
+    import torch.distributed as dist
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import distributed
+    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.errors import CheckpointError
+    from megatron_bitpipe.training.loop import Trainer
+
+    task = RecordingGPTTask()
+    args = parse_args(task, [*argv, "--log-json", log_json])
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    env = distributed.initialize(args, enable_cpu_megatron)
+    try:
+        trainer = Trainer(task, args, tokenizer, env)
+    except CheckpointError as error:
+        dist.barrier()
+        return {"error": str(error)}
+    trainer.train()
+    dist.barrier()
+    records = None
+    if env.rank == 0:
+        with open(log_json, encoding="utf-8") as f:
+            records = {r["iteration"]: r for r in map(json.loads, f.read().splitlines())}
+    groups = trainer.model.groups
+    return {
+        "indices": task.recorded.indices,
+        "params": _full_parameters(trainer.model),
+        "dp_rank": groups.dp_rank,
+        "pp_rank": groups.pp_rank,
+        "tp_rank": groups.tp_rank,
+        "records": records,
+    }
+
+
+def replica_batches(per_rank: List[dict], records: Dict[int, dict], micro_batch_size: int) -> List[List[List[List[int]]]]:
+    """``batches[j][r]``: the micro-batches (lists of sample indices) replica ``r`` computed
+    in applied batch ``j`` (iterations whose gradients were applied, in order), from the
+    indices its pipeline-rank-0, TP-rank-0 rank read and the logged counts; asserts the
+    rank read them as whole micro-batches."""
+    streams = {}
+    for rank in per_rank:
+        if rank["pp_rank"] == 0 and rank["tp_rank"] == 0:
+            streams[rank["dp_rank"]] = rank["indices"]
+    applied = [records[k] for k in sorted(records) if records[k]["abs_samples_per_replica"] is not None]
+    batches, offsets = [], {r: 0 for r in streams}
+    for record in applied:
+        batch = []
+        for r, samples in enumerate(record["abs_samples_per_replica"]):
+            taken = streams[r][offsets[r] : offsets[r] + samples]
+            offsets[r] += samples
+            batch.append([taken[i : i + micro_batch_size] for i in range(0, samples, micro_batch_size)])
+        batches.append(batch)
+    return batches
+
+
+def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int, iterations: int) -> Dict[str, torch.Tensor]:
+    """Rank body (one rank): the weights after ``iterations`` ABS-SGD iterations of the model
+    of ``argv`` (its data-parallel flags ignored) in float64; ``batches[j]`` is applied batch
+    ``j``'s micro-batches by replica. With ``delay`` 1, iteration ``k`` (1-based) computes
+    batch ``k - 1`` and applies batch ``k - 2``; with 0 it computes and applies batch ``k - 1``."""
+    import torch.nn.functional as F
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
+    from megatron_bitpipe.runtime.init import initialize_from_seed
+    from megatron_bitpipe.runtime.layout import chunk_specs
+    from megatron_bitpipe.runtime.model import build_gpt_chunks
+    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.config import lr_scheduler, placement_for, transformer_config, use_global_tp_group
+    from megatron_bitpipe.training.data import build_tokenizer, collate
+
+    enable_cpu_megatron()
+    task = GPTTask()
+    args = parse_args(task, list(argv), world_size=1)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    placement = placement_for(args)
+    groups = PipelineGroups.build(ParallelGrid(), placement)
+    use_global_tp_group(groups.tp)
+    init_megatron_state(groups.rank_pgs, args.seed)
+    config = transformer_config(args)
+    (net,) = build_gpt_chunks(
+        config, groups, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, rotary_base=args.rotary_base,
+    )  # fmt: skip
+    specs = chunk_specs(placement, config.num_layers, 0, not args.untie_embeddings_and_output_weights)
+    initialize_from_seed([net], specs, args.seed, groups.tp)
+    net.double()
+    train, _ = task.build_datasets(args, tokenizer)
+    named = dict(net.named_parameters())
+    decay = [p for n, p in named.items() if not (p.dim() == 1 or n.endswith(".bias"))]
+    no_decay = [p for n, p in named.items() if p.dim() == 1 or n.endswith(".bias")]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+        lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+    )  # fmt: skip
+    scheduler = lr_scheduler(args, optimizer)
+
+    def gradient_sum(batch) -> List[torch.Tensor]:
+        """Sum over the micro-batches of every replica of each micro-batch's mean-loss gradient."""
+        for p in named.values():
+            p.grad = None
+        count = 0
+        for replica in batch:
+            for samples in replica:
+                mb = collate([train[i] for i in samples])
+                logits = net(mb["tokens"], mb["position_ids"], None)  # [b, s, vocab]
+                losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1), reduction="none")
+                mask = mb["loss_mask"].reshape(-1).double()
+                ((losses * mask).sum() / mask.sum()).backward()
+                count += 1
+        return [p.grad.clone() for p in named.values()], count
+
+    def apply(grads: List[torch.Tensor], count: int) -> None:
+        for p, g in zip(named.values(), grads):
+            p.grad = g / count
+        norm = torch.sqrt(sum((p.grad**2).sum() for p in named.values()))
+        coefficient = args.clip_grad / (norm + 1.0e-6)
+        if args.clip_grad > 0 and coefficient < 1.0:
+            for p in named.values():
+                p.grad.mul_(coefficient)
+        optimizer.step()
+        scheduler.step(increment=count * args.micro_batch_size)
+
+    computed = []
+    for k in range(iterations):
+        if k < len(batches):
+            computed.append(gradient_sum(batches[k]))
+        applied = k - delay
+        if applied >= 0:
+            apply(*computed[applied])
+    return {name: p.detach().clone() for name, p in named.items()}
