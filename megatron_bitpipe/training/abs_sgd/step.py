@@ -145,7 +145,7 @@ class AbsSgdStep:
 
     def train_step(self) -> IterationRecord:
         t, s = self.trainer, self.settings
-        args, chunks = t.args, t.model.chunks
+        chunks = t.model.chunks
         iteration = t.state.iteration + 1
         self._synchronize()
         started = time.perf_counter()
