@@ -22,9 +22,7 @@ from typing import List, Tuple
 
 import pytest
 
-from megatron_bitpipe.cpu.launcher import launch
-
-from runtime_support import Case, assert_equals_reference, launch_references, pipeline
+from .runtime_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -74,9 +72,11 @@ CASES_4 = [
         recompute=selective("core_attn", "mlp"),
     ),
 ]  # fmt: skip
+CASES = CASES_2 + CASES_4
+LAUNCH_TIMEOUT = 800
 
 
-def _run_cases(cases: List[RecomputeCase]) -> dict:
+def run_cases(cases: List[RecomputeCase]) -> dict:
     """Each case's :func:`pipeline` record plus ``deferred_per_W`` (closures each ``W`` ran) and
     ``recomputed_in_deferral`` (per checkpoint recomputation: inside a deferral?)."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
@@ -112,37 +112,18 @@ def _run_cases(cases: List[RecomputeCase]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def references() -> dict:
-    return launch_references(CASES_2 + CASES_4)
-
-
-@pytest.fixture(scope="module")
-def two_ranks() -> List[dict]:
-    return launch(_run_cases, 2, CASES_2, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def four_ranks() -> List[dict]:
-    return launch(_run_cases, 4, CASES_4, timeout=800)
-
-
-def _records(case, two_ranks, four_ranks) -> List[dict]:
-    return [r[case.name] for r in (two_ranks if case in CASES_2 else four_ranks)]
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_recompute_equals_single_process_training(case, references, launched):
+    assert_equals_reference(case, launched[case], references[case.reference_key])
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
-def test_recompute_equals_single_process_training(case, references, two_ranks, four_ranks):
-    assert_equals_reference(case, _records(case, two_ranks, four_ranks), references[case.reference_key])
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("case", [c for c in CASES_2 + CASES_4 if c.recompute], ids=lambda c: c.name)
-def test_recomputed_forwards_of_a_split_backward_defer_their_weight_gradients(case, two_ranks, four_ranks):
+@pytest.mark.parametrize("case", [c for c in CASES if c.recompute], ids=lambda c: c.name)
+def test_recomputed_forwards_of_a_split_backward_defer_their_weight_gradients(case, launched):
     """Checkpoints are recomputed in backward, inside the deferral exactly when the backward is
     split, and each ``W`` then runs as many deferred weight gradients as without recompute."""
-    for rank in two_ranks if case in CASES_2 else four_ranks:
+    for rank in launched.ranks(case.world_size):
         record = rank[case.name]
         assert set(record["recomputed_in_deferral"]) == {case.split_backward}, "no checkpoint was recomputed"
         if case.plain:
