@@ -18,8 +18,10 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_bitpipe", "megatron_bitpipe.*"]),
+    # megatron-core 0.16 through 0.19 (megatron_bitpipe/megatron_compat.py adapts the API
+    # differences); pip on Python 3.11 picks 0.16.x, as 0.17+ declares Requires-Python >=3.12.
     # psutil: megatron-core's distributed-checkpoint writer measures its memory with it
-    install_requires=["megatron-core==0.16.*", "torch>=2.6", "numpy", "psutil"],
+    install_requires=["megatron-core>=0.16,<0.20", "torch>=2.6", "numpy", "psutil"],
     extras_require={
         "test": [
             "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10",

@@ -153,6 +153,7 @@ def _run_rank(settings: Settings, flags: List[str], log_json: str) -> Optional[d
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
     from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
 
     task = _emulated_task(settings)
@@ -160,12 +161,13 @@ def _run_rank(settings: Settings, flags: List[str], log_json: str) -> Optional[d
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     env = distributed.initialize(args, enable_cpu_megatron)
-    Trainer(task, args, tokenizer, env).train()
+    with ExitConditions(args, time.time()) as exits:
+        Trainer(task, args, tokenizer, env).train(exits)
     dist.barrier()
     if env.rank != 0:
         return None
     with open(log_json, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+        return [row for row in map(json.loads, f) if row["event"] == "iteration"]
 
 
 def time_to_target(curve: Sequence[tuple], target: float) -> Optional[float]:

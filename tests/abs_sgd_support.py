@@ -18,6 +18,7 @@ optimizer's rules written out: global-norm clipping, AdamW (no weight decay on b
 from __future__ import annotations
 
 import json
+import time
 from typing import Dict, List, Sequence
 
 import torch
@@ -41,9 +42,9 @@ class RecordingGPTTask(GPTTask):
     """GPT whose training set records the indices read."""
 
     def build_datasets(self, args, tokenizer):
-        train, valid = super().build_datasets(args, tokenizer)
+        train, valid, test = super().build_datasets(args, tokenizer)
         self.recorded = RecordingDataset(train)
-        return self.recorded, valid
+        return self.recorded, valid, test
 
 
 def _full_parameters(model) -> Dict[str, torch.Tensor]:
@@ -68,6 +69,7 @@ def train_case(argv: Sequence[str], log_json: str) -> dict:
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.errors import CheckpointError
+    from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
 
     task = RecordingGPTTask()
@@ -80,12 +82,13 @@ def train_case(argv: Sequence[str], log_json: str) -> dict:
     except CheckpointError as error:
         dist.barrier()
         return {"error": str(error)}
-    trainer.train()
+    with ExitConditions(args, time.time()) as exits:
+        trainer.train(exits)
     dist.barrier()
     records = None
     if env.rank == 0:
         with open(log_json, encoding="utf-8") as f:
-            records = {r["iteration"]: r for r in map(json.loads, f.read().splitlines())}
+            records = {r["iteration"]: r for r in map(json.loads, f.read().splitlines()) if r["event"] == "iteration"}
     groups = trainer.model.groups
     return {
         "indices": task.recorded.indices,
@@ -152,7 +155,7 @@ def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int
     specs = chunk_specs(placement, config.num_layers, 0, not args.untie_embeddings_and_output_weights)
     initialize_from_seed([net], specs, args.seed, groups.tp)
     net.double()
-    train, _ = task.build_datasets(args, tokenizer)
+    train, _, _ = task.build_datasets(args, tokenizer)
     named = dict(net.named_parameters())
     decay = [p for n, p in named.items() if not (p.dim() == 1 or n.endswith(".bias"))]
     no_decay = [p for n, p in named.items() if p.dim() == 1 or n.endswith(".bias")]
