@@ -44,6 +44,8 @@ class Case:
 
     ``batch_p2p`` is megatron's default ``batch_p2p_comm=True``; it is only correct when the
     previous and next pipeline ranks differ (it swaps the two directions at pp = 2).
+    ``overlap_p2p`` is the interleaved schedule as Megatron-LM configures it by default:
+    ``overlap_p2p_comm`` (unbatched, asynchronous p2p) with ``deallocate_pipeline_outputs``.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Case:
     tied: bool = False
     clip: bool = False
     batch_p2p: bool = False
+    overlap_p2p: bool = False
 
     @property
     def exact(self) -> bool:
@@ -72,6 +75,7 @@ class Case:
 CASES = [
     Case("1f1b_pp4_batch_p2p", pp=4, batch_p2p=True),
     Case("interleaved_pp4_vp2_batch_p2p", pp=4, vp=2, batch_p2p=True),
+    Case("interleaved_pp4_vp2_overlap_p2p", pp=4, vp=2, overlap_p2p=True),
     Case("1f1b_pp2_dp2_clip", pp=2, dp=2, clip=True),
     Case("interleaved_pp2_vp2_dp2_tied", pp=2, vp=2, dp=2, tied=True),
     Case("1f1b_pp2_tp2_tied_clip", pp=2, tp=2, tied=True, clip=True),
@@ -108,6 +112,8 @@ def _train(case: Case, initial: Optional[Dict[str, torch.Tensor]]) -> dict:
         pipeline_model_parallel_size=case.pp,
         virtual_pipeline_model_parallel_size=case.vp,
         batch_p2p_comm=case.batch_p2p,
+        overlap_p2p_comm=case.overlap_p2p,
+        deallocate_pipeline_outputs=case.overlap_p2p,
     )
     chunks = baseline.build_looped_chunks(
         config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=case.tied
@@ -281,6 +287,53 @@ def test_compat_layer_redirects_cuda_to_cpu():
     assert facts["type"] == ("torch.cuda.FloatTensor", "torch.cuda.IntTensor", torch.float64)
     assert facts["synchronize"] is None
     assert facts["rng_reproducible"] and facts["fork_is_own_stream"] and facts["default_stream_is_seed"]
+
+
+_P2P_SHAPE = (16, 1, 32)
+
+
+def _overlapped_sends_after_freeing(trials: int) -> list:
+    """Launched on 2 ranks: rank 0 sends ``trials`` outputs the way megatron's interleaved
+    schedule does with ``overlap_p2p_comm`` (asynchronous send, then
+    ``deallocate_output_tensor`` at once, then other allocations); rank 1 posts its receive only
+    after that. Returns what rank 1 received (rank 0: [])."""
+    import torch.distributed as dist
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, batch_p2p_comm=False)
+    communicator = P2PCommunicator(dist.group.WORLD, config)
+    received = []
+    for trial in range(trials):
+        if dist.get_rank() == 0:
+            output = torch.full(_P2P_SHAPE, float(trial + 1), requires_grad=True) * 1.0
+            _, handles = communicator.send_forward_recv_forward(
+                output, recv_prev=False, tensor_shape=_P2P_SHAPE, overlap_p2p_comm=True
+            )
+            deallocate_output_tensor(output, deallocate_pipeline_outputs=True)
+            reused = [torch.full(_P2P_SHAPE, float("nan")) for _ in range(8)]  # the freed memory, reused
+            dist.barrier()
+            for handle in handles.values():
+                handle.wait()
+            del reused
+        else:
+            dist.barrier()
+            received.append(communicator.recv_forward(_P2P_SHAPE, is_first_stage=False).detach().clone())
+    return received
+
+
+@pytest.mark.multirank
+def test_overlapped_p2p_sends_the_output_it_was_given_after_the_schedule_freed_it():
+    """gloo reads a send's bytes when the receiver is ready, after ``isend`` returned: without
+    the layer's private send copies the receiver gets the freed (here: NaN-filled) memory."""
+    trials = 10
+    received = launch(_overlapped_sends_after_freeing, 2, trials, timeout=120)[1]
+    wrong = [trial for trial, tensor in enumerate(received) if not torch.equal(tensor, torch.full(_P2P_SHAPE, trial + 1.0))]
+    assert len(received) == trials and wrong == [], f"trials {wrong} received other bytes than were sent"
 
 
 def test_only_tests_import_the_testing_package():

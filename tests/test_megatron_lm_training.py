@@ -17,6 +17,9 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   tensor 2 x pipeline 2 and the distributed optimizer, it continues the curve;
 * activation recompute (Megatron-LM's flags) with BitPipe, pipeline 2: full recompute with
   the split backward, selective recompute without;
+* Megatron-LM's interleaved schedule with its default overlapped p2p communication
+  (``--num-layers-per-virtual-pipeline-stage``, pipeline 2): the CPU layer's private send copies
+  keep gloo from sending freed outputs;
 * invalid flags stop every rank with one error line before torch.distributed starts;
 * ``--optimizer lamb --lr-decay-style rex`` and ``--optimizer schedulefree_adamw``: BitPipe
   (pipeline 4) trains like the reference with the same optimizer.
@@ -162,6 +165,14 @@ RECOMPUTE = {
 def test_recompute_with_bitpipe_equals_one_process(name, checkout, workdir, reference):
     flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", *RECOMPUTE[name]]
     _assert_same_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir)), reference)
+
+
+def test_interleaved_schedule_with_overlapped_p2p_equals_one_process(checkout, workdir, reference):
+    flags = [*TINY_GPT, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+             "--layout-independent-init"]
+    run = _ok(torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir))
+    assert "overlap_p2p_comm ................................ True" in run.output
+    _assert_same_curve(run, reference)
 
 
 def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):

@@ -37,6 +37,14 @@ and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` before clipping.
   - ``torch.autograd._engine_run_backward`` runs inside the device mode: the mode is popped
     while it handles ``Tensor.backward`` / ``torch.autograd.backward``, so backward functions
     that allocate on ``current_device()`` (sequence-parallel gathers) would otherwise fail.
+  - megatron's unbatched p2p (``p2p_communication._p2p_ops``) sends a private copy of each
+    tensor (:func:`_sending_private_copies`): gloo reads a send's bytes only when the receiver
+    has posted its receive, after ``isend`` returned, and the interleaved schedule with
+    ``overlap_p2p_comm`` (Megatron-LM's default) frees a sent output at once
+    (``deallocate_output_tensor`` swaps its storage for one element), so the receiver got freed
+    memory: NaN or wrong numbers, depending on timing. The copy lives as long as the send's
+    handle, which megatron waits on before it sends again. The batched path waits before it
+    returns and is left alone.
   - ``torch._dynamo.config.disable = True``: megatron's ``jit_fuser`` is ``torch.compile``
     (the native fused cross entropy, some activations); compiling them on the CPU costs
     about ten seconds per process, and eager execution gives the same values.
@@ -184,8 +192,28 @@ def _in_device_mode(run_backward: Callable) -> Callable:
     return run_in_device_mode
 
 
+def _sending_private_copies(p2p_ops: Callable) -> Callable:
+    """megatron's ``_p2p_ops`` (keyword-only tensors, groups and ranks) sending a copy of each
+    tensor it sends; receives and the returned handles are unchanged.
+
+    The copy is referenced by gloo's send work alone, so it lives exactly until the handle is
+    released: nothing the schedule does to the original afterwards (freeing an output's storage,
+    writing a buffer) reaches the wire.
+    """
+
+    def p2p_ops_sending_copies(*, tensor_send_prev, tensor_send_next, **kwargs):
+        return p2p_ops(
+            tensor_send_prev=None if tensor_send_prev is None else tensor_send_prev.detach().clone(),
+            tensor_send_next=None if tensor_send_next is None else tensor_send_next.detach().clone(),
+            **kwargs,
+        )
+
+    return p2p_ops_sending_copies
+
+
 def _patches() -> list:
     """(owner, attribute, replacement) triples; the comment says why each is needed."""
+    import megatron.core.pipeline_parallel.p2p_communication as mcore_p2p
     import megatron.core.tensor_parallel.random as mcore_random
 
     return [
@@ -207,6 +235,8 @@ def _patches() -> list:
         (mcore_random, "_set_cuda_rng_state", _set_rng_state),
         # Backward functions allocate on the "CUDA" device too; see _in_device_mode.
         (torch.autograd, "_engine_run_backward", _in_device_mode(torch.autograd._engine_run_backward)),
+        # gloo reads a send's bytes after isend returned; overlapped p2p frees sent outputs.
+        (mcore_p2p, "_p2p_ops", _sending_private_copies(mcore_p2p._p2p_ops)),
     ]
 
 
