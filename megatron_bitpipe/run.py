@@ -14,8 +14,11 @@ Megatron-LM's training code, and the script runs as ``__main__`` with ``sys.argv
 ``[script, flags...]``.
 
 Errors that are the user's to fix print one ``megatron_bitpipe.run: error: ...`` line on
-stderr and exit with status 2, on every rank, before any communication: a missing checkout, a Python package Megatron-LM's training code imports but is not installed, and
-invalid flag combinations (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`).
+stderr and exit with status 2, on every rank, before any communication: a missing checkout,
+``--pipeline-schedule bitpipe`` with a script that cannot run it
+(:func:`~megatron_bitpipe.megatron_lm.checkout.bitpipe_refusal`, before the script loads), a
+Python package Megatron-LM's training code imports but is not installed, and invalid flag
+combinations (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import runpy
 import sys
 from typing import Callable, List, Optional
 
-from .megatron_lm.checkout import ENV_VAR, MegatronLMCheckoutError, resolve_script, tested_tags_text, untested_warning
+from .megatron_lm.checkout import (
+    ENV_VAR,
+    MegatronLMCheckoutError,
+    bitpipe_refusal,
+    resolve_script,
+    tested_tags_text,
+    untested_warning,
+)
 
 __all__ = ["main"]
 
@@ -39,6 +49,17 @@ USAGE = (
 def _error(message: str) -> int:
     print(f"megatron_bitpipe.run: error: {message}", file=sys.stderr, flush=True)
     return 2
+
+
+def _pipeline_schedule(flags: List[str]) -> Optional[str]:
+    """The value of the last ``--pipeline-schedule`` in ``flags`` (argparse's choice), if any."""
+    value = None
+    for i, flag in enumerate(flags):
+        if flag == "--pipeline-schedule" and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.startswith("--pipeline-schedule="):
+            value = flag.split("=", 1)[1]
+    return value
 
 
 def main(argv: Optional[List[str]] = None, *, prepare: Optional[Callable[[], None]] = None) -> int:
@@ -58,6 +79,9 @@ def main(argv: Optional[List[str]] = None, *, prepare: Optional[Callable[[], Non
     warning = untested_warning(checkout)
     if warning is not None and os.environ.get("RANK", "0") == "0":
         print(f"megatron_bitpipe.run: warning: {warning}", file=sys.stderr, flush=True)
+    refusal = bitpipe_refusal(script, checkout) if _pipeline_schedule(argv[1:]) == "bitpipe" else None
+    if refusal is not None:
+        return _error(refusal)
     for path in dict.fromkeys([str(checkout.root), str(script.parent)]):
         if path not in sys.path:
             sys.path.insert(0, path)

@@ -5,7 +5,9 @@
   ``error:`` line); a checkout of another version gets one ``warning:`` line and runs;
 * incompatible Megatron-LM flags with ``--pipeline-schedule bitpipe`` are all reported at once,
   each by its flag;
-* a model builder that ignores the chunk's config or process groups is refused;
+* a model builder that ignores the chunk's process groups or config is refused, naming which;
+  ``python -m megatron_bitpipe.run`` refuses Megatron-LM core_v0.16.1's pretrain_bert.py with
+  bitpipe before loading it, saying why;
 * the loss reports of BitPipe's two edge ranks reach the last pipeline stage in micro-batch
   order, with their dtypes (2 gloo ranks).
 """
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -24,7 +27,13 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron_bitpipe.megatron_args import BitPipeConfigError
 from megatron_bitpipe.megatron_lm.args import add_megatron_lm_args, chain_args_provider, validate_megatron_lm_args
 from megatron_bitpipe.cpu.launcher import launch
-from megatron_bitpipe.megatron_lm.checkout import MegatronLMCheckoutError, find_checkout, resolve_script, untested_warning
+from megatron_bitpipe.megatron_lm.checkout import (
+    MegatronLMCheckoutError,
+    bitpipe_refusal,
+    find_checkout,
+    resolve_script,
+    untested_warning,
+)
 
 from .megatron_lm_support import REPO, fake_checkout
 
@@ -88,6 +97,47 @@ def test_run_cli_reports_checkout_errors(tmp_path):
         assert len(warnings) == (version != (0, 16, 1)), result.stderr
     usage = subprocess.run([sys.executable, "-m", "megatron_bitpipe.run"], env=env, capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "usage: python -m megatron_bitpipe.run SCRIPT" in usage.stderr
+
+
+BERT_REFUSAL = (
+    "--pipeline-schedule bitpipe cannot run Megatron-LM core_v0.16.1's pretrain_bert.py: the script imports "
+    "Transformer Engine's BERT layer spec when it loads (whatever --spec says, so it does not load without "
+    "transformer-engine), and its model_provider builds BertModel without the pg_collection it is given, so bitpipe "
+    "cannot build its chunks on their own process groups; BERT with bitpipe runs in megatron-bitpipe's "
+    "scripts/pretrain_bert.py"
+)
+
+
+def test_bitpipe_refuses_megatron_lm_bert_script(tmp_path):
+    for version, refused in (((0, 16, 1), True), ((0, 19, 1), False), ((0, 18, 2), False)):
+        root = fake_checkout(tmp_path / ".".join(map(str, version)), version=version)
+        (root / "pretrain_bert.py").write_text("")
+        (root / "tools").mkdir()
+        (root / "tools" / "pretrain_bert.py").write_text("")
+        checkout = find_checkout(root)
+        assert bitpipe_refusal((root / "pretrain_bert.py").resolve(), checkout) == (BERT_REFUSAL if refused else None)
+        assert bitpipe_refusal((root / "pretrain_gpt.py").resolve(), checkout) is None
+        assert bitpipe_refusal((root / "tools" / "pretrain_bert.py").resolve(), checkout) is None
+
+
+@pytest.mark.multirank
+def test_run_cli_refuses_megatron_lm_bert_script_with_bitpipe_before_loading_it(tmp_path):
+    """One error line and status 2, before the script loads (it would exit with status 3); other
+    schedules get past the refusal (to the next step, which fails on this fake checkout)."""
+    root = fake_checkout(tmp_path / "Megatron-LM")
+    (root / "pretrain_bert.py").write_text("raise SystemExit(3)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for flags, refused in ((["--pipeline-schedule", "bitpipe"], True), (["--pipeline-schedule=bitpipe"], True),
+                           (["--pipeline-schedule", "bitpipe", "--pipeline-schedule", "1f1b"], False), ([], False)):
+        result = subprocess.run(
+            [sys.executable, "-m", "megatron_bitpipe.run", str(root / "pretrain_bert.py"), "--num-layers", "8", *flags],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert result.returncode == 2, (flags, result.stderr)
+        if refused:
+            assert result.stderr == f"megatron_bitpipe.run: error: {BERT_REFUSAL}\n"
+        else:
+            assert "cannot run" not in result.stderr and "imports 'megatron.training" in result.stderr, result.stderr
 
 
 def megatron_lm_args(*argv, **fields) -> argparse.Namespace:
@@ -199,18 +249,35 @@ class _Chunk(torch.nn.Module):
         self.decoder = block(first_layer)
 
 
+def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None):
+    """Stands for a Megatron-LM script's model_provider (only its name and file are read)."""
+
+
 def test_model_builder_must_honour_config_and_process_groups():
-    from megatron_bitpipe.megatron_lm.model import _check_chunk
+    """A model provider that ignores ``pg_collection`` (Megatron-LM core_v0.16.1's
+    pretrain_bert.py) or ``config`` is refused naming what it ignored, the provider and its file."""
+    from megatron_bitpipe.megatron_lm.model import _check_chunk, _provider_name
+
     from megatron_bitpipe.runtime.layout import ChunkSpec
 
+    builder = _provider_name(functools.partial(model_provider, "a builder"))  # pretrain_gpt.py passes a partial
+    assert builder == f"the model_provider of {__file__}"
     spec = ChunkSpec(first_layer=6, num_layers=2, pre_process=False, post_process=False, pipeline=1, stage=3)
     ours = object()
-    _check_chunk(_Chunk(6, ours), spec, ours)
-    for chunk in (_Chunk(6, object()), _Chunk(0, ours)):  # megatron's global groups / looped layers
-        with pytest.raises(BitPipeConfigError, match="model_provider did not build the chunk from the config and pg_collection"):
-            _check_chunk(chunk, spec, ours)
+    _check_chunk(_Chunk(6, ours), spec, ours, builder)
+    for first_layer in (6, 0):  # megatron's global groups, whatever the layers
+        with pytest.raises(BitPipeConfigError) as info:
+            _check_chunk(_Chunk(first_layer, object()), spec, ours, builder)
+        message = str(info.value)
+        assert message.startswith(f"--pipeline-schedule bitpipe: {builder} built _Chunk without the pg_collection it was given")
+        assert "pretrain_bert.py does not" in message and "should start at layer" not in message
+    with pytest.raises(BitPipeConfigError) as info:
+        _check_chunk(_Chunk(0, ours), spec, ours, builder)  # megatron's looped layers
+    assert str(info.value).startswith(f"--pipeline-schedule bitpipe: {builder} did not build the chunk from the config it was given")
+    assert "stage 4 of pipeline B should start at layer 6, the model starts at 0" in str(info.value)
+    assert "pg_collection" not in str(info.value)
     with pytest.raises(BitPipeConfigError, match="_Chunk is not built on a TransformerBlock .*GPTModel or BertModel"):
-        _check_chunk(_Chunk(6, ours, block=_HybridStack), spec, ours)
+        _check_chunk(_Chunk(6, ours, block=_HybridStack), spec, ours, builder)
 
 
 def test_hybrid_models_are_refused_before_communication():

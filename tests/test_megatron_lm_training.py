@@ -20,7 +20,12 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
 * Megatron-LM's interleaved schedule with its default overlapped p2p communication
   (``--num-layers-per-virtual-pipeline-stage``, pipeline 2): the CPU layer's private send copies
   keep gloo from sending freed outputs;
-* invalid flags stop every rank with one error line before torch.distributed starts;
+* ``--sequence-parallel`` (tensor 2) with megatron-core's local layer spec, which the CPU entry
+  point gives norms that support it: the default schedule and BitPipe (pipeline 2) train like
+  the reference, both with SGD at a learning rate where a norm gradient left unsummed over the
+  tensor-parallel ranks shows in the validation loss and grad norm;
+* invalid flags stop every rank with one error line before torch.distributed starts, and
+  ``pretrain_bert.py`` (core_v0.16.1) with BitPipe is refused before it loads, saying why;
 * ``--optimizer lamb --lr-decay-style rex`` and ``--optimizer schedulefree_adamw``: BitPipe
   (pipeline 4) trains like the reference with the same optimizer.
 
@@ -173,6 +178,42 @@ def test_interleaved_schedule_with_overlapped_p2p_equals_one_process(checkout, w
     run = _ok(torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir))
     assert "overlap_p2p_comm ................................ True" in run.output
     _assert_same_curve(run, reference)
+
+
+SGD = ["--optimizer", "sgd", "--lr", "0.2"]
+SEQUENCE_PARALLEL = {
+    "default_tp2": (2, ["--tensor-model-parallel-size", "2", "--layout-independent-init"]),
+    "bitpipe_tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *BITPIPE]),
+}
+
+
+@pytest.fixture(scope="module")
+def sgd_reference(checkout, workdir) -> Run:
+    return _ok(torchrun(checkout / "pretrain_gpt.py", 1, [*TINY_GPT, *SGD, "--layout-independent-init"], workdir))
+
+
+@pytest.mark.parametrize("layout", list(SEQUENCE_PARALLEL))
+def test_sequence_parallel_equals_one_process(checkout, workdir, sgd_reference, layout):
+    nproc, flags = SEQUENCE_PARALLEL[layout]
+    run = _ok(torchrun(checkout / "pretrain_gpt.py", nproc, [*TINY_GPT, *SGD, *flags, "--sequence-parallel"], workdir))
+    assert "sequence_parallel ............................... True" in run.output
+    _assert_same_curve(run, sgd_reference)
+
+
+def test_bert_script_with_bitpipe_is_refused_before_it_loads(checkout, workdir):
+    script = checkout / "pretrain_bert.py"
+    if not script.exists():
+        pytest.skip(f"{checkout} has no pretrain_bert.py (core_v0.19.0)")
+    run = torchrun(script, 2, ["--spec", "local", *TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"][2:]], workdir, timeout=300)
+    errors = [line for line in run.output.splitlines() if line.startswith("megatron_bitpipe.run: error: ")]
+    assert run.returncode != 0 and len(errors) == 2, run.output[-3000:]  # one per rank
+    assert errors[0].endswith(
+        "cannot run Megatron-LM core_v0.16.1's pretrain_bert.py: the script imports Transformer Engine's BERT layer "
+        "spec when it loads (whatever --spec says, so it does not load without transformer-engine), and its "
+        "model_provider builds BertModel without the pg_collection it is given, so bitpipe cannot build its chunks "
+        "on their own process groups; BERT with bitpipe runs in megatron-bitpipe's scripts/pretrain_bert.py"
+    )
+    assert "Transformer Engine is not installed" not in run.output  # refused before the script's imports
 
 
 def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):

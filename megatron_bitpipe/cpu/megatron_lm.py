@@ -18,6 +18,12 @@ Megatron-LM's start-up (tags core_v0.16.1 and core_v0.19.0), each needed on a CP
   ``megatron/core/datasets``, needs pybind11 and a C++ compiler) and the fused CUDA kernels
   (skipped: there is no nvcc);
 * ``set_jit_fusion_options`` warms up fused kernels on the GPU: skipped;
+* megatron-core's torch norm (``WrappedTorchNorm``: the local layer spec's LayerNorm / RMSNorm
+  without apex, which a CPU machine never has) refuses ``--sequence-parallel``; with it, the
+  norm is :class:`~megatron_bitpipe.runtime.norms.SequenceParallelTorchNorm`, the same torch
+  norm with its weights marked ``sequence_parallel`` (a norm acts on each token alone, so it
+  runs on a sequence shard unchanged; megatron's ``finalize_model_grads`` sums the marked
+  weights' gradients over the tensor-parallel group), as in megatron-bitpipe's own scripts;
 * ``typing.override`` (Python 3.12), which tag core_v0.19.0's model builders import, is
   ``typing_extensions.override`` on Python 3.11 (both only mark a method at definition time):
   this machine and CI run Python 3.11, where Megatron-LM core_v0.19.0 does not import otherwise.
@@ -75,6 +81,19 @@ def _compile_dataset_helpers() -> None:
     dist.barrier()
 
 
+def _norm_with_sequence_parallel(torch_norm_new):
+    """``WrappedTorchNorm.__new__`` that builds a ``SequenceParallelTorchNorm`` under
+    ``config.sequence_parallel`` (megatron's own norm otherwise)."""
+    from ..runtime.norms import SequenceParallelTorchNorm
+
+    def new(cls, config, *args, **kwargs):
+        if config.sequence_parallel:
+            return SequenceParallelTorchNorm(config, *args, **kwargs)
+        return torch_norm_new(cls, config, *args, **kwargs)
+
+    return new
+
+
 def enable_cpu_megatron_lm() -> None:
     """Apply the CPU layer and the Megatron-LM patches (module docstring). Idempotent.
 
@@ -85,6 +104,7 @@ def enable_cpu_megatron_lm() -> None:
     import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from .compat import enable_cpu_megatron
 
@@ -104,6 +124,7 @@ def enable_cpu_megatron_lm() -> None:
     torch.cuda.set_device = lambda device: None
     initialize._compile_dependencies = _compile_dataset_helpers
     training.set_jit_fusion_options = lambda *args, **kwargs: None
+    WrappedTorchNorm.__new__ = staticmethod(_norm_with_sequence_parallel(WrappedTorchNorm.__new__))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -10,8 +10,10 @@ file before tagging). A checkout of another version still runs, after one warnin
 :func:`resolve_script` turns the script argument of ``python -m megatron_bitpipe.run`` into
 an absolute path and its checkout: an existing path is used as given, otherwise it is looked
 up under ``$MEGATRON_LM_PATH``. Every failure raises :class:`MegatronLMCheckoutError` with a
-message that names the path, ``MEGATRON_LM_PATH`` and the tested tags. Pure Python: nothing
-is imported from the checkout.
+message that names the path, ``MEGATRON_LM_PATH`` and the tested tags.
+:func:`bitpipe_refusal` says why a script of a tested tag cannot run with ``--pipeline-schedule
+bitpipe``, for the few that cannot (before the script is loaded). Pure Python: nothing is
+imported from the checkout.
 """
 
 from __future__ import annotations
@@ -34,11 +36,20 @@ __all__ = [
     "find_checkout",
     "resolve_script",
     "untested_warning",
+    "bitpipe_refusal",
 ]
 
 TESTED_TAGS = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.1"}
 """Megatron-LM release tag -> the megatron-core version its ``package_info.py`` records."""
 ENV_VAR = "MEGATRON_LM_PATH"
+_BITPIPE_UNSUPPORTED = {
+    ("core_v0.16.1", "pretrain_bert.py"): (
+        "the script imports Transformer Engine's BERT layer spec when it loads (whatever --spec says, so it does not "
+        "load without transformer-engine), and its model_provider builds BertModel without the pg_collection it is "
+        "given, so bitpipe cannot build its chunks on their own process groups"
+    ),
+}
+"""(tag, script at the checkout root) -> why ``--pipeline-schedule bitpipe`` cannot run it."""
 _PACKAGE_INFO = Path("megatron", "core", "package_info.py")
 _TRAINING = Path("megatron", "training")
 
@@ -102,6 +113,19 @@ def untested_warning(checkout: Checkout) -> Optional[str]:
     return (
         f"the Megatron-LM checkout {checkout.root} is megatron-core {checkout.version} "
         f"(megatron/core/package_info.py); megatron-bitpipe is tested with tags {tested}; continuing"
+    )
+
+
+def bitpipe_refusal(script: Path, checkout: Checkout) -> Optional[str]:
+    """Why ``--pipeline-schedule bitpipe`` cannot run ``script`` (absolute) of ``checkout``, or
+    None: Megatron-LM core_v0.16.1's ``pretrain_bert.py`` (BERT with bitpipe:
+    megatron-bitpipe's ``scripts/pretrain_bert.py``)."""
+    reason = _BITPIPE_UNSUPPORTED.get((checkout.tag, script.name)) if script.parent == checkout.root else None
+    if reason is None:
+        return None
+    return (
+        f"--pipeline-schedule bitpipe cannot run Megatron-LM {checkout.tag}'s {script.name}: {reason}; "
+        "BERT with bitpipe runs in megatron-bitpipe's scripts/pretrain_bert.py"
     )
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 from typing import Callable, List, Optional
 
@@ -78,20 +79,29 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
     )
 
 
-def _check_chunk(chunk: torch.nn.Module, spec: ChunkSpec, pg_collection) -> None:
-    """The script's model_provider honoured ``config`` (layer range) and ``pg_collection``."""
+def _check_chunk(chunk: torch.nn.Module, spec: ChunkSpec, pg_collection, builder: str) -> None:
+    """``builder`` (the script's model_provider, or a model builder) honoured ``pg_collection``
+    and ``config`` (the chunk's layer range); each failure is named on its own."""
     model = unwrap_model(chunk)
     try:
         block = transformer_block_of(model)
     except ValueError as error:
         raise BitPipeConfigError(f"--pipeline-schedule bitpipe: {error}") from None
-    first = block.layers[0].layer_number - 1 if len(block.layers) else None
-    if getattr(model, "pg_collection", None) is not pg_collection or first != spec.first_layer:
+    if getattr(model, "pg_collection", None) is not pg_collection:
         raise BitPipeConfigError(
-            "--pipeline-schedule bitpipe: the script's model_provider did not build the chunk from the "
-            "config and pg_collection it was given (Megatron-LM's gpt_builder does); bitpipe cannot place "
-            f"its chunks (stage {spec.stage + 1} of pipeline {'AB'[spec.pipeline]} should start at layer "
-            f"{spec.first_layer}, the model starts at {first})"
+            f"--pipeline-schedule bitpipe: {builder} built {type(model).__name__} without the pg_collection it was "
+            "given (the model took megatron's global process groups), so bitpipe cannot build its chunks on their own "
+            "groups; the model must get pg_collection (and config), as Megatron-LM's gpt_builder passes them "
+            "(Megatron-LM core_v0.16.1's pretrain_bert.py does not: BERT with bitpipe runs in megatron-bitpipe's "
+            "scripts/pretrain_bert.py)"
+        )
+    first = block.layers[0].layer_number - 1 if len(block.layers) else None
+    if first != spec.first_layer:
+        raise BitPipeConfigError(
+            f"--pipeline-schedule bitpipe: {builder} did not build the chunk from the config it was given, so bitpipe "
+            f"cannot place its chunks: stage {spec.stage + 1} of pipeline {'AB'[spec.pipeline]} should start at layer "
+            f"{spec.first_layer}, the model starts at {first} (the model must get config, whose layout holds the "
+            "chunk's layer range, as Megatron-LM's gpt_builder passes it)"
         )
 
 
@@ -113,6 +123,17 @@ def _provider_chunk_maker(args, model_provider_func: Callable) -> ChunkMaker:
             args.untie_embeddings_and_output_weights = untie
 
     return make
+
+
+def _provider_name(model_provider_func: Callable) -> str:
+    """``the model_provider of /path/pretrain_bert.py``: the function (inside a
+    ``functools.partial``) and the file that defines it, for messages."""
+    func = model_provider_func
+    while isinstance(func, functools.partial):
+        func = func.func
+    code = getattr(func, "__code__", None)
+    name = getattr(func, "__name__", type(func).__name__)
+    return f"the {name} of {code.co_filename}" if code is not None else f"the model provider {name}"
 
 
 def _builder_chunk_maker(builder) -> ChunkMaker:
@@ -148,7 +169,8 @@ def get_bitpipe_model(
 
     args = get_args()
     config = config if config is not None else core_transformer_config_from_args(args)
-    return _bitpipe_chunks(args, _provider_chunk_maker(args, model_provider_func), config, model_type, wrap_with_ddp)
+    maker = _provider_chunk_maker(args, model_provider_func)
+    return _bitpipe_chunks(args, maker, _provider_name(model_provider_func), config, model_type, wrap_with_ddp)
 
 
 def build_bitpipe_model_with(builder, megatron_build: Callable, *args, **kwargs) -> List[torch.nn.Module]:
@@ -166,10 +188,11 @@ def build_bitpipe_model_with(builder, megatron_build: Callable, *args, **kwargs)
     call.apply_defaults()
     config = megatron_compat.builder_model_config(builder).transformer
     maker = _builder_chunk_maker(builder)
-    return _bitpipe_chunks(get_args(), maker, config, call.arguments["model_type"], call.arguments["wrap_with_ddp"])
+    name = type(builder).__name__
+    return _bitpipe_chunks(get_args(), maker, name, config, call.arguments["model_type"], call.arguments["wrap_with_ddp"])
 
 
-def _bitpipe_chunks(args, make: ChunkMaker, config, model_type, wrap_with_ddp: bool) -> List[torch.nn.Module]:
+def _bitpipe_chunks(args, make: ChunkMaker, builder: str, config, model_type, wrap_with_ddp: bool) -> List[torch.nn.Module]:
     if model_type != ModelType.encoder_or_decoder:
         raise BitPipeConfigError(f"--pipeline-schedule bitpipe does not support {model_type} models (encoder-decoder)")
     args.model_type = model_type
@@ -187,7 +210,7 @@ def _bitpipe_chunks(args, make: ChunkMaker, config, model_type, wrap_with_ddp: b
             pg_collection=groups.rank_pgs,
             share_embeddings_and_output_weights=tie_in_chunk,
         )
-        _check_chunk(chunk, spec, groups.rank_pgs)
+        _check_chunk(chunk, spec, groups.rank_pgs, builder)
         chunk.model_type = model_type
         return chunk
 
