@@ -142,6 +142,11 @@ def recompute_problems(args: argparse.Namespace, layers_per_chunk: int) -> List[
             problems.append(f"--recompute-modules {' '.join(unknown)}: dense layers recompute {', '.join(RECOMPUTE_MODULES)}")
         if "layernorm" in modules and importlib.util.find_spec("transformer_engine") is None:
             problems.append("--recompute-modules layernorm needs Transformer Engine (megatron-core's norm recompute imports it)")
+        if "mlp" in modules and getattr(args, "add_bias_linear", True):
+            problems.append(
+                "--recompute-modules mlp needs --disable-bias-linear: megatron-core's MLP recompute hands the output "
+                "layer's bias parameter through its checkpoint, whose backward then never ends"
+            )
     return problems
 
 

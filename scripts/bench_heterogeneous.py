@@ -117,7 +117,8 @@ def pretrain_flags(settings: Settings, dataset: str, data_path: Optional[str], s
         "--num-layers", str(settings.layers), "--hidden-size", str(settings.hidden_size), "--num-attention-heads", "4",
         "--seq-length", str(settings.seq_length), "--micro-batch-size", str(settings.micro_batch_size),
         "--global-batch-size", str(settings.global_batch_size), "--train-iters", str(settings.iters), "--seed", str(seed),
-        "--lr", str(settings.lr), "--lr-decay-style", "constant", "--lr-warmup-iters", str(settings.warmup_iters),
+        "--lr", str(settings.lr), "--lr-decay-style", "constant",
+        "--lr-warmup-iters", str(min(settings.warmup_iters, settings.iters - 1)),  # megatron's scheduler: warm-up < decay
         "--adam-beta2", "0.95", "--clip-grad", "1.0", "--log-interval", str(settings.iters),
         "--eval-interval", str(settings.eval_interval), "--eval-iters", "1",
         "--emulate-replica-slowdown", ",".join(f"{f:g}" for f in slowdown),

@@ -124,12 +124,14 @@ def main_in_process(task: str, argv: List[str]):
 
 
 def _plain_tensors(directory: str) -> dict:
+    import torch
     from megatron.core import dist_checkpointing
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    return {key: value.clone() for key, value in dist_checkpointing.load_plain_tensors(directory).items()}
+    stored = dist_checkpointing.load_plain_tensors(directory)  # with the non-tensor entries (objects)
+    return {key: value.clone() for key, value in stored.items() if torch.is_tensor(value)}
 
 
 def checkpoint_tensors(root: Path, iteration: int) -> dict:

@@ -63,7 +63,14 @@ LOGICAL_MODEL = [
     "--lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", "--train-iters", "4", "--adam-eps", "1e-4",
     "--log-interval", "1", "--eval-iters", "0",
 ]  # fmt: skip
-LOGICAL_LOSSES = {1: 4.147755861282349, 2: 4.158015131950378}  # logged by the run that saved it
+# (loss, grad norm) of every iteration of the run that saved it (its iterations 3 and 4 continued
+# from that checkpoint); the weights of a fresh run now come from another random stream
+LOGICAL_RUN = {
+    1: (4.147755861282349, 0.7620106455692575),
+    2: (4.158015131950378, 0.9591693893933091),
+    3: (4.15571653842926, 0.747003689456801),
+    4: (4.154773950576782, 0.6231276361147601),
+}
 
 
 @pytest.fixture(scope="module")
@@ -261,21 +268,20 @@ def test_empty_load_directory_starts_from_scratch_with_one_warning(failures):
 
 
 @pytest.fixture(scope="module")
-def converted(out) -> Dict[str, Dict[int, dict]]:
+def converted(out) -> Dict[int, dict]:
     command = [sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"), str(LOGICAL), str(out / "converted")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-3000:]
-    logs = {}
-    for name, extra in (("uninterrupted", []), ("resumed", ["--load", str(out / "converted")])):
-        log = out / f"logical_{name}.jsonl"
-        assert launch(train_in_process, 1, "gpt", [*LOGICAL_MODEL, *extra, "--log-json", str(log)], timeout=300) == [None]
-        logs[name] = records(log)
-    return logs
+    log = out / "logical_resumed.jsonl"
+    flags = [*LOGICAL_MODEL, "--load", str(out / "converted"), "--log-json", str(log)]
+    assert launch(train_in_process, 1, "gpt", flags, timeout=300) == [None]
+    return records(log)
 
 
 def test_converted_logical_checkpoint_continues_its_run(converted):
-    uninterrupted, resumed = converted["uninterrupted"], converted["resumed"]
-    for iteration, loss in LOGICAL_LOSSES.items():  # the same model and data as the run that saved it
-        assert uninterrupted[iteration]["lm_loss"] == pytest.approx(loss, rel=1e-6)
-    assert sorted(resumed) == [3, 4]
-    assert_same_records(resumed, uninterrupted, [3, 4], ("lm_loss", "grad_norm", "lr", "consumed_samples"))
+    assert sorted(converted) == [3, 4]
+    for iteration in (3, 4):
+        loss, grad_norm = LOGICAL_RUN[iteration]
+        assert converted[iteration]["lm_loss"] == pytest.approx(loss, rel=1e-5)
+        assert converted[iteration]["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+        assert converted[iteration]["consumed_samples"] == 8 * iteration

@@ -195,7 +195,10 @@ def test_bitpipe_recompute_layers_must_fit_its_chunks():
     with pytest.raises(BitPipeConfigError, match="--recompute-num-layers 4 must be between 1 and the 2 layers of a model chunk"):
         validate_megatron_lm_args(megatron_lm_args(*bitpipe, **too_many))
     validate_megatron_lm_args(megatron_lm_args(**too_many))  # default schedule: megatron's business
-    validate_megatron_lm_args(megatron_lm_args(*bitpipe, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]))
+    selective = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    validate_megatron_lm_args(megatron_lm_args(*bitpipe, add_bias_linear=False, **selective))
+    with pytest.raises(BitPipeConfigError, match="--recompute-modules mlp needs --disable-bias-linear"):
+        validate_megatron_lm_args(megatron_lm_args(*bitpipe, add_bias_linear=True, **selective))
 
 
 def test_optimus2d_is_not_wired_into_megatron_lm_scripts():

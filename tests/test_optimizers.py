@@ -294,7 +294,7 @@ def _onebit_setup(freeze: int):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     solo = new_groups([[r] for r in range(world)], rank)
-    pgs = process_group_collection(tp=solo, pp=solo, dp=dist.group.WORLD, mp=solo, solo=solo)
+    pgs = process_group_collection(tp=solo, pp=solo, dp=dist.group.WORLD, mp=solo, solo=solo, world=dist.group.WORLD)
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
     torch.manual_seed(0)
     modules = [torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7)), torch.nn.Linear(7, 3)]

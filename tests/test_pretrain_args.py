@@ -71,6 +71,7 @@ BAD = [
     (["--recompute-method", "block"], 1, "--recompute-method applies to --recompute-granularity full only (got no recompute)"),
     (["--recompute-modules", "mlp"], 1, "--recompute-modules applies to --recompute-granularity selective only"),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe", "mlp"], 1, "--recompute-modules moe: dense layers recompute core_attn, layernorm, mlp"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp"], 1, "--recompute-modules mlp needs --disable-bias-linear"),
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], 1, "--recompute-modules layernorm needs Transformer Engine"),
     (["--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"], 1, "--recompute-activations means --recompute-granularity selective"),
     (["--data-path", "nowhere/corpus_text_document", "--tokenizer-type", "NullTokenizer"], 1, "--data-path nowhere/corpus_text_document: nowhere/corpus_text_document.bin and nowhere/corpus_text_document.idx not found"),
@@ -101,7 +102,7 @@ def test_recompute_flags_follow_megatron():
     bitpipe = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2"]
     full = parse(*bitpipe, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2", world_size=2)
     assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 2)
-    modules = parse("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp", world_size=1)
+    modules = parse("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp", "--disable-bias-linear", world_size=1)
     assert modules.recompute_modules == ["core_attn", "mlp"]
 
 

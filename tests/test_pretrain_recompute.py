@@ -24,6 +24,7 @@ MODEL = [
     "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "127", "--seed", "1234",
     "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--train-iters", str(ITERS),
     "--adam-eps", "1e-4", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+    "--disable-bias-linear",  # megatron-core's MLP recompute needs linears without bias
 ]  # fmt: skip
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # name -> (ranks, flags); chunks hold 8 / (2 x 2) = 2 layers under interleaving and BitPipe
