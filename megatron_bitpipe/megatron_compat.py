@@ -16,6 +16,9 @@ patch release in the range behaves like its neighbours:
 * :func:`linear_weight_shards`, :func:`linear_call_is_plain` — 0.19's tensor-parallel linears
   can shard their weight over a rematerialisation group (``gtp_remat_size``, passed to the
   linear's ``_forward_impl``); before 0.19 there is no such sharding.
+* :func:`reads_common_state_in_index` — megatron-core 0.19 saves a distributed checkpoint's
+  plain values as an object of its index instead of ``common.pt``; its reader reads both,
+  0.16's only ``common.pt``.
 * :func:`megatron_lm_functions` — where Megatron-LM's training code looks up what the runtime
   route wraps (argument parsing, batch broadcast, model builders), and :func:`with_keyword`
   for calls whose arguments moved between positions and keywords.
@@ -38,6 +41,7 @@ __all__ = [
     "build_tokenizer",
     "linear_weight_shards",
     "linear_call_is_plain",
+    "reads_common_state_in_index",
     "MegatronLMFunctions",
     "megatron_lm_functions",
     "builder_model_config",
@@ -163,6 +167,14 @@ def megatron_lm_functions() -> MegatronLMFunctions:
     else:
         builders, gpt_builder = (models.GPTModelBuilder, models.HybridModelBuilder), models.GPTModelBuilder
     return MegatronLMFunctions(argument_modules, training, batch_modules, builders, gpt_builder)
+
+
+def reads_common_state_in_index() -> bool:
+    """Whether megatron-core's ``load_common_state_dict`` reads plain values stored in the
+    checkpoint's index (0.19's layout) besides a ``common.pt``."""
+    from megatron.core.dist_checkpointing import serialization
+
+    return hasattr(serialization, "_legacy_common_state_exists")
 
 
 def builder_model_config(builder):

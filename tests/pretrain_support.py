@@ -143,9 +143,9 @@ def checkpoint_tensors(root: Path, iteration: int) -> dict:
 
 def checkpoint_common(root: Path, iteration: int) -> dict:
     """The plain (non-tensor) values of a distributed checkpoint: arguments, iteration, schedule..."""
-    import torch
+    from megatron.core import dist_checkpointing
 
-    return torch.load(root / f"iter_{iteration:07d}" / "common.pt", map_location="cpu", weights_only=False)
+    return dist_checkpointing.load_common_state_dict(str(root / f"iter_{iteration:07d}"))
 def main_signalled(task: str, argv: List[str], signal_rank: int, signal_call: int) -> int:
     """Rank body: the script's main() (its exit status); rank ``signal_rank`` sends itself
     SIGUSR1 in its ``signal_call``-th call of the task's forward step, as SLURM's warning

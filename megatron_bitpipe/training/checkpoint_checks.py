@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
+from .. import megatron_compat
 from .errors import CheckpointError
 from .task import MODEL_SHAPE_FLAGS
 
@@ -40,6 +41,7 @@ __all__ = [
     "find_checkpoint",
     "checkpoint_format",
     "missing_files",
+    "COMMON_STATE_KEY",
     "model_flag_problems",
     "request_problems",
     "raise_if_any",
@@ -121,21 +123,36 @@ def format_problem(directory: str, found: Optional[str]) -> Optional[str]:
     return f"{directory} is a {found!r} checkpoint; only megatron-core's distributed checkpoints (--ckpt-format torch_dist) are read"
 
 
+#: key of the non-tensor state inside a distributed checkpoint's index (megatron-core 0.19
+#: stores it there instead of in ``common.pt``)
+COMMON_STATE_KEY = "common_state"
+
+
 def missing_files(directory: str) -> List[str]:
     """Files a ``torch_dist`` checkpoint needs that are absent or shorter than its index says.
 
-    Reads ``torch.distributed.checkpoint``'s index (``.metadata``) and megatron's
-    ``common.pt``.
+    Reads ``torch.distributed.checkpoint``'s index (``.metadata``). The non-tensor state
+    (arguments, iteration, schedule) is megatron's ``common.pt`` (megatron-core 0.16) or an
+    object in the index itself (0.19: :data:`COMMON_STATE_KEY`).
     """
     from torch.distributed.checkpoint import FileSystemReader
 
     problems = []
-    if not os.path.isfile(os.path.join(directory, "common.pt")):
-        problems.append("common.pt is missing")
     try:
-        storage = FileSystemReader(directory).read_metadata().storage_data
+        metadata = FileSystemReader(directory).read_metadata()
     except (OSError, ValueError, RuntimeError) as error:
-        return problems + [f"its tensor index (.metadata) cannot be read: {error}"]
+        return [f"its tensor index (.metadata) cannot be read: {error}"]
+    in_index = any(key.startswith(f"{COMMON_STATE_KEY}/") for key in metadata.state_dict_metadata)
+    if os.path.isfile(os.path.join(directory, "common.pt")):
+        pass  # megatron-core 0.16's layout, read by every version
+    elif not in_index:
+        problems.append("common.pt is missing")
+    elif not megatron_compat.reads_common_state_in_index():
+        problems.append(
+            "its plain values (arguments, iteration) are stored in its index, as megatron-core 0.19 saves them; "
+            "this megatron-core reads them from common.pt only: load it with megatron-core 0.19"
+        )
+    storage = metadata.storage_data
     needed: Dict[str, int] = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
