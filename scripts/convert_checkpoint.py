@@ -13,7 +13,9 @@ mattered in the saving layout) and an fp16 loss scale (a note says so).
 
 The model is rebuilt in this process from the flags stored in the old checkpoint (one CPU
 process, fp32), filled from the old shards and saved with the scripts' own checkpoint code.
-Exit status: 0 done, 1 the old checkpoint cannot be read.
+Exit status: 0 done, 1 the old checkpoint cannot be read, 2 run under megatron-core 0.17 or
+later (the old checkpoints come from 0.16: convert with megatron-core 0.16; the converted
+checkpoint then loads with either).
 """
 
 from __future__ import annotations
@@ -120,6 +122,16 @@ def main(argv=None) -> int:
     parser.add_argument("new_dir", help="where to write the distributed checkpoint")
     parser.add_argument("--ckpt-step", type=int, default=None, help="iteration to convert (default: the latest)")
     options = parser.parse_args(argv)
+    from megatron_bitpipe import megatron_compat
+
+    if megatron_compat.reads_common_state_in_index():
+        print(
+            f"{parser.prog}: error: run the conversion with megatron-core 0.16 (the logical format was written with "
+            "it; under later releases the converted optimizer state loses its parameter groups); the converted "
+            "checkpoint then loads with megatron-core 0.16 through 0.19",
+            file=sys.stderr,
+        )
+        return 2
     convert(options.old_dir, options.new_dir, options.ckpt_step)
     return 0
 

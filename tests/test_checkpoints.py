@@ -34,6 +34,7 @@ from typing import Dict, List
 
 import pytest
 
+from megatron_bitpipe import megatron_compat
 from megatron_bitpipe.cpu.launcher import launch
 
 from .pretrain_support import REPO, assert_same_records, main_with_output, records, train_in_process
@@ -278,6 +279,10 @@ def converted(out) -> Dict[int, dict]:
     return records(log)
 
 
+@pytest.mark.skipif(
+    megatron_compat.reads_common_state_in_index(),
+    reason="scripts/convert_checkpoint.py runs under megatron-core 0.16 only (its inputs were written with 0.16)",
+)
 def test_converted_logical_checkpoint_continues_its_run(converted):
     assert sorted(converted) == [3, 4]
     for iteration in (3, 4):
