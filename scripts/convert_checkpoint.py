@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         print(
             f"{parser.prog}: error: run the conversion with megatron-core 0.16 (the logical format was written with "
             "it; under later releases the converted optimizer state loses its parameter groups); the converted "
-            "checkpoint then loads with megatron-core 0.16 through 0.19",
+            "checkpoint is a regular distributed checkpoint",
             file=sys.stderr,
         )
         return 2
