@@ -14,8 +14,7 @@ mattered in the saving layout) and an fp16 loss scale (a note says so).
 The model is rebuilt in this process from the flags stored in the old checkpoint (one CPU
 process, fp32), filled from the old shards and saved with the scripts' own checkpoint code.
 Exit status: 0 done, 1 the old checkpoint cannot be read, 2 run under megatron-core 0.17 or
-later (the old checkpoints come from 0.16: convert with megatron-core 0.16; the converted
-checkpoint then loads with either).
+later (the old checkpoints come from 0.16: convert with megatron-core 0.16).
 """
 
 from __future__ import annotations
