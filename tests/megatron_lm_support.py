@@ -79,6 +79,18 @@ class Run:
     evals: Dict[Tuple[int, str], float] = field(default_factory=dict)
 
 
+def checkpoint_writer_problem(root: Path):
+    """Why Megatron-LM's checkpoint saving cannot run from the checkout ``root`` here (None:
+    it can). megatron-core's distributed-checkpoint writer starts its helper processes with
+    ``spawn``, which re-imports the script in them without the CPU entry point's stand-ins;
+    at core_v0.19.0 the script's imports need ``typing.override`` of Python 3.12."""
+    from megatron_bitpipe.megatron_lm.checkout import find_checkout
+
+    if find_checkout(root).tag == "core_v0.19.0" and sys.version_info < (3, 12):
+        return "core_v0.19.0 saves checkpoints only on Python >= 3.12 (its checkpoint writer re-imports pretrain_gpt.py)"
+    return None
+
+
 def torchrun(script: Path, nproc: int, flags: List[str], cwd: Path, timeout: int = 600) -> Run:
     """Run ``script`` through the CPU entry point on ``nproc`` gloo ranks."""
     from megatron_bitpipe.cpu.megatron_lm import CPU_FLAGS

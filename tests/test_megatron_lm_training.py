@@ -43,7 +43,7 @@ import pytest
 
 from megatron_bitpipe.megatron_lm.checkout import find_checkout
 
-from .megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, torchrun
+from .megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, checkpoint_writer_problem, torchrun
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 RTOL = 1e-5
@@ -74,6 +74,8 @@ def reference(checkout, workdir) -> Run:
 
 @pytest.fixture(scope="module")
 def bitpipe_distopt(checkout, workdir) -> Run:
+    if checkpoint_writer_problem(checkout):
+        pytest.skip(checkpoint_writer_problem(checkout))
     flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
              "--save", str(workdir / "checkpoint_distopt"), "--save-interval", "2"]
     return _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
@@ -93,7 +95,7 @@ def patched_checkout(checkout, workdir):
 def runtime_runs(checkout, workdir) -> dict:
     """BitPipe through ``python -m megatron_bitpipe.run`` in both layouts; tensor 2 x pipeline 2
     saves a checkpoint at iteration 2."""
-    save = ["--save", str(workdir / "checkpoint"), "--save-interval", "2"]
+    save = [] if checkpoint_writer_problem(checkout) else ["--save", str(workdir / "checkpoint"), "--save-interval", "2"]
     return {
         name: _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*TINY_GPT, *BITPIPE, *flags, *(save if name == "tp2_pp2" else [])], workdir))
         for name, flags in LAYOUTS.items()
@@ -116,13 +118,15 @@ def _assert_same_curve(run: Run, reference: Run, iterations=range(1, 5)):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_runtime_route_bitpipe_equals_one_process(runtime_runs, reference, layout):
+def test_runtime_route_bitpipe_equals_one_process(runtime_runs, reference, layout, checkout):
     _assert_same_curve(runtime_runs[layout], reference)
-    if layout == "tp2_pp2":
+    if layout == "tp2_pp2" and not checkpoint_writer_problem(checkout):
         assert "saving checkpoint at iteration       2" in runtime_runs[layout].output
 
 
 def test_resume_from_bitpipe_checkpoint_continues_the_curve(runtime_runs, checkout, workdir, reference):
+    if checkpoint_writer_problem(checkout):
+        pytest.skip(checkpoint_writer_problem(checkout))
     flags = [*TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"], "--load", str(workdir / "checkpoint"), "--ckpt-step", "2"]
     resumed = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
     assert sorted(resumed.losses) == [3, 4]
