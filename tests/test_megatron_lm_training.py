@@ -117,6 +117,18 @@ def _assert_same_curve(run: Run, reference: Run, iterations=range(1, 5)):
         assert run.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
 
 
+def _assert_resumed_curve(resumed: Run, reference: Run) -> None:
+    """A run resumed from iteration 2 continues ``reference``'s curve. Megatron-LM logs the
+    first iteration after a resume without resetting its averages, so iteration 4's logged
+    loss is the mean of 3 and 4; the evaluations pin the weights."""
+    assert sorted(resumed.losses) == [3, 4]
+    assert resumed.losses[3] == pytest.approx(reference.losses[3], rel=RTOL)
+    assert resumed.losses[4] == pytest.approx((reference.losses[3] + reference.losses[4]) / 2, rel=RTOL)
+    for key, loss in reference.evals.items():
+        if key[0] == 4:
+            assert resumed.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_runtime_route_bitpipe_equals_one_process(runtime_runs, reference, layout, checkout):
     _assert_same_curve(runtime_runs[layout], reference)
@@ -128,15 +140,7 @@ def test_resume_from_bitpipe_checkpoint_continues_the_curve(runtime_runs, checko
     if checkpoint_writer_problem(checkout):
         pytest.skip(checkpoint_writer_problem(checkout))
     flags = [*TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"], "--load", str(workdir / "checkpoint"), "--ckpt-step", "2"]
-    resumed = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
-    assert sorted(resumed.losses) == [3, 4]
-    # Megatron-LM logs the first iteration after a resume without resetting its averages, so
-    # iteration 4's logged loss is the mean of 3 and 4; the evaluations pin the weights.
-    assert resumed.losses[3] == pytest.approx(reference.losses[3], rel=RTOL)
-    assert resumed.losses[4] == pytest.approx((reference.losses[3] + reference.losses[4]) / 2, rel=RTOL)
-    for key, loss in reference.evals.items():
-        if key[0] == 4:
-            assert resumed.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
+    _assert_resumed_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
 def test_runtime_route_distributed_optimizer_equals_one_process(bitpipe_distopt, reference):
@@ -147,13 +151,7 @@ def test_runtime_route_distributed_optimizer_equals_one_process(bitpipe_distopt,
 def test_distributed_optimizer_checkpoint_resumes_in_another_layout(bitpipe_distopt, checkout, workdir, reference):
     flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
              "--use-distributed-optimizer", "--load", str(workdir / "checkpoint_distopt"), "--ckpt-step", "2"]
-    resumed = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
-    assert sorted(resumed.losses) == [3, 4]
-    assert resumed.losses[3] == pytest.approx(reference.losses[3], rel=RTOL)
-    assert resumed.losses[4] == pytest.approx((reference.losses[3] + reference.losses[4]) / 2, rel=RTOL)
-    for key, loss in reference.evals.items():
-        if key[0] == 4:
-            assert resumed.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
+    _assert_resumed_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
