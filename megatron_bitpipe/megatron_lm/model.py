@@ -41,7 +41,6 @@ The script's ``model_provider`` must pass ``config`` and ``pg_collection`` on to
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import inspect
@@ -56,7 +55,7 @@ from megatron.core.utils import unwrap_model
 from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
 from ..runtime.groups import ParallelGrid, PipelineGroups
-from ..runtime.init import initialize_from_seed
+from ..runtime.init import initialize_from_seed, without_megatron_init
 from ..runtime.layout import ChunkSpec, chunk_layers_of, chunk_specs
 from ..runtime.model import build_chunks, transformer_block_of
 from ..runtime.precision import ChunkFloat16Module
@@ -215,10 +214,8 @@ def _bitpipe_chunks(args, make: ChunkMaker, builder: str, config, model_type, wr
         return chunk
 
     tied = not args.untie_embeddings_and_output_weights
-    build_config = copy.copy(config)
-    build_config.perform_initialization = False  # every weight is drawn once, below
     chunks = build_chunks(
-        build_config, groups, make_chunk, vocab_size=args.padded_vocab_size, share_embeddings_and_output_weights=tied
+        without_megatron_init(config),  # every weight is drawn once, below groups, make_chunk, vocab_size=args.padded_vocab_size, share_embeddings_and_output_weights=tied
     )
     for param in (p for chunk in chunks for p in chunk.parameters()):
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)

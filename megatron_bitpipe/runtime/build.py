@@ -7,7 +7,6 @@ is also available on its own (:mod:`.groups`, :mod:`.model`, :mod:`.init`,
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -23,7 +22,7 @@ from ..optimizers import OptimizerChoice, build_megatron_optimizer
 from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
 from .groups import ParallelGrid, PipelineGroups
-from .init import initialize_from_seed
+from .init import initialize_from_seed, without_megatron_init
 from .layout import ChunkSpec, chunk_specs
 from .model import build_gpt_chunks
 from .precision import ChunkFloat16Module
@@ -116,7 +115,7 @@ def build_pipeline_model(
     groups = PipelineGroups.build(grid, placement, tensor_parallel_mode)
     init_megatron_state(groups.rank_pgs, seed)
     chunks = chunk_builder(
-        _without_megatron_init(config),
+        without_megatron_init(config),
         groups,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
@@ -132,14 +131,6 @@ def build_pipeline_model(
     if config.bf16 or config.fp16:
         chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config, reduce_gradients), groups, specs, config)
-
-
-def _without_megatron_init(config: TransformerConfig) -> TransformerConfig:
-    """A shallow copy of ``config`` with ``perform_initialization=False``: megatron only
-    allocates the local weights, :func:`~.init.initialize_from_seed` draws each one once."""
-    build_config = copy.copy(config)
-    build_config.perform_initialization = False
-    return build_config
 
 
 def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, choice: OptimizerChoice = OptimizerChoice()):

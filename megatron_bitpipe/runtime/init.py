@@ -41,6 +41,7 @@ is generated once.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from megatron.core.utils import unwrap_model
 from . import seeded_random
 from .layout import ChunkLayers, full_shape, to_global_name, tp_block
 
-__all__ = ["init_method_for", "initialize_from_seed", "initialize_parameter"]
+__all__ = ["init_method_for", "initialize_from_seed", "initialize_parameter", "without_megatron_init"]
 
 _OUTPUT_PROJECTIONS = ("linear_proj", "linear_fc2")
 #: elements drawn per numpy call (temporaries stay in the cache)
@@ -208,3 +209,11 @@ def initialize_from_seed(
                     raise NotImplementedError(f"{local_name}: expert-parallel parameters are not supported")
                 name = to_global_name(local_name, chunk_layers)
                 initialize_parameter(param, name, init_method_for(name, model.config), seed, tp_rank, tp_size)
+
+
+def without_megatron_init(config: TransformerConfig) -> TransformerConfig:
+    """A shallow copy of ``config`` with ``perform_initialization=False``: megatron only
+    allocates the local weights, :func:`initialize_from_seed` draws each one once."""
+    build_config = copy.copy(config)
+    build_config.perform_initialization = False
+    return build_config
