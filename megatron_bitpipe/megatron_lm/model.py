@@ -215,7 +215,11 @@ def _bitpipe_chunks(args, make: ChunkMaker, builder: str, config, model_type, wr
 
     tied = not args.untie_embeddings_and_output_weights
     chunks = build_chunks(
-        without_megatron_init(config),  # every weight is drawn once, below groups, make_chunk, vocab_size=args.padded_vocab_size, share_embeddings_and_output_weights=tied
+        without_megatron_init(config),  # every weight is drawn once, below
+        groups,
+        make_chunk,
+        vocab_size=args.padded_vocab_size,
+        share_embeddings_and_output_weights=tied,
     )
     for param in (p for chunk in chunks for p in chunk.parameters()):
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
