@@ -23,9 +23,10 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed", category=UserWarning)
+from megatron_bitpipe.training.script import ignore_missing_kernel_warnings
+
+ignore_missing_kernel_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
 
 import torch  # noqa: E402
 

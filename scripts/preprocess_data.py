@@ -10,10 +10,10 @@ docs/running.md explains them, :mod:`megatron_bitpipe.training.preprocess` is th
 """
 
 import sys
-import warnings
 
-# megatron-core warns about every optional kernel library it does not find (apex, Transformer Engine)
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed", category=UserWarning)
+from megatron_bitpipe.training.script import ignore_missing_kernel_warnings
+
+ignore_missing_kernel_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
 
 from megatron_bitpipe.training.preprocess import main  # noqa: E402
 

@@ -12,14 +12,11 @@ megatron-bitpipe's CPU compatibility layer.
 """
 
 import sys
-import warnings
 
-# megatron-core warns about every optional kernel library it does not find (apex, Transformer
-# Engine), on every rank; the script's own log says what runs.
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed", category=UserWarning)
+from megatron_bitpipe.training.bert_args import BertArguments
+from megatron_bitpipe.training.script import ignore_missing_kernel_warnings, run_script
 
-from megatron_bitpipe.training.bert_args import BertArguments  # noqa: E402
-from megatron_bitpipe.training.script import run_script  # noqa: E402
+ignore_missing_kernel_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
 
 
 def load_task():

@@ -97,7 +97,9 @@ def main_with_output(task: str, argv: List[str]) -> Tuple[int, str, str]:
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import main
+    from megatron_bitpipe.training.script import ignore_missing_kernel_warnings
 
+    ignore_missing_kernel_warnings()  # as the scripts do
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         status = main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
@@ -115,7 +117,9 @@ def main_in_process(task: str, argv: List[str]):
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import main
+    from megatron_bitpipe.training.script import ignore_missing_kernel_warnings
 
+    ignore_missing_kernel_warnings()  # as the scripts do
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         status = main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)

@@ -23,6 +23,7 @@ import io
 import os
 import sys
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 from ..megatron_args import BitPipeConfigError
@@ -31,13 +32,22 @@ from .arguments import parse_args
 from .errors import CheckpointError
 from .task import TaskArguments
 
-__all__ = ["PEER_REPORT_WAIT_S", "report_user_error", "run_script"]
+__all__ = ["PEER_REPORT_WAIT_S", "ignore_missing_kernel_warnings", "report_user_error", "run_script"]
 
 #: seconds a rank other than 0 waits under torchrun for the job to end before it prints a
 #: user error itself (see the module docstring)
 PEER_REPORT_WAIT_S = 30.0
 #: exit status of a checkpoint that cannot be loaded into the run
 CHECKPOINT_EXIT_STATUS = 1
+#: megatron-core's import-time warnings about each optional kernel library it does not find
+#: (apex, Transformer Engine), one per module and rank; the run's own log says what runs
+MISSING_KERNEL_WARNING = r".*(Apex|Transformer Engine).* (is|are) not installed"
+
+
+def ignore_missing_kernel_warnings() -> None:
+    """Drop :data:`MISSING_KERNEL_WARNING` warnings in this process (call before megatron-core
+    is imported); every other warning still shows."""
+    warnings.filterwarnings("ignore", message=MISSING_KERNEL_WARNING, category=UserWarning)
 
 
 def _rank() -> int:
