@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -122,7 +123,11 @@ def _table(runs: Dict[str, Dict[int, dict]]) -> str:
         valid = [run["validation"] for run in by_seed.values() if run["validation"] is not None]
 
         def spread(values):
-            return f"{statistics.mean(values):.4f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.4f}" if values else "-"
+            finite = [v for v in values if math.isfinite(v)]
+            diverged = f" ({len(values) - len(finite)} of {len(values)} diverged)" if len(finite) < len(values) else ""
+            if not finite:
+                return "-" + diverged
+            return f"{statistics.mean(finite):.4f} ± {statistics.stdev(finite) if len(finite) > 1 else 0.0:.4f}{diverged}"
 
         compressed = f"{statistics.mean(late):,.0f}" if late else "-"
         ratio = f"1/{adam / statistics.mean(late):.1f}" if late and adam else (f"{statistics.mean(early) / adam:.3f}" if adam else "-")
@@ -138,10 +143,14 @@ def _plot(runs: Dict[str, Dict[int, dict]], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, by_seed in runs.items():
-        curves = [[r["loss"] for r in run["rows"]] for run in by_seed.values()]
+        every = [[r["loss"] for r in run["rows"]] for run in by_seed.values()]
+        curves = [curve for curve in every if math.isfinite(curve[-1])]  # a diverged seed is left out
+        if not curves:
+            continue
         steps = [r["iteration"] for r in next(iter(by_seed.values()))["rows"]]
         mean = [statistics.mean(values) for values in zip(*curves)]
-        ax.plot(steps, mean, label=name)
+        left_out = len(every) - len(curves)
+        ax.plot(steps, mean, label=name + (f" ({left_out} of {len(every)} seeds diverged, not shown)" if left_out else ""))
         ax.fill_between(steps, [min(v) for v in zip(*curves)], [max(v) for v in zip(*curves)], alpha=0.2)
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss (mean, min-max over seeds)")
