@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import subprocess
 import sys
@@ -69,6 +70,22 @@ def test_standard_normal_is_box_muller_and_normal():
     assert abs(values.mean()) < 0.01 and abs(values.std() - 1) < 0.01
     uniform = seeded_random.uniform(key, np.arange(1 << 16))
     assert uniform.min() >= 0 and uniform.max() < 1 and abs(uniform.mean() - 0.5) < 0.01
+
+
+def test_the_drawn_bits_never_change():
+    """The initial weights of a seed are fixed for good: the digests of values this stream
+    has always drawn (contiguous and scattered positions), whole and piece by piece through
+    one reused workspace and output array."""
+    key = seeded_random.stream_key(1234, "decoder.layers.0.mlp.linear_fc1.weight")
+    scattered = (np.arange(4096, dtype=np.uint64) * np.uint64(2**40 + 12345)) % np.uint64(2**62)
+    positions = np.concatenate([np.arange(1 << 16, dtype=np.uint64), scattered])
+    digests = {"normal": "c7015c4289b8260c1e1ad21ac2aa1b57", "uniform": "f4758ced926dbfec36f7ebd11847beea"}
+    workspace, out = seeded_random.Workspace(5000), np.empty(5000, np.float32)
+    for name, draw in (("normal", seeded_random.standard_normal), ("uniform", seeded_random.uniform)):
+        whole = draw(key, positions)
+        pieces = np.concatenate([draw(key, positions[i : i + 5000], out[: len(positions[i : i + 5000])], workspace).copy() for i in range(0, len(positions), 5000)])
+        assert hashlib.sha256(whole.tobytes()).hexdigest()[:32] == digests[name], name
+        assert np.array_equal(pieces.view(np.uint32), whole.view(np.uint32)), name
 
 
 def _tp_param(local_shape, partition_dim=None, stride=1, layout=None) -> torch.nn.Parameter:

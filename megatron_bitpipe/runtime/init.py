@@ -59,8 +59,9 @@ from .layout import ChunkLayers, full_shape, to_global_name, tp_block
 __all__ = ["init_method_for", "initialize_from_seed", "initialize_parameter", "without_megatron_init"]
 
 _OUTPUT_PROJECTIONS = ("linear_proj", "linear_fc2")
-#: elements drawn per numpy call (temporaries stay in the cache)
-_PIECE = 1 << 14
+#: elements drawn per piece: the piece's scratch arrays (:class:`~.seeded_random.Workspace`,
+#: about 40 bytes an element) are allocated once per parameter and stay in the cache
+_PIECE = 1 << 16
 
 
 def init_method_for(name: str, config: TransformerConfig) -> Callable[[torch.Tensor], None]:
@@ -146,14 +147,14 @@ def _position_grids(param: torch.Tensor, shape: Tuple[int, ...], tp_rank: int, t
     return grids
 
 
-def _draw(distribution: _Distribution, key: int, positions: np.ndarray) -> np.ndarray:
-    """float32 values of ``distribution`` at the stream's ``positions``."""
+def _draw(distribution: _Distribution, key: int, positions: np.ndarray, out: np.ndarray, workspace: seeded_random.Workspace) -> np.ndarray:
+    """float32 values of ``distribution`` at the stream's ``positions``, into ``out``."""
     if isinstance(distribution, _Normal):
-        values = seeded_random.standard_normal(key, positions)
+        values = seeded_random.standard_normal(key, positions, out, workspace)
         values *= np.float32(distribution.std)
         values += np.float32(distribution.mean)
         return values
-    values = seeded_random.uniform(key, positions)
+    values = seeded_random.uniform(key, positions, out, workspace)
     values *= np.float32(distribution.high - distribution.low)
     values += np.float32(distribution.low)
     return values
@@ -175,11 +176,27 @@ def initialize_parameter(param: torch.Tensor, name: str, init: Callable, seed: i
             init(full)
         param.copy_(tp_block(full, param, tp_rank, tp_size))
         return
-    grids = _position_grids(param, shape, tp_rank, tp_size)
-    rows = max(1, _PIECE // max(1, param[0].numel()))
+    whole = tuple(param.shape) == shape  # the full tensor: its positions are 0, 1, 2, ...
+    grids = None if whole else _position_grids(param, shape, tp_rank, tp_size)
+    row = max(1, param[0].numel())
+    rows = max(1, _PIECE // row)
+    size = min(rows, param.shape[0]) * row
+    workspace = seeded_random.Workspace(size)
+    positions, values = torch.empty(size, dtype=torch.int64), np.empty(size, np.float32)
+    counting = torch.arange(size, dtype=torch.int64) if whole else None
     for first in range(0, param.shape[0], rows):
-        positions = sum(grid[first : first + rows].to(torch.int64) * stride for grid, stride in grids)
-        param[first : first + rows].copy_(torch.from_numpy(_draw(distribution, key, positions.numpy())))
+        block = param[first : first + rows]
+        block_positions = positions[: block.numel()].view(block.shape)
+        if whole:
+            torch.add(counting[: block.numel()], first * row, out=positions[: block.numel()])
+        else:
+            for d, (grid, stride) in enumerate(grids):  # the row-major position, in int64
+                if d == 0:
+                    block_positions.copy_(grid[first : first + rows]).mul_(stride)
+                else:
+                    block_positions.add_(grid[first : first + rows], alpha=stride)
+        drawn = _draw(distribution, key, block_positions.numpy(), values[: block.numel()], workspace)
+        block.copy_(torch.from_numpy(drawn).view(block.shape))
 
 
 def initialize_from_seed(

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-__all__ = ["stream_key", "bits", "standard_normal", "uniform"]
+__all__ = ["Workspace", "bits", "standard_normal", "stream_key", "uniform"]
 
 _F = np.float32
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -50,10 +50,39 @@ def stream_key(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def bits(key: int, positions: np.ndarray) -> np.ndarray:
-    """The stream's 64-bit elements at ``positions`` (a non-negative integer array)."""
-    z = positions.astype(np.uint64, copy=True)
-    shifted = np.empty_like(z)
+class Workspace:
+    """Scratch arrays for drawing up to ``size`` elements per call, reused from call to call.
+
+    Drawing is a few dozen elementwise passes; with fresh temporaries, each large one is new
+    memory the kernel must fault in and zero, which costs more than the arithmetic. Give
+    :func:`standard_normal` / :func:`uniform` one workspace and an ``out`` array when drawing
+    piece after piece. Not thread-safe: one workspace per thread.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.hash = np.empty(size, np.uint64)
+        self.shifted = np.empty(size, np.uint64)
+        self.low = np.empty(size, np.uint32)
+        self.word = np.empty(size, np.uint32)
+        self.float_bits = np.empty(size, np.uint32)
+        self.scratch = np.empty(size, _F)
+        self.term = np.empty(size, _F)
+        self.high = np.empty(size, np.bool_)
+
+    def views(self, n: int):
+        """The first ``n`` elements of every array, in the order of the attributes."""
+        if n > self.size:
+            raise ValueError(f"{n} elements do not fit a workspace of {self.size}")
+        return (
+            self.hash[:n], self.shifted[:n], self.low[:n], self.word[:n], self.float_bits[:n],
+            self.scratch[:n], self.term[:n], self.high[:n],
+        )  # fmt: skip
+
+
+def _bits_into(key: int, positions: np.ndarray, z: np.ndarray, shifted: np.ndarray) -> np.ndarray:
+    """:func:`bits` written into ``z`` (``uint64``, ``positions``' size), ``shifted`` scratch."""
+    np.copyto(z, positions.reshape(-1), casting="unsafe")
     z += np.uint64(1)
     z *= _GAMMA
     z += np.uint64(key)
@@ -65,51 +94,88 @@ def bits(key: int, positions: np.ndarray) -> np.ndarray:
     return z
 
 
-def _polynomial(x: np.ndarray, coefficients) -> np.ndarray:
-    """Horner: ``coefficients`` (highest power first) evaluated at ``x``."""
-    result = x * coefficients[0]
-    result += coefficients[1]
+def bits(key: int, positions: np.ndarray) -> np.ndarray:
+    """The stream's 64-bit elements at ``positions`` (a non-negative integer array), flat."""
+    z = np.empty(positions.size, np.uint64)
+    return _bits_into(key, positions, z, np.empty_like(z))
+
+
+def _polynomial_into(x: np.ndarray, coefficients, out: np.ndarray) -> np.ndarray:
+    """Horner into ``out``: ``coefficients`` (highest power first) evaluated at ``x``."""
+    np.multiply(x, coefficients[0], out=out)
+    out += coefficients[1]
     for c in coefficients[2:]:
-        result *= x
-        result += c
-    return result
+        out *= x
+        out += c
+    return out
 
 
-def _log_of_counts(counts: np.ndarray) -> np.ndarray:
-    """``ln(counts / 2^24)`` for ``uint32`` integers ``counts`` in [1, 2^24] (float32)."""
+def _log_of_counts_into(counts, out, float_bits, scratch, term, high) -> np.ndarray:
+    """``ln(counts / 2^24)`` (float32) into ``out`` for ``uint32`` integers ``counts`` in
+    [1, 2^24]; ``counts`` is overwritten, the other arguments are scratch of its size."""
     # counts = m 2^e exactly: e and m read off the float32 bits, m in [1, 2), then moved to
-    # [sqrt(1/2), sqrt(2))
-    float_bits = counts.astype(_F).view(np.uint32)
-    mantissa_bits = (float_bits & np.uint32(0x7FFFFF)) | np.uint32(0x3F800000)
-    high = mantissa_bits >= _SQRT2_BITS
+    # [sqrt(1/2), sqrt(2)) (halved, e one more)
+    np.copyto(float_bits.view(_F), counts, casting="unsafe")
+    mantissa_bits = counts
+    np.bitwise_and(float_bits, np.uint32(0x7FFFFF), out=mantissa_bits)
+    mantissa_bits |= np.uint32(0x3F800000)
+    np.greater_equal(mantissa_bits, _SQRT2_BITS, out=high)
     mantissa = mantissa_bits.view(_F)
-    mantissa *= _F(1.0) - _F(0.5) * high
-    exponent = (float_bits >> np.uint32(23)).astype(np.int32) - (127 + 24) + high
-    s = mantissa - _F(1.0)
-    s /= mantissa + _F(1.0)
-    result = _polynomial(s * s, _LOG_SERIES)
-    result *= s
-    result += exponent.astype(_F) * _LN2
-    return result
+    np.multiply(high, _F(0.5), out=scratch)
+    np.subtract(_F(1.0), scratch, out=scratch)
+    mantissa *= scratch
+    float_bits >>= np.uint32(23)  # the biased exponent
+    np.copyto(term, float_bits, casting="unsafe")
+    term -= _F(127 + 24)
+    term += high
+    term *= _LN2  # exponent ln 2
+    np.add(mantissa, _F(1.0), out=scratch)
+    mantissa -= _F(1.0)
+    mantissa /= scratch  # s = (m - 1) / (m + 1)
+    np.multiply(mantissa, mantissa, out=scratch)
+    _polynomial_into(scratch, _LOG_SERIES, out)
+    out *= mantissa
+    out += term
+    return out
 
 
-def standard_normal(key: int, positions: np.ndarray) -> np.ndarray:
-    """N(0, 1) float32 values of the stream at ``positions`` (Box-Muller, one element each)."""
-    z = bits(key, positions)
-    high, low = (z >> np.uint64(32)).astype(np.uint32), z.astype(np.uint32)
-    radius = _log_of_counts((high >> np.uint32(8)) + np.uint32(1))
+def standard_normal(key: int, positions: np.ndarray, out: np.ndarray | None = None, workspace: Workspace | None = None) -> np.ndarray:
+    """N(0, 1) float32 values of the stream at ``positions`` (Box-Muller, one element each),
+    flat, written into ``out`` if given (float32, ``positions``' size)."""
+    n = positions.size
+    workspace = workspace if workspace is not None else Workspace(n)
+    z, shifted, low, word, float_bits, scratch, term, high = workspace.views(n)
+    radius = out if out is not None else np.empty(n, _F)
+    _bits_into(key, positions, z, shifted)
+    np.copyto(low, z, casting="unsafe")  # the low 32 bits
+    z >>= np.uint64(40)
+    np.copyto(word, z, casting="unsafe")
+    word += np.uint32(1)  # the high 24 bits + 1: a count in [1, 2^24]
+    _log_of_counts_into(word, radius, float_bits, scratch, term, high)
     radius *= _F(-2.0)
     np.maximum(radius, _F(0.0), out=radius)
     np.sqrt(radius, out=radius)
-    t = (low & np.uint32(0x7FFFFF)).astype(_F)
-    t *= _QUARTER_TURN
-    radius *= _polynomial(t * t, _COS_SERIES)
-    sign = (low >> np.uint32(23)) & np.uint32(1)
-    sign <<= np.uint32(31)
-    radius.view(np.uint32)[...] |= sign
+    np.bitwise_and(low, np.uint32(0x7FFFFF), out=word)
+    np.copyto(scratch, word, casting="unsafe")
+    scratch *= _QUARTER_TURN
+    scratch *= scratch
+    radius *= _polynomial_into(scratch, _COS_SERIES, term)
+    low <<= np.uint32(8)  # bit 23, the sign, to bit 31
+    low &= np.uint32(0x80000000)
+    radius.view(np.uint32)[...] |= low
     return radius
 
 
-def uniform(key: int, positions: np.ndarray) -> np.ndarray:
-    """Uniform [0, 1) float32 values of the stream at ``positions``."""
-    return ((bits(key, positions) >> np.uint64(40)).astype(np.uint32).astype(_F)) * _F(2.0**-24)
+def uniform(key: int, positions: np.ndarray, out: np.ndarray | None = None, workspace: Workspace | None = None) -> np.ndarray:
+    """Uniform [0, 1) float32 values of the stream at ``positions``, flat, written into ``out``
+    if given (float32, ``positions``' size)."""
+    n = positions.size
+    workspace = workspace if workspace is not None else Workspace(n)
+    z, shifted, _, word, *_ = workspace.views(n)
+    values = out if out is not None else np.empty(n, _F)
+    _bits_into(key, positions, z, shifted)
+    z >>= np.uint64(40)
+    np.copyto(word, z, casting="unsafe")
+    np.copyto(values, word, casting="unsafe")
+    values *= _F(2.0**-24)
+    return values
