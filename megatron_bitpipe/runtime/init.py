@@ -54,7 +54,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import unwrap_model
 
 from . import seeded_random
-from .layout import ChunkLayers, full_shape, to_global_name, tp_block
+from .layout import ChunkLayers, full_shape, is_tensor_parallel, to_global_name, tp_block
 
 __all__ = ["init_method_for", "initialize_from_seed", "initialize_parameter", "without_megatron_init"]
 
@@ -176,7 +176,8 @@ def initialize_parameter(param: torch.Tensor, name: str, init: Callable, seed: i
             init(full)
         param.copy_(tp_block(full, param, tp_rank, tp_size))
         return
-    whole = tuple(param.shape) == shape  # the full tensor: its positions are 0, 1, 2, ...
+    # the full tensor itself (tp_block's identity case): its positions are 0, 1, 2, ...
+    whole = getattr(param, "optimus_layout", None) is None and (tp_size == 1 or not is_tensor_parallel(param))
     grids = None if whole else _position_grids(param, shape, tp_rank, tp_size)
     row = max(1, param[0].numel())
     rows = max(1, _PIECE // row)
