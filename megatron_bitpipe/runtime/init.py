@@ -54,7 +54,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import unwrap_model
 
 from . import seeded_random
-from .layout import ChunkLayers, full_shape, is_tensor_parallel, to_global_name, tp_block
+from .layout import ChunkLayers, full_shape, holds_full_tensor, to_global_name, tp_block
 
 __all__ = ["init_method_for", "initialize_from_seed", "initialize_parameter", "without_megatron_init"]
 
@@ -176,8 +176,7 @@ def initialize_parameter(param: torch.Tensor, name: str, init: Callable, seed: i
             init(full)
         param.copy_(tp_block(full, param, tp_rank, tp_size))
         return
-    # the full tensor itself (tp_block's identity case): its positions are 0, 1, 2, ...
-    whole = getattr(param, "optimus_layout", None) is None and (tp_size == 1 or not is_tensor_parallel(param))
+    whole = holds_full_tensor(param, tp_size)  # then its positions are 0, 1, 2, ...
     grids = None if whole else _position_grids(param, shape, tp_rank, tp_size)
     row = max(1, param[0].numel())
     rows = max(1, _PIECE // row)
@@ -187,16 +186,17 @@ def initialize_parameter(param: torch.Tensor, name: str, init: Callable, seed: i
     counting = torch.arange(size, dtype=torch.int64) if whole else None
     for first in range(0, param.shape[0], rows):
         block = param[first : first + rows]
-        block_positions = positions[: block.numel()].view(block.shape)
+        n = block.numel()
+        block_positions = positions[:n].view(block.shape)
         if whole:
-            torch.add(counting[: block.numel()], first * row, out=positions[: block.numel()])
+            torch.add(counting[:n], first * row, out=positions[:n])
         else:
             for d, (grid, stride) in enumerate(grids):  # the row-major position, in int64
                 if d == 0:
                     block_positions.copy_(grid[first : first + rows]).mul_(stride)
                 else:
                     block_positions.add_(grid[first : first + rows], alpha=stride)
-        drawn = _draw(distribution, key, block_positions.numpy(), values[: block.numel()], workspace)
+        drawn = _draw(distribution, key, block_positions.numpy(), values[:n], workspace)
         block.copy_(torch.from_numpy(drawn).view(block.shape))
 
 

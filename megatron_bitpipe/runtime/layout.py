@@ -45,6 +45,7 @@ __all__ = [
     "to_global_name",
     "to_local_name",
     "is_tensor_parallel",
+    "holds_full_tensor",
     "full_shape",
     "tp_block",
 ]
@@ -189,6 +190,13 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+def holds_full_tensor(param: torch.Tensor, tp_size: int) -> bool:
+    """Whether ``param`` is its full tensor, unsplit and in the full tensor's orientation
+    (:func:`tp_block` gives the full tensor itself): no Optimus 2D layout, and not split or
+    ``tp_size`` 1."""
+    return getattr(param, "optimus_layout", None) is None and (tp_size == 1 or not is_tensor_parallel(param))
+
+
 def full_shape(param: torch.Tensor, tp_size: int) -> Tuple[int, ...]:
     """Shape of the full tensor of which ``param`` is one tensor-parallel block."""
     layout = getattr(param, "optimus_layout", None)
@@ -209,11 +217,11 @@ def tp_block(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int
     with stride 1 the block is the ``tp_rank``-th of ``tp_size`` (a view of ``full``).
     An Optimus 2D parameter takes its 2-D block (``param.optimus_layout``).
     """
+    if holds_full_tensor(param, tp_size):
+        return full
     layout = getattr(param, "optimus_layout", None)
     if layout is not None:
         return layout.tp_block(full, tp_rank, tp_size)
-    if tp_size == 1 or not is_tensor_parallel(param):
-        return full
     stride = getattr(param, "partition_stride", 1)
     parts = full.chunk(tp_size * stride, dim=param.partition_dim)
     if stride == 1:
