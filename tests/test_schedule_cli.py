@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -29,6 +30,7 @@ def test_json_summary(tmp_path):
     assert summary["makespan"] == pytest.approx(26)
     assert summary["peak_activations"] == [4.0] * 4
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote the Gantt chart to {plot}" in out.stderr and f"wrote the Chrome trace to {trace}" in out.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("ph") == "X" and e["cat"] == "forward" for e in events) == 4 * 4 * 4
 
@@ -139,3 +141,18 @@ def test_gantt_blocks_name_their_stage():
     assert all(label.split("\n")[0].isdigit() for _, label in rank0)
     stages = {e["args"]["stage"] for e in chrome_trace(result)["traceEvents"] if e.get("ph") == "X" and e["tid"] == 0}
     assert stages == {0, 3, 4, 7}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("command", [["simulate"], ["plan", "--communication"]])
+def test_reader_that_stops_early(command):
+    """``... | head -1``: the reader is gone before the first write; the command ends with
+    status 0 and nothing on stderr (no BrokenPipeError traceback, no usage error)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run([sys.executable, "-m", "megatron_bitpipe.schedules", *command, "--schedule", "bitpipe",
+                              "-D", "4", "-N", "8"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (0, "")

@@ -9,20 +9,25 @@ object with :class:`~.simulate.CostModel` fields, e.g. written by
 ``scripts/calibrate_gpu.py``) and/or the ``--t-*`` flags, which take precedence.
 
 Invalid arguments exit with status 2 and one line naming the flag (the closest flag for an
-unknown one); ``--plot`` without matplotlib says which extra installs it.
+unknown one); ``--plot`` without matplotlib says which extra installs it. ``--plot`` and
+``--trace`` name the file they wrote on stderr; a reader that stops early (``| head -1``) ends
+the command quietly with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ..usage import USAGE_EXIT_STATUS, FlagParser, UsageError
 from . import SCHEDULES, ScheduleChoice
 from .errors import PlanError, ScheduleConfigError
 from .lower import lower
+from .nccl import check_nccl
 from .simulate import CostModel, read_cost_file, simulate
 from .validate import validate_plan
 
@@ -31,7 +36,8 @@ from .validate import validate_plan
 _COST_FLAGS = {
     "t_forward": ("--t-forward", "forward of one micro-batch through L/D layers, in TIME units (default 1)"),
     "t_backward": ("--t-backward", "full backward (input and weight gradients) of the same layers, in TIME units (default 2)"),
-    "t_weight": ("--t-weight", "weight-gradient part of --t-backward, the W of --split-backward, in TIME units (default: half of it)"),
+    "t_weight": ("--t-weight", "weight-gradient part of --t-backward, the W of --split-backward, in TIME units (default: the rest of --t-backward after --t-input, or half of it)"),
+    "t_input": ("--t-input", "input-gradient pass I of --split-backward (weight gradients deferred), in TIME units, as scripts/calibrate_gpu.py measures it (default: --t-backward minus --t-weight)"),
     "t_p2p": ("--t-p2p", "latency of one point-to-point message, in TIME units (default 0)"),
     "p2p_bytes": ("--p2p-bytes", "bytes of one message (an activation or gradient at a stage boundary; default 0)"),
     "p2p_bandwidth": ("--p2p-bandwidth", "bytes per TIME unit; with --p2p-bytes adds bytes/bandwidth to each message (default 0: none)"),
@@ -112,7 +118,7 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     try:
         return CostModel(**values)
     except ValueError as exc:
-        raise ScheduleConfigError(f"--t-forward/--t-backward/--t-weight: {exc}") from None
+        raise ScheduleConfigError(f"--t-forward/--t-backward/--t-weight/--t-input: {exc}") from None
 
 
 def _require_matplotlib() -> None:
@@ -122,6 +128,26 @@ def _require_matplotlib() -> None:
         raise ScheduleConfigError(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}") from None
 
 
+def _quiet_on_broken_pipe(command: Callable[..., int]) -> Callable[..., int]:
+    """``command`` ending quietly (status 0) when its reader goes away, as in
+    ``... simulate ... | head -1``: the rest of the output goes to /dev/null, no traceback."""
+
+    @functools.wraps(command)
+    def wrapped(*args, **kwargs) -> int:
+        try:
+            status = command(*args, **kwargs)
+            sys.stdout.flush()  # a broken pipe shows here, not at interpreter exit
+            return status
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # the exit's flush must not fail again
+            os.close(devnull)
+            return 0
+
+    return wrapped
+
+
+@_quiet_on_broken_pipe
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     """The command line; returns the exit status (2: bad arguments, one line on stderr).
     ``prog`` names the command in messages (default: ``sys.argv[0]``'s file name, e.g.
@@ -143,6 +169,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
             return 0
         validate_plan(plan)
         result = simulate(plan, costs)
+    except BrokenPipeError:  # the reader went away (plan | head): not a usage error
+        raise
     except (ScheduleConfigError, OSError, json.JSONDecodeError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT_STATUS
@@ -153,11 +181,14 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         from .render import plot_gantt
 
         plot_gantt(result, args.plot)
+        print(f"{parser.prog}: wrote the Gantt chart to {args.plot}", file=sys.stderr)
     if args.trace:
         from .render import write_chrome_trace
 
         write_chrome_trace(result, args.trace)
-    summary = result.summary()
+        print(f"{parser.prog}: wrote the Chrome trace to {args.trace}", file=sys.stderr)
+    nccl = check_nccl(plan)
+    summary = {**result.summary(), "nccl_deadlock_free": nccl.ok}
     if args.json:
         print(json.dumps(summary))
     else:
@@ -166,4 +197,5 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
             f"makespan={result.makespan:g} bubble={100 * result.bubble_ratio:.2f}%"
         )
         print("peak activations (Ma) per rank: " + " ".join(f"{p:g}" for p in result.peak_activations))
+        print(nccl.message())
     return 0
