@@ -33,12 +33,34 @@ no unsent output, no activation kept for a backward, no deferred weight-gradient
 The executor decides nothing about communication: it runs the plan's ``SEND`` and ``RECV``
 actions where the plan puts them (:mod:`megatron_bitpipe.schedules.lower` places them; the
 validator proved that every message is sent after its producer and received before its
-consumer, and that each channel's receives are posted in its sends' order). Each message
-travels on its channel's process group
-(:meth:`~megatron_bitpipe.runtime.groups.PipelineGroups.channel_group`); the placement only
-says which chunks of this rank hand over locally. Sends are never waited for on the
+consumer, and that each channel's receives are posted in its sends' order). The placement
+only says which chunks of this rank hand over locally. Sends are never waited for on the
 critical path: a sent activation is only deallocated (``config.deallocate_pipeline_outputs``)
 once its send has completed, and all sends are waited for at the end of the step.
+
+**Communication rules (NCCL-safe by construction).** NCCL does not buffer: a send completes
+only once its receive is posted, one communicator runs a rank's operations in issue order,
+and creating a communicator blocks until every member arrives. So:
+
+1. each message travels on its channel's process group
+   (:meth:`~megatron_bitpipe.runtime.groups.PipelineGroups.channel_group`, keyed by
+   :func:`~megatron_bitpipe.schedules.comm.channel_group_key`): in one group a rank only sends
+   to one neighbour or only receives from one, and messages are matched in plan order, which
+   the validator checks per channel;
+2. every operation is issued as a ``batch_isend_irecv`` of its own, so NCCL runs it on the
+   group's communicator — never on a two-rank communicator torch would create for an
+   unbatched send or receive on first use, inside the step, as a blocking rendezvous;
+3. every communicator a step uses (channel groups and stage groups) is created and warmed up
+   at set-up, in one global order, by :meth:`~.groups.PipelineGroups.build`; with NCCL the
+   scripts also pass ``device_id`` for eager initialisation;
+4. ranks wait only where the plan's data flow makes them: a compute action for the receive of
+   its input, a backward for the send of its forward's output, the end of the step for all sends.
+
+:func:`megatron_bitpipe.schedules.nccl.check_nccl` executes a lowered plan under exactly these
+rules (its :data:`~megatron_bitpipe.schedules.nccl.RUNTIME_RULES`) and proves each generator's
+plans deadlock-free; the unbatched, lazily created pattern this replaces deadlocks BitPipe
+there (and did on a GPU). ``MEGATRON_BITPIPE_STRICT_P2P=1`` makes gloo follow NCCL's rules in
+CPU runs.
 
 Micro-batch data come from :class:`MicrobatchSource`: the ``m``-th item of the data iterator
 is micro-batch ``m`` on every chunk of every rank, so each pipeline sees its own half of the
@@ -305,7 +327,7 @@ class PlanExecutor:
         buffer = torch.empty(
             self.tensor_shape, dtype=self.config.pipeline_dtype, device=self.device, requires_grad=activation
         )
-        work = dist.irecv(buffer, src=self.groups.pp_global_rank(transfer.src.rank), group=self.groups.channel_group(transfer))
+        work = _issue(dist.irecv, buffer, self.groups.pp_global_rank(transfer.src.rank), self.groups.channel_group(transfer))
         self._received[transfer.consumer] = (work, buffer)
 
     def _send(self, action: Action) -> None:
@@ -314,8 +336,8 @@ class PlanExecutor:
         outgoing = self._unsent.pop(action.compute_key, None)
         if outgoing is None:
             raise RuntimeError(f"rank {self.rank}: plan runs {action} before {transfer.producer} produced the tensor")
-        outgoing.work = dist.isend(
-            outgoing.tensor, dst=self.groups.pp_global_rank(transfer.dst.rank), group=self.groups.channel_group(transfer)
+        outgoing.work = _issue(
+            dist.isend, outgoing.tensor, self.groups.pp_global_rank(transfer.dst.rank), self.groups.channel_group(transfer)
         )
         self._sends[action] = outgoing
 
@@ -369,6 +391,14 @@ class PlanExecutor:
         # Only now may the sent activation's storage go: gloo may still read it before completion.
         if pending.deallocate:
             deallocate_output_tensor(pending.tensor, True)
+
+
+def _issue(op: Callable, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup):
+    """Issue one p2p operation as a ``batch_isend_irecv`` of its own: on NCCL a batched
+    operation runs on the group's own communicator (created and warmed up at set-up by
+    :meth:`~.groups.PipelineGroups.build`), never on a pair communicator created on first use
+    inside the step; on gloo it is the plain operation. Returns its work handle."""
+    return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)])[0]
 
 
 def no_sync_all(chunks: Sequence[torch.nn.Module]):

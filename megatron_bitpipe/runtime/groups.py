@@ -27,6 +27,11 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
 * p2p channel groups, one per (payload, pipeline, direction, link parity) — see
   :meth:`channel_group`.
 * grad-sync groups, one per stage — see :meth:`grad_sync_group`.
+
+Every channel and stage group's communicator is created and warmed up in :meth:`PipelineGroups.build`
+(:func:`warm_up`), so no communicator is created inside a step (NCCL creates one on first use,
+a rendezvous that blocks until every member arrives — ranks reaching different groups first
+deadlock).
 * ``mesh`` — with ``tensor_parallel_mode="optimus2d"``, the Optimus 2D mesh (row and column
   groups) laid over the tp group (:class:`~megatron_bitpipe.optimus.mesh.OptimusMesh`);
   ``None`` with megatron's 1-D tensor parallelism.
@@ -38,15 +43,16 @@ this rank alone).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ..optimus.args import TENSOR_PARALLEL_MODES
 from ..optimus.mesh import OptimusMesh, build_optimus_mesh, mesh_side
-from ..schedules.comm import Payload, Transfer
-from ..schedules.placement import Placement
+from ..schedules.comm import ChannelGroupKey, Payload, Transfer, channel_group_key
+from ..schedules.placement import Placement, StageLocation
 
 __all__ = ["ParallelGrid", "new_groups", "process_group_collection", "PipelineGroups"]
 
@@ -139,12 +145,56 @@ def process_group_collection(
     )
 
 
-ChannelKey = Tuple[Payload, int, int, int]
+def placement_links(placement: Placement) -> Dict[ChannelGroupKey, List[Tuple[int, int]]]:
+    """The (src, dst) pipeline-rank links each channel group carries, sorted."""
+    links: Dict[ChannelGroupKey, set] = {}
+    for rank in range(placement.num_ranks):
+        for chunk in range(placement.chunks_per_rank):
+            nxt = placement.links(rank, chunk).next
+            if nxt is None or nxt.rank == rank:
+                continue
+            here, there = StageLocation(rank, chunk), nxt
+            pipeline = placement.role(rank, chunk).pipeline
+            for transfer in (
+                Transfer(Payload.ACTIVATION, pipeline, 0, here, there),
+                Transfer(Payload.GRADIENT, pipeline, 0, there, here),
+            ):
+                links.setdefault(channel_group_key(transfer), set()).add((transfer.src.rank, transfer.dst.rank))
+    return {key: sorted(pairs) for key, pairs in links.items()}
 
 
-def channel_key(transfer: Transfer) -> ChannelKey:
-    """(payload, pipeline, direction, parity of the lower rank of the link)."""
-    return (transfer.payload, transfer.pipeline, transfer.direction, min(transfer.src.rank, transfer.dst.rank) % 2)
+def warm_up(
+    placement: Placement,
+    pp_rank: int,
+    global_rank: Callable[[int], int],
+    channels: Dict[ChannelGroupKey, dist.ProcessGroup],
+    stage_groups: Dict[int, dist.ProcessGroup],
+) -> None:
+    """Create every channel and stage group's communicator now, in one order on every rank.
+
+    Per channel group, in key order: an all-reduce of one element over the group (every member
+    takes part: on NCCL this creates the group's communicator, which a group's first batched
+    p2p call may not do), then one ``batch_isend_irecv`` of one element over each of the
+    group's links that this rank sends or receives on (NCCL connects a pair on its first
+    exchange). Then an all-reduce over each of this rank's stage groups, in stage order.
+    Every rank walks the same sequence, blocking at each item, so the earliest unfinished item
+    always has all its members: no deadlock. ``global_rank`` maps a pipeline rank of this
+    rank's (tp, dp) slice to its global rank.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    links = placement_links(placement)
+    for key in sorted(channels, key=lambda k: (k[0].value, *k[1:])):
+        group = channels[key]
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        ops = [
+            dist.P2POp(dist.isend if src == pp_rank else dist.irecv, torch.zeros(1, device=device), global_rank(dst if src == pp_rank else src), group)
+            for src, dst in links.get(key, [])
+            if pp_rank in (src, dst)
+        ]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+    for stage in sorted(stage_groups):
+        dist.all_reduce(torch.zeros(1, device=device), group=stage_groups[stage])
 
 
 @dataclass(frozen=True)
@@ -162,7 +212,7 @@ class PipelineGroups:
     pp: dist.ProcessGroup
     rank_pgs: ProcessGroupCollection
     model_pgs: Tuple[ProcessGroupCollection, ...]
-    channels: Dict[ChannelKey, dist.ProcessGroup]
+    channels: Dict[ChannelGroupKey, dist.ProcessGroup]
     stage_groups: Dict[int, dist.ProcessGroup]
     mesh: Optional[OptimusMesh] = None
 
@@ -204,7 +254,7 @@ class PipelineGroups:
         """
         if transfer.is_local:
             raise ValueError(f"{transfer} is a local hand-over; it has no channel")
-        return self.channels[channel_key(transfer)]
+        return self.channels[channel_group_key(transfer)]
 
     def grad_sync_group(self, chunk: int) -> dist.ProcessGroup:
         """Group over which local chunk ``chunk``'s gradients are averaged.
@@ -265,6 +315,7 @@ class PipelineGroups:
             if pp_rank in holders:
                 stage_groups[stage] = group
 
+        warm_up(placement, pp_rank, lambda p: grid.rank(*grid.coords(rank)[:2], p), channels, stage_groups)
         mesh = build_optimus_mesh(tp) if tensor_parallel_mode == "optimus2d" else None
         embd = solo
         if placement.head_copies_embedding:

@@ -14,8 +14,11 @@ both forms).
 Messages travel on *channels*. A channel is identified by (payload, pipeline, source
 rank, destination rank); within a channel messages must be received in the order they
 are sent (this is what NCCL and gloo give within one process group between one pair of
-ranks). The runtime uses one process group per (payload, pipeline, direction) so that no
-two channels between the same pair of ranks share a group.
+ranks). The runtime sends each channel on the process group :func:`channel_group_key` names
+— one per (payload, pipeline, direction, parity of the link's lower rank) — so no two
+channels share a group between the same pair of ranks, and within one group a rank only
+sends to one neighbour or only receives from one (the NCCL model, :mod:`.nccl`, checks a plan
+against exactly this mapping).
 """
 
 from __future__ import annotations
@@ -89,6 +92,16 @@ class Transfer:
         """The consuming action's :attr:`~.actions.Action.comm_key`."""
         kind = ActionType.FORWARD if self.payload is Payload.ACTIVATION else ActionType.BACKWARD
         return Action(kind, self.dst.chunk, self.microbatch)
+
+
+ChannelGroupKey = Tuple[Payload, int, int, int]
+
+
+def channel_group_key(transfer: Transfer) -> ChannelGroupKey:
+    """(payload, pipeline, direction, parity of the link's lower rank): the process group the
+    runtime sends ``transfer`` on. Links ``r -> r+1`` and ``r+1 -> r+2`` differ in parity, so
+    in one group a rank talks to at most one peer, in one direction."""
+    return (transfer.payload, transfer.pipeline, transfer.direction, min(transfer.src.rank, transfer.dst.rank) % 2)
 
 
 def _neighbour(placement: Placement, rank: int, chunk: int, step: int) -> Optional[Tuple[int, StageLocation]]:

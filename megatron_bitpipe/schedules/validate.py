@@ -1,6 +1,6 @@
 """Checks that a plan is executable, with errors that name rank, action and dependency.
 
-:func:`validate_plan` runs three checks:
+:func:`validate_plan` runs four checks:
 
 1. structure — every rank runs ``F`` exactly once for each (chunk, micro-batch) its
    chunks own and, for training plans, a backward after it: one ``B``, or one ``I``
@@ -9,7 +9,10 @@
 2. channels — on every channel (payload, pipeline, src rank, dst rank) the receiver
    consumes messages in the order the sender produces them;
 3. progress — executing the plan with the simulator's dependency rules reaches the end
-   (no rank waits forever).
+   (no rank waits forever);
+4. NCCL — executing it under NCCL's rules, communication issued as the runtime issues it
+   (:func:`~.nccl.check_nccl` with :data:`~.nccl.RUNTIME_RULES`: no send completes before its
+   receive is posted, one communicator's operations in issue order), also reaches the end.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .actions import Action, ActionType, SchedulePlan
 from .comm import Transfer, receive_action, received_by, send_action, sent_by, transfer_of
 from .errors import PlanError
 from .lower import lower
+from .nccl import check_nccl
 from .simulate import CostModel, simulate
 
 
@@ -170,3 +174,6 @@ def validate_plan(plan: SchedulePlan) -> None:
     lowered = plan if plan.has_communication else lower(plan)
     check_communication(lowered)
     simulate(lowered, CostModel())
+    report = check_nccl(lowered)
+    if not report.ok:
+        raise PlanError(report.message())

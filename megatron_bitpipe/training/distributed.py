@@ -4,7 +4,9 @@ Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` in the en
 also set by the SLURM templates) the default process group is initialised from the
 environment; a plain ``python scripts/pretrain_gpt.py`` is a job of one rank on an
 in-memory store; a default group that already exists (a test launcher's) is used as it is.
-With CUDA, each rank takes GPU ``LOCAL_RANK``. Without CUDA the job runs
+With CUDA, each rank takes GPU ``LOCAL_RANK`` (modulo the GPUs it sees: several ranks share a
+GPU when there are more ranks than GPUs, as ``scripts/gpu_check.py`` does on one GPU), and
+NCCL is initialised eagerly on it (``device_id``). Without CUDA the job runs
 on the CPU with gloo, after the caller's ``cpu_fallback`` (the scripts pass megatron-bitpipe's
 test/demo CPU compatibility layer) has been applied, with one torch thread per rank unless
 ``OMP_NUM_THREADS`` is set (torchrun's default); rank 0 says so in one log line.
@@ -59,8 +61,8 @@ def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Non
     if world_size != args.world_size:
         raise BitPipeConfigError(f"the arguments were checked for {args.world_size} ranks, the job has {world_size}")
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     else:
         if cpu_fallback is None:
             raise BitPipeConfigError("no CUDA GPU is available and no CPU fallback was given")
@@ -72,10 +74,17 @@ def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Non
     if dist.is_initialized():  # a caller (e.g. the test launcher) started it: use it
         if dist.get_world_size() != world_size:
             raise BitPipeConfigError(f"torch.distributed has {dist.get_world_size()} ranks, the job {world_size}")
-    elif "MASTER_ADDR" in os.environ or world_size > 1:
-        dist.init_process_group(args.distributed_backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
     else:
-        dist.init_process_group(args.distributed_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        # NCCL: bind the device, so every communicator is created eagerly, when its group is
+        # (megatron_bitpipe.runtime.groups also warms up the pipeline's groups at set-up).
+        eager = {"device_id": device} if args.distributed_backend == "nccl" else {}
+        if "MASTER_ADDR" in os.environ or world_size > 1:
+            init = {"init_method": "env://"}
+        else:
+            init = {"store": dist.HashStore()}
+        dist.init_process_group(args.distributed_backend, rank=rank, world_size=world_size, timeout=timeout, **init, **eager)
+    if device.type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        log(f"{os.environ['LOCAL_WORLD_SIZE']} ranks share {torch.cuda.device_count()} GPU(s) on this node")
     if device.type == "cpu":
         log(
             f"no CUDA GPU: training on the CPU with {args.distributed_backend} and megatron-bitpipe's CPU "
