@@ -10,8 +10,9 @@ GPUs. This module executes a lowered plan symbolically under NCCL's rules instea
 2. **Issue order.** A rank issues its operations in plan order without waiting (NCCL
    operations are asynchronous); they are *active* once every operation issued earlier on the
    same communicator by that rank has completed — NCCL runs one communicator's operations
-   in issue order. ``serialize_communicators`` makes that one order per rank across all its
-   point-to-point communicators (the worst case of a single hardware queue).
+   in issue order. Communicators progress independently of one another (NCCL's own streams),
+   except where a rank's waits order its issues: an operation issued after a wait is issued
+   only once the wait is over.
 3. **Rendezvous.** A send and its receive complete together, once both are active (NCCL
    does not buffer); the ``k``-th send from rank ``a`` to rank ``b`` on a communicator is
    matched with the ``k``-th receive ``b`` posts from ``a`` there — if those are not the same
@@ -55,14 +56,12 @@ class IssueRules:
             module doc, rule 5); False: all were created at set-up.
         pair_communicators: a p2p operation runs on a communicator of its two ranks only
             (torch's unbatched send/recv on a larger group), keyed by (communicator, pair).
-        serialize_communicators: one issue order per rank across its p2p communicators.
     """
 
     name: str
     communicator: Callable[[Transfer], Hashable]
     lazy_communicators: bool = False
     pair_communicators: bool = False
-    serialize_communicators: bool = False
 
 
 #: The runtime (:mod:`megatron_bitpipe.runtime.executor`): every p2p operation in a
@@ -161,8 +160,6 @@ def check_nccl(plan: SchedulePlan, rules: IssueRules = RUNTIME_RULES) -> NcclRep
     blocked_on: Dict[int, object] = {}
 
     def queue_key(op: _Op) -> Tuple[int, Hashable]:
-        if rules.serialize_communicators and op.kind != "all-reduce":
-            return (op.rank, "p2p")
         return (op.rank, op.communicator)
 
     progressed = True
