@@ -76,6 +76,11 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
     Optimus 2D layers). Same gradients as without. The schedules that always split their
     backwards (:data:`~megatron_bitpipe.schedules.ALWAYS_SPLIT`: ZB-H1, ZB-V, DualPipe,
     DualPipeV) do so too (``choice.splits_backward``).
+
+    Communication uses the chunks' own :class:`~.groups.PipelineGroups` (channel groups created
+    and warmed up with the model, see :mod:`.executor`'s rules): megatron's
+    ``p2p_communicator`` (one ring of one group, fixed neighbours) cannot carry two pipelines
+    and a V, so it and ``pg_collection`` are accepted for the signature and not used.
     """
     split_enabled: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
