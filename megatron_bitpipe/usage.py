@@ -11,11 +11,12 @@ scripts parse before they import torch or megatron-core.
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import sys
 from typing import Iterable, List, Optional, Sequence
 
-__all__ = ["USAGE_EXIT_STATUS", "FlagParser", "UsageError", "closest_flag"]
+__all__ = ["USAGE_EXIT_STATUS", "DefaultsHelpFormatter", "FlagParser", "UsageError", "closest_flag"]
 
 #: exit status of a command line that cannot be parsed or breaks a rule (argparse's)
 USAGE_EXIT_STATUS = 2
@@ -33,12 +34,42 @@ def closest_flag(token: str, flags: Iterable[str]) -> Optional[str]:
     return matches[0] if matches else None
 
 
+def _states_default(action: argparse.Action) -> bool:
+    """Whether ``--help`` should name ``action``'s default: an option with a value (not a
+    switch, not a sub-command) whose default is set (not None, not suppressed)."""
+    return (
+        bool(action.option_strings) and action.nargs != 0 and action.default is not None
+        and action.default is not argparse.SUPPRESS and not isinstance(action.default, bool)
+    )
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` naming each option's default, ``(default: X)`` after its help, where the
+    option has one (see :func:`_states_default`) and its help does not already speak of its
+    default; switches and options without a default stay as they are. Megatron-LM's own
+    parser keeps its formatter: this is only for :class:`FlagParser`."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if _states_default(action) and "default" not in text.lower():
+            text = f"{text} (default: %(default)s)".lstrip()
+        return text
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.help is not argparse.SUPPRESS and _states_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
 class FlagParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` raising :class:`UsageError` for usage errors (see the module
-    docstring); ``allow_abbrev`` is off unless given."""
+    docstring); ``allow_abbrev`` is off unless given; ``--help`` names the defaults
+    (:class:`DefaultsHelpFormatter`) unless another ``formatter_class`` is given."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # argparse's hook for every usage error

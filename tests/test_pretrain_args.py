@@ -181,3 +181,20 @@ def test_slurm_templates_parse():
     for template in templates:
         result = subprocess.run(["bash", "-n", str(template)], capture_output=True, text=True)
         assert result.returncode == 0, f"{template.name}: {result.stderr}"
+
+
+def test_help_names_the_defaults():
+    """``--help`` says what a flag left out means: its default where it has one, once (help
+    that already speaks of its default is left alone); switches get none."""
+    from megatron_bitpipe.training.arguments import build_parser
+
+    import re
+
+    raw = build_parser(GPTTask(), prog="pretrain_gpt.py").format_help()
+    text = " ".join(raw.split())
+    for flag, default in (("--eval-iters EVAL_ITERS", "100"), ("--eval-interval EVAL_INTERVAL", "1000"),
+                          ("--seed SEED", "1234"), ("--split SPLIT", "969, 30, 1"), ("--tensor-parallel-mode {1d,optimus2d}", "1d")):
+        entry = " ".join(re.search(rf"^  {re.escape(flag)}(.*?)(?=^  -|\Z)", raw, re.M | re.S).group(1).split())
+        assert f"(default: {default})" in entry, (flag, entry)
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "default 4 x --hidden-size" in text and "(default: 4 x" not in text

@@ -175,3 +175,13 @@ def test_model_flops_are_what_torch_counts_in_megatrons_gpt():
     ]  # fmt: skip
     (counted, formula), = launch(_count_megatron_flops, 1, argv, timeout=300)
     assert counted == formula
+
+
+def test_final_evaluation_states_its_cost(tmp_path, capsys):
+    """The evaluation after the last iteration (``--eval-iters`` batches) can outlast a short
+    run: the log says what it cost, between the training time and the total time."""
+    logger = TrainingLogger(_args(tmp_path), rank=0, resumed=False)
+    logger.final_evaluation("validation set", 100, 118.04)
+    assert capsys.readouterr().out == " final evaluation on the validation set: 100 iterations (--eval-iters), 118.0 s\n"
+    TrainingLogger(_args(tmp_path), rank=1, resumed=False).final_evaluation("validation set", 100, 1.0)
+    assert capsys.readouterr().out == ""

@@ -248,6 +248,13 @@ class TrainingLogger:
         line = " " + " | ".join(parts) + " |"
         log("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
 
+    def final_evaluation(self, label: str, iterations: int, seconds: float) -> None:
+        """What the evaluation after the last iteration cost, e.g. ``final evaluation on the
+        validation set: 100 iterations (--eval-iters), 12.3 s``."""
+        if not self.active:
+            return
+        log(f" final evaluation on the {label}: {iterations} iterations (--eval-iters), {seconds:.1f} s")
+
     def _validation(self, record: IterationRecord) -> None:
         self.evaluation(f"iteration {record.iteration}", record.validation)
 

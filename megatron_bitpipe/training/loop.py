@@ -176,14 +176,21 @@ class Trainer:
             self.logger.summary(iteration, iteration - first_iteration, time.perf_counter() - self.started, train_time, validation, {})
             return
         if self.valid_data is not None and not validation:
-            validation = self.evaluate()
+            validation = self._final_evaluation("validation set")
             self.logger.evaluation(f"iteration {iteration} on validation set", validation)
         test = {}
         if self.test_data is not None:
-            test = self.evaluate(self.test_data)
+            test = self._final_evaluation("test set", self.test_data)
             self.logger.evaluation(f"iteration {iteration} on test set", test)
         total_time = time.perf_counter() - self.started
         self.logger.summary(iteration, iteration - first_iteration, total_time, train_time, validation, test)
+
+    def _final_evaluation(self, label: str, dataset=None) -> Dict[str, float]:
+        """:meth:`evaluate` after the last iteration, its cost logged (it can outlast a short run)."""
+        started = time.perf_counter()
+        losses = self.evaluate(dataset)
+        self.logger.final_evaluation(label, self.args.eval_iters, time.perf_counter() - started)
+        return losses
 
     def train(self, exits: ExitConditions) -> None:
         """Train to ``--train-iters`` or until one of ``exits`` says stop; save at the end
