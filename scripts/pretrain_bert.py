@@ -14,9 +14,9 @@ megatron-bitpipe's CPU compatibility layer.
 import sys
 
 from megatron_bitpipe.training.bert_args import BertArguments
-from megatron_bitpipe.training.script import ignore_missing_kernel_warnings, run_script
+from megatron_bitpipe.training.script import ignore_dependency_warnings, run_script
 
-ignore_missing_kernel_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
+ignore_dependency_warnings()  # megatron-core's notes (apex, Transformer Engine, torch deprecations), every rank
 
 
 def load_task():

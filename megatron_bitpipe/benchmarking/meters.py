@@ -192,17 +192,21 @@ _PAYLOAD: Dict[str, Callable] = {
     "broadcast": lambda a, k: _nbytes(a[0]),
     "reduce": lambda a, k: _nbytes(a[0]),
     "all_gather_into_tensor": lambda a, k: _nbytes(a[0]),
+    "all_gather_single": lambda a, k: _nbytes(a[0]),
     "_all_gather_base": lambda a, k: _nbytes(a[0]),
     "all_gather": lambda a, k: sum(_nbytes(t) for t in a[0]),
     "reduce_scatter_tensor": lambda a, k: _nbytes(a[1]),
+    "reduce_scatter_single": lambda a, k: _nbytes(a[1]),
     "_reduce_scatter_base": lambda a, k: _nbytes(a[1]),
     "reduce_scatter": lambda a, k: sum(_nbytes(t) for t in a[1]),
     "all_to_all_single": lambda a, k: _nbytes(a[1]),
 }
 _CANONICAL = {
     "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
     "_all_gather_base": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
     "_reduce_scatter_base": "reduce_scatter",
 }
 # megatron-core modules that bind all-gather / reduce-scatter functions at import time

@@ -71,7 +71,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
+import warnings
 from typing import Any, Callable, Dict, Tuple
 
 import torch
@@ -132,11 +134,31 @@ class CpuDeviceMode(TorchFunctionMode):
             kwargs["device"] = _to_cpu(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu(args[1])) + tuple(args[2:])
+        if type(func) is _METHOD_WRAPPER and func == _GRAD_GET and not args[0].is_leaf and _megatron_calls():
+            # megatron's distributed optimizer reads .grad of its fp32 shards, views of the
+            # parameters (megatron: "throws grad-access warning"); torch would blame this line
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD_WARNING, category=UserWarning)
+                return func(*args, **kwargs)
         result = func(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # clip_grads asserts param.grad.type() == 'torch.cuda.FloatTensor'.
             return _CUDA_TYPE_NAMES.get(result, result)
         return result
+
+
+_GRAD_GET = torch.Tensor.grad.__get__
+_METHOD_WRAPPER = type(_GRAD_GET)
+#: torch's warning on reading ``.grad`` of a tensor that is not a leaf
+_NON_LEAF_GRAD_WARNING = r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+#: megatron-core's advice for CUDA streams (async TP all-reduce, sequence parallelism):
+#: meaningless on the CPU
+_CUDA_CONNECTIONS_WARNING = r"When using .* it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def _megatron_calls() -> bool:
+    """True when the code reading the attribute (two frames up) is megatron-core's."""
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("megatron.core.")
 
 
 class CpuStream:
@@ -251,6 +273,8 @@ def _apply_process_patches() -> None:
             setattr(owner, name, replacement)
         torch._dynamo.config.disable = True  # jit_fuser == torch.compile: slow on CPU, same math
         logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropRngWarning())
+        warnings.filterwarnings("ignore", message=_CUDA_CONNECTIONS_WARNING, category=UserWarning,
+                                module=r"megatron\.core\.tensor_parallel\.layers")
         _patched = True
 
 

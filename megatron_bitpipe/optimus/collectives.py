@@ -52,6 +52,13 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     return tensor
 
 
+#: torch 2.13 names the tensor all-gather and reduce-scatter ``*_single`` and warns
+#: (FutureWarning) on the older names, which earlier versions have alone; looked up at each call
+#: (``benchmarking.meters.CollectiveMeter`` wraps them)
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 def _along_dim(collective, tensor: torch.Tensor, dim: int, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
     """``collective(out, input, group=group)`` on ``tensor`` with ``dim`` moved first; ``out``
     is a fresh buffer of ``rows`` rows along ``dim``, returned with ``dim`` back in place."""
@@ -63,7 +70,7 @@ def _along_dim(collective, tensor: torch.Tensor, dim: int, rows: int, group: dis
 
 def all_gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenation along ``dim`` of every member's ``tensor``, in group-rank order."""
-    return _along_dim(dist.all_gather_into_tensor, tensor, dim, tensor.shape[dim] * group.size(), group)
+    return _along_dim(getattr(dist, _ALL_GATHER), tensor, dim, tensor.shape[dim] * group.size(), group)
 
 
 def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -71,7 +78,7 @@ def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup
     size = tensor.shape[dim]
     if size % group.size():
         raise ValueError(f"dimension {dim} of size {size} not divisible by {group.size()}")
-    return _along_dim(dist.reduce_scatter_tensor, tensor, dim, size // group.size(), group)
+    return _along_dim(getattr(dist, _REDUCE_SCATTER), tensor, dim, size // group.size(), group)
 
 
 def batch_block(tensor: torch.Tensor, dim: int, mesh: OptimusMesh) -> torch.Tensor:

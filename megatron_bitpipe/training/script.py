@@ -32,7 +32,7 @@ from .arguments import parse_args
 from .errors import CheckpointError
 from .task import TaskArguments
 
-__all__ = ["PEER_REPORT_WAIT_S", "ignore_missing_kernel_warnings", "report_user_error", "run_script"]
+__all__ = ["PEER_REPORT_WAIT_S", "ignore_dependency_warnings", "ignore_missing_kernel_warnings", "report_user_error", "run_script"]
 
 #: seconds a rank other than 0 waits under torchrun for the job to end before it prints a
 #: user error itself (see the module docstring)
@@ -44,10 +44,23 @@ CHECKPOINT_EXIT_STATUS = 1
 MISSING_KERNEL_WARNING = r".*(Apex|Transformer Engine).* (is|are) not installed"
 
 
-def ignore_missing_kernel_warnings() -> None:
-    """Drop :data:`MISSING_KERNEL_WARNING` warnings in this process (call before megatron-core
-    is imported); every other warning still shows."""
+#: torch 2.13's deprecation of the tensor collectives megatron-core calls (its distributed
+#: optimizer and gradient buffers), once per rank
+DEPRECATED_COLLECTIVE_WARNING = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def ignore_dependency_warnings() -> None:
+    """Drop, in this process, the warnings that concern megatron-core, not the user:
+    :data:`MISSING_KERNEL_WARNING` (call before megatron-core is imported) and
+    :data:`DEPRECATED_COLLECTIVE_WARNING`, each by message and category; every other warning
+    still shows. (The CPU layer drops the ones that only make sense on a GPU,
+    :mod:`megatron_bitpipe.cpu.compat`.)"""
     warnings.filterwarnings("ignore", message=MISSING_KERNEL_WARNING, category=UserWarning)
+    warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVE_WARNING, category=FutureWarning)
+
+
+#: the earlier name of :func:`ignore_dependency_warnings`
+ignore_missing_kernel_warnings = ignore_dependency_warnings
 
 
 def _rank() -> int:
