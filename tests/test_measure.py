@@ -30,6 +30,9 @@ def _collectives():
         dist.broadcast(torch.ones(10), group=pair, group_src=0)  # ½·40 = 20
         dist.all_gather_into_tensor(torch.empty(20), torch.ones(10), group=pair)  # ½·80 = 40
         dist.reduce_scatter_tensor(torch.empty(10), torch.ones(20), group=pair)  # ½·80 = 40
+        if hasattr(dist, "all_gather_single"):  # torch 2.13's names for the two (Optimus calls them)
+            dist.all_gather_single(torch.empty(20), torch.ones(10), group=pair)  # 40
+            dist.reduce_scatter_single(torch.empty(10), torch.ones(20), group=pair)  # 40
     after = len(meter.calls)
     dist.all_reduce(torch.ones(1), group=pair)  # not recorded: meter closed
     return (
@@ -43,5 +46,6 @@ def _collectives():
 @pytest.mark.multirank
 def test_collective_meter_records_ops_and_bytes():
     ops, wire, payload, closed = launch(_collectives, 2)[0]
-    assert ops == ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]
-    assert wire == 140 and payload == 240 and closed
+    single = ["all_gather", "reduce_scatter"] if hasattr(dist, "all_gather_single") else []
+    assert ops == ["all_reduce", "broadcast", "all_gather", "reduce_scatter", *single]
+    assert wire == 140 + 40 * len(single) and payload == 240 + 80 * len(single) and closed
