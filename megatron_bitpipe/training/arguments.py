@@ -50,6 +50,7 @@ from ..usage import FlagParser
 from .abs_sgd.args import abs_sgd_problems, add_data_parallel_args
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "BYTE_LEVEL_TOKENIZER",
     "BitPipeConfigError",
     "CHECKPOINT_FORMATS",
@@ -61,6 +62,8 @@ __all__ = [
     "padded_vocab_size",
 ]
 
+#: --attention-backend values: Megatron-LM's auto and local, and torch's SDPA
+ATTENTION_BACKENDS = ("auto", "local", "sdpa")
 #: --ckpt-format values (Megatron-LM's spelling)
 CHECKPOINT_FORMATS = ("torch_dist",)
 #: --tokenizer-type of megatron-core's byte-level tokenizer
@@ -120,6 +123,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         choices=("local", "transformer_engine"),
         default=None,
         help="default transformer_engine when it is installed, else local",
+    )
+    group.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="core attention: auto (megatron's: Transformer Engine's with TE layers, else the unfused "
+        "DotProductAttention), local (megatron-core's unfused DotProductAttention) or sdpa "
+        "(torch's scaled_dot_product_attention: flash/memory-efficient kernels on GPUs, no [b, heads, s, s] "
+        "tensor); local and sdpa run megatron-core's local layers",
     )
 
 
@@ -411,6 +423,28 @@ def _precision_problems(args, cuda_available: bool) -> List[str]:
     have_te = importlib.util.find_spec("transformer_engine") is not None
     if args.transformer_impl == "transformer_engine" and not have_te:
         problems.append("--transformer-impl transformer_engine: Transformer Engine is not installed")
+    problems += _attention_backend_problems(args)
+    return problems
+
+
+def _attention_backend_problems(args) -> List[str]:
+    """--attention-backend local and sdpa replace the core attention of megatron-core's local
+    1-D layers (without --transformer-impl they select local layers)."""
+    backend = args.attention_backend
+    if backend == "auto":
+        return []
+    problems = []
+    if args.transformer_impl == "transformer_engine":
+        problems.append(
+            f"--attention-backend {backend} is a core attention of megatron-core's local layers; Transformer "
+            "Engine has its own fused attention: use --transformer-impl local (or leave it out), or "
+            "--attention-backend auto"
+        )
+    if backend == "sdpa" and args.tensor_parallel_mode != "1d":
+        problems.append(
+            f"--attention-backend sdpa needs --tensor-parallel-mode 1d (Optimus 2D layers have their own "
+            f"attention; got {args.tensor_parallel_mode})"
+        )
     return problems
 
 

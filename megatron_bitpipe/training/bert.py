@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.utils import get_model_config, unwrap_model
 
-from ..runtime.bert import build_bert_chunks
+from ..runtime.bert import build_bert_chunks, default_bert_layer_spec
 from ..schedules.placement import Placement
 from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments
 from .data import indexed_datasets
@@ -236,7 +236,13 @@ class BertTask(BertArguments, PretrainTask):
 
     def build_model(self, args: argparse.Namespace, placement: Placement):
         self.loss_names = ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
-        return build_model(args, placement, chunk_builder=build_bert_chunks, add_binary_head=args.bert_binary_head)
+        return build_model(
+            args,
+            placement,
+            chunk_builder=build_bert_chunks,
+            default_layer_spec=default_bert_layer_spec,
+            add_binary_head=args.bert_binary_head,
+        )
 
     def forward_step(self, data_iterator, model):
         return bert_forward_step(data_iterator, model)

@@ -57,7 +57,9 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
     """The model config from the flags; ``overrides`` replace fields (task specifics)."""
     gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
-    te_default = gpu and _have_transformer_engine() and not args.split_backward  # the split defers local layers' W
+    # the split defers local layers' W; --attention-backend local/sdpa replace local layers' core attention
+    local_only = args.split_backward or getattr(args, "attention_backend", "auto") != "auto"
+    te_default = gpu and _have_transformer_engine() and not local_only
     impl = args.transformer_impl or ("transformer_engine" if te_default else "local")
     vp = args.virtual_pipeline_model_parallel_size if args.schedule == "interleaved" else None
     fields = dict(

@@ -5,7 +5,8 @@ everything the common flags fix (model config, parallel grid, padded vocabulary,
 sequence length, seed, tied embeddings, DDP config, tensor-parallel mode, position
 embeddings); a task adds its chunk builder and model-specific keywords. Initial weights are
 blocks of the full model drawn from ``--seed`` alone, whatever the layout; with
-``--bf16``/``--fp16`` the chunks are wrapped for mixed precision. With
+``--bf16``/``--fp16`` the chunks are wrapped for mixed precision. ``--attention-backend sdpa``
+swaps the layers' core attention for torch's SDPA (:mod:`megatron_bitpipe.runtime.sdpa_attention`). With
 ``--data-parallel-mode abs-sgd`` the chunks' DDP does not reduce over data parallelism
 (:mod:`.abs_sgd` does, one iteration later).
 """
@@ -13,8 +14,14 @@ blocks of the full model drawn from ``--seed`` alone, whatever the layout; with
 from __future__ import annotations
 
 import argparse
+from typing import Callable
+
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..runtime.build import PipelineModel, build_pipeline_model
+from ..runtime.model import default_gpt_layer_spec
+from ..runtime.sdpa_attention import SdpaDotProductAttention, with_core_attention
 from ..runtime.groups import ParallelGrid
 from ..schedules.placement import Placement
 from .config import ddp_config, transformer_config
@@ -22,14 +29,26 @@ from .config import ddp_config, transformer_config
 __all__ = ["build_model"]
 
 
-def build_model(args: argparse.Namespace, placement: Placement, **model_kwargs) -> PipelineModel:
+def build_model(
+    args: argparse.Namespace,
+    placement: Placement,
+    *,
+    default_layer_spec: Callable[[TransformerConfig], ModuleSpec] = default_gpt_layer_spec,
+    **model_kwargs,
+) -> PipelineModel:
     """This rank's chunks of ``placement``, seed-initialised and DDP-wrapped (collective).
 
     ``model_kwargs`` go to ``build_pipeline_model`` and from there to the chunk builder
-    (``chunk_builder``, ``rotary_base``, ``add_binary_head``...).
+    (``chunk_builder``, ``rotary_base``, ``add_binary_head``...). With ``--attention-backend
+    sdpa`` the chunks' layer spec is ``default_layer_spec`` of the config (the task's local
+    spec: GPT's by default) with :class:`~megatron_bitpipe.runtime.sdpa_attention.SdpaDotProductAttention`
+    as core attention, unless ``model_kwargs`` give a ``layer_spec``.
     """
+    config = transformer_config(args)
+    if getattr(args, "attention_backend", "auto") == "sdpa" and "layer_spec" not in model_kwargs:
+        model_kwargs["layer_spec"] = with_core_attention(default_layer_spec(config), SdpaDotProductAttention)
     return build_pipeline_model(
-        transformer_config(args),
+        config,
         ParallelGrid(args.tensor_model_parallel_size, args.data_parallel_size, args.pipeline_model_parallel_size),
         placement,
         vocab_size=args.padded_vocab_size,

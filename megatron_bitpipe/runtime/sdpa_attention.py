@@ -1,0 +1,179 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention`` for megatron-core's
+local layers (``--attention-backend sdpa``).
+
+:class:`SdpaDotProductAttention` is a drop-in ``core_attention`` of megatron-core's
+``SelfAttention`` spec in place of the unfused ``DotProductAttention`` (baddbmm + softmax +
+bmm over a materialised ``[b, heads, s, s]`` tensor). It takes the same constructor arguments
+(the ones ``SelfAttention`` passes: ``config, layer_number, attn_mask_type, attention_type,
+attention_dropout, softmax_scale, cp_comm_type, pg_collection``) and the same forward
+(``query, key, value`` as ``[s, b, heads, head_dim]``, ``attention_mask``, ``attn_mask_type``,
+``attention_bias``, ``packed_seq_params``), and returns ``[s, b, heads * head_dim]`` — the
+same in megatron-core 0.16.1 and 0.19.2 (see :mod:`megatron_bitpipe.megatron_compat`).
+
+What it computes, compared with ``DotProductAttention``:
+
+* **Masks.** A causal layer (GPT: ``attn_mask_type`` causal) runs SDPA with ``is_causal=True``
+  and no materialised mask; like megatron's fused causal softmax and Transformer Engine, a
+  mask passed to a causal layer is not read. A padding layer (BERT) passes megatron's boolean
+  mask (``True`` = masked out) inverted, as SDPA's ``attn_mask`` (``True`` = attends). The mask
+  type is the constructor's, as in ``DotProductAttention`` (the forward argument is ignored).
+  Rows whose keys are all masked (padding query rows of BERT's ``[b, 1, s, s]`` mask) give 0
+  here and megatron's mean of the values there; those rows reach no loss (later layers mask
+  them as keys, the losses skip them), so losses and gradients agree.
+* **Scaling.** SDPA's ``scale`` is ``softmax_scale`` (default 1/sqrt(head_dim)).
+  ``apply_query_key_layer_scaling`` divides megatron's fp16 scores by the layer number and
+  multiplies them back in the fp32 softmax: the same effective scale, which SDPA applies in
+  its fp32 accumulation, so the flag changes nothing here. SDPA's GPU kernels always take the
+  softmax in fp32 (as ``attention_softmax_in_fp32``).
+* **GQA.** ``num_query_groups`` < heads: SDPA's ``enable_gqa`` (no copy of the keys and
+  values) without a mask; with a mask the keys and values are repeated per query head, as
+  megatron does (head ``i`` reads group ``i // (heads / groups)`` in both).
+* **Tensor parallelism.** The heads per partition are the tensors' (megatron's
+  ``SelfAttention`` splits them); the partition sizes are kept as ``DotProductAttention``
+  keeps them.
+* **Dropout.** SDPA's ``dropout_p`` in training only, inside ``get_cuda_rng_tracker().fork()``
+  unless sequence parallelism is on (``DotProductAttention``'s rule). The mask is drawn by
+  SDPA's kernel, so **its random stream differs from the unfused path's** (same seed, other
+  mask); selective recompute (``--recompute-modules core_attn``) restores the RNG states and
+  replays the same mask.
+
+Refused (``ValueError``/``NotImplementedError`` at construction or call): context parallelism
+> 1, sliding-window attention, ``softmax_type`` other than ``vanilla``, ``attention_bias``,
+packed sequences.
+
+:func:`with_core_attention` swaps the core attention of a layer spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import divide
+
+__all__ = ["SdpaDotProductAttention", "with_core_attention", "uses_core_attention"]
+
+
+class SdpaDotProductAttention(MegatronModule):
+    """megatron-core's ``DotProductAttention`` interface computed by
+    ``torch.nn.functional.scaled_dot_product_attention``; see the module docstring."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError(
+                f"--attention-backend sdpa does not support context parallelism (context_parallel_size "
+                f"{config.context_parallel_size}); use --context-parallel-size 1"
+            )
+        window = getattr(config, "window_size", None)
+        if window is not None:
+            raise NotImplementedError("--attention-backend sdpa does not support sliding-window attention")
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type != "vanilla":
+            raise NotImplementedError(f"--attention-backend sdpa supports softmax_type 'vanilla' only (got {softmax_type!r})")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        world_size = pg_collection.tp.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, world_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
+        # The effective scale of megatron's softmax: apply_query_key_layer_scaling divides the
+        # scores by the layer number and multiplies them back in the softmax.
+        self.softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head) if softmax_scale is None else softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+        **extra_kwargs,
+    ) -> torch.Tensor:
+        """``[sq, b, heads, d]`` query, ``[sk, b, groups, d]`` key and value -> ``[sq, b, heads * d]``."""
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("--attention-backend sdpa supports neither attention_bias nor packed sequences")
+        if extra_kwargs:
+            raise NotImplementedError(f"--attention-backend sdpa: unexpected core-attention arguments {sorted(extra_kwargs)}")
+        heads, groups = query.size(2), key.size(2)
+        causal = self.attn_mask_type == AttnMaskType.causal
+        mask = None
+        if not causal and attention_mask is not None:
+            mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attends
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        gqa = heads != groups
+        if gqa and mask is not None:
+            k = k.repeat_interleave(heads // groups, dim=1)
+            v = v.repeat_interleave(heads // groups, dim=1)
+            gqa = False
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def attend():
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=causal and query.size(0) > 1,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
+            )
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                context = attend()
+        else:
+            context = attend()
+        # [b, heads, sq, d] -> [sq, b, heads * d]
+        context = context.permute(2, 0, 1, 3).contiguous()
+        return context.view(context.size(0), context.size(1), heads * context.size(3))
+
+
+def uses_core_attention(spec: ModuleSpec, core_attention) -> bool:
+    """Whether the layer spec ``spec``'s self-attention uses ``core_attention``."""
+    attention = getattr(spec.submodules, "self_attention", None)
+    sub = getattr(attention, "submodules", None)
+    return getattr(sub, "core_attention", None) is core_attention
+
+
+def with_core_attention(spec: ModuleSpec, core_attention) -> ModuleSpec:
+    """A copy of the transformer-layer spec ``spec`` whose self-attention uses
+    ``core_attention`` (``spec`` itself is not changed: megatron's specs are module-level
+    objects). ValueError if ``spec`` has no self-attention with a ``core_attention``."""
+    attention = getattr(spec.submodules, "self_attention", None)
+    sub = getattr(attention, "submodules", None)
+    if not isinstance(attention, ModuleSpec) or not hasattr(sub, "core_attention"):
+        raise ValueError(f"layer spec of {getattr(spec.module, '__name__', spec.module)} has no self_attention.core_attention")
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(sub, core_attention=core_attention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
