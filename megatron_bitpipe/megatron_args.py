@@ -65,7 +65,7 @@ def add_bitpipe_args(parser: argparse.ArgumentParser, *, virtual_size_flag: str 
         "--schedule-costs",
         metavar="FILE",
         default=None,
-        help="with --split-backward: JSON cost file (t_forward, t_backward, t_weight, t_p2p, ... as "
+        help="with --split-backward: JSON cost file (t_forward, t_backward, t_weight, t_input, t_p2p, ... as "
         "scripts/calibrate_gpu.py writes it) the weight-gradient steps are placed for; default: "
         "t_backward = 2 t_forward, half of it weight gradients.",
     )

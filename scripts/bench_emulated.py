@@ -20,8 +20,9 @@ schedule runs on the same emulated model, built the way each runtime builds it:
 * ``bitpipe``, ``chimera`` — this package's ``make_forward_backward_func`` on
   ``build_pipeline_model`` chunks (overlapped p2p, eager per-chunk gradient sync);
 * ``bitpipe+split-backward`` — BitPipe with a split backward (``--split-backward``): each emulated
-  layer's backward time is ``t_B - t_W`` in ``I`` and ``t_W`` (``--t-weight``, default half
-  of ``t_B``) in the deferred ``W``; its order is planned for ``CostModel(t_F, t_B, t_W)``;
+  layer's backward time is ``t_I`` (``--t-input``, default ``t_B - t_W``) in ``I`` and ``t_W``
+  (``--t-weight``, default the rest of ``t_B``, or half of it) in the deferred ``W``; its
+  order is planned for ``CostModel(t_F, t_B, t_W, t_I)``;
 * ``zbv``, ``dualpipev`` — the zero-bubble V and DeepSeek's DualPipeV (one replica on a V,
   split backwards of their own, ordered for the same costs) on the same executor;
   DualPipeV runs only where ``N >= 2D``;
@@ -73,12 +74,14 @@ class Settings:
 
     ``t_forward`` / ``t_backward``: one micro-batch through one device's share of the model
     (``layers_per_rank`` layers), the simulator's cost unit; ``t_weight``: the part of
-    ``t_backward`` a split backward defers to ``W`` (None: half).
+    ``t_backward`` a split backward defers to ``W``; ``t_input``: its ``I`` (None: as
+    :class:`~megatron_bitpipe.schedules.CostModel`'s defaults).
     """
 
     t_forward: float = 30.0
     t_backward: float = 60.0
     t_weight: Optional[float] = None
+    t_input: Optional[float] = None
     layers_per_rank: int = 2
     hidden_size: int = 32
     num_attention_heads: int = 4
@@ -97,7 +100,9 @@ class Settings:
         """CostModel of the emulated compute (and ``communication`` fields, e.g. t_p2p)."""
         from megatron_bitpipe.schedules import CostModel
 
-        return CostModel(t_forward=self.t_forward, t_backward=self.t_backward, t_weight=self.t_weight, **communication)
+        return CostModel(
+            t_forward=self.t_forward, t_backward=self.t_backward, t_weight=self.t_weight, t_input=self.t_input, **communication
+        )
 
     @property
     def message_bytes(self) -> int:
@@ -129,7 +134,8 @@ def _layer_spec(settings: Settings):
 
     per_layer = 1e-3 / settings.layers_per_rank
     weight = None if settings.t_weight is None else settings.t_weight * per_layer
-    return emulated_layer_spec(settings.t_forward * per_layer, settings.t_backward * per_layer, weight)
+    input_ = None if settings.t_input is None else settings.t_input * per_layer
+    return emulated_layer_spec(settings.t_forward * per_layer, settings.t_backward * per_layer, weight, input_)
 
 
 def _config(settings: Settings, pipeline_size: int, **overrides):
@@ -448,7 +454,7 @@ def run_conditions(rows: List[dict], elapsed: float) -> str:
     p2p_text = ", ".join(f"{t:.2f} ms (D={d})" for d, t in sorted(p2p.items()))
     return (
         f"Costs per device share: t_F = {costs['t_forward']:g} ms, t_B = {costs['t_backward']:g} ms "
-        f"(split backward: t_W = {CostModel(**costs).weight_time:g} ms of it); measured p2p "
+        f"(split backward: t_I = {CostModel(**costs).input_time:g} ms, t_W = {CostModel(**costs).weight_time:g} ms); measured p2p "
         f"one-way time {p2p_text}. "
         f"Median of {len(rows[0]['step_times'])} steps per run, {rows[0]['device']} emulated device, "
         f"{os.cpu_count()} CPU cores with a 1-minute load average of {min(loads):.1f}-{max(loads):.1f} "
@@ -535,6 +541,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--t-forward", type=float, help=f"ms per micro-batch and device share (default {Settings.t_forward})")
     parser.add_argument("--t-backward", type=float, help=f"ms (default {Settings.t_backward})")
     parser.add_argument("--t-weight", type=float, help="ms of --t-backward that bitpipe+split-backward defers to W (default half)")
+    parser.add_argument("--t-input", type=float,
+                        help="ms of the input-gradient pass I of a split backward (default --t-backward minus --t-weight)")
     parser.add_argument("--layers-per-rank", type=int, default=Settings.layers_per_rank, help="even; L = this x D")
     parser.add_argument("--device", choices=("async", "blocking"), default="async",
                         help="emulated device: CUDA-stream semantics (default) or a blocking sleep per layer")
@@ -565,6 +573,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     t_weight = args.t_weight if args.t_weight is not None else costs.get("t_weight")
     if t_weight is not None and not 0 <= t_weight <= t_backward:
         raise ValueError(f"--t-weight: must be between 0 and --t-backward ({t_backward:g})")
+    t_input = args.t_input if args.t_input is not None else costs.get("t_input")
+    if t_input is not None and (t_input < 0 or (t_weight is None and t_input > t_backward)):
+        raise ValueError(f"--t-input: must be >= 0, and at most --t-backward ({t_backward:g}) without --t-weight")
     if args.layers_per_rank < 2 or args.layers_per_rank % 2:
         raise ValueError("--layers-per-rank: must be even and >= 2 (interleaved and BitPipe chunks hold half a rank's layers)")
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
@@ -575,6 +586,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         t_forward=t_forward,
         t_backward=t_backward,
         t_weight=t_weight,
+        t_input=t_input,
         layers_per_rank=args.layers_per_rank,
         asynchronous=args.device == "async",
         repeats=repeats,

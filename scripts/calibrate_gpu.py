@@ -1,59 +1,108 @@
 #!/usr/bin/env python
 """Measure a cost file for the schedule simulator on a GPU.
 
-Times the forward and the backward of one device share of a megatron-core GPT model —
-``--num-layers`` transformer layers (Transformer Engine layers when transformer-engine is
-importable and ``--transformer-impl transformer_engine``, megatron-core's local layers
-otherwise) — for one micro-batch of ``[--seq-length, --micro-batch-size, --hidden-size]`` in
-fp32, ``--bf16`` or ``--fp16``. Communication:
+Times one device share of a megatron-core GPT model — ``--num-layers`` transformer layers,
+built and run **as a middle pipeline stage of training runs it** — for one micro-batch of
+``[--seq-length, --micro-batch-size, --hidden-size]`` in fp32, ``--bf16`` or ``--fp16``:
+
+* the flags go through the pretrain scripts' own parser
+  (:func:`megatron_bitpipe.training.arguments.parse_args`) and
+  :func:`megatron_bitpipe.training.config.transformer_config`, so the config (``params_dtype``,
+  ``pipeline_dtype``, ``bf16``/``fp16``, kernel fusions, ``deallocate_pipeline_outputs``,
+  Transformer Engine or local layers) is the one training would use;
+* the share is a ``GPTModel`` chunk without embedding and head (``pre_process`` and
+  ``post_process`` false), made by the project's chunk factory
+  (:func:`megatron_bitpipe.runtime.model.gpt_chunk_factory` through
+  :func:`~megatron_bitpipe.runtime.model.build_chunks`), wrapped for mixed precision in
+  :class:`~megatron_bitpipe.runtime.precision.ChunkFloat16Module` (megatron's
+  ``Float16Module``: every parameter, layer norms included, in bf16/fp16) and in the project's
+  megatron DDP (:func:`~megatron_bitpipe.runtime.replicas.wrap_ddp`, fp32 gradient buffers);
+* its input is the activation a middle stage receives: ``config.pipeline_dtype``; the
+  forward and the backward are megatron's ``forward_step`` / ``backward_step`` as
+  :class:`~megatron_bitpipe.runtime.executor.PlanExecutor` calls them (output deallocated
+  before the backward when the config says so), inside the chunk's ``no_sync``.
+
+Measured (median of ``--iters`` after ``--warmup``; CUDA events on a GPU):
+
+* ``F``, ``B``: forward and whole backward;
+* with megatron-core's local layers (``--transformer-impl local``; the split backward
+  defers only those), the split backward with the project's own deferral
+  (:mod:`megatron_bitpipe.runtime.weight_grad`, as the executor runs ``I`` and ``W``): ``I``,
+  the backward with the weight gradients deferred (``F`` runs inside ``deferring`` too), and
+  ``W``, running the deferred :class:`~megatron_bitpipe.runtime.weight_grad.WeightGradWork`.
+  With Transformer Engine layers ``I`` and ``W`` are not measured (said in the output).
+
+Communication:
 
 * with two or more GPUs, NCCL between GPU 0 and GPU 1: the one-way time of a pipeline
   message (a 4-byte and an ``[s, b, h]`` message give latency and bandwidth) and the
   all-reduce of the device share's gradients over the pair (measured on at most 1 GiB),
   whose bus bandwidth is the file's ``sync_bandwidth``;
-* with one GPU, from ``--p2p-latency-ms``, ``--p2p-bandwidth-gbs`` and
+* with one GPU (or ``--device cpu``), from ``--p2p-latency-ms``, ``--p2p-bandwidth-gbs`` and
   ``--allreduce-bandwidth-gbs``.
 
-The file's ``grad_bytes`` are the device share's gradient bytes; the simulator times
-each chunk's all-reduce from them for its group (replicas x ``--data-parallel-size``).
+Writes ``--output`` (default ``costs.json``): one JSON object whose keys are fields of
+:class:`megatron_bitpipe.schedules.CostModel` (milliseconds, bytes, bytes/ms): ``t_forward``
+(F), ``t_backward`` (B), ``t_weight`` (W) and ``t_input`` (I) when the split was measured,
+``t_p2p``, ``p2p_bytes``, ``p2p_bandwidth``, ``t_sync``, ``grad_bytes``, ``sync_bandwidth``,
+``data_parallel_size``. ``python -m megatron_bitpipe.schedules simulate --costs FILE``,
+``--schedule-costs FILE`` of the pretrain scripts, ``scripts/bench_emulated.py --costs FILE``
+and ``scripts/predict_throughput.py --costs FILE`` read it. What was measured and how is
+printed; the last line is ``wrote FILE``.
 
-Writes ``--output`` (default ``costs.json``): one JSON object whose keys are exactly the
-fields of :class:`megatron_bitpipe.schedules.CostModel` (milliseconds, bytes, bytes/ms),
-which ``python -m megatron_bitpipe.schedules simulate --costs FILE``,
-``scripts/bench_emulated.py --costs FILE`` and ``scripts/predict_throughput.py --costs FILE``
-read. What was measured and how is printed.
-
-Example (the GPT configuration of the BitPipe README, 96 layers on 8 stages)::
+The device share of the BitPipe paper's GPT (96 layers on 8 stages: 12 layers, h 3072, 32
+heads, s 1024, micro-batch 1), as ``scripts/gpu_check.py`` runs it (one GPU, about 6 GiB
+of weights and as much of fp32 gradient buffer in fp32)::
 
     python scripts/calibrate_gpu.py --num-layers 12 --hidden-size 3072 --num-attention-heads 32 \\
-        --seq-length 1024 --micro-batch-size 1 --fp16 --output gpt_costs.json
+        --seq-length 1024 --micro-batch-size 1 --transformer-impl local --output gpt_share_fp32.json
+    python scripts/calibrate_gpu.py --num-layers 12 --hidden-size 3072 --num-attention-heads 32 \\
+        --seq-length 1024 --micro-batch-size 1 --transformer-impl local --bf16 --output gpt_share_bf16.json
 
-Needs a CUDA GPU; without one it stops with exit status 2 before doing anything.
+Exit status: 0 after writing the file; 2 with one line on stderr for bad flags and, without
+``--device cpu``, when no CUDA GPU is available (before anything is measured). ``--device
+cpu`` measures on the CPU with gloo and megatron-bitpipe's CPU compatibility layer (for
+tests and demos; the times are a CPU's, not a GPU's).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import asdict
 from typing import Callable, Dict, List, Optional
 
 from megatron_bitpipe.schedules.simulate import CostModel
 
-NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured"
+NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured (--device cpu measures on the CPU)"
 MAX_ALLREDUCE_BYTES = 1 << 30
+#: the vocabulary of the measured chunk: it has no embedding or head, so any size does
+VOCAB_SIZE = 128
 
 
-def cost_model(t_forward: float, t_backward: float, comm: Dict[str, float], grad_bytes: float) -> CostModel:
-    """The CostModel of one measurement: compute (ms), ``comm`` = {latency_ms, bytes,
-    bandwidth (bytes/ms), sync_bandwidth (bytes/ms)}, the device share's gradient bytes.
-    Raises ValueError for negative values."""
+def cost_model(
+    t_forward: float,
+    t_backward: float,
+    comm: Dict[str, float],
+    grad_bytes: float,
+    t_weight: Optional[float] = None,
+    t_input: Optional[float] = None,
+) -> CostModel:
+    """The CostModel of one measurement: compute (ms; ``t_weight``/``t_input`` the split
+    backward's W and I, None when not measured), ``comm`` = {latency_ms, bytes, bandwidth
+    (bytes/ms), sync_bandwidth (bytes/ms)}, the device share's gradient bytes. Raises
+    ValueError for negative values or a W or I longer than B."""
     return CostModel(
         t_forward=t_forward,
         t_backward=t_backward,
+        t_weight=t_weight,
+        t_input=t_input,
         t_p2p=comm["latency_ms"],
         p2p_bytes=comm["bytes"],
         p2p_bandwidth=comm["bandwidth"],
@@ -63,7 +112,7 @@ def cost_model(t_forward: float, t_backward: float, comm: Dict[str, float], grad
 
 
 def write_cost_file(path: str, costs: CostModel) -> None:
-    """Write ``costs`` as a JSON object with exactly CostModel's fields."""
+    """Write ``costs`` as a JSON object of CostModel's fields (those that are not None)."""
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({k: v for k, v in asdict(costs).items() if v is not None}, handle, indent=2)
         handle.write("\n")
@@ -83,62 +132,185 @@ def assumed_communication(args: argparse.Namespace, message_bytes: int) -> Dict[
     }
 
 
-def layer_config(args: argparse.Namespace, dtype):
-    """megatron-core TransformerConfig of the measured layers (no parallelism)."""
-    from megatron.core.transformer import TransformerConfig
+def training_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The pretrain scripts' parsed flags for the measured share (one rank, no pipeline).
 
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        transformer_impl=args.transformer_impl,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        # Kernels that need apex or megatron's compiled extensions stay off.
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+    The pretrain scripts refuse ``--bf16``/``--fp16`` without a GPU (training on the CPU is
+    fp32); the calibration's ``--device cpu`` runs them there for its tests, so the flags are
+    checked as on a GPU and the CPU path sets the backend to gloo itself.
+    """
+    from megatron_bitpipe.training.arguments import parse_args
+
+    argv = [
+        "--num-layers", str(args.num_layers),
+        "--hidden-size", str(args.hidden_size),
+        "--num-attention-heads", str(args.num_attention_heads),
+        "--seq-length", str(args.seq_length),
+        "--micro-batch-size", str(args.micro_batch_size),
+        "--seed", str(args.seed),
+        # required by the parser, unused here (no optimizer step)
+        "--train-iters", "1",
+        "--lr", "1e-4",
+        "--vocab-size", str(VOCAB_SIZE),
+    ]
+    if args.ffn_hidden_size is not None:
+        argv += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
+    if args.transformer_impl is not None:
+        argv += ["--transformer-impl", args.transformer_impl]
+    argv += ["--bf16"] if args.bf16 else ["--fp16"] if args.fp16 else []
+    return parse_args(None, argv, world_size=1, cuda_available=True)
+
+
+def build_share(train_args: argparse.Namespace, device):
+    """One device share as a middle pipeline stage of training holds it: ``(model, config)``.
+
+    ``model`` is the project's DDP-wrapped GPTModel chunk of ``train_args.num_layers`` layers
+    without embedding or head (``ChunkFloat16Module`` inside with bf16/fp16), on ``device``.
+    Needs an initialised default process group of one rank (collective over it).
+    """
+    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
+    from megatron_bitpipe.runtime.model import build_chunks, gpt_chunk_factory
+    from megatron_bitpipe.runtime.precision import ChunkFloat16Module
+    from megatron_bitpipe.runtime.replicas import wrap_ddp
+    from megatron_bitpipe.training.config import ddp_config, placement_for, transformer_config, use_global_tp_group
+
+    config = transformer_config(train_args)
+    groups = PipelineGroups.build(ParallelGrid(1, 1, 1), placement_for(train_args))
+    use_global_tp_group(groups.tp)
+    init_megatron_state(groups.rank_pgs, train_args.seed)
+    make_gpt_chunk = gpt_chunk_factory(
+        config,
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=train_args.max_position_embeddings,
+        position_embedding_type=train_args.position_embedding_type,
+        rotary_base=train_args.rotary_base,
     )
 
+    def middle_stage(chunk_config, spec, pgs, tie):  # no embedding, no head: what a middle stage holds
+        return make_gpt_chunk(chunk_config, dataclasses.replace(spec, pre_process=False, post_process=False), pgs, False)
 
-def measure_compute(config, pg_collection, args: argparse.Namespace, timer: Callable, device) -> Dict[str, float]:
-    """Median forward and backward time (ms) of a TransformerBlock of ``config.num_layers``
-    layers on one micro-batch, and its parameter count.
+    (chunk,) = build_chunks(config, groups, middle_stage, vocab_size=VOCAB_SIZE)
+    chunk.to(device)
+    if config.bf16 or config.fp16:
+        chunk = ChunkFloat16Module(config, chunk)
+    (model,) = wrap_ddp([chunk], groups, config, ddp_config(train_args))
+    return model, config
 
-    ``timer(fn)`` runs ``fn`` and returns its duration in ms (CUDA events on a GPU).
+
+def dtype_problems(model, config, hidden) -> List[str]:
+    """What would make a GPU's kernels refuse the share: a floating parameter not in
+    ``config.params_dtype`` (as megatron's ``Float16Module`` leaves none) or an input not in
+    ``config.pipeline_dtype``. CPU kernels accept such mixtures (layer_norm of a bf16 input
+    with fp32 weights), CUDA's do not ("expected scalar type BFloat16 but found Float")."""
+    problems = [
+        f"{name} is {param.dtype}"
+        for name, param in model.named_parameters()
+        if param.is_floating_point() and param.dtype != config.params_dtype
+    ]
+    if hidden.dtype != config.pipeline_dtype:
+        problems.append(f"the input activation is {hidden.dtype}")
+    return [f"{p}, not {config.params_dtype}" for p in problems]
+
+
+def measure_share(model, config, shape, timer: Callable, warmup: int, iters: int, device) -> Dict[str, object]:
+    """Median times (ms) of ``model`` (a :func:`build_share` chunk) on one micro-batch of
+    ``shape`` = (s, b, h), and its parameter count.
+
+    Each iteration runs a whole step (``F``, ``B``) and, when the share's linears defer
+    (megatron-core local layers), a split one: ``F`` inside
+    :func:`~megatron_bitpipe.runtime.weight_grad.deferring`, ``I`` (``backward_step`` inside it
+    again, as the executor runs ``I``) and ``W`` (the deferred work's ``run``). ``timer(fn)`` runs
+    ``fn`` and returns its duration in ms. Returns ``t_forward``, ``t_backward``,
+    ``t_forward_deferring``, ``t_input``, ``t_weight`` (the last three None without the split),
+    ``parameters``, ``layer_impl``, ``dtype``, ``output_dtypes`` (what the next stage would
+    receive), ``split_note``. Raises RuntimeError naming
+    parameters in the wrong dtype (:func:`dtype_problems`) before timing anything.
     """
     import torch
-    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
 
-    from megatron_bitpipe.runtime.model import default_gpt_layer_spec
+    from megatron_bitpipe.megatron_compat import backward_step
+    from megatron_bitpipe.runtime.model import transformer_block_of
+    from megatron_bitpipe.runtime.weight_grad import SplitBackwardError, WeightGradWork, deferring, enable_split_backward
 
-    block = TransformerBlock(
-        config, default_gpt_layer_spec(config), post_layer_norm=False, pg_collection=pg_collection
-    ).to(device)
-    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
-    hidden = torch.randn(shape, dtype=config.params_dtype, device=device, requires_grad=True)
-    grad = torch.randn(shape, dtype=config.params_dtype, device=device)
-    forward, backward = [], []
-    for iteration in range(args.warmup + args.iters):
-        outputs = []
-        t_forward = timer(lambda: outputs.append(block(hidden, attention_mask=None)))
-        t_backward = timer(lambda: outputs[0].backward(grad))
-        block.zero_grad(set_to_none=True)
-        hidden.grad = None
-        if iteration >= args.warmup:
-            forward.append(t_forward)
-            backward.append(t_backward)
-    return {
-        "t_forward": statistics.median(forward),
-        "t_backward": statistics.median(backward),
-        "parameters": sum(p.numel() for p in block.parameters()),
-        "layer_impl": type(block.layers[0].self_attention.linear_qkv).__name__,
+    s, b, h = shape
+    generator = torch.Generator(device="cpu").manual_seed(1234)
+    hidden = torch.randn(shape, generator=generator).to(device=device, dtype=config.pipeline_dtype)
+    grad = torch.randn(shape, generator=generator).to(device=device, dtype=config.pipeline_dtype)
+    problems = dtype_problems(model, config, hidden)
+    if problems:
+        raise RuntimeError("the measured share does not run as training runs it: " + "; ".join(problems))
+    try:
+        enable_split_backward([model])
+        split_note = None
+    except SplitBackwardError as error:
+        split_note = f"I and W not measured: {error}"
+    batch = {
+        "tokens": torch.zeros((b, s), dtype=torch.long, device=device),
+        "position_ids": torch.arange(s, device=device).expand(b, s),
+        "labels": torch.zeros((b, s), dtype=torch.long, device=device),
     }
+
+    def forward_step_func(data_iterator, chunk):  # a middle stage: the input tensor is the activation
+        data = next(data_iterator)
+        return chunk(data["tokens"], data["position_ids"], None, labels=data["labels"]), None
+
+    def run(context_factory):
+        """One F then its backward; the times (ms) and the deferred work."""
+        input_tensor = hidden.detach().requires_grad_()
+        outputs: List = []
+        work = WeightGradWork()
+        context = context_factory(work)
+        with context:
+            t_f = timer(lambda: outputs.append(forward_step(
+                forward_step_func, iter([batch]), model, 1, input_tensor, [], config, 1, False,
+                is_first_microbatch=False, current_microbatch=0, is_last_stage=False,
+            )[0]))
+        output = outputs[0]
+        output_dtypes.add(str(output.dtype))
+        deallocate_output_tensor(output, config.deallocate_pipeline_outputs)  # as after its send
+        with context_factory(work):
+            t_b = timer(lambda: backward_step(input_tensor, output, grad, config))
+        return t_f, t_b, work
+
+    times: Dict[str, List[float]] = {k: [] for k in ("F", "B", "Fd", "I", "W")}
+    output_dtypes = set()
+    with model.no_sync():
+        for iteration in range(warmup + iters):
+            model.zero_grad_buffer()
+            t_f, t_b, _ = run(lambda work: contextlib.nullcontext())
+            kept = iteration >= warmup
+            if kept:
+                times["F"].append(t_f)
+                times["B"].append(t_b)
+            if split_note is None:
+                t_fd, t_i, work = run(deferring)
+                t_w = timer(work.run)
+                if kept:
+                    times["Fd"].append(t_fd)
+                    times["I"].append(t_i)
+                    times["W"].append(t_w)
+    median = {k: (statistics.median(v) if v else None) for k, v in times.items()}
+    block = transformer_block_of(model)
+    return {
+        "t_forward": median["F"],
+        "t_backward": median["B"],
+        "t_forward_deferring": median["Fd"],
+        "t_input": median["I"],
+        "t_weight": median["W"],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layer_impl": type(block.layers[0].self_attention.linear_qkv).__name__,
+        "dtype": str(config.params_dtype).removeprefix("torch."),
+        "output_dtypes": sorted(output_dtypes),
+        "split_note": split_note,
+    }
+
+
+def _cpu_timer(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
 
 
 def _cuda_timer(fn) -> float:
@@ -232,12 +404,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-length", type=int, required=True)
     parser.add_argument("--micro-batch-size", type=int, required=True)
     precision = parser.add_mutually_exclusive_group()
-    precision.add_argument("--bf16", action="store_true")
-    precision.add_argument("--fp16", action="store_true")
+    precision.add_argument("--bf16", action="store_true", help="as training's --bf16 (default fp32)")
+    precision.add_argument("--fp16", action="store_true", help="as training's --fp16 (default fp32)")
     parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
-                        help="default: transformer_engine if importable, else local")
+                        help="default: training's (transformer_engine on a GPU when importable, else local); "
+                        "I and W are measured with local layers only")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the weights and inputs")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda (default; exit status 2 without a GPU) or cpu (tests and demos: gloo and the "
+                        "CPU compatibility layer; the times are the CPU's)")
     parser.add_argument("--p2p-latency-ms", type=float, default=0.02, help="used with fewer than 2 GPUs")
     parser.add_argument("--p2p-bandwidth-gbs", type=float, default=100.0, help="used with fewer than 2 GPUs")
     parser.add_argument("--allreduce-bandwidth-gbs", type=float, default=100.0, help="used with fewer than 2 GPUs")
@@ -260,6 +437,32 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--p2p-*/--allreduce-bandwidth-gbs: latency >= 0, bandwidths > 0")
 
 
+def _start_distributed(train_args: argparse.Namespace, device) -> bool:
+    """The default process group of this one rank: training's own start-up on a GPU (NCCL),
+    gloo and the CPU compatibility layer on the CPU; an existing one of one rank is used.
+    Returns whether it was started here."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a caller's (a test launcher's) group of one rank
+        if dist.get_world_size() != 1:
+            raise RuntimeError(f"the calibration runs on one rank; torch.distributed has {dist.get_world_size()}")
+        if device.type == "cpu":
+            from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+
+            enable_cpu_megatron()
+        return False
+    if device.type == "cuda":
+        from megatron_bitpipe.training.distributed import initialize
+
+        initialize(train_args)
+        return True
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -269,40 +472,57 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(str(error))
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: error: {NO_GPU}\n")
     import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    if args.transformer_impl is None:
-        args.transformer_impl = "transformer_engine" if gpt_layer_specs.HAVE_TE else "local"
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1234)
-    compute = measure_compute(layer_config(args, dtype), None, args, _cuda_timer, torch.device("cuda"))
-    dist.destroy_process_group()
+    from megatron_bitpipe.megatron_args import BitPipeConfigError
+    from megatron_bitpipe.training.config import ddp_config
+    from megatron_bitpipe.usage import UsageError
 
-    element = torch.tensor([], dtype=dtype).element_size()
+    try:
+        train_args = training_args(args)
+    except (BitPipeConfigError, UsageError) as error:
+        parser.error(" ".join(str(error).split()))
+    device = torch.device(args.device)
+    started = _start_distributed(train_args, device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    model, config = build_share(train_args, device)
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    timer = _cuda_timer if device.type == "cuda" else _cpu_timer
+    compute = measure_share(model, config, shape, timer, args.warmup, args.iters, device)
+    del model
+    if started:
+        dist.destroy_process_group()
+
+    element = torch.tensor([], dtype=config.pipeline_dtype).element_size()
     message_bytes = args.seq_length * args.micro_batch_size * args.hidden_size * element
-    gradient_bytes = compute["parameters"] * element
-    if torch.cuda.device_count() >= 2:
+    gradient_element = 4 if ddp_config(train_args).grad_reduce_in_fp32 else config.params_dtype.itemsize
+    gradient_bytes = compute["parameters"] * gradient_element
+    if device.type == "cuda" and torch.cuda.device_count() >= 2:
         comm = measured_communication(message_bytes, gradient_bytes, args.iters)
     else:
         comm = assumed_communication(args, message_bytes)
-    costs = cost_model(compute["t_forward"], compute["t_backward"], comm, gradient_bytes)
+    costs = cost_model(compute["t_forward"], compute["t_backward"], comm, gradient_bytes,
+                       t_weight=compute["t_weight"], t_input=compute["t_input"])
     write_cost_file(args.output, costs)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    f = costs.t_forward
     print(
-        f"{torch.cuda.get_device_name(0)}, {args.transformer_impl} layers ({compute['layer_impl']}), {dtype}: "
-        f"{args.num_layers} layers, h={args.hidden_size}, s={args.seq_length}, b={args.micro_batch_size}, "
-        f"{compute['parameters'] / 1e6:.1f}M parameters"
+        f"{name}, {config.transformer_impl} layers ({compute['layer_impl']}), {compute['dtype']} "
+        f"(as training runs a middle pipeline stage): {args.num_layers} layers, h={args.hidden_size}, "
+        f"s={args.seq_length}, b={args.micro_batch_size}, {compute['parameters'] / 1e6:.1f}M parameters"
     )
-    print(f"forward {costs.t_forward:.3f} ms, backward {costs.t_backward:.3f} ms (median of {args.iters})")
+    print(f"F {f:.3f} ms, B {costs.t_backward:.3f} ms ({costs.t_backward / f:.2f} F) (median of {args.iters})")
+    if compute["split_note"] is None:
+        print(
+            f"split backward (runtime.weight_grad deferral): F while deferring {compute['t_forward_deferring']:.3f} ms, "
+            f"I {costs.t_input:.3f} ms ({costs.t_input / f:.2f} F), W {costs.t_weight:.3f} ms ({costs.t_weight / f:.2f} F), "
+            f"I + W = {(costs.t_input + costs.t_weight) / costs.t_backward:.2f} B"
+        )
+    else:
+        print(compute["split_note"])
     print(
         f"communication {comm['source']}: p2p {costs.message_time:.4f} ms per message, gradient all-reduce of "
         f"the device share over a replica pair {costs.sync_time(1.0, 2):.3f} ms"

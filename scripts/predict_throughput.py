@@ -148,9 +148,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows += predict(model, base, sorted(set(counts)), source)
         except schedules.ScheduleConfigError as error:
             parser.error(str(error))
+        split = "" if base.t_weight is None and base.t_input is None else (
+            f" (split backward: t_I = {base.input_time:.1f} ms, t_W = {base.weight_time:.1f} ms)"
+        )
         notes.append(
             f"{model.upper()} costs: {source}. Per device share ({shape.num_layers // PIPELINE_SIZE} layers, one "
-            f"micro-batch): t_F = {base.t_forward:.1f} ms, t_B = {base.t_backward:.1f} ms, p2p {base.message_time:.3f} ms "
+            f"micro-batch): t_F = {base.t_forward:.1f} ms, t_B = {base.t_backward:.1f} ms{split}, p2p {base.message_time:.3f} ms "
             f"per message, gradient all-reduce of a device share over a replica pair {base.sync_time(1.0, 2):.1f} ms."
         )
     if args.json:

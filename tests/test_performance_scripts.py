@@ -3,15 +3,20 @@
 * :mod:`megatron_bitpipe.schedules.costs`: the FLOP and parameter counts match the closed
   forms (and megatron-core's real layer), ring all-reduce times.
 * ``scripts/calibrate_gpu.py``: without a GPU it stops with a clear message; the cost file it
-  writes has exactly CostModel's fields and is accepted by the simulator CLI, the emulated
-  benchmark and the throughput predictor; its timing function runs megatron-core's layer on
-  CPU ranks (with a CPU timer) and counts the parameters the analytic model predicts.
+  writes has CostModel's fields and is accepted by the simulator CLI, the emulated
+  benchmark and the throughput predictor; its measurement builds the device share as training
+  does (a middle-stage GPTModel chunk, ``ChunkFloat16Module`` with bf16, the project's DDP)
+  and times F, B and the split backward's I and W on a CPU rank (with a counting timer), in
+  fp32 and in bf16 under CUDA's dtype rule for layer_norm (the rule the H100 run broke: the
+  old bare block fails it); ``--device cpu`` writes a file with ``t_weight`` and ``t_input``
+  that the simulator CLI and ``--schedule-costs`` read.
 * ``scripts/predict_throughput.py``: rows for both README configurations, FLOP-based
   costs by default, a cost file when given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -103,7 +108,7 @@ def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
     from megatron_bitpipe.schedules.cli import main as schedules_cli
 
     assert schedules_cli(["simulate", "--schedule", "bitpipe", "-D", "4", "-N", "8", "--costs", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["costs"] == {**written, "t_weight": None}  # None: half of t_backward
+    assert json.loads(capsys.readouterr().out)["costs"] == {**written, "t_weight": None, "t_input": None}  # halves of t_backward
 
     settings = bench.settings_from_args(bench._parser().parse_args(["--costs", str(path)]))
     assert (settings.t_forward, settings.t_backward) == (12.5, 25.0)
@@ -111,7 +116,7 @@ def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
     assert predict.main(["--costs", str(path), "--model", "gpt", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     by_schedule = {(r["schedule"], r["num_microbatches"]): r for r in rows}
-    assert by_schedule[("bitpipe", 16)]["costs"] == {**written, "t_weight": None}
+    assert by_schedule[("bitpipe", 16)]["costs"] == {**written, "t_weight": None, "t_input": None}
     no_sync = dataclasses.replace(costs, sync_bandwidth=0.0)
     assert by_schedule[("1f1b", 16)]["step_time"] == pytest.approx(
         simulate(generate("1f1b", 8, 16), no_sync).makespan), "one replica, no data parallelism: nothing to sync"
@@ -119,19 +124,40 @@ def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
     assert all(r["cost_source"].startswith("calibrated") for r in rows)
 
 
-def _time_layers_on_cpu(argv) -> dict:
-    """measure_compute on megatron's CPU layers with a counting timer: the n-th timed call
-    takes n ms, so the medians show which calls were kept (deterministic, no clock)."""
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.benchmarking.megatron_baseline import build_looped_process_groups
-    from megatron_bitpipe.runtime.groups import ParallelGrid
+@contextlib.contextmanager
+def _cuda_layer_norm_rule():
+    """layer_norm as CUDA runs it: weights and bias must have the input's dtype (CPU kernels
+    accept a bf16 input with fp32 weights; the H100 raised "expected scalar type BFloat16 but
+    found Float")."""
+    original = torch.nn.functional.layer_norm
 
-    enable_cpu_megatron()
-    args = calibrate._parser().parse_args(argv)
-    args.transformer_impl = "local"
-    pg = build_looped_process_groups(ParallelGrid())
-    init_megatron_state(pg, 1234)
+    def strict(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        for tensor in (weight, bias):
+            if tensor is not None and tensor.dtype != input.dtype:
+                raise RuntimeError(f"expected scalar type {input.dtype} but found {tensor.dtype} (CUDA's layer_norm)")
+        return original(input, normalized_shape, weight, bias, eps)
+
+    torch.nn.functional.layer_norm = strict
+    try:
+        yield
+    finally:
+        torch.nn.functional.layer_norm = original
+
+
+def _measure_share_on_cpu(argv) -> dict:
+    """calibrate's build_share + measure_share on this CPU rank, under CUDA's layer_norm rule,
+    with a counting timer: the n-th timed call takes n ms, so the medians show which calls were
+    kept (deterministic, no clock). Also: the share's dtypes, and what the pre-fix construction
+    (a bare TransformerBlock of params_dtype, no Float16Module) does under the same rule."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_bitpipe.runtime.model import default_gpt_layer_spec, transformer_block_of
+
+    args = calibrate._parser().parse_args([*argv, "--device", "cpu"])
+    train_args = calibrate.training_args(args)
+    device = torch.device("cpu")
+    calibrate._start_distributed(train_args, device)
+    model, config = calibrate.build_share(train_args, device)
     calls = []
 
     def timer(fn):
@@ -139,17 +165,85 @@ def _time_layers_on_cpu(argv) -> dict:
         calls.append(len(calls) + 1)
         return float(calls[-1])
 
-    return calibrate.measure_compute(calibrate.layer_config(args, torch.float32), pg, args, timer, torch.device("cpu"))
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    with _cuda_layer_norm_rule():
+        measured = calibrate.measure_share(model, config, shape, timer, args.warmup, args.iters, device)
+        hidden = torch.zeros(shape, dtype=config.pipeline_dtype)
+        pgs = transformer_block_of(model).pg_collection
+        bare = TransformerBlock(config, default_gpt_layer_spec(config), post_layer_norm=False, pg_collection=pgs)
+        try:
+            bare(hidden, attention_mask=None)
+            measured["bare_block"] = "ran"
+        except RuntimeError as error:
+            measured["bare_block"] = str(error)
+        measured["bare_block_problems"] = calibrate.dtype_problems(bare, config, hidden)
+    measured["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    measured["config_dtypes"] = (str(config.params_dtype), str(config.pipeline_dtype), config.bf16)
+    return measured
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(120)
-def test_calibration_timing_runs_megatron_layers():
-    measured = launch(_time_layers_on_cpu, 1, [*GPT_SHARE, "--warmup", "1", "--iters", "2"], timeout=100)[0]
-    # calls: warm-up forward 1, backward 2; then forwards 3, 5 and backwards 4, 6
-    assert (measured["t_forward"], measured["t_backward"]) == (4.0, 5.0)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_calibration_measures_the_share_as_training_runs_it(precision):
+    flags = ["--bf16"] if precision == "bf16" else []
+    argv = [*GPT_SHARE, "--transformer-impl", "local", "--warmup", "1", "--iters", "2", *flags]
+    measured = launch(_measure_share_on_cpu, 1, argv, timeout=280)[0]
+    # five timed calls per iteration: F, B, then F while deferring, I, W; warm-up = calls 1-5
+    assert (measured["t_forward"], measured["t_backward"]) == (8.5, 9.5)
+    assert (measured["t_forward_deferring"], measured["t_input"], measured["t_weight"]) == (10.5, 11.5, 12.5)
+    assert measured["split_note"] is None
     shape = TransformerShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2)
-    assert measured["parameters"] == 2 * shape.layer_parameters()
+    assert measured["parameters"] == 2 * shape.layer_parameters()  # a middle stage: no embedding, head or final norm
+    dtype = "torch.bfloat16" if precision == "bf16" else "torch.float32"
+    assert measured["config_dtypes"] == (dtype, dtype, precision == "bf16")
+    assert measured["param_dtypes"] == [dtype]  # layer norms included (Float16Module)
+    assert measured["output_dtypes"] == [dtype]  # what the next stage receives: pipeline_dtype
+    if precision == "bf16":
+        # the construction the H100 run crashed in breaks the same rule here, so this test exercises it
+        assert "expected scalar type torch.bfloat16 but found torch.float32" in measured["bare_block"]
+        assert any("layernorm" in problem for problem in measured["bare_block_problems"])
+    else:
+        assert measured["bare_block"] == "ran" and measured["bare_block_problems"] == []
+
+
+def _calibrate_main(argv) -> dict:
+    code = calibrate.main(argv)
+    return {"code": code}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_calibrate_on_the_cpu_writes_t_weight_read_by_simulator_and_schedule_costs(tmp_path, capsys):
+    path = tmp_path / "costs.json"
+    argv = [*GPT_SHARE, "--transformer-impl", "local", "--bf16", "--device", "cpu", "--warmup", "0", "--iters", "1",
+            "--output", str(path)]
+    assert launch(_calibrate_main, 1, argv, timeout=280)[0] == {"code": 0}
+    written = json.loads(path.read_text())
+    assert {"t_forward", "t_backward", "t_weight", "t_input"} <= set(written)
+    assert written["p2p_bytes"] == 32 * 2 * 64 * 2  # one bf16 [s, b, h] activation
+    costs = CostModel(**written)
+    assert costs.weight_time == written["t_weight"] and costs.input_time == written["t_input"]
+
+    from megatron_bitpipe.schedules.cli import main as schedules_cli
+
+    assert schedules_cli(["simulate", "--schedule", "bitpipe", "--split-backward", "-D", "4", "-N", "8",
+                          "--costs", str(path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["costs"]["t_weight"] == written["t_weight"] and summary["costs"]["t_input"] == written["t_input"]
+
+    import argparse
+
+    import megatron_bitpipe
+    from megatron_bitpipe.megatron_args import schedule_choice
+
+    args = megatron_bitpipe.add_bitpipe_args(argparse.ArgumentParser()).parse_args(
+        ["--pipeline-schedule", "bitpipe", "--split-backward", "--schedule-costs", str(path)])
+    for key, value in dict(world_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=4, num_layers=8,
+                           micro_batch_size=1, global_batch_size=8, virtual_pipeline_model_parallel_size=None,
+                           hidden_size=32, num_attention_heads=4).items():
+        setattr(args, key, value)
+    assert schedule_choice(args).costs == costs
 
 
 def test_predict_throughput_flop_based(capsys):

@@ -234,7 +234,7 @@ class _TimedLayer(torch.autograd.Function):
 
     Split backward (``deferral`` = (the Parameter ``w``, the active
     :class:`~megatron_bitpipe.runtime.weight_grad.WeightGradWork`), ``weight`` then arrives
-    detached, as for megatron's linears): the backward takes ``backward_s - weight_s`` and
+    detached, as for megatron's linears): the backward (``I``) takes ``input_s`` and
     defers a closure that takes ``weight_s`` and adds ``w``'s gradient; it holds ``x`` (and
     the layer activation the meter counts) until it runs.
 
@@ -243,10 +243,10 @@ class _TimedLayer(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, forward_s: float, backward_s: float, weight_s: float, deferral):
+    def forward(ctx, x, weight, forward_s: float, backward_s: float, weight_s: float, input_s: float, deferral):
         launched_at = time.perf_counter()
         ctx.save_for_backward(x, weight)
-        ctx.backward_s, ctx.weight_s, ctx.deferral = backward_s, weight_s, deferral
+        ctx.backward_s, ctx.weight_s, ctx.input_s, ctx.deferral = backward_s, weight_s, input_s, deferral
         y = x + x * weight
         _compute(forward_s, launched_at)
         return y
@@ -258,7 +258,7 @@ class _TimedLayer(torch.autograd.Function):
         grad_x = grad + grad * weight
         if ctx.deferral is None:
             _compute(ctx.backward_s, launched_at)
-            return grad_x, _weight_grad(grad, x), None, None, None, None
+            return grad_x, _weight_grad(grad, x), None, None, None, None, None
         param, work = ctx.deferral
         weight_s = ctx.weight_s
         meter = LiveActivationMeter.current()
@@ -272,8 +272,8 @@ class _TimedLayer(torch.autograd.Function):
             held = None
 
         work.add(param, weight_grad)
-        _compute(ctx.backward_s - weight_s, launched_at)
-        return grad_x, None, None, None, None, None
+        _compute(ctx.input_s, launched_at)
+        return grad_x, None, None, None, None, None, None
 
 
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -299,6 +299,7 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         forward_seconds: float = 0.0,
         backward_seconds: float = 0.0,
         weight_seconds: float = 0.0,
+        input_seconds: Optional[float] = None,
         **unused,
     ):
         super().__init__(config)
@@ -307,6 +308,7 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         self.forward_seconds = forward_seconds
         self.backward_seconds = backward_seconds
         self.weight_seconds = weight_seconds
+        self.input_seconds = backward_seconds - weight_seconds if input_seconds is None else input_seconds
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype, device=device))
 
@@ -318,25 +320,38 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         weight, deferral = self.weight, None
         if work is not None:
             weight, deferral = self.weight.detach(), (self.weight, work)
-        times = (self.forward_seconds, self.backward_seconds, self.weight_seconds)
+        times = (self.forward_seconds, self.backward_seconds, self.weight_seconds, self.input_seconds)
         return _TimedLayer.apply(hidden_states, weight, *times, deferral), context
 
 
-def emulated_layer_spec(forward_seconds: float, backward_seconds: float, weight_seconds: Optional[float] = None) -> ModuleSpec:
+def emulated_layer_spec(
+    forward_seconds: float,
+    backward_seconds: float,
+    weight_seconds: Optional[float] = None,
+    input_seconds: Optional[float] = None,
+) -> ModuleSpec:
     """GPT layer spec whose every layer sleeps ``forward_seconds`` / ``backward_seconds``.
 
-    ``weight_seconds`` (default half of ``backward_seconds``): the part of the backward that
-    is weight gradients — with a split backward ``I`` takes ``backward_seconds -
-    weight_seconds`` and ``W`` ``weight_seconds``; a whole backward takes ``backward_seconds``.
+    With a split backward ``I`` takes ``input_seconds`` and ``W`` ``weight_seconds``; a whole
+    backward takes ``backward_seconds``. Defaults as :class:`~megatron_bitpipe.schedules.CostModel`'s
+    ``t_input`` / ``t_weight``: either one left out is the rest of ``backward_seconds`` after the
+    other, both left out half of it each.
     """
     if weight_seconds is None:
-        weight_seconds = backward_seconds / 2
-    if forward_seconds < 0 or backward_seconds < 0 or not 0 <= weight_seconds <= backward_seconds:
+        weight_seconds = backward_seconds / 2 if input_seconds is None else backward_seconds - input_seconds
+    if input_seconds is None:
+        input_seconds = backward_seconds - weight_seconds
+    if forward_seconds < 0 or backward_seconds < 0 or input_seconds < 0 or not 0 <= weight_seconds <= backward_seconds:
         raise ValueError(
             f"sleep times must be >= 0 with weight_seconds <= backward_seconds, got "
-            f"{forward_seconds}, {backward_seconds}, {weight_seconds}"
+            f"{forward_seconds}, {backward_seconds}, {weight_seconds}, {input_seconds}"
         )
     return ModuleSpec(
         module=EmulatedTransformerLayer,
-        params={"forward_seconds": forward_seconds, "backward_seconds": backward_seconds, "weight_seconds": weight_seconds},
+        params={
+            "forward_seconds": forward_seconds,
+            "backward_seconds": backward_seconds,
+            "weight_seconds": weight_seconds,
+            "input_seconds": input_seconds,
+        },
     )

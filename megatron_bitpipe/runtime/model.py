@@ -55,7 +55,7 @@ megatron-core before 0.19 sets them only while initialising).
 
 **Other models.** :func:`build_chunks` does the placement work (per-chunk configs, process
 groups, tying) for any megatron-core language model whose block is a ``TransformerBlock``;
-:func:`build_gpt_chunks` gives it GPTModel chunks and
+:func:`build_gpt_chunks` gives it GPTModel chunks (:func:`gpt_chunk_factory` makes one) and
 :func:`megatron_bitpipe.runtime.bert.build_bert_chunks` BERT chunks.
 """
 
@@ -103,6 +103,7 @@ __all__ = [
     "mark_tensor_parallel_weights",
     "build_chunks",
     "build_gpt_chunks",
+    "gpt_chunk_factory",
 ]
 
 
@@ -321,6 +322,45 @@ def build_chunks(
     return chunks
 
 
+def gpt_chunk_factory(
+    config: TransformerConfig,
+    mesh=None,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    layer_spec: Optional[ModuleSpec] = None,
+    position_embedding_type: str = "learned_absolute",
+    **gpt_kwargs,
+) -> ChunkFactory:
+    """The :data:`ChunkFactory` making :func:`build_gpt_chunks`' GPTModel chunks (``OptimusGPTModel``
+    over ``mesh`` when given): a chunk holds ``spec``'s layers and its ``pre_process`` /
+    ``post_process`` ends. ``layer_spec`` defaults to :func:`default_gpt_layer_spec` of ``config``
+    (none with a mesh); ``gpt_kwargs`` go to the model class."""
+    spec = layer_spec or (None if mesh else default_gpt_layer_spec(config))
+
+    def make_chunk(chunk_config: TransformerConfig, chunk: ChunkLayers, pgs: ProcessGroupCollection, tie: bool):
+        if mesh is None:
+            block = chunk_block_spec(spec, chunk.num_layers) if is_layer_spec(spec) else spec
+            model_class, model_kwargs = GPTModel, dict(transformer_layer_spec=block)
+        else:
+            block = get_optimus_gpt_block_spec(chunk_config, mesh, chunk.num_layers, layer_spec=spec)
+            model_class, model_kwargs = OptimusGPTModel, dict(transformer_layer_spec=block, mesh=mesh)
+        return model_class(
+            config=chunk_config,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=chunk.pre_process,
+            post_process=chunk.post_process,
+            share_embeddings_and_output_weights=tie,
+            position_embedding_type=position_embedding_type,
+            pg_collection=pgs,
+            **model_kwargs,
+            **gpt_kwargs,
+        )
+
+    return make_chunk
+
+
 def build_gpt_chunks(
     config: TransformerConfig,
     groups: PipelineGroups,
@@ -343,30 +383,17 @@ def build_gpt_chunks(
     with another core attention). Weights get megatron's own (layout-dependent)
     initialisation unless ``config.perform_initialization`` is false; call
     :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent ones.
+    The chunks come from :func:`gpt_chunk_factory`.
     """
-    mesh = groups.mesh
-    spec = layer_spec or (None if mesh else default_gpt_layer_spec(config))
-
-    def make_chunk(chunk_config: TransformerConfig, chunk: ChunkSpec, pgs: ProcessGroupCollection, tie: bool):
-        if mesh is None:
-            block = chunk_block_spec(spec, chunk.num_layers) if is_layer_spec(spec) else spec
-            model_class, model_kwargs = GPTModel, dict(transformer_layer_spec=block)
-        else:
-            block = get_optimus_gpt_block_spec(chunk_config, mesh, chunk.num_layers, layer_spec=spec)
-            model_class, model_kwargs = OptimusGPTModel, dict(transformer_layer_spec=block, mesh=mesh)
-        return model_class(
-            config=chunk_config,
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            pre_process=chunk.pre_process,
-            post_process=chunk.post_process,
-            share_embeddings_and_output_weights=tie,
-            position_embedding_type=position_embedding_type,
-            pg_collection=pgs,
-            **model_kwargs,
-            **gpt_kwargs,
-        )
-
+    make_chunk = gpt_chunk_factory(
+        config,
+        groups.mesh,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        layer_spec=layer_spec,
+        position_embedding_type=position_embedding_type,
+        **gpt_kwargs,
+    )
     return build_chunks(
         config,
         groups,

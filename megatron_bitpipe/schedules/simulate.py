@@ -52,8 +52,15 @@ class CostModel:
             share of one replica). A stage's cost is this times its ``stage_weight``.
         t_backward: full backward (input + weight gradients) of the same layers.
         t_weight: the weight-gradient part of ``t_backward`` — the cost of ``W`` in a split
-            backward, whose ``I`` costs ``t_backward - t_weight``; ``None`` means half of
-            ``t_backward``. Plans without a split backward do not use it.
+            backward, whose ``I`` costs ``t_backward - t_weight``; ``None`` means the rest of
+            ``t_backward`` after ``t_input`` (half of ``t_backward`` without either). Plans
+            without a split backward do not use it.
+        t_input: the cost of ``I`` (input gradient, weight gradients deferred) in a split
+            backward, when measured on its own (``scripts/calibrate_gpu.py`` writes it);
+            ``None`` means ``t_backward`` minus the ``W`` cost. With both ``t_input`` and
+            ``t_weight`` given, ``I + W`` may differ from ``t_backward`` (a split backward
+            does its own work: on one H100, I + W = 1.03 B), and ``t_input`` is not bounded
+            by ``t_backward``. Plans without a split backward do not use it.
         t_p2p: latency of one point-to-point message.
         p2p_bytes: bytes of one message (activation or gradient of one micro-batch at a
             stage boundary); with ``p2p_bandwidth`` gives the bandwidth term.
@@ -74,6 +81,7 @@ class CostModel:
     t_forward: float = 1.0
     t_backward: float = 2.0
     t_weight: Optional[float] = None
+    t_input: Optional[float] = None
     t_p2p: float = 0.0
     p2p_bytes: float = 0.0
     p2p_bandwidth: float = 0.0
@@ -92,11 +100,23 @@ class CostModel:
             raise ValueError("t_forward + t_backward must be > 0")
         if self.t_weight is not None and self.t_weight > self.t_backward:
             raise ValueError(f"t_weight ({self.t_weight}) is part of t_backward ({self.t_backward}) and cannot exceed it")
+        if self.t_input is not None and self.t_weight is None and self.t_input > self.t_backward:
+            raise ValueError(
+                f"t_input ({self.t_input}) without t_weight leaves W = t_backward - t_input: it cannot exceed "
+                f"t_backward ({self.t_backward})"
+            )
 
     @property
     def weight_time(self) -> float:
-        """Cost of the weight-gradient part of a backward of ``L / D`` layers."""
-        return self.t_backward / 2 if self.t_weight is None else self.t_weight
+        """Cost of the weight-gradient part (``W``) of a backward of ``L / D`` layers."""
+        if self.t_weight is not None:
+            return self.t_weight
+        return self.t_backward / 2 if self.t_input is None else self.t_backward - self.t_input
+
+    @property
+    def input_time(self) -> float:
+        """Cost of the input-gradient part (``I``) of a split backward of ``L / D`` layers."""
+        return self.t_backward - self.weight_time if self.t_input is None else self.t_input
 
     @property
     def message_time(self) -> float:
@@ -118,7 +138,7 @@ class CostModel:
         per_share = {
             ActionType.FORWARD: self.t_forward,
             ActionType.BACKWARD: self.t_backward,
-            ActionType.BACKWARD_INPUT: self.t_backward - self.weight_time,
+            ActionType.BACKWARD_INPUT: self.input_time,
             ActionType.BACKWARD_WEIGHT: self.weight_time,
         }
         return per_share.get(action.type, 0.0) * stage_weight

@@ -23,8 +23,8 @@ Where a rank waits depends on when its inputs arrive, which depends on where the
 ranks put their ``W``'s. The placement therefore starts from the arrival times of the plan
 without any ``W`` (each rank's earliest possible timeline), simulates the result, and
 repeats with the simulated arrival times; it keeps the fastest plan found. The result
-depends on the cost model's *ratios* (``t_forward : t_backward : t_weight`` and the
-message time), not on its unit.
+depends on the cost model's *ratios* (``t_forward : t_backward : t_weight``, and ``t_input`` when
+given, and the message time), not on its unit.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def split_backward(
         plan: a training plan with whole backwards (``B``); its communication actions, if
             it was lowered, are dropped (lower the result again, :func:`~.lower.lower`).
         costs: the cost model the ``W``'s are placed for (default :class:`CostModel`,
-            ``t_weight`` half of ``t_backward``).
+            ``t_weight`` half of ``t_backward``): ``I`` takes its ``input_time``, ``W`` its
+            ``weight_time``.
         activation_limit: most in-flight activations (Ma) a rank may hold, counting a
             micro-batch until its ``W``; default the unsplit plan's peak over all ranks.
             The forwards keep their order, so a rank whose own plan holds more before its
