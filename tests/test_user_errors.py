@@ -118,7 +118,7 @@ TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d")
 
 
 @pytest.mark.multirank
-def test_misspelled_flag_under_torchrun_is_one_line_before_torchruns_report():
+def test_misspelled_flag_under_torchrun_is_one_line_before_torchruns_report_and_its_last():
     result = _run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "scripts/pretrain_gpt.py",
          *MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedual", "bitpipe"]
@@ -129,9 +129,14 @@ def test_misspelled_flag_under_torchrun_is_one_line_before_torchruns_report():
     assert ours == [
         "pretrain_gpt.py: error: unrecognized arguments: --pipeline-schedual bitpipe (did you mean --pipeline-schedule?)"
     ], result.stdout
-    assert sum("error: unrecognized arguments" in line for line in lines) == 1
+    assert sum("error: unrecognized arguments" in line for line in lines) == 2  # ours, and in torchrun's report
     root_cause = result.stdout[result.stdout.index("Root Cause") :]
     assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: 2 ", root_cause), root_cause
+    # torchrun's report ends with our line (its error file), not a link to torch's documentation
+    assert lines[-2:] == [
+        "  traceback : pretrain_gpt.py: error: unrecognized arguments: --pipeline-schedual bitpipe (did you mean --pipeline-schedule?)",
+        "=" * 60,
+    ], lines[-8:]
 
 
 @pytest.mark.multirank

@@ -13,13 +13,16 @@ Under torchrun (``TORCHELASTIC_RUN_ID`` set) the other ranks wait up to
 :data:`PEER_REPORT_WAIT_S` seconds before exiting: torchrun ends them as soon as rank 0 has
 exited, so its report names rank 0's exit as the first failure and no rank is stopped before
 it has printed; a rank still running after the wait found an error rank 0 did not (a file
-only it cannot read, say) and prints it itself, with its rank.
+only it cannot read, say) and prints it itself, with its rank. The rank that prints also hands
+the message to torchrun (its error file), so torchrun's failure report, which follows, ends
+with it instead of a link to torch's documentation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import sys
 import time
@@ -77,6 +80,22 @@ def report_user_error(prog: str, error: Exception) -> None:
         time.sleep(PEER_REPORT_WAIT_S)  # torchrun ends this rank here when rank 0 reported
         message = f"[rank {rank}] {message}"
     print(message, file=sys.stderr, flush=True)
+    _hand_to_torchrun(message)
+
+
+def _hand_to_torchrun(message: str) -> None:
+    """Under torchrun, ``message`` for the last lines of its failure report: the "traceback"
+    entry of the root cause, which torchrun reads from the error file it names in
+    ``TORCHELASTIC_ERROR_FILE`` (its ``record`` format, without a Python call stack);
+    otherwise that entry is a link to torch's documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, handle)
+    except OSError:
+        pass  # the line on stderr above is the report then
 
 
 def run_script(
