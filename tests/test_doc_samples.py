@@ -1,0 +1,69 @@
+"""The sample outputs and measured numbers README.md and docs/ quote come from
+``scripts/doc_samples.py``: every block is there with the commands it was made from and a stamp
+saying how it was made, and the fast samples still print what the documents show."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import doc_samples  # noqa: E402
+
+
+def _rendered_blocks():
+    """(sample, document, block) of every block a sample run writes."""
+    return [
+        ("quick-start", "docs/running.md", "quick-start-output"),
+        ("bert", "docs/running.md", "bert-output"),
+        ("real-text", "README.md", "real-text"),
+        ("real-text", "docs/running.md", "real-text-output"),
+    ]
+
+
+@pytest.mark.parametrize("sample,path,block", _rendered_blocks())
+def test_every_block_is_there_and_says_how_it_was_made(sample, path, block):
+    text = doc_samples.documented_block(path, block)
+    stamps = [line for line in text.splitlines() if line.startswith(doc_samples.STAMP_PREFIX)]
+    assert len(stamps) == 1 and stamps[0].startswith(f"(`python scripts/doc_samples.py {sample}`, commit "), stamps
+    assert " at a load average of " in stamps[0]
+
+
+def test_the_commands_shown_are_the_commands_run():
+    readme, running = (REPO / "README.md").read_text(), (REPO / "docs/running.md").read_text()
+    assert doc_samples.QUICK_START.one_line() in readme
+    assert doc_samples.QUICK_START.multi_line() in running
+    assert doc_samples.BERT.multi_line() in running
+    for command in (doc_samples.PREPROCESS, doc_samples.REAL_TEXT):
+        assert command.one_line() in doc_samples.documented_block("README.md", "real-text")
+        assert command.multi_line() in doc_samples.documented_block("docs/running.md", "real-text-output")
+    assert "real-text" in doc_samples.documented_block("docs/running.md", "real-text-same-math")
+
+
+def test_what_differs_from_run_to_run_is_not_compared():
+    documented = (
+        " [2026-11-27 04:18:20.419787] iteration        2/      20 | elapsed time per iteration (ms): 512.3 | "
+        "tokens per second: 2004.8 | lm loss: 5.959843E+00 | grad norm: 1.154 | max memory (MiB): 396.2 |\n"
+        "(`python scripts/doc_samples.py quick-start`, commit abc, 2026-11-27: 42 s on 2 CPU cores at a load average of 3)"
+    )
+    rerun = (
+        " [2027-01-01 00:00:00.000001] iteration        2/      20 | elapsed time per iteration (ms): 99.0 | "
+        "tokens per second: 9.5 | lm loss: 5.959844E+00 | grad norm: 1.155 | max memory (MiB): 1.0 |"
+    )
+    assert doc_samples.differences(documented, rerun) == []
+    assert doc_samples.differences(documented, rerun.replace("5.959844E+00", "5.969843E+00"))  # the loss changed
+    assert doc_samples.differences(documented, rerun.replace("grad norm", "gradient norm"))  # the text changed
+    assert doc_samples.differences(documented, rerun + "\nmore")  # a line more
+
+
+@pytest.mark.multirank
+def test_fast_samples_match_the_documents():
+    """``scripts/doc_samples.py --check``: the fast samples (docs/running.md's quick start, 4
+    ranks) rerun and compared; regenerate with ``python scripts/doc_samples.py quick-start``."""
+    result = subprocess.run([sys.executable, "scripts/doc_samples.py", "--check"], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
