@@ -53,6 +53,7 @@ from .groups import PipelineGroups
 from .layout import ChunkSpec
 from .model import build_chunks, chunk_block_spec, is_layer_spec, with_sequence_parallel_norms
 from .norms import SequenceParallelTorchNorm
+from .sdpa_attention import SdpaDotProductAttention, uses_core_attention
 
 __all__ = ["BertChunk", "default_bert_layer_spec", "build_bert_chunks"]
 
@@ -184,6 +185,14 @@ class BertChunk(BertModel):
                 self.pooler = Pooler(config.hidden_size, config.init_method, config, sequence_parallel=False)
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
+
+    def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
+        """megatron's choice of the mask's shape; with SDPA core attention ``b11s`` (padded keys
+        only: megatron's rule would ask Transformer Engine's version, and SDPA then sees no
+        fully masked rows and a mask s times smaller)."""
+        if uses_core_attention(self.transformer_layer_spec, SdpaDotProductAttention):
+            return "b11s"
+        return super()._sanity_check_attention_and_get_attn_mask_dimension()
 
     def forward(
         self,
