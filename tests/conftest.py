@@ -22,11 +22,18 @@ and takes the fixtures
 * ``launched`` — :class:`LaunchedCases`: ``launched[case]`` is ``case``'s record from every
   rank; each world size is launched once, when a test first needs it;
 * ``references`` — ``{reference_key: record}`` for every case of the module, one launch.
+
+**Strict p2p.** The multi-rank schedule-equivalence modules (:data:`STRICT_P2P_MODULES`, and
+any module marked ``strict_p2p``) run with ``MEGATRON_BITPIPE_STRICT_P2P=1``: their ranks'
+gloo point-to-point communication follows NCCL's rules (:mod:`megatron_bitpipe.cpu.strict_p2p`),
+so an order that would hang on GPUs fails there. The launcher passes the variable on; setting
+it in the environment (``=0`` too) overrides this.
 """
 
 from __future__ import annotations
 
 import multiprocessing.process
+import os
 import subprocess
 from typing import Dict, List
 
@@ -36,12 +43,36 @@ from megatron_bitpipe.cpu.launcher import launch
 
 #: seconds one launch of a world size may take (a module may set ``LAUNCH_TIMEOUT``)
 DEFAULT_LAUNCH_TIMEOUT = 900
+#: modules whose launches run in strict p2p mode (NCCL's rules on gloo)
+STRICT_P2P_MODULES = {
+    "test_bitpipe_runtime",
+    "test_split_runtime",
+    "test_distributed_optimizer",
+    "test_peer_runtime",
+}
+_STRICT_P2P_ENV = "MEGATRON_BITPIPE_STRICT_P2P"
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", "multirank: the test starts processes (gloo ranks, torchrun, a subprocess); deselect with -m 'not multirank'"
     )
+    config.addinivalue_line(
+        "markers", "strict_p2p: the module's launches run with MEGATRON_BITPIPE_STRICT_P2P=1 (NCCL's p2p rules on gloo)"
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _strict_p2p_modules(request):
+    """``MEGATRON_BITPIPE_STRICT_P2P=1`` while a strict module runs (unless the environment sets it)."""
+    module = request.module.__name__.rsplit(".", 1)[-1]
+    strict = module in STRICT_P2P_MODULES or request.node.get_closest_marker("strict_p2p") is not None
+    if not strict or _STRICT_P2P_ENV in os.environ:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(_STRICT_P2P_ENV, "1")
+        yield
 
 
 class _ProcessGuard:

@@ -5,7 +5,10 @@
 * :mod:`.launcher` — :func:`~.launcher.launch`: a function on N gloo ranks (CPU processes),
   the first failing rank ending the job (multi-rank tests and benchmarks);
 * :mod:`.megatron_lm` — ``python -m megatron_bitpipe.cpu.megatron_lm``: Megatron-LM's own
-  training scripts through :mod:`megatron_bitpipe.run` on CPU ranks.
+  training scripts through :mod:`megatron_bitpipe.run` on CPU ranks;
+* :mod:`.strict_p2p` — ``MEGATRON_BITPIPE_STRICT_P2P=1``: gloo point-to-point communication
+  under NCCL's rules (per-group issue order, unbuffered sends, bounded waits), installed by
+  :func:`enable_cpu_megatron`.
 
 The library (schedules, runtime, optimus, training) never imports this package: entry points
 opt in.

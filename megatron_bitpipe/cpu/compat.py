@@ -51,6 +51,14 @@ and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` before clipping.
   - a logging filter drops the tracker's "CPU RNG state changed within GPU RNG context"
     warning, which is meaningless once the two generators are the same one.
 
+* **Strict p2p mode** (opt-in): with ``MEGATRON_BITPIPE_STRICT_P2P=1`` in the environment,
+  :func:`enable_cpu_megatron` also installs :mod:`.strict_p2p`, which makes point-to-point
+  communication on gloo groups follow NCCL's rules (a group runs a rank's operations in issue
+  order, a send completes only when the peer's matching receive is active, a wait longer than
+  ``MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT`` seconds fails naming rank, group and operation), so
+  that no CPU run passes with an order that would hang on GPUs. Process-wide and idempotent
+  like the patches; one line on stderr says it is on.
+
 Invariants:
 
 * Idempotent: calling :func:`enable_cpu_megatron` again changes nothing.
@@ -79,6 +87,8 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 import torch._dynamo
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from . import strict_p2p
 
 __all__ = ["CpuDeviceMode", "CpuStream", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
 
@@ -288,6 +298,7 @@ def enable_cpu_megatron() -> None:
     Safe to call any number of times; see the module docstring for what is patched.
     """
     _apply_process_patches()
+    strict_p2p.install_from_env()
     if not _mode_active():
         # Entered for the life of the thread: megatron's allocations happen everywhere.
         CpuDeviceMode().__enter__()

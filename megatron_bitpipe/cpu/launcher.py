@@ -31,6 +31,10 @@ from datetime import timedelta
 from typing import Any, Callable, List
 
 _PRELOAD = ("torch", "torch.distributed", "megatron.core")
+#: variables every launch passes on from the caller's environment as it is now (the workers'
+#: own environment is the forkserver's, a copy from when it started); unset ones pass as "".
+#: Strict p2p mode (:mod:`.strict_p2p`) is chosen this way.
+_FORWARDED_ENV = ("MEGATRON_BITPIPE_STRICT_P2P", "MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT")
 #: seconds a rank that has reported gets to exit on its own before it is killed
 _EXIT_GRACE_S = 60.0
 
@@ -107,11 +111,13 @@ def launch(
         world_size: number of processes.
         timeout: seconds for the whole job; collectives time out slightly later so
             that the parent reports the hang first.
-        env: extra environment variables for the workers.
+        env: extra environment variables for the workers (besides the caller's current
+            ``MEGATRON_BITPIPE_STRICT_P2P*``, which always pass on).
 
     Raises:
         RankFailure: the first rank that raised (with its traceback), or a timeout.
     """
+    env = {**{name: os.environ.get(name, "") for name in _FORWARDED_ENV}, **(env or {})}
     ctx = _context()
     results = ctx.Queue()
     call = pickle.dumps((fn, args, kwargs))
@@ -120,7 +126,7 @@ def launch(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, init_file, call, results, timeout + 30, env or {}),
+                args=(rank, world_size, init_file, call, results, timeout + 30, env),
                 # Not daemonic: a rank may start processes of its own (megatron-core's
                 # distributed-checkpoint writer does); the finally below kills every rank.
                 daemon=False,

@@ -1,0 +1,406 @@
+"""Strict p2p mode: gloo point-to-point communication under NCCL's rules.
+
+gloo lets a rank's sends and receives on one process group progress in any order: an
+``isend`` issued before an ``irecv`` of the same rank and group never holds that receive
+back. NCCL does: a communicator runs each rank's operations in the order that rank issued
+them (one stream per communicator), and a send completes only when the peer's matching
+receive is running. A schedule that passes on CPU ranks may therefore hang on GPUs (the
+classic case: two ranks each send to the other, unbatched, then receive). With
+``MEGATRON_BITPIPE_STRICT_P2P=1``, :func:`~megatron_bitpipe.cpu.compat.enable_cpu_megatron`
+calls :func:`install`, and every point-to-point operation on a gloo group follows these
+rules (the model of NCCL the project uses, see ``docs/runtime.md``):
+
+1. **One FIFO per group and rank.** A rank's operations on one process group complete in the
+   order it issued them; an operation becomes *active* only when every earlier one of that
+   rank on that group has completed. Operations issued in one ``batch_isend_irecv`` call (an
+   NCCL group) become active together, and the batch completes when all of them complete.
+   Groups are independent of each other.
+2. **Sends are not buffered.** A send completes only once the peer's matching receive is
+   active (posted and at the head of the peer's FIFO for that group); a receive completes
+   once the matching send is active and the data has arrived.
+3. **Bounded waits.** ``wait()`` on a returned handle (and the blocking ``send`` / ``recv``)
+   waits at most ``MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT`` seconds (default 120), then raises
+   a RuntimeError naming the rank, the group (its global ranks), the operation (send or
+   recv, peer, dtype and shape) and what it is stuck on, e.g. "strict p2p: rank 1 waited
+   120 s for its send to rank 2 (float32 [4, 2, 16], tag 0) on group [0, 1, 2, 3]: rank 2
+   never posted the matching receive (or it is queued there behind an earlier operation on
+   this group)". ``is_completed()`` is True only once the operation (its batch) completed.
+
+How: :func:`install` replaces ``torch.distributed.isend``, ``irecv``, ``send``, ``recv`` and
+``batch_isend_irecv`` (``P2POp`` accepts the replacements, and ``batch_isend_irecv`` the
+originals). On a group whose backend is not gloo (or of which this rank is not a member)
+they call the originals. On a gloo group, the call only enqueues the operation on the
+group's *channel*, a worker thread per group that runs this rank's operations one entry
+(a call) at a time, in issue order. Running an entry: every receive first posts its gloo
+``irecv``, then sends a one-byte *token* to its source on the same group with the reserved
+tag :data:`TOKEN_TAG`; every send first receives the token from its destination, then
+issues its gloo ``isend``. gloo matches messages by source and tag in posting order, so the
+k-th token a rank gets from a peer on a group belongs to the k-th send it makes to that
+peer there, and tokens never match data (nobody else uses that tag: neither this project
+nor megatron-core passes tags). Sends of one batch to different peers wait for their tokens
+concurrently (one helper thread per further peer), as NCCL runs the operations of one
+``ncclGroupStart``/``End`` together. Receives from any source (``src=None``) are refused: NCCL has none either.
+
+Not modelled: collectives are not ordered with the point-to-point operations of their
+group (NCCL would queue them on the same stream); creating a communicator is not a
+rendezvous — in particular torch, on a lazily initialised NCCL group of more than two ranks,
+runs an *unbatched* send or receive on a 2-rank communicator of the pair that it creates on
+first use (a blocking rendezvous of both ranks, and a FIFO of its own), whereas strict mode
+keeps every operation in the group's FIFO, as NCCL does for batched operations and eagerly
+initialised groups; tags are still honoured (NCCL ignores them). A wait that times out leaves
+the group's worker blocked: the process is expected to fail.
+
+The mode is process-wide and idempotent; it says so once, in one line on stderr, when it
+is installed.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import os
+import sys
+import threading
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+__all__ = ["ENV", "TIMEOUT_ENV", "TOKEN_TAG", "DEFAULT_TIMEOUT_S", "install", "install_from_env", "is_installed", "requested", "strict_groups"]
+
+#: turns the mode on (``1``; ``0`` or empty: off)
+ENV = "MEGATRON_BITPIPE_STRICT_P2P"
+#: seconds a wait may take before it fails
+TIMEOUT_ENV = "MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT"
+DEFAULT_TIMEOUT_S = 120.0
+#: gloo tag of the "receive is active" tokens; data messages use the caller's tag (0 everywhere)
+TOKEN_TAG = 0x5B17_7E4B
+
+_lock = threading.Lock()
+_installed = False
+_timeout_s = DEFAULT_TIMEOUT_S
+_originals: Dict[str, Any] = {}
+_channels: Dict[Any, "_Channel"] = {}  # gloo group -> its channel (None: not a strict group)
+
+
+def requested() -> bool:
+    """Whether the environment asks for strict mode."""
+    return os.environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def is_installed() -> bool:
+    return _installed
+
+
+def strict_groups() -> List[List[int]]:
+    """The groups (their global ranks) on which this process ran strict operations so far."""
+    with _lock:
+        return [channel.ranks for channel in _channels.values() if channel is not None]
+
+
+def install_from_env() -> bool:
+    """:func:`install` if ``MEGATRON_BITPIPE_STRICT_P2P`` asks for it; returns whether strict mode is on."""
+    if requested():
+        install()
+    return _installed
+
+
+def install(timeout_s: Optional[float] = None) -> None:
+    """Make gloo point-to-point communication follow NCCL's rules in this process (idempotent).
+
+    ``timeout_s``: the bound on a wait; default ``MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT`` or 120 s.
+    """
+    global _installed, _timeout_s
+    with _lock:
+        if _installed:
+            return
+        if timeout_s is None:
+            timeout_s = float(os.environ.get(TIMEOUT_ENV, "") or DEFAULT_TIMEOUT_S)
+        if timeout_s <= 0:
+            raise ValueError(f"{TIMEOUT_ENV} must be positive, not {timeout_s}")
+        _timeout_s = timeout_s
+        for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv"):
+            _originals[name] = getattr(dist, name)
+        _originals["_check_op"] = c10d._check_op
+        dist.isend, dist.irecv = _strict_isend, _strict_irecv
+        dist.send, dist.recv = _strict_send, _strict_recv
+        dist.batch_isend_irecv = _strict_batch_isend_irecv
+        c10d._check_op = _check_op  # P2POp(...) validates its op function with it
+        _installed = True
+    # One write, so that the lines of several ranks sharing a terminal do not interleave.
+    sys.stderr.write(
+        f"megatron_bitpipe: strict p2p mode ({ENV}=1): gloo point-to-point follows NCCL's rules "
+        f"(per-group issue order, a send completes only when its receive is active), waits bounded at {_timeout_s:g} s\n"
+    )
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- the public calls
+
+
+def _check_op(op) -> None:
+    if op not in (_strict_isend, _strict_irecv, _originals["isend"], _originals["irecv"]):
+        _originals["_check_op"](op)
+
+
+def _is_send(op) -> bool:
+    return op is _strict_isend or op is _originals["isend"]
+
+
+def _strict_isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    channel = _channel(group)
+    if channel is None:
+        return _originals["isend"](tensor, dst, group, tag, group_dst)
+    return channel.submit([channel.op("send", tensor, dst, group_dst, tag)])[0]
+
+
+def _strict_irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    channel = _channel(group)
+    if channel is None:
+        return _originals["irecv"](tensor, src, group, tag, group_src)
+    return channel.submit([channel.op("recv", tensor, src, group_src, tag)])[0]
+
+
+def _strict_send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    channel = _channel(group)
+    if channel is None:
+        return _originals["send"](tensor, dst, group, tag, group_dst)
+    channel.submit([channel.op("send", tensor, dst, group_dst, tag)])[0].wait()
+
+
+def _strict_recv(tensor, src=None, group=None, tag=0, group_src=None):
+    channel = _channel(group)
+    if channel is None:
+        return _originals["recv"](tensor, src, group, tag, group_src)
+    op = channel.op("recv", tensor, src, group_src, tag)
+    channel.submit([op])[0].wait()
+    return op.peer if group_src is None else op.group_peer
+
+
+def _strict_batch_isend_irecv(p2p_op_list):
+    c10d._check_p2p_op_list(p2p_op_list)
+    channel = _channel(p2p_op_list[0].group)
+    if channel is None:
+        # The original tells sends by ``op.op is isend`` (the original isend).
+        plain = []
+        for p2p in p2p_op_list:
+            p2p = copy.copy(p2p)
+            p2p.op = _originals["isend"] if _is_send(p2p.op) else _originals["irecv"]
+            plain.append(p2p)
+        return _originals["batch_isend_irecv"](plain)
+    ops = [
+        channel.op("send" if _is_send(p.op) else "recv", p.tensor, None, p.group_peer, p.tag) for p in p2p_op_list
+    ]
+    return channel.submit(ops)
+
+
+def _channel(group) -> Optional["_Channel"]:
+    """The strict channel of ``group``, or None where the originals apply."""
+    group = group if group is not None else c10d._get_default_group()
+    try:
+        return _channels[group]
+    except KeyError:
+        pass
+    with _lock:
+        if group not in _channels:
+            strict = not c10d._rank_not_in_group(group) and dist.get_backend(group) == "gloo"
+            _channels[group] = _Channel(group) if strict else None
+        return _channels[group]
+
+
+# --------------------------------------------------------------------------- channels
+
+
+class _Op:
+    """One send or receive; ``state`` says what it waits for (read by the timeout message)."""
+
+    def __init__(self, kind: str, tensor: torch.Tensor, peer: int, group_peer: int, tag: int):
+        self.kind, self.tensor, self.peer, self.group_peer, self.tag = kind, tensor, peer, group_peer, tag
+        self.state = "queued"
+        self.work = None  # the gloo data work
+        self.token = None  # token tensor, and its gloo work
+        self.token_work = None
+
+    def describe(self) -> str:
+        where = f"to rank {self.peer}" if self.kind == "send" else f"from rank {self.peer}"
+        dtype = str(self.tensor.dtype).replace("torch.", "")
+        return f"{self.kind} {where} ({dtype} {list(self.tensor.shape)}, tag {self.tag})"
+
+
+class _Entry:
+    """The operations of one call, active together; ``done`` once all completed."""
+
+    def __init__(self, ops: List[_Op]):
+        self.ops = ops
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+
+class _Channel:
+    """This rank's FIFO of operations on one gloo group, run by a worker thread."""
+
+    def __init__(self, group):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.rank = dist.get_rank()
+        self._queue: "collections.deque[_Entry]" = collections.deque()
+        self._ready = threading.Condition()
+        self.head: Optional[_Entry] = None
+        self.broken: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=f"strict-p2p {self.ranks}", daemon=True)
+        self._thread.start()
+
+    def op(self, kind: str, tensor, peer, group_peer, tag) -> _Op:
+        if peer is None and group_peer is None:
+            raise ValueError(f"strict p2p: a {kind} needs its peer (NCCL has no receive from any source)")
+        if group_peer is None:
+            group_peer = dist.get_group_rank(self.group, peer)
+        else:
+            peer = dist.get_global_rank(self.group, group_peer)
+        if tag == TOKEN_TAG:
+            raise ValueError(f"strict p2p: tag {TOKEN_TAG} is reserved for its tokens")
+        c10d._check_single_tensor(tensor, "tensor")
+        return _Op(kind, tensor, peer, group_peer, tag)
+
+    def submit(self, ops: List[_Op]) -> List["StrictWork"]:
+        entry = _Entry(ops)
+        with self._ready:
+            self._queue.append(entry)
+            self._ready.notify()
+        return [StrictWork(self, entry, op) for op in ops]
+
+    # -- the worker
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                entry = self._queue[0]
+            self.head = entry
+            if self.broken is None:
+                try:
+                    self._execute(entry)
+                except BaseException as error:  # noqa: BLE001 - reported to whoever waits
+                    self.broken = error
+            entry.error = self.broken
+            with self._ready:
+                self._queue.popleft()
+            self.head = None
+            entry.done.set()
+
+    def _execute(self, entry: _Entry) -> None:
+        isend, irecv = _originals["isend"], _originals["irecv"]
+        g = self.group
+        for op in entry.ops:
+            if op.kind == "recv":
+                op.work = irecv(op.tensor, group=g, tag=op.tag, group_src=op.group_peer)
+                op.token = torch.ones(1, dtype=torch.uint8)
+                op.token_work = isend(op.token, group=g, tag=TOKEN_TAG, group_dst=op.group_peer)
+                op.state = "data"
+            else:
+                op.token = torch.empty(1, dtype=torch.uint8)
+                op.token_work = irecv(op.token, group=g, tag=TOKEN_TAG, group_src=op.group_peer)
+                op.state = "token"
+        by_peer: Dict[int, List[_Op]] = {}
+        for op in entry.ops:
+            if op.kind == "send":
+                by_peer.setdefault(op.group_peer, []).append(op)
+        lines = list(by_peer.values())
+        errors: List[BaseException] = []
+        helpers = [threading.Thread(target=self._send_in_order, args=(line, errors), daemon=True) for line in lines[1:]]
+        for helper in helpers:
+            helper.start()
+        if lines:
+            self._send_in_order(lines[0], errors)
+        for helper in helpers:
+            helper.join()
+        if errors:
+            raise errors[0]
+        for op in entry.ops:
+            op.work.wait()
+            if op.kind == "recv":
+                op.token_work.wait()
+            op.state = "done"
+
+    def _send_in_order(self, sends: List[_Op], errors: List[BaseException]) -> None:
+        """Sends to one peer: each waits for its token, then goes (gloo matches in order)."""
+        try:
+            for op in sends:
+                op.token_work.wait()
+                op.work = _originals["isend"](op.tensor, group=self.group, tag=op.tag, group_dst=op.group_peer)
+                op.state = "data"
+        except BaseException as error:  # noqa: BLE001 - raised by _execute
+            errors.append(error)
+
+    # -- the timeout message
+
+    def stall(self, entry: _Entry, op: _Op, waited_s: float) -> str:
+        head = self.head
+        why: str
+        if entry.done.is_set():
+            why = "it completed just now"
+        elif head is not entry:
+            blocking = head.ops if head is not None else []
+            pending = next((o for o in blocking if o.state != "done"), None)
+            why = "it is queued behind earlier operations of this rank on that group"
+            if pending is not None:
+                why = (
+                    f"it is queued behind this rank's {pending.describe()} on that group "
+                    f"(NCCL runs a group's operations in issue order), and {_reason(pending)}"
+                )
+        elif op.state != "done":
+            why = _reason(op)
+        else:
+            pending = next((o for o in entry.ops if o.state != "done"), None)
+            why = "its batch has not completed"
+            if pending is not None:
+                why = f"its batch has not completed: its {pending.describe()} waits, {_reason(pending)}"
+        return f"strict p2p: rank {self.rank} waited {waited_s:g} s for its {op.describe()} on group {self.ranks}: {why}"
+
+
+def _reason(op: _Op) -> str:
+    if op.state == "token":
+        return (
+            f"rank {op.peer} never posted the matching receive "
+            "(or it is queued there behind an earlier operation on this group)"
+        )
+    if op.state == "data" and op.kind == "recv":
+        return (
+            f"rank {op.peer} never issued the matching send "
+            "(or it is queued there behind an earlier operation on this group)"
+        )
+    if op.state == "data":
+        return f"the data has not reached rank {op.peer}"
+    return f"it is {op.state}"
+
+
+class StrictWork(dist.Work):
+    """The handle of a strict operation: completed when its whole entry (call) completed."""
+
+    def __init__(self, channel: _Channel, entry: _Entry, op: _Op):
+        super().__init__()
+        self._channel, self._entry, self._op = channel, entry, op
+
+    def is_completed(self) -> bool:
+        return self._entry.done.is_set()
+
+    def is_success(self) -> bool:
+        return self._entry.done.is_set() and self._entry.error is None
+
+    def exception(self):
+        return self._entry.error
+
+    def wait(self, timeout: Any = None) -> bool:
+        bound = _timeout_s
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            bound = min(bound, timeout.total_seconds())
+        if not self._entry.done.wait(bound):
+            raise RuntimeError(self._channel.stall(self._entry, self._op, bound))
+        if self._entry.error is not None:
+            raise RuntimeError(
+                f"strict p2p: rank {self._channel.rank}'s {self._op.describe()} on group {self._channel.ranks} failed"
+            ) from self._entry.error
+        return True
