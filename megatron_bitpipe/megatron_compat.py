@@ -19,6 +19,13 @@ patch release in the range behaves like its neighbours:
 * :func:`reads_common_state_in_index` — megatron-core 0.19 saves a distributed checkpoint's
   plain values as an object of its index instead of ``common.pt``; its reader reads both,
   0.16's only ``common.pt``.
+* core attention — ``DotProductAttention``'s constructor and forward are the same in 0.16.1
+  and 0.19.2 (``SelfAttention`` passes ``config, layer_number, attn_mask_type,
+  attention_type, cp_comm_type, softmax_scale, pg_collection``); 0.19's selective recompute
+  passes extra keyword arguments to the core attention (``_run_core_attention(...,
+  **extra_kwargs)``, empty for self-attention), which
+  :class:`~megatron_bitpipe.runtime.sdpa_attention.SdpaDotProductAttention` accepts and
+  refuses when not empty. Nothing to adapt here.
 * :func:`megatron_lm_functions` — where Megatron-LM's training code looks up what the runtime
   route wraps (argument parsing, batch broadcast, model builders), and :func:`with_keyword`
   for calls whose arguments moved between positions and keywords.

@@ -280,3 +280,17 @@ def test_dropout_train_eval_and_replay(module_checks):
     assert d["two_draws"] > 1e-3, "two training calls draw two masks"
     assert d["replay"] == 0.0, "the same RNG state must replay the same mask"
     assert d["eval_repeat"] == 0.0 and d["eval_vs_no_dropout"] < 1e-6, "evaluation: no dropout"
+
+
+def test_megatron_lm_spec_object():
+    """``--spec megatron_bitpipe.runtime.sdpa_attention gpt_local_sdpa_layer_spec`` (Megatron-LM)
+    imports a GPT layer spec with SDPA core attention."""
+    import importlib
+
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+    from megatron_bitpipe.runtime.sdpa_attention import SdpaDotProductAttention, uses_core_attention
+
+    spec = import_module(["megatron_bitpipe.runtime.sdpa_attention", "gpt_local_sdpa_layer_spec"])
+    assert isinstance(spec, ModuleSpec) and uses_core_attention(spec, SdpaDotProductAttention)
+    assert importlib.import_module("megatron_bitpipe.runtime.sdpa_attention").gpt_local_sdpa_layer_spec is spec

@@ -41,7 +41,10 @@ Refused (``ValueError``/``NotImplementedError`` at construction or call): contex
 > 1, sliding-window attention, ``softmax_type`` other than ``vanilla``, ``attention_bias``,
 packed sequences.
 
-:func:`with_core_attention` swaps the core attention of a layer spec.
+:func:`with_core_attention` swaps the core attention of a layer spec. For Megatron-LM's own
+scripts (``--spec MODULE NAME`` imports a layer spec), this module offers
+``gpt_local_sdpa_layer_spec``: megatron-core's local GPT layer spec (LayerNorm, no QK norm)
+with SDPA core attention (docs/megatron_lm.md).
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
 
-__all__ = ["SdpaDotProductAttention", "with_core_attention", "uses_core_attention"]
+__all__ = ["SdpaDotProductAttention", "with_core_attention", "uses_core_attention", "gpt_local_sdpa_layer_spec"]
 
 
 class SdpaDotProductAttention(MegatronModule):
@@ -177,3 +181,9 @@ def with_core_attention(spec: ModuleSpec, core_attention) -> ModuleSpec:
         raise ValueError(f"layer spec of {getattr(spec.module, '__name__', spec.module)} has no self_attention.core_attention")
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(sub, core_attention=core_attention))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
+
+
+
+#: megatron-core's local GPT layer spec (LayerNorm, no QK norm) with SDPA core attention, for
+#: Megatron-LM's ``--spec megatron_bitpipe.runtime.sdpa_attention gpt_local_sdpa_layer_spec``
+gpt_local_sdpa_layer_spec = with_core_attention(get_gpt_layer_local_spec(), SdpaDotProductAttention)
