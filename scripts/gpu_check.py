@@ -1,0 +1,786 @@
+#!/usr/bin/env python
+"""The one prepared check of megatron-bitpipe on a GPU machine (docs/gpu.md).
+
+    python3 scripts/gpu_check.py --out OUT            # needs a CUDA GPU; about 8 minutes at most
+    python3 scripts/gpu_check.py --out OUT --dry-run  # any machine: commands + CPU-runnable parts
+
+Items, in the order they run (each under its own timeout; one that fails or hangs is
+reported and the next one runs):
+
+1. ``environment``: GPU, driver, torch, CUDA, NCCL, megatron-core, Transformer Engine, Python.
+2. ``gpt-small-bf16``, ``gpt-0.5b-bf16``: ``scripts/pretrain_gpt.py --bf16`` on the GPU with
+   mock data (4 layers h1024 s1024; DESIGN §12's 8 layers h2048 s2048, ~0.5B): tokens/s,
+   TFLOP/s per GPU, peak memory and ms/iteration, read from its ``--log-json``.
+3. ``calibrate-fp32``, ``calibrate-bf16``: ``scripts/calibrate_gpu.py`` on BitPipe's GPT share
+   (12 layers h3072 s1024 b1); the cost files are written to ``--out``.
+4. Several ranks sharing the one GPU over NCCL (NCCL >= 2.30: ``NCCL_MULTI_RANK_GPU_ENABLE=1``;
+   older: a distinct ``NCCL_HOSTID`` per rank, set by ``scripts/gpu_rank.py``, with
+   ``NCCL_SOCKET_IFNAME=lo``), a tiny GPT (8 layers h256 s256): first the single-process
+   references (``ref-*``), then megatron-core's 1F1B on 4 pipeline ranks as the control,
+   BitPipe plain, Optimus 2D q=2, BitPipe ``--split-backward``, BitPipe PP2 x DP2 with the
+   distributed optimizer, BERT with BitPipe PP4 and BitPipe in bf16. Each run's per-iteration
+   losses must equal its reference's: rtol 1e-4 in fp32, 2e-2 in bf16.
+
+Runs that cannot hang come first; a run of several ranks that outlives its timeout has its
+ranks' Python stacks dumped into the log (SIGUSR1, see gpu_rank.py) and its whole process
+group killed, and is reported as ``hung (timeout N s)``. ``--budget-s`` bounds the whole check:
+an item gets at most the time left, and one that would get less than ``MIN_ITEM_S`` is
+``skipped (budget)``.
+
+Output under ``--out`` (5 files): ``gpu_check.log`` (every item's command and output, each after
+a header line), ``gpu_check.json`` (results, rewritten after every item), ``gpu_check.md`` (the
+table), ``calibration_fp32.json`` and ``calibration_bf16.json`` (cost files). The console gets a
+line per item, an item's last log lines only when it fails, and the table last.
+
+Without a CUDA GPU it prints one line and exits 2 before doing anything, unless ``--dry-run``:
+then every item's command is printed, the environment item and the fp32 runs of several
+ranks run on the CPU (gloo, a tiny model, 2 iterations; the GPU is hidden from them on a GPU
+machine too), and the GPU-only items are ``skipped (needs a GPU)``. The exit status is 0 when
+every item that ran is ``ok``, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+
+NO_GPU = (
+    "gpu_check.py: needs a CUDA GPU (torch.cuda.is_available() is False); nothing was run "
+    "(--dry-run prints every command and runs the CPU-runnable parts)"
+)
+ENV_MARKER = "GPU_CHECK_ENVIRONMENT "
+
+LOG_FILE, RESULTS_FILE, TABLE_FILE = "gpu_check.log", "gpu_check.json", "gpu_check.md"
+DEFAULT_BUDGET_S = 450.0
+#: the dry run's budget: 2 busy CPU cores start 4 ranks of megatron-core slowly
+DRY_RUN_BUDGET_S = 900.0
+#: an item that would get fewer seconds than this (or than its own timeout) is skipped
+MIN_ITEM_S = 20.0
+#: lines of a failed item's output shown on the console
+TAIL_LINES = 25
+#: seconds between the stack-dump signal and the kill of a hung run
+DUMP_GRACE_S = 3.0
+#: iterations left out of the throughput medians (start-up, allocator, autotuning)
+WARMUP_ITERATIONS = 3
+
+RTOL = {"fp32": 1e-4, "bf16": 2e-2}
+NCCL_MULTI_RANK_MIN = (2, 30, 0)
+
+OK, MISMATCH = "ok", "mismatch"
+NEEDS_GPU, OVER_BUDGET = "skipped (needs a GPU)", "skipped (budget)"
+
+
+# ----------------------------------------------------------------------------------------------
+# pure logic (tests/test_gpu_check.py)
+
+
+def parse_nccl_version(version) -> Optional[Tuple[int, int, int]]:
+    """``torch.cuda.nccl.version()`` as ``(major, minor, patch)``: a tuple already, or an
+    integer (``22703`` = 2.27.3 since NCCL 2.9, ``2708`` = 2.7.8 before); None if unknown."""
+    if version is None:
+        return None
+    if isinstance(version, (tuple, list)):
+        parts = [int(v) for v in version][:3]
+        return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
+    code = int(version)
+    if code >= 10000:
+        return code // 10000, (code % 10000) // 100, code % 100
+    return code // 1000, (code % 1000) // 100, code % 100
+
+
+def nccl_sharing(version: Optional[Tuple[int, int, int]]) -> Tuple[str, Dict[str, str], List[str]]:
+    """How several ranks share one GPU under ``version``: (description, environment of every
+    rank, gpu_rank.py flags). NCCL >= 2.30: its multi-rank-per-GPU mode; older (or unknown):
+    one NCCL host per rank (``NCCL_HOSTID`` set per rank by gpu_rank.py), sockets over loopback."""
+    if version is not None and tuple(version) >= NCCL_MULTI_RANK_MIN:
+        return "NCCL_MULTI_RANK_GPU_ENABLE=1", {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}, []
+    env = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+    return "NCCL_HOSTID per rank, NCCL_SOCKET_IFNAME=lo", env, ["--nccl-hostid-per-rank"]
+
+
+def read_log_json(text: str) -> Dict[str, object]:
+    """A ``--log-json`` file: ``{"startup": obj|None, "iterations": {i: obj}, "summary": obj|None}``
+    (the last of each; a resumed run would repeat them). Lines that are not JSON are ignored."""
+    out: Dict[str, object] = {"startup": None, "iterations": {}, "summary": None}
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        event = record.get("event")
+        if event == "iteration" and isinstance(record.get("iteration"), int):
+            out["iterations"][record["iteration"]] = record  # type: ignore[index]
+        elif event in ("startup", "summary"):
+            out[event] = record
+    return out
+
+
+def loss_keys(record: dict) -> List[str]:
+    """The training losses of an iteration record (``lm_loss``, BERT's ``sop_loss``)."""
+    return sorted(k for k in record if k.endswith("_loss") and not k.startswith("validation_"))
+
+
+@dataclass
+class Comparison:
+    """Per-iteration losses of a run against its reference."""
+
+    ok: bool
+    max_rel_diff: Optional[float]
+    iterations: int
+    message: str
+
+
+def compare_losses(run: Dict[int, dict], reference: Dict[int, dict], rtol: float) -> Comparison:
+    """Every training loss of every reference iteration, in the run, within ``rtol`` of the
+    reference (relative to the reference value); NaN, a missing iteration or a missing loss
+    fails. The message names the worst (or first failing) iteration."""
+    if not reference:
+        return Comparison(False, None, 0, "the reference logged no iteration")
+    worst, where = 0.0, ""
+    for it in sorted(reference):
+        if it not in run:
+            return Comparison(False, None, len(run), f"iteration {it} missing ({len(run)} of {len(reference)} logged)")
+        keys = loss_keys(reference[it])
+        if not keys:
+            return Comparison(False, None, len(run), f"the reference's iteration {it} has no loss")
+        for key in keys:
+            want, got = reference[it][key], run[it].get(key)
+            if got is None:
+                return Comparison(False, None, len(run), f"iteration {it}: {key} missing")
+            if not (isinstance(got, (int, float)) and math.isfinite(got) and math.isfinite(want)):
+                return Comparison(False, None, len(run), f"iteration {it} {key}: {got} vs reference {want}")
+            rel = abs(got - want) / abs(want) if want else abs(got - want)
+            if rel > worst or not where:
+                worst, where = max(rel, worst), f"iteration {it} {key}: {got:.7g} vs {want:.7g}"
+            if rel > rtol:
+                return Comparison(False, rel, len(run), f"iteration {it} {key}: {got:.7g} vs reference {want:.7g} (rel {rel:.1e} > {rtol:g})")
+    return Comparison(True, worst, len(reference), f"{len(reference)} iterations within rtol {rtol:g} (max rel {worst:.1e})")
+
+
+def _median(values: Sequence[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def training_numbers(log: Dict[str, object], warmup: int = WARMUP_ITERATIONS) -> Dict[str, object]:
+    """Throughput of a run from its ``--log-json``: medians over the iterations after the
+    first ``warmup`` (all of them when there are no more) of ``tokens_per_second``,
+    ``tflops_per_device`` and ``elapsed_ms``; the peak of ``max_memory_mib`` (iterations and
+    summary). A field the log lacks (or logs as null) is listed in ``missing``, not invented."""
+    iterations = [log["iterations"][i] for i in sorted(log["iterations"])]  # type: ignore[index]
+    measured = iterations[warmup:] or iterations
+    out: Dict[str, object] = {"iterations": len(iterations), "missing": []}
+    for key, name in (("tokens_per_second", "tokens_per_s"), ("tflops_per_device", "tflops_per_gpu"), ("elapsed_ms", "ms_per_iteration")):
+        values = [r[key] for r in measured if isinstance(r.get(key), (int, float))]
+        out[name] = _median(values)
+        if not values:
+            out["missing"].append(key)  # type: ignore[union-attr]
+    memory = [r["max_memory_mib"] for r in iterations if isinstance(r.get("max_memory_mib"), (int, float))]
+    summary = log.get("summary") or {}
+    if isinstance(summary.get("max_memory_mib"), (int, float)):  # type: ignore[union-attr]
+        memory.append(summary["max_memory_mib"])  # type: ignore[index]
+    out["peak_memory_mib"] = max(memory) if memory else None
+    if not memory:
+        out["missing"].append("max_memory_mib")  # type: ignore[union-attr]
+    startup = log.get("startup") or {}
+    out["model_flops_per_iteration"] = startup.get("model_flops_per_iteration")  # type: ignore[union-attr]
+    return out
+
+
+def _fmt(value: Optional[float], spec: str, missing: str = "n/a") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def summarize_training(numbers: Dict[str, object]) -> str:
+    """``58.5k tok/s, 188.0 TFLOP/s, peak 18.6 GiB, 560 ms/it`` (missing fields named)."""
+    tokens = numbers.get("tokens_per_s")
+    parts = [
+        f"{tokens / 1000:.1f}k tok/s" if tokens is not None else "tok/s missing",
+        f"{numbers['tflops_per_gpu']:.1f} TFLOP/s" if numbers.get("tflops_per_gpu") is not None else "TFLOP/s missing",
+        f"peak {numbers['peak_memory_mib'] / 1024:.1f} GiB" if numbers.get("peak_memory_mib") is not None else "memory missing",
+        f"{numbers['ms_per_iteration']:.0f} ms/it" if numbers.get("ms_per_iteration") is not None else "ms/it missing",
+    ]
+    return ", ".join(parts)
+
+
+def summarize_costs(costs: dict) -> str:
+    """A cost file (CostModel's fields, ms) in one line: F, B, W and their ratios to F."""
+    f, b, w = costs.get("t_forward"), costs.get("t_backward"), costs.get("t_weight")
+    if not isinstance(f, (int, float)) or not isinstance(b, (int, float)) or f <= 0:
+        return f"no t_forward/t_backward in the cost file ({sorted(costs)})"
+    text = f"F {f:.1f} ms, B {b:.1f} ms ({b / f:.2f} F)"
+    if isinstance(w, (int, float)):
+        text += f", W {w:.1f} ms ({w / f:.2f} F), I {b - w:.1f} ms ({(b - w) / f:.2f} F)"
+    else:
+        text += ", t_weight missing"
+    return text
+
+
+def summarize_environment(env: dict) -> str:
+    """The environment item's numbers in one line."""
+    keys = (("gpu", "{}"), ("driver", "driver {}"), ("torch", "torch {}"), ("cuda", "CUDA {}"), ("nccl", "NCCL {}"),
+            ("megatron_core", "megatron-core {}"), ("transformer_engine", "TE {}"), ("python", "Python {}"))
+    return ", ".join(fmt.format(env[k]) for k, fmt in keys if env.get(k) not in (None, ""))
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Markdown table of results (``item``, ``status``, ``numbers``, ``seconds``)."""
+    lines = ["| item | status | key numbers | seconds |", "|---|---|---|---|"]
+    for row in rows:
+        seconds = row.get("seconds")
+        cells = [row["item"], row["status"], row.get("numbers", ""), "" if seconds is None else f"{seconds:.1f}"]
+        lines.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def item_timeout(own: float, remaining: float, minimum: float = MIN_ITEM_S) -> Optional[float]:
+    """The timeout an item runs under: its own, cut to the budget left; None (skip it) when
+    that would be less than ``min(own, minimum)``."""
+    timeout = min(own, remaining)
+    return timeout if timeout >= min(own, minimum) else None
+
+
+def exit_status(rows: Sequence[dict]) -> int:
+    """0 when every item that ran is ok (skipped ones aside), else 1."""
+    return 0 if all(r["status"] == OK or r["status"].startswith("skipped") for r in rows) else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the items
+
+
+@dataclass
+class Item:
+    """One check: a command run from the repository root under ``timeout`` seconds."""
+
+    name: str
+    kind: str  # environment | train | calibrate | reference | multirank
+    command: List[str]
+    timeout: float
+    description: str
+    needs_gpu: bool = False
+    env: Dict[str, str] = field(default_factory=dict)
+    log_json: Optional[str] = None
+    output: Optional[str] = None  # calibration cost file
+    reference: Optional[str] = None
+    rtol: Optional[float] = None
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (env + " " if env else "") + " ".join(shlex.quote(c) for c in self.command)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The model and run lengths of one mode (GPU or dry run)."""
+
+    tiny: List[str]
+    tiny_iters: int
+    small: List[str]
+    large: List[str]
+    train_iters: int
+    calibrate: List[str]
+
+
+GPU_SIZES = Sizes(
+    tiny=["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+          "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "1024"],
+    tiny_iters=5,
+    small=["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+           "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "50304"],
+    large=["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+           "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "50304"],
+    train_iters=10,
+    calibrate=["--num-layers", "12", "--hidden-size", "3072", "--num-attention-heads", "32", "--seq-length", "1024",
+               "--micro-batch-size", "1"],
+)  # fmt: skip
+DRY_SIZES = Sizes(
+    tiny=["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+          "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "127"],
+    tiny_iters=2,
+    small=GPU_SIZES.small, large=GPU_SIZES.large, train_iters=GPU_SIZES.train_iters, calibrate=GPU_SIZES.calibrate,
+)  # fmt: skip
+
+#: every run's training flags besides the model (seed-only initial weights, no evaluation)
+COMMON = ["--seed", "1234", "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--adam-eps", "1e-4",
+          "--eval-iters", "0", "--log-interval", "1"]  # fmt: skip
+
+#: per-item timeouts (seconds) on the GPU
+TIMEOUTS = {"environment": 60, "gpt-small-bf16": 90, "gpt-0.5b-bf16": 120, "calibrate-fp32": 90, "calibrate-bf16": 90,
+            "reference": 60, "multirank": 50, "1f1b-control": 75}  # fmt: skip
+#: the control run of several ranks; the later ones get at least CONTROL_FACTOR x its time
+CONTROL, CONTROL_FACTOR = "1f1b-control", 2.0
+#: per-item timeouts (seconds) of the dry run on a CPU
+DRY_TIMEOUTS = {"environment": 90, "reference": 90, "multirank": 150}
+
+
+def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tuple[int, int, int]]) -> List[Item]:
+    """Every item, in run order, with its command."""
+    py = sys.executable
+    sizes = DRY_SIZES if dry_run else GPU_SIZES
+    gpt, bert = str(SCRIPTS / "pretrain_gpt.py"), str(SCRIPTS / "pretrain_bert.py")
+
+    def timeout(name: str, kind: str) -> float:
+        table = DRY_TIMEOUTS if dry_run else TIMEOUTS
+        return float(table.get(name, table.get(kind, 60)))
+
+    def log_json(name: str) -> List[str]:
+        return ["--log-json", str(work / f"{name}.jsonl")]
+
+    items = [
+        Item("environment", "environment", [py, str(Path(__file__).resolve()), "--probe-environment"],
+             timeout("environment", "environment"), "GPU, driver, torch, CUDA, NCCL, megatron-core, TE, Python"),
+    ]  # fmt: skip
+    for name, model, what in (
+        ("gpt-small-bf16", sizes.small, "GPT 4 layers h1024 s1024, 1 GPU, bf16"),
+        ("gpt-0.5b-bf16", sizes.large, "GPT 8 layers h2048 s2048 (~0.5B, DESIGN §12), 1 GPU, bf16"),
+    ):
+        command = [py, gpt, *model, *COMMON, "--train-iters", str(sizes.train_iters), "--bf16", *log_json(name)]
+        items.append(Item(name, "train", command, timeout(name, "train"), what, needs_gpu=True, log_json=str(work / f"{name}.jsonl")))
+    for precision in ("fp32", "bf16"):
+        name, output = f"calibrate-{precision}", str(out / f"calibration_{precision}.json")
+        command = [py, str(SCRIPTS / "calibrate_gpu.py"), *sizes.calibrate, *(["--bf16"] if precision == "bf16" else []), "--output", output]
+        items.append(Item(name, "calibrate", command, timeout(name, "calibrate"),
+                          f"calibrate_gpu.py, 12 layers h3072 s1024 b1, {precision}", needs_gpu=True, output=output))  # fmt: skip
+
+    tiny = [*sizes.tiny, *COMMON, "--train-iters", str(sizes.tiny_iters)]
+    references = {
+        "ref-gpt-fp32": (gpt, [], "fp32"),
+        "ref-gpt-bf16": (gpt, ["--bf16"], "bf16"),
+        "ref-bert-fp32": (bert, [], "fp32"),
+    }
+    for name, (script, extra, precision) in references.items():
+        model = "BERT" if script == bert else "GPT"
+        items.append(Item(name, "reference", [py, script, *tiny, *extra, *log_json(name)], timeout(name, "reference"),
+                          f"{model} tiny, one process, {precision} (the reference)", needs_gpu=precision == "bf16",
+                          log_json=str(work / f"{name}.jsonl")))  # fmt: skip
+
+    sharing, sharing_env, wrapper_flags = nccl_sharing(nccl_version)
+    runs = [
+        ("1f1b-control", gpt, ["--pipeline-model-parallel-size", "4"], "ref-gpt-fp32", "megatron-core 1F1B PP4 (control)"),
+        ("bitpipe-pp4", gpt, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4"], "ref-gpt-fp32", "BitPipe PP4"),
+        ("optimus2d-q2", gpt, ["--tensor-parallel-mode", "optimus2d", "--tensor-model-parallel-size", "4"], "ref-gpt-fp32", "Optimus 2D q=2 (TP4)"),
+        ("bitpipe-split-pp4", gpt, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--split-backward"],
+         "ref-gpt-fp32", "BitPipe PP4 --split-backward"),
+        ("bitpipe-pp2-dp2-distopt", gpt, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],
+         "ref-gpt-fp32", "BitPipe PP2 x DP2, distributed optimizer"),
+        ("bert-bitpipe-pp4", bert, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4"], "ref-bert-fp32", "BERT, BitPipe PP4"),
+        ("bitpipe-pp4-bf16", gpt, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--bf16"], "ref-gpt-bf16", "BitPipe PP4, bf16"),
+    ]  # fmt: skip
+    launcher = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPTS / "gpu_rank.py"), *wrapper_flags]
+    for name, script, layout, reference, what in runs:
+        precision = "bf16" if "--bf16" in layout else "fp32"
+        env = dict(sharing_env)  # NCCL's variables; gloo (the dry run) ignores them
+        items.append(Item(name, "multirank", [*launcher, script, *tiny, *layout, *log_json(name)], timeout(name, "multirank"),
+                          f"{what}, 4 ranks" + ("" if dry_run else f" on one GPU ({sharing})") + f", {precision} vs {reference}",
+                          needs_gpu=precision == "bf16", env=env, log_json=str(work / f"{name}.jsonl"),
+                          reference=reference, rtol=RTOL[precision]))  # fmt: skip
+    return items
+
+
+# ----------------------------------------------------------------------------------------------
+# running
+
+
+def probe_environment() -> dict:
+    """What the environment item reports (run in its own process: imports can hang or crash)."""
+    import importlib.metadata
+    import importlib.util
+
+    env: dict = {"python": platform.python_version()}
+    import torch
+
+    env["torch"] = torch.__version__
+    env["cuda"] = torch.version.cuda
+    env["cuda_available"] = torch.cuda.is_available()
+    if env["cuda_available"]:
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_count"] = torch.cuda.device_count()
+        env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        env["compute_capability"] = f"{props.major}.{props.minor}"
+        try:
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            env["driver"] = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError) as error:
+            env["driver"] = f"unknown ({type(error).__name__})"
+    else:
+        env["gpu"] = "no CUDA GPU"
+    try:
+        version = parse_nccl_version(torch.cuda.nccl.version())
+        env["nccl"] = ".".join(map(str, version)) if version else None
+    except Exception as error:  # torch without NCCL (CPU builds)
+        env["nccl"] = f"none ({type(error).__name__})"
+    try:
+        import megatron.core  # noqa: F401
+
+        env["megatron_core"] = importlib.metadata.version("megatron-core")
+    except Exception as error:
+        env["megatron_core"] = f"not importable ({type(error).__name__}: {error})"
+    if importlib.util.find_spec("transformer_engine") is None:
+        env["transformer_engine"] = "no"
+    else:
+        try:
+            import transformer_engine  # noqa: F401
+
+            env["transformer_engine"] = getattr(transformer_engine, "__version__", "yes")
+        except Exception as error:
+            env["transformer_engine"] = f"present, import fails ({type(error).__name__})"
+    env["megatron_bitpipe"] = str(REPO)
+    return env
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _on_signal(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+#: environment variable that marks every process of an item (torchrun starts its ranks in
+#: sessions of their own, so the launcher's process group does not hold them)
+TAG_VARIABLE = "GPU_CHECK_ITEM"
+
+
+def _tagged(tag: str) -> List[int]:
+    """Processes whose environment holds ``TAG_VARIABLE=tag`` (Linux /proc; empty elsewhere)."""
+    marker = f"{TAG_VARIABLE}={tag}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether ``pid`` is a rank started through gpu_rank.py (not torchrun's launcher)."""
+    try:
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return "torch.distributed.run" not in argv and any(arg.endswith("gpu_rank.py") for arg in argv)
+
+
+def _signal(pids: Sequence[int], signum: int) -> int:
+    sent = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+            sent += 1
+        except OSError:
+            continue
+    return sent
+
+
+def _kill_all(pgid: int, tag: str) -> None:
+    """SIGKILL the item's process group and every process it tagged."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+    _signal(_tagged(tag), signal.SIGKILL)
+
+
+@dataclass
+class Ran:
+    returncode: Optional[int]  # None after a timeout
+    seconds: float
+    timed_out: bool
+    output: str  # what the item wrote to the log
+    timeout: float = 0.0
+
+
+class Runner:
+    """Runs items into one log file, each in its own process group."""
+
+    def __init__(self, log_path: Path, dry_run: bool):
+        self.log_path = log_path
+        self.dry_run = dry_run
+        open(log_path, "wb").close()  # a fresh log; appended to by this process and the items'
+        self.log = open(log_path, "ab")
+        self.current: Optional[Tuple[subprocess.Popen, str]] = None
+
+    def note(self, text: str) -> None:
+        self.log.write((text + "\n").encode())
+        self.log.flush()
+
+    def run(self, item: Item, index: int, count: int, timeout: float) -> Ran:
+        self.note(f"\n===== [{index}/{count}] {item.name} | timeout {timeout:.0f} s | {item.shell()}")
+        start_offset = self.log.tell()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(item.env)
+        if self.dry_run:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is the CPU run, on any machine
+        tag = f"{os.getpid()}-{index}"
+        env[TAG_VARIABLE] = tag
+        start = time.monotonic()
+        timed_out = False
+        proc = subprocess.Popen(item.command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.current = (proc, tag)
+        try:
+            returncode: Optional[int] = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            dumped = _signal([pid for pid in _tagged(tag) if _is_rank(pid)], signal.SIGUSR1)
+            if dumped:
+                self.note(f"----- {item.name}: timeout; SIGUSR1 (Python stacks of every thread) to {dumped} rank(s)")
+                time.sleep(DUMP_GRACE_S)
+            _kill_all(proc.pid, tag)
+            returncode = proc.wait()
+        finally:
+            _kill_all(proc.pid, tag)  # stragglers of a run that ended (e.g. ranks of a dead launcher)
+            self.current = None
+        seconds = time.monotonic() - start
+        self.log.flush()
+        with open(self.log_path, "rb") as handle:
+            handle.seek(start_offset)
+            output = handle.read().decode(errors="replace")
+        return Ran(None if timed_out else returncode, seconds, timed_out, output, timeout)
+
+    def stop(self) -> None:
+        if self.current is not None:
+            _kill_all(self.current[0].pid, self.current[1])
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def _tail(text: str, lines: int = TAIL_LINES) -> str:
+    kept = [line if len(line) <= 300 else line[:297] + "..." for line in text.splitlines() if line.strip()]
+    return "\n".join("    " + line for line in kept[-lines:])
+
+
+def evaluate(item: Item, ran: Ran, logs: Dict[str, dict], cut: bool = False) -> Tuple[str, str, dict]:
+    """(status, key numbers, details) of an item that ran; ``cut``: its timeout was cut to
+    the budget left (a timeout then says so, not "hung")."""
+    details: dict = {}
+    if ran.timed_out and cut:
+        status = f"timeout (budget, {ran.timeout:.0f} s)"
+    elif ran.timed_out:
+        status = f"hung (timeout {ran.timeout:.0f} s)" if item.kind == "multirank" else f"timeout ({ran.timeout:.0f} s)"
+    elif ran.returncode != 0:
+        status = f"failed (exit {ran.returncode})"
+    else:
+        status = OK
+    numbers = ""
+    if item.kind == "environment":
+        for line in ran.output.splitlines():
+            if line.startswith(ENV_MARKER):
+                details["environment"] = json.loads(line[len(ENV_MARKER) :])
+        if "environment" in details:
+            numbers = summarize_environment(details["environment"])
+        elif status == OK:
+            status, numbers = "failed (no environment line)", ""
+    if item.log_json:
+        try:
+            log = read_log_json(Path(item.log_json).read_text(encoding="utf-8"))
+        except OSError:
+            log = None
+        if log is not None:
+            if status == OK:
+                logs[item.name] = log  # a reference that failed half-way is no reference
+            details["losses"] = {i: {k: r[k] for k in loss_keys(r)} for i, r in log["iterations"].items()}
+            details["training"] = training_numbers(log)
+        if item.kind == "train" and log is not None:
+            numbers = summarize_training(details["training"])
+            if details["training"]["missing"]:
+                numbers += f" (not in --log-json: {', '.join(details['training']['missing'])})"
+        elif item.kind == "reference" and log is not None and log["iterations"]:
+            last = log["iterations"][max(log["iterations"])]
+            numbers = f"{len(log['iterations'])} it, last " + ", ".join(f"{k} {last[k]:.5f}" for k in loss_keys(last))
+        elif item.kind == "multirank" and log is not None:
+            reference = logs.get(item.reference or "")
+            ms = details["training"].get("ms_per_iteration")
+            timing = f"; {ms:.0f} ms/it" if ms is not None else ""
+            if ran.timed_out:
+                timing += f"; {len(log['iterations'])} iteration(s) logged before the timeout"
+            if reference is None:
+                numbers = f"no reference ({item.reference} did not run to the end){timing}"
+                if status == OK:
+                    status = "ran, no reference"
+            else:
+                comparison = compare_losses(log["iterations"], reference["iterations"], item.rtol or 0.0)
+                details["comparison"] = asdict(comparison)
+                numbers = f"vs {item.reference}: {comparison.message}{timing}"
+                if status == OK and not comparison.ok:
+                    status = MISMATCH
+        elif log is None:
+            numbers = "no --log-json written"
+            if status == OK:
+                status = "failed (no --log-json)"
+    if item.kind == "calibrate":
+        try:
+            costs = json.loads(Path(item.output).read_text(encoding="utf-8")) if status == OK else None
+        except (OSError, ValueError):
+            costs = None
+            status = "failed (no cost file)"
+        if costs is not None:
+            details["costs"] = costs
+            numbers = summarize_costs(costs)
+    return status, numbers, details
+
+
+def write_results(out: Path, meta: dict, rows: List[dict]) -> None:
+    (out / RESULTS_FILE).write_text(json.dumps({**meta, "items": rows}, indent=1, default=str) + "\n", encoding="utf-8")
+    header = [f"# gpu_check {meta['mode']} ({meta['started']})", ""]
+    if meta.get("environment_line"):
+        header += [meta["environment_line"], ""]
+    header += [f"Several ranks on one GPU: {meta['sharing']}; budget {meta['budget_s']:.0f} s.", ""]
+    (out / TABLE_FILE).write_text("\n".join(header) + "\n" + format_table(rows) + "\n", encoding="utf-8")
+
+
+def _cuda_available() -> Tuple[bool, Optional[Tuple[int, int, int]]]:
+    try:
+        import torch
+    except ImportError:
+        return False, None
+    available = torch.cuda.is_available()
+    try:
+        version = parse_nccl_version(torch.cuda.nccl.version()) if available else None
+    except Exception:
+        version = None
+    return available, version
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="directory for the log, results and cost files (created; at most 5 files)")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU needed: print every command, run the CPU-runnable parts")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help=f"seconds for all items together (default {DEFAULT_BUDGET_S:.0f}; dry run {DRY_RUN_BUDGET_S:.0f})")
+    parser.add_argument("--items", default=None, help="comma-separated item names to run (default: all; references are added as needed)")
+    parser.add_argument("--list", action="store_true", help="list the items and exit")
+    parser.add_argument("--probe-environment", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.probe_environment:
+        print(ENV_MARKER + json.dumps(probe_environment()), flush=True)
+        return 0
+    if not args.list and not args.out:
+        _parser().error("--out is required")
+    if not args.dry_run and not args.list:
+        available, nccl_version = _cuda_available()
+        if not available:
+            print(NO_GPU, file=sys.stderr, flush=True)
+            return 2
+    else:
+        nccl_version = None
+    if args.budget_s is None:
+        args.budget_s = DRY_RUN_BUDGET_S if args.dry_run else DEFAULT_BUDGET_S
+    out = Path(args.out or ".").resolve()
+    work = Path(tempfile.gettempdir()) / "gpu_check_WORK" if args.list else Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    items = build_items(out, work, args.dry_run, nccl_version)
+    if args.items:
+        wanted = {name.strip() for name in args.items.split(",") if name.strip()}
+        unknown = wanted - {i.name for i in items}
+        if unknown:
+            shutil.rmtree(work, ignore_errors=True)
+            _parser().error(f"--items: unknown {', '.join(sorted(unknown))} (known: {', '.join(i.name for i in items)})")
+        wanted |= {i.reference for i in items if i.name in wanted and i.reference}
+        items = [i for i in items if i.name in wanted]
+    if args.list:
+        for item in items:
+            print(f"{item.name:26} {item.timeout:4.0f} s  {item.description}")
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    sharing = nccl_sharing(nccl_version)[0] if not args.dry_run else "gloo on the CPU (dry run)"
+    meta = {"mode": "dry run (CPU)" if args.dry_run else "GPU", "started": datetime.now().isoformat(timespec="seconds"),
+            "budget_s": args.budget_s, "sharing": sharing, "repository": str(REPO)}  # fmt: skip
+    print(f"gpu_check: {len(items)} items, budget {args.budget_s:.0f} s, {meta['mode']}; several ranks on one GPU: {sharing}", flush=True)
+    print(f"gpu_check: writing {out / LOG_FILE}, {out / RESULTS_FILE}, {out / TABLE_FILE}", flush=True)
+    runner = Runner(out / LOG_FILE, args.dry_run)
+    runner.note(f"gpu_check {meta['mode']} started {meta['started']}, budget {args.budget_s:.0f} s, sharing: {sharing}")
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _on_signal)
+    rows: List[dict] = []
+    logs: Dict[str, dict] = {}
+    control_seconds: Optional[float] = None
+    begin = time.monotonic()
+    try:
+        for index, item in enumerate(items, 1):
+            row = {"item": item.name, "description": item.description, "command": item.shell(), "status": "", "numbers": "", "seconds": None}
+            print(f"[{index}/{len(items)}] {item.name}: {item.description}", flush=True)
+            if args.dry_run:
+                print(f"    $ {item.shell()}", flush=True)
+            remaining = args.budget_s - (time.monotonic() - begin)
+            own = item.timeout
+            if item.kind == "multirank" and control_seconds is not None:
+                own = max(own, CONTROL_FACTOR * control_seconds)  # a slow but working set-up is no hang
+            timeout = item_timeout(own, remaining)
+            if args.dry_run and item.needs_gpu:
+                row["status"] = NEEDS_GPU
+                runner.note(f"\n===== [{index}/{len(items)}] {item.name} | {NEEDS_GPU} | {item.shell()}")
+            elif timeout is None:
+                row["status"] = OVER_BUDGET
+                row["numbers"] = f"{max(remaining, 0):.0f} s left of {args.budget_s:.0f}"
+                runner.note(f"\n===== [{index}/{len(items)}] {item.name} | {OVER_BUDGET} | {item.shell()}")
+            else:
+                row["timeout_s"] = timeout
+                ran = runner.run(item, index, len(items), timeout)
+                status, numbers, details = evaluate(item, ran, logs, cut=timeout < own)
+                row.update(status=status, numbers=numbers, seconds=round(ran.seconds, 1), returncode=ran.returncode, **details)
+                if status == OK or status.startswith("ran"):
+                    pass
+                elif status == MISMATCH:
+                    print(f"    {numbers}", flush=True)
+                else:
+                    print(f"    last lines of its output:\n{_tail(ran.output)}", flush=True)
+                runner.note(f"----- {item.name}: {status}; {numbers}; {ran.seconds:.1f} s")
+                if item.name == CONTROL and status == OK:
+                    control_seconds = ran.seconds
+                if item.kind == "environment" and "environment" in details:
+                    meta["environment"] = details["environment"]
+                    meta["environment_line"] = numbers
+            print(f"    -> {row['status']}" + (f" ({row['seconds']:.1f} s)" if row["seconds"] is not None else ""), flush=True)
+            rows.append(row)
+            write_results(out, {**meta, "elapsed_s": round(time.monotonic() - begin, 1)}, rows)
+    except Interrupted as signal_name:
+        runner.stop()
+        runner.note(f"----- interrupted by {signal_name}")
+        print(f"gpu_check: interrupted by {signal_name}; results so far in {out / RESULTS_FILE}", flush=True)
+        write_results(out, {**meta, "interrupted": str(signal_name), "elapsed_s": round(time.monotonic() - begin, 1)}, rows)
+        print(format_table(rows), flush=True)
+        return 1
+    finally:
+        runner.close()
+        shutil.rmtree(work, ignore_errors=True)
+    elapsed = time.monotonic() - begin
+    meta["elapsed_s"] = round(elapsed, 1)
+    write_results(out, meta, rows)
+    print(f"\ngpu_check: {elapsed:.0f} s; {meta.get('environment_line', 'environment unknown')}", flush=True)
+    print(format_table(rows), flush=True)
+    return exit_status(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
