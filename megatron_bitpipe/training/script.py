@@ -56,8 +56,8 @@ def ignore_dependency_warnings() -> None:
     """Drop, in this process, the warnings that concern megatron-core, not the user:
     :data:`MISSING_KERNEL_WARNING` (call before megatron-core is imported) and
     :data:`DEPRECATED_COLLECTIVE_WARNING`, each by message and category; every other warning
-    still shows. (The CPU layer drops the ones that only make sense on a GPU,
-    :mod:`megatron_bitpipe.cpu.compat`.)"""
+    still shows. (The CPU layer, which entry points opt into, drops the ones that only make
+    sense on a GPU.)"""
     warnings.filterwarnings("ignore", message=MISSING_KERNEL_WARNING, category=UserWarning)
     warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVE_WARNING, category=FutureWarning)
 
