@@ -180,6 +180,7 @@ def race_gpt(args) -> dict:
     if args.device == "cuda" and args.dtype != "fp32":
         model.append(f"--{args.dtype}")
     times = {"local": [], "sdpa": []}
+    tflops = {"local": [], "sdpa": []}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.gpt_rounds):
@@ -192,7 +193,9 @@ def race_gpt(args) -> dict:
                     raise SystemExit(f"pretrain_gpt.py --attention-backend {backend} failed:\n{done.stderr[-3000:]}")
                 iterations = [r for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "iteration"]
                 times[backend] += [r["elapsed_ms"] for r in iterations[1:]]
+                tflops[backend] += [r["tflops_per_device"] for r in iterations[1:] if r.get("tflops_per_device")]
     result = {f"{b}_ms": statistics.median(t) for b, t in times.items()}
+    result.update({f"{b}_tflops": statistics.median(t) if t else None for b, t in tflops.items()})
     result.update(speedup=result["local_ms"] / result["sdpa_ms"], flags=" ".join(model), rounds=args.gpt_rounds)
     return result
 
@@ -212,8 +215,9 @@ def _markdown(rows, gpt, load) -> str:
             line += f" {r['unfused_peak_mib']:.0f} | {r['sdpa_peak_mib']:.0f} |"
         lines.append(line)
     if gpt:
+        rate = f" ({gpt['local_tflops']:.0f} vs {gpt['sdpa_tflops']:.0f} TFLOP/s)" if gpt.get("sdpa_tflops") else ""
         lines += ["", f"GPT iteration ({gpt['flags']}): local {gpt['local_ms']:.1f} ms, sdpa {gpt['sdpa_ms']:.1f} ms, "
-                      f"local / sdpa {gpt['speedup']:.2f}"]  # fmt: skip
+                      f"local / sdpa {gpt['speedup']:.2f}{rate}"]  # fmt: skip
     if load is not None:
         lines += ["", "load average (1, 5, 15 min) before / after: " + " / ".join(", ".join(f"{x:.2f}" for x in l) for l in load)]
     return "\n".join(lines)
@@ -238,7 +242,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--gpt-flags",
         default=None,
         help="pretrain_gpt.py model flags (default: 4 layers h 256, 8 heads, s 512, b 2, 4 iterations on cpu; "
-        "8 layers h 2048, 16 heads, s 2048, b 2 on cuda)",
+        "8 layers h 2048, 16 heads, s 2048, b 2, global batch 16, vocab 50304 on cuda: DESIGN.md §12's GPT)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as one JSON object")
     args = parser.parse_args(argv)
@@ -256,9 +260,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.query_groups and args.heads % args.query_groups:
         parser.error(f"--heads {args.heads} must be divisible by --query-groups {args.query_groups}")
     if args.gpt_flags is None:
-        common = "--vocab-size 1024 --lr 1e-4 --lr-warmup-iters 1 --log-interval 1 --eval-iters 0 --seed 1234"
-        size = ("--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2 --train-iters 6"
-                if gpu else "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --micro-batch-size 2 --train-iters 4")  # fmt: skip
+        common = "--lr 1e-4 --lr-warmup-iters 1 --log-interval 1 --eval-iters 0 --seed 1234"
+        size = ("--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2 --global-batch-size 16 --vocab-size 50304 --train-iters 6"
+                if gpu else "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --micro-batch-size 2 --vocab-size 1024 --train-iters 4")  # fmt: skip
         args.gpt_flags = f"{size} {common}"
     return args
 
