@@ -33,6 +33,12 @@ def test_every_block_is_there_and_says_how_it_was_made(sample, path, block):
     assert " at a load average of " in stamps[0]
 
 
+@pytest.mark.parametrize("block", ["results-bubble", "results-message-costs"])
+def test_readmes_simulated_rows_say_how_they_were_made(block):
+    text = doc_samples.documented_block("README.md", block)
+    assert text.splitlines()[-1] == "(`python scripts/doc_samples.py readme-results`: simulated, the same on every machine)"
+
+
 def test_the_commands_shown_are_the_commands_run():
     readme, running = (REPO / "README.md").read_text(), (REPO / "docs/running.md").read_text()
     assert doc_samples.QUICK_START.one_line() in readme
@@ -63,7 +69,8 @@ def test_what_differs_from_run_to_run_is_not_compared():
 @pytest.mark.multirank
 def test_fast_samples_match_the_documents():
     """``scripts/doc_samples.py --check``: the fast samples (docs/running.md's quick start, 4
-    ranks) rerun and compared; regenerate with ``python scripts/doc_samples.py quick-start``."""
+    ranks; README's simulated rows) rerun and compared; ``python scripts/doc_samples.py NAME``
+    regenerates one."""
     result = subprocess.run([sys.executable, "scripts/doc_samples.py", "--check"], cwd=REPO, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
