@@ -27,9 +27,10 @@ group killed, and is reported as ``hung (timeout N s)``. ``--budget-s`` bounds t
 an item gets at most the time left, and one that would get less than ``MIN_ITEM_S`` is
 ``skipped (budget)``.
 
-Output under ``--out`` (5 files): ``gpu_check.log`` (every item's command and output, each after
+Output under ``--out`` (6 files): ``gpu_check.log`` (every item's command and output, each after
 a header line), ``gpu_check.json`` (results, rewritten after every item), ``gpu_check.md`` (the
-table), ``calibration_fp32.json`` and ``calibration_bf16.json`` (cost files). The console gets a
+table), ``calibration_fp32.json`` and ``calibration_bf16.json`` (cost files), ``attention.json``
+(``scripts/bench_attention.py``: unfused vs SDPA core attention). The console gets a
 line per item, an item's last log lines only when it fails, and the table last.
 
 Without a CUDA GPU it prints one line and exits 2 before doing anything, unless ``--dry-run``:
@@ -69,6 +70,7 @@ NO_GPU = (
 ENV_MARKER = "GPU_CHECK_ENVIRONMENT "
 
 LOG_FILE, RESULTS_FILE, TABLE_FILE = "gpu_check.log", "gpu_check.json", "gpu_check.md"
+ATTENTION_FILE = "attention.json"  # scripts/bench_attention.py's results
 DEFAULT_BUDGET_S = 450.0
 #: the dry run's budget: 2 busy CPU cores start 4 ranks of megatron-core slowly
 DRY_RUN_BUDGET_S = 900.0
@@ -235,6 +237,13 @@ def summarize_costs(costs: dict) -> str:
     return text
 
 
+def summarize_attention(rows: Sequence[dict]) -> str:
+    """One phrase per sequence length of scripts/bench_attention.py's results."""
+    return "; ".join(
+        f"s {r['seq_length']}: unfused/SDPA {r['speedup']:.2f}x, SDPA {r['sdpa_tflops']:.0f} TFLOP/s" for r in rows
+    )
+
+
 def summarize_environment(env: dict) -> str:
     """The environment item's numbers in one line."""
     keys = (("gpu", "{}"), ("driver", "driver {}"), ("torch", "torch {}"), ("cuda", "CUDA {}"), ("nccl", "NCCL {}"),
@@ -273,7 +282,7 @@ class Item:
     """One check: a command run from the repository root under ``timeout`` seconds."""
 
     name: str
-    kind: str  # environment | train | calibrate | reference | multirank
+    kind: str  # environment | train | benchmark | calibrate | reference | multirank
     command: List[str]
     timeout: float
     description: str
@@ -325,7 +334,8 @@ COMMON = ["--seed", "1234", "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-gr
           "--eval-iters", "0", "--log-interval", "1"]  # fmt: skip
 
 #: per-item timeouts (seconds) on the GPU
-TIMEOUTS = {"environment": 60, "gpt-small-bf16": 90, "gpt-0.5b-bf16": 120, "calibrate-fp32": 90, "calibrate-bf16": 90,
+TIMEOUTS = {"environment": 60, "gpt-small-bf16": 90, "gpt-0.5b-bf16": 120, "gpt-0.5b-bf16-sdpa": 120, "attention-sdpa": 60,
+            "calibrate-fp32": 90, "calibrate-bf16": 90,
             "reference": 60, "multirank": 50, "1f1b-control": 75}  # fmt: skip
 #: the control run of several ranks; the later ones get at least CONTROL_FACTOR x its time
 CONTROL, CONTROL_FACTOR = "1f1b-control", 2.0
@@ -353,9 +363,14 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
     for name, model, what in (
         ("gpt-small-bf16", sizes.small, "GPT 4 layers h1024 s1024, 1 GPU, bf16"),
         ("gpt-0.5b-bf16", sizes.large, "GPT 8 layers h2048 s2048 (~0.5B, DESIGN §12), 1 GPU, bf16"),
+        ("gpt-0.5b-bf16-sdpa", [*sizes.large, "--attention-backend", "sdpa"], "the same, --attention-backend sdpa"),
     ):
         command = [py, gpt, *model, *COMMON, "--train-iters", str(sizes.train_iters), "--bf16", *log_json(name)]
         items.append(Item(name, "train", command, timeout(name, "train"), what, needs_gpu=True, log_json=str(work / f"{name}.jsonl")))
+    attention = str(out / ATTENTION_FILE)
+    items.append(Item("attention-sdpa", "benchmark", [py, str(SCRIPTS / "bench_attention.py"), "--device", "cuda", "--json", attention],
+                      timeout("attention-sdpa", "benchmark"), "core attention fwd+bwd, unfused vs SDPA, bf16, s 2048 and 4096",
+                      needs_gpu=True, output=attention))  # fmt: skip
     for precision in ("fp32", "bf16"):
         name, output = f"calibrate-{precision}", str(out / f"calibration_{precision}.json")
         command = [py, str(SCRIPTS / "calibrate_gpu.py"), *sizes.calibrate, *(["--bf16"] if precision == "bf16" else []), "--output", output]
@@ -634,6 +649,13 @@ def evaluate(item: Item, ran: Ran, logs: Dict[str, dict], cut: bool = False) -> 
             numbers = "no --log-json written"
             if status == OK:
                 status = "failed (no --log-json)"
+    if item.kind == "benchmark" and status == OK:
+        try:
+            details["attention"] = json.loads(Path(item.output).read_text(encoding="utf-8"))["attention"]
+        except (OSError, ValueError, KeyError):
+            status = "failed (no results file)"
+        else:
+            numbers = summarize_attention(details["attention"])
     if item.kind == "calibrate":
         try:
             costs = json.loads(Path(item.output).read_text(encoding="utf-8")) if status == OK else None
@@ -670,7 +692,7 @@ def _cuda_available() -> Tuple[bool, Optional[Tuple[int, int, int]]]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="directory for the log, results and cost files (created; at most 5 files)")
+    parser.add_argument("--out", help="directory for the log, results and cost files (created; at most 6 files)")
     parser.add_argument("--dry-run", action="store_true", help="no GPU needed: print every command, run the CPU-runnable parts")
     parser.add_argument("--budget-s", type=float, default=None,
                         help=f"seconds for all items together (default {DEFAULT_BUDGET_S:.0f}; dry run {DRY_RUN_BUDGET_S:.0f})")

@@ -159,7 +159,7 @@ def test_items_and_their_flags(tmp_path):
     calibrate = _load("calibrate_gpu")
     items = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 27, 7))
     names = [i.name for i in items]
-    assert names[0] == "environment" and len(names) == len(set(names)) == 15
+    assert names[0] == "environment" and len(names) == len(set(names)) == 17
     multirank = [i for i in items if i.kind == "multirank"]
     assert multirank[0].name == gpu_check.CONTROL and "--pipeline-schedule" not in multirank[0].command
     assert {i.reference for i in multirank} <= {i.name for i in items if i.kind == "reference"}
@@ -198,7 +198,7 @@ def test_dry_run_items_fit_a_cpu(tmp_path):
     items = gpu_check.build_items(tmp_path, tmp_path, dry_run=True, nccl_version=None)
     runnable = [i for i in items if not i.needs_gpu]
     assert {i.kind for i in runnable} == {"environment", "reference", "multirank"}
-    assert all(i.kind in ("train", "calibrate") or "--bf16" in i.command for i in items if i.needs_gpu)
+    assert all(i.kind in ("train", "benchmark", "calibrate") or "--bf16" in i.command for i in items if i.needs_gpu)
     for item in runnable[1:]:
         bert = "pretrain_bert.py" in " ".join(item.command)
         args = _script_args(item.command, "pretrain_bert.py" if bert else "pretrain_gpt.py")
