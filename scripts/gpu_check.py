@@ -225,13 +225,16 @@ def summarize_training(numbers: Dict[str, object]) -> str:
 
 
 def summarize_costs(costs: dict) -> str:
-    """A cost file (CostModel's fields, ms) in one line: F, B, W and their ratios to F."""
-    f, b, w = costs.get("t_forward"), costs.get("t_backward"), costs.get("t_weight")
+    """A cost file (CostModel's fields, ms) in one line: F, B, W, I and their ratios to F (I is the
+    measured ``t_input`` where the file has it, else ``t_backward - t_weight``, as the simulator
+    reads it)."""
+    f, b, w, i = (costs.get(k) for k in ("t_forward", "t_backward", "t_weight", "t_input"))
     if not isinstance(f, (int, float)) or not isinstance(b, (int, float)) or f <= 0:
         return f"no t_forward/t_backward in the cost file ({sorted(costs)})"
     text = f"F {f:.1f} ms, B {b:.1f} ms ({b / f:.2f} F)"
     if isinstance(w, (int, float)):
-        text += f", W {w:.1f} ms ({w / f:.2f} F), I {b - w:.1f} ms ({(b - w) / f:.2f} F)"
+        i = i if isinstance(i, (int, float)) else b - w
+        text += f", W {w:.1f} ms ({w / f:.2f} F), I {i:.1f} ms ({i / f:.2f} F)"
     else:
         text += ", t_weight missing"
     return text

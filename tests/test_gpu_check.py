@@ -141,6 +141,9 @@ def test_summaries():
     assert gpu_check.summarize_costs({"t_forward": 70.0, "t_backward": 140.0, "t_weight": 56.0}) == (
         "F 70.0 ms, B 140.0 ms (2.00 F), W 56.0 ms (0.80 F), I 84.0 ms (1.20 F)"
     )
+    assert gpu_check.summarize_costs({"t_forward": 70.0, "t_backward": 140.0, "t_weight": 56.0, "t_input": 91.0}) == (
+        "F 70.0 ms, B 140.0 ms (2.00 F), W 56.0 ms (0.80 F), I 91.0 ms (1.30 F)"
+    )
     assert gpu_check.summarize_costs({"t_forward": 70.0, "t_backward": 140.0}).endswith("t_weight missing")
     line = gpu_check.summarize_environment({"gpu": "NVIDIA H100", "torch": "2.11", "nccl": "2.27.7", "transformer_engine": "no"})
     assert line == "NVIDIA H100, torch 2.11, NCCL 2.27.7, TE no"

@@ -40,9 +40,13 @@ def vocab_block_from_1d_partition(partition: torch.Tensor, mesh: OptimusMesh) ->
     Over a TP group of q² ranks, megatron's TP rank ``r`` holds vocabulary rows block ``r``
     of q² (``[v/q², h]``). The ranks of mesh row ``i`` hold blocks ``i·q … i·q+q−1``, i.e.
     vocabulary block ``i`` of q: gather them along the row and keep hidden block ``j``.
+    The block stays on ``partition``'s device; the gather runs on the current GPU when there is
+    one (weights are built on the CPU, ``use_cpu_initialization``, and NCCL only moves GPU
+    tensors).
     """
-    rows = all_gather_along(partition.detach(), 0, mesh.row_group)
-    return rows.chunk(mesh.side, dim=1)[mesh.column].contiguous()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else partition.device
+    rows = all_gather_along(partition.detach().to(device), 0, mesh.row_group)
+    return rows.chunk(mesh.side, dim=1)[mesh.column].to(partition.device).contiguous()
 
 
 class OptimusGPTModel(GPTModel):

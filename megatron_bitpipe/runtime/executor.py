@@ -143,7 +143,8 @@ class StepResult:
     Attributes:
         losses: the loss reports of this rank's loss chunks, by micro-batch (megatron's
             ``forward_data_store`` entries).
-        num_tokens: tokens counted by the loss function (for per-token loss).
+        num_tokens: tokens counted by the loss function (for per-token loss), on the
+            executor's device (where megatron's ``forward_step`` counts them).
         trace: the actions executed, in order (``"RECV_F0.3"``, ``"F0.3"``, ``"S2"``, ...).
     """
 
@@ -222,7 +223,7 @@ class PlanExecutor:
 
     def run(self) -> StepResult:
         """Execute every action of this rank; return its losses, token count and trace."""
-        result = StepResult()
+        result = StepResult(num_tokens=torch.zeros((), dtype=torch.int, device=self.device))
         for action in self.plan.actions[self.rank]:
             if action.type is ActionType.FORWARD:
                 self._forward(action, result)
