@@ -58,6 +58,11 @@ def pytest_configure(config) -> None:
         "markers", "multirank: the test starts processes (gloo ranks, torchrun, a subprocess); deselect with -m 'not multirank'"
     )
     config.addinivalue_line(
+        "markers",
+        "plan_sweep: checks every generator's plans over a range of D and N; pure Python, independent of the "
+        "megatron-core version (CI runs it once)",
+    )
+    config.addinivalue_line(
         "markers", "strict_p2p: the module's launches run with MEGATRON_BITPIPE_STRICT_P2P=1 (NCCL's p2p rules on gloo)"
     )
 

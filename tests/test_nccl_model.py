@@ -34,6 +34,7 @@ def plans(label: str, D: int):
             yield choice.plan(D, N)
 
 
+@pytest.mark.plan_sweep
 @pytest.mark.parametrize("D", PIPELINE_SIZES)
 @pytest.mark.parametrize("label", VARIANTS)
 def test_every_plan_is_deadlock_free_under_nccl_rules_as_the_runtime_issues_it(label, D):
