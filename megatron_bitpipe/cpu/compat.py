@@ -54,7 +54,9 @@ and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` before clipping.
 * **Strict p2p mode** (opt-in): with ``MEGATRON_BITPIPE_STRICT_P2P=1`` in the environment,
   :func:`enable_cpu_megatron` also installs :mod:`.strict_p2p`, which makes point-to-point
   communication on gloo groups follow NCCL's rules (a group runs a rank's operations in issue
-  order, a send completes only when the peer's matching receive is active, a wait longer than
+  order, a send completes only when the peer's matching receive is active, an unbatched
+  operation on a group of more than two ranks runs on the pair's communicator, whose creation
+  on first use blocks until both ranks arrive, a wait longer than
   ``MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT`` seconds fails naming rank, group and operation), so
   that no CPU run passes with an order that would hang on GPUs. Process-wide and idempotent
   like the patches; one line on stderr says it is on.

@@ -5,7 +5,8 @@ gloo lets a rank's sends and receives on one process group progress in any order
 back. NCCL does: a communicator runs each rank's operations in the order that rank issued
 them (one stream per communicator), and a send completes only when the peer's matching
 receive is running. A schedule that passes on CPU ranks may therefore hang on GPUs (the
-classic case: two ranks each send to the other, unbatched, then receive). With
+classic case: two ranks each send to the other, unbatched, then receive; or two ranks whose
+first unbatched operations with each other are on different groups). With
 ``MEGATRON_BITPIPE_STRICT_P2P=1``, :func:`~megatron_bitpipe.cpu.compat.enable_cpu_megatron`
 calls :func:`install`, and every point-to-point operation on a gloo group follows these
 rules (the model of NCCL the project uses, see ``docs/runtime.md``):
@@ -14,41 +15,67 @@ rules (the model of NCCL the project uses, see ``docs/runtime.md``):
    order it issued them; an operation becomes *active* only when every earlier one of that
    rank on that group has completed. Operations issued in one ``batch_isend_irecv`` call (an
    NCCL group) become active together, and the batch completes when all of them complete.
-   Groups are independent of each other.
+   Groups are independent of each other. (Unbatched operations on a group of more than two
+   ranks have FIFOs of their own, per pair: rule 3.)
 2. **Sends are not buffered.** A send completes only once the peer's matching receive is
    active (posted and at the head of the peer's FIFO for that group); a receive completes
    once the matching send is active and the data has arrived.
-3. **Bounded waits.** ``wait()`` on a returned handle (and the blocking ``send`` / ``recv``)
+3. **Pair communicators for unbatched operations.** torch's ProcessGroupNCCL runs an
+   *unbatched* ``isend``/``irecv``/``send``/``recv`` on a group of more than two ranks on a
+   2-rank communicator of the pair, which it creates on the first such operation between the
+   two ranks on that group; creating it is a blocking rendezvous. So here too: on a gloo group
+   of more than two ranks, the first unbatched operation between this rank and a peer blocks
+   the calling thread until the peer's first unbatched operation with this rank on that group
+   arrives (at most the bound below, then a RuntimeError naming the rank, the group, the peer
+   and "creating the 2-rank communicator for unbatched p2p"), and from then on that pair's
+   unbatched operations form a FIFO of their own (rules 1 and 2 apply to it), independent of
+   the group's FIFO, which keeps the operations of ``batch_isend_irecv`` (an NCCL group call
+   runs on the group's own communicator: batched operations never create a pair's). Two ranks
+   whose first unbatched operations with each other are on different groups therefore wait
+   for each other forever, as on GPUs (what hung BitPipe before its executor issued every
+   operation as a one-op batch). On a group of exactly two ranks unbatched operations stay in
+   the group's FIFO (torch uses the group's own communicator there).
+4. **Bounded waits.** ``wait()`` on a returned handle (and the blocking ``send`` / ``recv``)
    waits at most ``MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT`` seconds (default 120), then raises
-   a RuntimeError naming the rank, the group (its global ranks), the operation (send or
-   recv, peer, dtype and shape) and what it is stuck on, e.g. "strict p2p: rank 1 waited
-   120 s for its send to rank 2 (float32 [4, 2, 16], tag 0) on group [0, 1, 2, 3]: rank 2
-   never posted the matching receive (or it is queued there behind an earlier operation on
-   this group)". ``is_completed()`` is True only once the operation (its batch) completed.
+   a RuntimeError naming the rank, the group (its global ranks; and torch's name of it,
+   ``process group 5``, unless it is the default group) or the pair's communicator, the
+   operation (send or recv, peer, dtype and shape) and what it is stuck on, e.g. "strict p2p:
+   rank 1 waited 120 s for its send to rank 2 (float32 [4, 2, 16], tag 0) on group [0, 1, 2, 3]
+   (process group 5): rank 2 never posted the matching receive (or it is queued there behind
+   an earlier operation on this group)". ``is_completed()`` is True only once the operation
+   (its batch) completed. Creating a pair's communicator waits as long at most.
 
 How: :func:`install` replaces ``torch.distributed.isend``, ``irecv``, ``send``, ``recv`` and
 ``batch_isend_irecv`` (``P2POp`` accepts the replacements, and ``batch_isend_irecv`` the
 originals). On a group whose backend is not gloo (or of which this rank is not a member)
-they call the originals. On a gloo group, the call only enqueues the operation on the
-group's *channel*, a worker thread per group that runs this rank's operations one entry
-(a call) at a time, in issue order. Running an entry: every receive first posts its gloo
-``irecv``, then sends a one-byte *token* to its source on the same group with the reserved
-tag :data:`TOKEN_TAG`; every send first receives the token from its destination, then
-issues its gloo ``isend``. gloo matches messages by source and tag in posting order, so the
-k-th token a rank gets from a peer on a group belongs to the k-th send it makes to that
-peer there, and tokens never match data (nobody else uses that tag: neither this project
-nor megatron-core passes tags). Sends of one batch to different peers wait for their tokens
+they call the originals. On a gloo group, the call only enqueues the operation on a
+*channel*, a worker thread that runs this rank's operations one entry (a call) at a time, in
+issue order: the group's channel, or for an unbatched operation on a group of more than two
+ranks the pair's channel. A pair's channel is a 2-rank gloo process group of its own
+(``ProcessGroupGloo`` over a prefix of the default store, so its messages never match the
+group's), created after both ranks have set their key in the store under the group's name
+and the pair (the rendezvous, waited for with the store's bounded ``wait`` on the calling
+thread). Running an entry: every receive first posts its gloo ``irecv``, then sends a
+one-byte *token* to its source on the channel's communicator with the reserved tag
+:data:`TOKEN_TAG`; every send first receives the token from its destination, then issues its
+gloo ``isend``. gloo matches messages by source and tag in posting order, so the k-th token a
+rank gets from a peer on a communicator belongs to the k-th send it makes to that peer there,
+and tokens never match data (nobody else uses that tag: neither this project nor
+megatron-core passes tags). Sends of one batch to different peers wait for their tokens
 concurrently (one helper thread per further peer), as NCCL runs the operations of one
-``ncclGroupStart``/``End`` together. Receives from any source (``src=None``) are refused: NCCL has none either.
+``ncclGroupStart``/``End`` together. Receives from any source (``src=None``) are refused:
+NCCL has none either. :func:`strict_groups` and :func:`pair_communicators` say which groups
+and pairs ran strict operations.
 
 Not modelled: collectives are not ordered with the point-to-point operations of their
-group (NCCL would queue them on the same stream); creating a communicator is not a
-rendezvous — in particular torch, on a lazily initialised NCCL group of more than two ranks,
-runs an *unbatched* send or receive on a 2-rank communicator of the pair that it creates on
-first use (a blocking rendezvous of both ranks, and a FIFO of its own), whereas strict mode
-keeps every operation in the group's FIFO, as NCCL does for batched operations and eagerly
-initialised groups; tags are still honoured (NCCL ignores them). A wait that times out leaves
-the group's worker blocked: the process is expected to fail.
+group (NCCL would queue them on the same stream), and a group's first collective does not
+wait for every member (on NCCL it creates a lazily initialised group's communicator, a
+rendezvous of all members; the runtime creates and warms up its groups at set-up, and with
+NCCL the scripts initialise eagerly); the pair communicators of rule 3 are the only
+communicator creation emulated — it is applied to every gloo group of more than two ranks
+(torch versions or settings that run unbatched p2p on the group's own communicator are not
+distinguished); tags are still honoured (NCCL ignores them). A wait that times out leaves the
+channel's worker blocked: the process is expected to fail.
 
 The mode is process-wide and idempotent; it says so once, in one line on stderr, when it
 is installed.
@@ -68,7 +95,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["ENV", "TIMEOUT_ENV", "TOKEN_TAG", "DEFAULT_TIMEOUT_S", "install", "install_from_env", "is_installed", "requested", "strict_groups"]
+__all__ = ["ENV", "TIMEOUT_ENV", "TOKEN_TAG", "DEFAULT_TIMEOUT_S", "install", "install_from_env", "is_installed", "requested", "strict_groups", "pair_communicators"]
 
 #: turns the mode on (``1``; ``0`` or empty: off)
 ENV = "MEGATRON_BITPIPE_STRICT_P2P"
@@ -83,6 +110,8 @@ _installed = False
 _timeout_s = DEFAULT_TIMEOUT_S
 _originals: Dict[str, Any] = {}
 _channels: Dict[Any, "_Channel"] = {}  # gloo group -> its channel (None: not a strict group)
+_pairs: Dict[Any, "_PairChannel"] = {}  # (gloo group, peer) -> the pair's unbatched channel
+_pair_locks: Dict[Any, threading.Lock] = {}  # held while that pair's communicator is created
 
 
 def requested() -> bool:
@@ -98,6 +127,13 @@ def strict_groups() -> List[List[int]]:
     """The groups (their global ranks) on which this process ran strict operations so far."""
     with _lock:
         return [channel.ranks for channel in _channels.values() if channel is not None]
+
+
+def pair_communicators() -> List[List[List[int]]]:
+    """The 2-rank communicators for unbatched p2p this process created so far, each as
+    ``[group's global ranks, [lower rank, higher rank]]``."""
+    with _lock:
+        return [[pair.ranks, sorted((pair.rank, pair.peer))] for pair in _pairs.values()]
 
 
 def install_from_env() -> bool:
@@ -132,7 +168,8 @@ def install(timeout_s: Optional[float] = None) -> None:
     # One write, so that the lines of several ranks sharing a terminal do not interleave.
     sys.stderr.write(
         f"megatron_bitpipe: strict p2p mode ({ENV}=1): gloo point-to-point follows NCCL's rules "
-        f"(per-group issue order, a send completes only when its receive is active), waits bounded at {_timeout_s:g} s\n"
+        f"(per-group issue order, a send completes only when its receive is active, unbatched p2p on a group of more "
+        f"than two ranks on the pair's communicator, created on first use by both), waits bounded at {_timeout_s:g} s\n"
     )
     sys.stderr.flush()
 
@@ -153,21 +190,21 @@ def _strict_isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     channel = _channel(group)
     if channel is None:
         return _originals["isend"](tensor, dst, group, tag, group_dst)
-    return channel.submit([channel.op("send", tensor, dst, group_dst, tag)])[0]
+    return _unbatched(channel, channel.op("send", tensor, dst, group_dst, tag))
 
 
 def _strict_irecv(tensor, src=None, group=None, tag=0, group_src=None):
     channel = _channel(group)
     if channel is None:
         return _originals["irecv"](tensor, src, group, tag, group_src)
-    return channel.submit([channel.op("recv", tensor, src, group_src, tag)])[0]
+    return _unbatched(channel, channel.op("recv", tensor, src, group_src, tag))
 
 
 def _strict_send(tensor, dst=None, group=None, tag=0, group_dst=None):
     channel = _channel(group)
     if channel is None:
         return _originals["send"](tensor, dst, group, tag, group_dst)
-    channel.submit([channel.op("send", tensor, dst, group_dst, tag)])[0].wait()
+    _unbatched(channel, channel.op("send", tensor, dst, group_dst, tag)).wait()
 
 
 def _strict_recv(tensor, src=None, group=None, tag=0, group_src=None):
@@ -175,8 +212,16 @@ def _strict_recv(tensor, src=None, group=None, tag=0, group_src=None):
     if channel is None:
         return _originals["recv"](tensor, src, group, tag, group_src)
     op = channel.op("recv", tensor, src, group_src, tag)
-    channel.submit([op])[0].wait()
+    _unbatched(channel, op).wait()
     return op.peer if group_src is None else op.group_peer
+
+
+def _unbatched(channel: "_Channel", op: "_Op") -> "StrictWork":
+    """Submit an unbatched operation: on its group's channel for a group of two ranks, else on
+    the channel of the pair's 2-rank communicator (created on first use, a rendezvous)."""
+    if len(channel.ranks) > 2 and op.peer != channel.rank:
+        channel = _pair_channel(channel, op)
+    return channel.submit([op])[0]
 
 
 def _strict_batch_isend_irecv(p2p_op_list):
@@ -210,6 +255,25 @@ def _channel(group) -> Optional["_Channel"]:
         return _channels[group]
 
 
+def _pair_channel(channel: "_Channel", op: "_Op") -> "_PairChannel":
+    """The channel of the 2-rank communicator of (this rank, ``op.peer``) on ``channel``'s group
+    for unbatched operations; the first call creates it, blocking until the peer's first
+    unbatched operation with this rank on that group creates it there too (bounded wait)."""
+    key = (channel.group, op.peer)
+    pair = _pairs.get(key)
+    if pair is not None:
+        return pair
+    with _lock:
+        creating = _pair_locks.setdefault(key, threading.Lock())
+    with creating:
+        pair = _pairs.get(key)
+        if pair is None:
+            pair = _PairChannel(channel, op)
+            with _lock:
+                _pairs[key] = pair
+    return pair
+
+
 # --------------------------------------------------------------------------- channels
 
 
@@ -241,15 +305,22 @@ class _Entry:
 class _Channel:
     """This rank's FIFO of operations on one gloo group, run by a worker thread."""
 
+    #: what messages call the communicator
+    noun = "group"
+
     def __init__(self, group):
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank()
+        self.where = _label(group, self.ranks)
+        self._start()
+
+    def _start(self) -> None:
         self._queue: "collections.deque[_Entry]" = collections.deque()
         self._ready = threading.Condition()
         self.head: Optional[_Entry] = None
         self.broken: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name=f"strict-p2p {self.ranks}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"strict-p2p {self.where}", daemon=True)
         self._thread.start()
 
     def op(self, kind: str, tensor, peer, group_peer, tag) -> _Op:
@@ -270,6 +341,14 @@ class _Channel:
             self._queue.append(entry)
             self._ready.notify()
         return [StrictWork(self, entry, op) for op in ops]
+
+    # -- gloo, on this channel's communicator (``op.group_peer`` is the peer's rank in the group)
+
+    def _isend(self, tensor: torch.Tensor, op: "_Op", tag: int):
+        return _originals["isend"](tensor, group=self.group, tag=tag, group_dst=op.group_peer)
+
+    def _irecv(self, tensor: torch.Tensor, op: "_Op", tag: int):
+        return _originals["irecv"](tensor, group=self.group, tag=tag, group_src=op.group_peer)
 
     # -- the worker
 
@@ -292,17 +371,15 @@ class _Channel:
             entry.done.set()
 
     def _execute(self, entry: _Entry) -> None:
-        isend, irecv = _originals["isend"], _originals["irecv"]
-        g = self.group
         for op in entry.ops:
             if op.kind == "recv":
-                op.work = irecv(op.tensor, group=g, tag=op.tag, group_src=op.group_peer)
+                op.work = self._irecv(op.tensor, op, op.tag)
                 op.token = torch.ones(1, dtype=torch.uint8)
-                op.token_work = isend(op.token, group=g, tag=TOKEN_TAG, group_dst=op.group_peer)
+                op.token_work = self._isend(op.token, op, TOKEN_TAG)
                 op.state = "data"
             else:
                 op.token = torch.empty(1, dtype=torch.uint8)
-                op.token_work = irecv(op.token, group=g, tag=TOKEN_TAG, group_src=op.group_peer)
+                op.token_work = self._irecv(op.token, op, TOKEN_TAG)
                 op.state = "token"
         by_peer: Dict[int, List[_Op]] = {}
         for op in entry.ops:
@@ -330,7 +407,7 @@ class _Channel:
         try:
             for op in sends:
                 op.token_work.wait()
-                op.work = _originals["isend"](op.tensor, group=self.group, tag=op.tag, group_dst=op.group_peer)
+                op.work = self._isend(op.tensor, op, op.tag)
                 op.state = "data"
         except BaseException as error:  # noqa: BLE001 - raised by _execute
             errors.append(error)
@@ -348,29 +425,83 @@ class _Channel:
             why = "it is queued behind earlier operations of this rank on that group"
             if pending is not None:
                 why = (
-                    f"it is queued behind this rank's {pending.describe()} on that group "
-                    f"(NCCL runs a group's operations in issue order), and {_reason(pending)}"
+                    f"it is queued behind this rank's {pending.describe()} on that {self.noun} "
+                    f"(NCCL runs a {self.noun}'s operations in issue order), and {_reason(pending, self.noun)}"
                 )
         elif op.state != "done":
-            why = _reason(op)
+            why = _reason(op, self.noun)
         else:
             pending = next((o for o in entry.ops if o.state != "done"), None)
             why = "its batch has not completed"
             if pending is not None:
-                why = f"its batch has not completed: its {pending.describe()} waits, {_reason(pending)}"
-        return f"strict p2p: rank {self.rank} waited {waited_s:g} s for its {op.describe()} on group {self.ranks}: {why}"
+                why = f"its batch has not completed: its {pending.describe()} waits, {_reason(pending, self.noun)}"
+        return f"strict p2p: rank {self.rank} waited {waited_s:g} s for its {op.describe()} on {self.where}: {why}"
 
 
-def _reason(op: _Op) -> str:
+class _PairChannel(_Channel):
+    """This rank's FIFO of unbatched operations with one peer on a group of more than two
+    ranks: NCCL's 2-rank communicator of the pair, here a 2-rank gloo process group of its own
+    (so its messages never match the group's). Creating it is a rendezvous of the two ranks
+    through the default store, bounded by the timeout."""
+
+    noun = "communicator"
+
+    def __init__(self, parent: _Channel, op: _Op):
+        self.group, self.ranks, self.rank, self.peer = parent.group, parent.ranks, parent.rank, op.peer
+        low, high = sorted((self.rank, self.peer))
+        group = _label(self.group, self.ranks)
+        self.where = f"the 2-rank communicator of ranks {low} and {high} for unbatched p2p on {group}"
+        self._index = 0 if self.rank == low else 1
+        store = dist.PrefixStore(
+            f"megatron_bitpipe.strict_p2p/group {self.group.group_name}/pair {low}-{high}/", c10d._get_default_store()
+        )
+        store.set(f"rank {self.rank} arrived", "1")
+        try:
+            store.wait([f"rank {self.peer} arrived"], timedelta(seconds=_timeout_s))
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"strict p2p: rank {self.rank} waited {_timeout_s:g} s creating the 2-rank communicator for unbatched "
+                f"p2p with rank {self.peer} on {group}, for its first unbatched {op.describe()} there: "
+                f"rank {self.peer} has not reached its first unbatched send or receive with rank {self.rank} on "
+                "that group (NCCL creates a pair's communicator on first use, blocking both ranks until both "
+                "arrive; batch_isend_irecv runs on the group's own communicator instead)"
+            ) from error
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), self._index, 2, _gloo_timeout(self.group))
+        self._start()
+
+    def _isend(self, tensor: torch.Tensor, op: _Op, tag: int):
+        return self.pg.send([tensor], 1 - self._index, tag)
+
+    def _irecv(self, tensor: torch.Tensor, op: _Op, tag: int):
+        return self.pg.recv([tensor], 1 - self._index, tag)
+
+
+def _label(group, ranks: List[int]) -> str:
+    """``group [0, 1, 2]`` for the default group, ``group [0, 1, 2] (process group 5)`` for
+    others (several groups may have the same ranks)."""
+    if group is c10d._get_default_group():
+        return f"group {ranks}"
+    return f"group {ranks} (process group {group.group_name})"
+
+
+def _gloo_timeout(group) -> timedelta:
+    """The gloo operation timeout of ``group`` (30 minutes where torch does not tell)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return timedelta(minutes=30)
+
+
+def _reason(op: _Op, noun: str = "group") -> str:
     if op.state == "token":
         return (
             f"rank {op.peer} never posted the matching receive "
-            "(or it is queued there behind an earlier operation on this group)"
+            f"(or it is queued there behind an earlier operation on this {noun})"
         )
     if op.state == "data" and op.kind == "recv":
         return (
             f"rank {op.peer} never issued the matching send "
-            "(or it is queued there behind an earlier operation on this group)"
+            f"(or it is queued there behind an earlier operation on this {noun})"
         )
     if op.state == "data":
         return f"the data has not reached rank {op.peer}"
@@ -401,6 +532,6 @@ class StrictWork(dist.Work):
             raise RuntimeError(self._channel.stall(self._entry, self._op, bound))
         if self._entry.error is not None:
             raise RuntimeError(
-                f"strict p2p: rank {self._channel.rank}'s {self._op.describe()} on group {self._channel.ranks} failed"
+                f"strict p2p: rank {self._channel.rank}'s {self._op.describe()} on {self._channel.where} failed"
             ) from self._entry.error
         return True
