@@ -186,11 +186,12 @@ def warm_up(
     for key in sorted(channels, key=lambda k: (k[0].value, *k[1:])):
         group = channels[key]
         dist.all_reduce(torch.zeros(1, device=device), group=group)
-        ops = [
-            dist.P2POp(dist.isend if src == pp_rank else dist.irecv, torch.zeros(1, device=device), global_rank(dst if src == pp_rank else src), group)
-            for src, dst in links.get(key, [])
-            if pp_rank in (src, dst)
-        ]
+        ops = []
+        for src, dst in links.get(key, []):
+            if pp_rank == src:
+                ops.append(dist.P2POp(dist.isend, torch.zeros(1, device=device), global_rank(dst), group))
+            elif pp_rank == dst:
+                ops.append(dist.P2POp(dist.irecv, torch.zeros(1, device=device), global_rank(src), group))
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
     for stage in sorted(stage_groups):
