@@ -65,13 +65,14 @@ def test_bitpipe_split_beats_interleaved_by_more_than_the_unsplit_bound_at_n_equ
 
 
 def test_simulator_costs_and_memory_of_a_split_backward():
-    plan = two_rank_plan("F0.0 F0.1 I0.0 I0.1 W0.0 W0.1 S0", "F0.0 I0.0 F0.1 I0.1 W0.1 W0.0 S0")
+    plan = two_rank_plan("F0.0 F0.1 I0.0 I0.1 W0.0 W0.1 S0", "F0.0 I0.0 F0.1 I0.1 W0.0 W0.1 S0")
     validate_plan(plan)
     result = simulate(plan, CostModel(t_forward=2, t_backward=3, t_weight=1))
     starts = {(e.rank, str(e.action)): (e.start, e.end) for e in result.events}
     assert starts[(1, "I0.0")] == (4, 6)  # I costs t_B - t_W
     assert starts[(0, "I0.0")] == (6, 8)  # waits for rank 1's input gradient
-    assert starts[(1, "W0.1")] == (10, 11)  # W costs t_W, needs nothing from other ranks
+    assert starts[(1, "W0.0")] == (10, 11)  # W costs t_W, needs nothing from other ranks
+    assert starts[(1, "W0.1")] == (11, 12)
     assert starts[(0, "W0.1")] == (13, 14)
     assert result.peak_activations == [2, 2]  # counted until W, not I
     half = simulate(plan, CostModel(t_forward=2, t_backward=3))
@@ -85,6 +86,7 @@ def test_simulator_costs_and_memory_of_a_split_backward():
         ("F0.0 F0.1 W0.0 I0.0 I0.1 W0.1 S0", "W0.0 at position 2 runs before I0.0"),
         ("F0.0 F0.1 I0.0 I0.1 W0.1 S0", "missing W0.0"),
         ("F0.0 F0.1 I0.0 I0.1 W0.0 S0 W0.1", "S0 issued before the chunk's last backward"),
+        ("F0.0 F0.1 I0.0 I0.1 W0.1 W0.0 S0", r"W's run in micro-batch order \[1, 0\] but the I's in \[0, 1\]"),
     ],
 )
 def test_validation_names_a_broken_split(rank0, message):

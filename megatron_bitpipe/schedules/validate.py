@@ -5,7 +5,9 @@
 1. structure — every rank runs ``F`` exactly once for each (chunk, micro-batch) its
    chunks own and, for training plans, a backward after it: one ``B``, or one ``I``
    and a later ``W``; each chunk issues one ``SYNC`` after its last ``B`` or ``W``;
-   micro-batches only visit chunks of their pipeline;
+   micro-batches only visit chunks of their pipeline; each chunk runs its ``W``'s in the
+   micro-batch order of its ``I``'s (deferred weight-gradient work is a FIFO per module, as
+   Transformer Engine's ``delay_wgrad_compute`` queue, whose ``backward_dw()`` runs the oldest);
 2. channels — on every channel (payload, pipeline, src rank, dst rank) the receiver
    consumes messages in the order the sender produces them;
 3. progress — executing the plan with the simulator's dependency rules reaches the end
@@ -77,11 +79,25 @@ def check_structure(plan: SchedulePlan) -> None:
                     continue
                 last_backward = max(last_backward, _check_backward(rank, forward, position))
             if training:
+                _check_weight_grad_order(rank, chunk, actions)
                 sync = Action(ActionType.SYNC, chunk)
                 if sync not in position:
                     raise PlanError(f"rank {rank}: missing {sync} for chunk {chunk}")
                 if position[sync] < last_backward:
                     raise PlanError(f"rank {rank}: {sync} issued before the chunk's last backward")
+
+
+def _check_weight_grad_order(rank: int, chunk: int, actions) -> None:
+    """``W``'s of a chunk in the micro-batch order of its ``I``'s: a FIFO per module runs them."""
+    order = {kind: [a.microbatch for a in actions if a.chunk == chunk and a.type is kind]
+             for kind in (ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)}  # fmt: skip
+    inputs, weights = order[ActionType.BACKWARD_INPUT], order[ActionType.BACKWARD_WEIGHT]
+    if weights and weights != inputs[: len(weights)]:
+        first = next(i for i, (a, b) in enumerate(zip(inputs, weights)) if a != b)
+        raise PlanError(
+            f"rank {rank}, chunk {chunk}: W's run in micro-batch order {weights} but the I's in {inputs}; "
+            f"W number {first} must be W{chunk}.{inputs[first]} (weight-gradient work is a FIFO per module)"
+        )
 
 
 def _check_backward(rank: int, forward: Action, position: Dict[Action, int]) -> int:
