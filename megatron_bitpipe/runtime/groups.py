@@ -51,8 +51,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ..optimus.args import TENSOR_PARALLEL_MODES
 from ..optimus.mesh import OptimusMesh, build_optimus_mesh, mesh_side
-from ..schedules.comm import ChannelGroupKey, Payload, Transfer, channel_group_key
-from ..schedules.placement import Placement, StageLocation
+from ..schedules.actions import Action, ActionType
+from ..schedules.comm import ChannelGroupKey, Payload, Transfer, channel_group_key, sent_by
+from ..schedules.placement import Placement
 
 __all__ = ["ParallelGrid", "new_groups", "process_group_collection", "PipelineGroups"]
 
@@ -150,16 +151,10 @@ def placement_links(placement: Placement) -> Dict[ChannelGroupKey, List[Tuple[in
     links: Dict[ChannelGroupKey, set] = {}
     for rank in range(placement.num_ranks):
         for chunk in range(placement.chunks_per_rank):
-            nxt = placement.links(rank, chunk).next
-            if nxt is None or nxt.rank == rank:
-                continue
-            here, there = StageLocation(rank, chunk), nxt
-            pipeline = placement.role(rank, chunk).pipeline
-            for transfer in (
-                Transfer(Payload.ACTIVATION, pipeline, 0, here, there),
-                Transfer(Payload.GRADIENT, pipeline, 0, there, here),
-            ):
-                links.setdefault(channel_group_key(transfer), set()).add((transfer.src.rank, transfer.dst.rank))
+            for kind in (ActionType.FORWARD, ActionType.BACKWARD):  # the activation and the gradient it sends
+                transfer = sent_by(placement, rank, Action(kind, chunk, 0))
+                if transfer is not None and not transfer.is_local:
+                    links.setdefault(channel_group_key(transfer), set()).add((transfer.src.rank, transfer.dst.rank))
     return {key: sorted(pairs) for key, pairs in links.items()}
 
 
