@@ -167,7 +167,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         if args.command == "plan":
             print(lower(plan, args.receive_lookahead).format() if args.communication else plan.compute_only().format())
             return 0
-        validate_plan(plan)
+        validate_plan(plan, nccl=False)  # reported below, as nccl_deadlock_free
         result = simulate(plan, costs)
     except BrokenPipeError:  # the reader went away (plan | head): not a usage error
         raise
@@ -198,4 +198,4 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         )
         print("peak activations (Ma) per rank: " + " ".join(f"{p:g}" for p in result.peak_activations))
         print(nccl.message())
-    return 0
+    return 0 if nccl.ok else 1
