@@ -34,9 +34,12 @@ from typing import List, Optional
 from .optimus.args import add_optimus_args, validate_optimus_args
 from .schedules import ScheduleChoice
 from .schedules.errors import VP_FLAG
-from .schedules.simulate import CostModel, read_cost_file
+from .schedules.registry import plan_executed_schedules, training_schedules
+from .schedules.costs import CostModel, read_cost_file
 
-PIPELINE_SCHEDULES = ("default", "1f1b", "interleaved", "bitpipe")
+#: ``--pipeline-schedule`` values: megatron-core's own choice, then every schedule the registry
+#: says training runs (``1f1b``, ``interleaved``: megatron-core's functions; ``bitpipe``: the plan executor)
+PIPELINE_SCHEDULES = ("default",) + training_schedules()
 
 
 class BitPipeConfigError(ValueError):
@@ -74,7 +77,7 @@ def add_bitpipe_args(parser: argparse.ArgumentParser, *, virtual_size_flag: str 
 
 #: ``--pipeline-schedule`` values this package's executor runs; the others select megatron-core's
 #: own functions, whose rules megatron-core checks
-PLAN_SCHEDULES = ("bitpipe",)
+PLAN_SCHEDULES = plan_executed_schedules()
 #: where the training scripts' number of micro-batches per data-parallel rank comes from
 MICROBATCHES_SOURCE = "micro-batches per data-parallel rank (--global-batch-size / (--micro-batch-size x data-parallel size))"
 
@@ -213,16 +216,23 @@ def schedule_costs(args: argparse.Namespace) -> Optional[CostModel]:
         raise BitPipeConfigError(f"--schedule-costs {path}: {error}") from None
 
 
-def schedule_choice(args: argparse.Namespace) -> ScheduleChoice:
-    """The schedule the flags select: ``--pipeline-schedule`` (``default``: interleaved with a
-    virtual size > 1, else 1f1b), ``--split-backward``, ``--schedule-costs`` and the virtual size.
-    Reads the cost file (:func:`schedule_costs`)."""
+def resolved_schedule(args: argparse.Namespace) -> str:
+    """The schedule ``--pipeline-schedule`` selects, ``default`` resolved as megatron-core
+    resolves it (interleaved with a virtual pipeline size > 1, else 1f1b). A namespace
+    without the flag (Megatron-LM's parser without this package's flags) runs megatron's default.
+    The only place the flag is read."""
     schedule = getattr(args, "pipeline_schedule", "default")
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if schedule == "default":
-        schedule = "interleaved" if vp not in (None, 1) else "1f1b"
+    if schedule != "default":
+        return schedule
+    return "interleaved" if getattr(args, "virtual_pipeline_model_parallel_size", None) not in (None, 1) else "1f1b"
+
+
+def schedule_choice(args: argparse.Namespace) -> ScheduleChoice:
+    """The schedule the flags select: :func:`resolved_schedule`, ``--split-backward``,
+    ``--schedule-costs`` and the virtual size. Reads the cost file (:func:`schedule_costs`)."""
     split = getattr(args, "split_backward", False)
-    return ScheduleChoice(schedule, split, schedule_costs(args) if split else None, vp)
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return ScheduleChoice(resolved_schedule(args), split, schedule_costs(args) if split else None, vp)
 
 
 def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = VP_FLAG) -> List[str]:
@@ -230,13 +240,13 @@ def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = V
     ``virtual_size_flag`` names the flag that sets ``virtual_pipeline_model_parallel_size``."""
     problems = data_parallel_size_problems(args)
     num_microbatches = None if problems else microbatches_per_data_parallel_rank(args)
-    schedule = getattr(args, "pipeline_schedule", "default")
+    schedule = getattr(args, "pipeline_schedule", "default")  # as given: the rules below name the flag
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     try:
         choice = schedule_choice(args)
     except BitPipeConfigError as error:
         problems.append(str(error))
-        choice = ScheduleChoice(schedule if schedule != "default" else "1f1b", virtual_size=vp)
+        choice = ScheduleChoice(resolved_schedule(args), virtual_size=vp)
     if schedule == "interleaved" and vp in (None, 1):
         problems.append(f"--pipeline-schedule interleaved needs {virtual_size_flag} >= 2")
     elif schedule == "1f1b" and vp not in (None, 1):

@@ -563,7 +563,7 @@ def doc_blocks(device: str) -> tuple:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings for the flags; raises ValueError naming the flag."""
-    from megatron_bitpipe.schedules.simulate import read_cost_file
+    from megatron_bitpipe.schedules.costs import read_cost_file
 
     costs = read_cost_file(args.costs) if args.costs else {}
     t_forward = args.t_forward if args.t_forward is not None else costs.get("t_forward", Settings.t_forward)

@@ -156,6 +156,7 @@ def _run_rank(settings: Settings, flags: List[str], log_json: str) -> Optional[d
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
+    from megatron_bitpipe.run_config import RunConfig
 
     task = _emulated_task(settings)
     args = parse_args(task, [*flags, "--log-json", log_json])
@@ -163,7 +164,7 @@ def _run_rank(settings: Settings, flags: List[str], log_json: str) -> Optional[d
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     env = distributed.initialize(args, enable_cpu_megatron)
     with ExitConditions(args, time.time()) as exits:
-        Trainer(task, args, tokenizer, env).train(exits)
+        Trainer(task, args, RunConfig.from_args(args), tokenizer, env).train(exits)
     dist.barrier()
     if env.rank != 0:
         return None

@@ -65,12 +65,13 @@ def _bench_rank(argv: List[str]) -> dict:
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.gpt import GPTTask
     from megatron_bitpipe.training.loop import Trainer
+    from megatron_bitpipe.run_config import RunConfig
 
     task = GPTTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    trainer = Trainer(task, args, tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
     rows = []
     while trainer.state.iteration < args.train_iters:
         with CollectiveMeter() as meter:

@@ -60,7 +60,8 @@ def _child(options: argparse.Namespace) -> dict:
     from megatron_bitpipe.runtime import build
     from megatron_bitpipe.runtime.groups import ParallelGrid
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
-    from megatron_bitpipe.training.config import placement_for, transformer_config
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.config import transformer_config
     from megatron_bitpipe.training.gpt import GPTTask
 
     tp, pp = options.tp, options.pp
@@ -75,7 +76,8 @@ def _child(options: argparse.Namespace) -> dict:
     enable_cpu_megatron()
     dist.init_process_group("fake", store=FakeStore(), rank=options.pipeline_rank * tp, world_size=world)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[options.params_dtype]
-    config = transformer_config(args, params_dtype=dtype, pipeline_dtype=dtype)
+    run = RunConfig.from_args(args)
+    config = transformer_config(args, run, params_dtype=dtype, pipeline_dtype=dtype)
 
     seed_seconds = []
     initialize = build.initialize_from_seed
@@ -91,7 +93,7 @@ def _child(options: argparse.Namespace) -> dict:
     model = build.build_pipeline_model(
         config,
         ParallelGrid(tp, 1, pp),
-        placement_for(args),
+        run.placement,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         seed=args.seed,

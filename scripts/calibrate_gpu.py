@@ -78,7 +78,7 @@ import time
 from dataclasses import asdict
 from typing import Callable, Dict, List, Optional
 
-from megatron_bitpipe.schedules.simulate import CostModel
+from megatron_bitpipe.schedules.costs import CostModel
 
 NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured (--device cpu measures on the CPU)"
 MAX_ALLREDUCE_BYTES = 1 << 30
@@ -173,10 +173,12 @@ def build_share(train_args: argparse.Namespace, device):
     from megatron_bitpipe.runtime.model import build_chunks, gpt_chunk_factory
     from megatron_bitpipe.runtime.precision import ChunkFloat16Module
     from megatron_bitpipe.runtime.replicas import wrap_ddp
-    from megatron_bitpipe.training.config import ddp_config, placement_for, transformer_config, use_global_tp_group
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.config import ddp_config, transformer_config, use_global_tp_group
 
-    config = transformer_config(train_args)
-    groups = PipelineGroups.build(ParallelGrid(1, 1, 1), placement_for(train_args))
+    run = RunConfig.from_args(train_args)
+    config = transformer_config(train_args, run)
+    groups = PipelineGroups.build(ParallelGrid(1, 1, 1), run.placement)
     use_global_tp_group(groups.tp)
     init_megatron_state(groups.rank_pgs, train_args.seed)
     make_gpt_chunk = gpt_chunk_factory(
@@ -194,7 +196,7 @@ def build_share(train_args: argparse.Namespace, device):
     chunk.to(device)
     if config.bf16 or config.fp16:
         chunk = ChunkFloat16Module(config, chunk)
-    (model,) = wrap_ddp([chunk], groups, config, ddp_config(train_args))
+    (model,) = wrap_ddp([chunk], groups, config, ddp_config(train_args, run))
     return model, config
 
 
@@ -477,6 +479,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch.distributed as dist
 
     from megatron_bitpipe.megatron_args import BitPipeConfigError
+    from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import ddp_config
     from megatron_bitpipe.usage import UsageError
 
@@ -498,7 +501,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     element = torch.tensor([], dtype=config.pipeline_dtype).element_size()
     message_bytes = args.seq_length * args.micro_batch_size * args.hidden_size * element
-    gradient_element = 4 if ddp_config(train_args).grad_reduce_in_fp32 else config.params_dtype.itemsize
+    gradient_element = 4 if ddp_config(train_args, RunConfig.from_args(train_args)).grad_reduce_in_fp32 else config.params_dtype.itemsize
     gradient_bytes = compute["parameters"] * gradient_element
     if device.type == "cuda" and torch.cuda.device_count() >= 2:
         comm = measured_communication(message_bytes, gradient_bytes, args.iters)

@@ -73,7 +73,8 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.bert import BertTask
     from megatron_bitpipe.training.checkpoint import TrainingState, save_checkpoint
-    from megatron_bitpipe.training.config import lr_scheduler, optimizer_config, placement_for
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.config import lr_scheduler, optimizer_config
     from megatron_bitpipe.training.gpt import GPTTask
 
     directory, metadata = _read(old_root, step)
@@ -86,8 +87,9 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     args.padded_vocab_size = signature[_VOCAB_FLAG]
     distributed.initialize(args, enable_cpu_megatron)
     try:
-        model = task.build_model(args, placement_for(args))
-        optimizer = build_optimizer(model, optimizer_config(args))
+        run = RunConfig.from_args(args)
+        model = task.build_model(args, run)
+        optimizer = build_optimizer(model, optimizer_config(args, run))
         adam = optimizer.chained_optimizers[0].optimizer  # one fp32 Adam over the single-process model
         shards = {}
         with torch.no_grad():
@@ -104,7 +106,7 @@ def convert(old_root: str, new_root: str, step=None) -> str:
                         "exp_avg_sq": entry["exp_avg_sq"].float().clone(),
                     }
         common = torch.load(os.path.join(directory, "common.pt"), map_location="cpu", weights_only=False)
-        scheduler = lr_scheduler(args, optimizer)
+        scheduler = lr_scheduler(args, run, optimizer)
         scheduler.load_state_dict(common["scheduler"])
         if any(scaler is not None for scaler in common.get("grad_scalers", [])):
             distributed.log("note: the fp16 loss scale is not carried over (it restarts at --initial-loss-scale)")

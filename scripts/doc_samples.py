@@ -358,11 +358,22 @@ def produce_readme_results(check: bool) -> Dict[Tuple[str, str], str]:
     return {("README.md", "results-bubble"): bubble, ("README.md", "results-message-costs"): p2p}
 
 
+def produce_schedule_list(check: bool) -> Dict[Tuple[str, str], str]:
+    """docs/schedules.md's listing of the registered schedules (the schedule command's ``list``)."""
+    from megatron_bitpipe.schedules.cli import schedule_listing
+
+    command = "python -m megatron_bitpipe.schedules list"
+    text = fenced(f"$ {command}\n{schedule_listing()}", "console") + "\n" + _pure_stamp("schedule-list").replace("simulated", "pure Python")
+    return {("docs/schedules.md", "schedule-list"): text}
+
+
 SAMPLES: Dict[str, Sample] = {s.name: s for s in (
     Sample("quick-start", True, "docs/running.md's laptop run (4 ranks, 20 iterations)",
            (QUICK_START,), render_quick_start),
     Sample("readme-results", True, "README's bubble and message-cost rows (simulated; seconds)",
            produce=produce_readme_results),
+    Sample("schedule-list", True, "docs/schedules.md's list of the registered schedules (pure Python; instant)",
+           produce=produce_schedule_list),
     Sample("bert", False, "docs/running.md's BERT run (4 ranks, 20 iterations)", (BERT,), render_bert),
     Sample("real-text", False, "README's and docs/running.md's real-text run: preprocessing, 4 ranks and a single "
            "process, 200 iterations each (minutes)", (PREPROCESS, REAL_TEXT, REAL_TEXT_SINGLE), render_real_text,

@@ -27,7 +27,7 @@ from doc_blocks import update_file  # noqa: E402
 from schedule_tables import GRID, PEERS, simulated  # noqa: E402
 
 from megatron_bitpipe.schedules import SPLIT_BACKWARD_SUFFIX, CostModel  # noqa: E402
-from megatron_bitpipe.schedules.simulate import read_cost_file  # noqa: E402
+from megatron_bitpipe.schedules.costs import read_cost_file  # noqa: E402
 
 P2P = (0.0, 0.05, 0.1, 0.15, 0.2)
 

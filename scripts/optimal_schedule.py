@@ -37,7 +37,8 @@ from typing import List, Optional
 from megatron_bitpipe.schedules import generate
 from megatron_bitpipe.schedules.actions import SchedulePlan
 from megatron_bitpipe.schedules.cli import add_plan_arguments
-from megatron_bitpipe.schedules.simulate import CostModel, simulate
+from megatron_bitpipe.schedules.costs import CostModel
+from megatron_bitpipe.schedules.simulate import simulate
 
 
 @dataclass(frozen=True)

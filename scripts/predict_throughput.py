@@ -131,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shape = MODELS[model]["shape"]
         counts = args.num_microbatches or (MODELS[model]["global_batch_size"] // shape.micro_batch_size, 4 * PIPELINE_SIZE)
         if args.costs:
-            from megatron_bitpipe.schedules.simulate import read_cost_file
+            from megatron_bitpipe.schedules.costs import read_cost_file
 
             try:
                 base = schedules.CostModel(**read_cost_file(args.costs))

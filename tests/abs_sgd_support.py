@@ -71,6 +71,7 @@ def train_case(argv: Sequence[str], log_json: str) -> dict:
     from megatron_bitpipe.training.errors import CheckpointError
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
+    from megatron_bitpipe.run_config import RunConfig
 
     task = RecordingGPTTask()
     args = parse_args(task, [*argv, "--log-json", log_json])
@@ -78,7 +79,7 @@ def train_case(argv: Sequence[str], log_json: str) -> dict:
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     env = distributed.initialize(args, enable_cpu_megatron)
     try:
-        trainer = Trainer(task, args, tokenizer, env)
+        trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, env)
     except CheckpointError as error:
         dist.barrier()
         return {"error": str(error)}
@@ -135,7 +136,8 @@ def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int
     from megatron_bitpipe.runtime.layout import chunk_specs
     from megatron_bitpipe.runtime.model import build_gpt_chunks
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
-    from megatron_bitpipe.training.config import lr_scheduler, placement_for, transformer_config, use_global_tp_group
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.config import lr_scheduler, transformer_config, use_global_tp_group
     from megatron_bitpipe.training.data import build_tokenizer, collate
 
     enable_cpu_megatron()
@@ -143,11 +145,12 @@ def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int
     args = parse_args(task, list(argv), world_size=1)
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    placement = placement_for(args)
+    run = RunConfig.from_args(args)
+    placement = run.placement
     groups = PipelineGroups.build(ParallelGrid(), placement)
     use_global_tp_group(groups.tp)
     init_megatron_state(groups.rank_pgs, args.seed)
-    config = transformer_config(args)
+    config = transformer_config(args, run)
     (net,) = build_gpt_chunks(
         config, groups, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, rotary_base=args.rotary_base,
@@ -163,7 +166,7 @@ def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int
         [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
         lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
     )  # fmt: skip
-    scheduler = lr_scheduler(args, optimizer)
+    scheduler = lr_scheduler(args, run, optimizer)
 
     def gradient_sum(batch) -> List[torch.Tensor]:
         """Sum over the micro-batches of every replica of each micro-batch's mean-loss gradient."""

@@ -9,10 +9,14 @@ import sys
 
 import pytest
 
-from megatron_bitpipe.schedules import ALWAYS_SPLIT, SCHEDULES, PlanError, ScheduleChoice, validate_plan
+from megatron_bitpipe.schedules import REGISTRY, PlanError, ScheduleChoice, schedule_names, validate_plan
 from megatron_bitpipe.schedules.actions import Action, ActionType
 from megatron_bitpipe.schedules.comm import channel_group_key
 from megatron_bitpipe.schedules.nccl import LAZY_UNBATCHED_RULES, RUNTIME_RULES, IssueRules, check_nccl
+
+SCHEDULES = schedule_names()
+#: the peers whose own order splits every backward
+ALWAYS_SPLIT = tuple(s for s in SCHEDULES if REGISTRY[s].always_split)
 
 VARIANTS = [
     ScheduleChoice(schedule, split).label

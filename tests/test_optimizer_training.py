@@ -55,12 +55,13 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
+    from megatron_bitpipe.run_config import RunConfig
 
     task = make_task("gpt")
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    trainer = Trainer(task, args, tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
     with ExitConditions(args, time.time()) as exits:
         trainer.train(exits)
     return max_replica_difference(trainer.model.chunks, trainer.groups)

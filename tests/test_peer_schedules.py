@@ -8,11 +8,14 @@ import sys
 
 import pytest
 
-from megatron_bitpipe.schedules import ALWAYS_SPLIT, CostModel, ScheduleConfigError, generate, simulate, validate_plan
+from megatron_bitpipe.schedules import REGISTRY, CostModel, ScheduleConfigError, generate, schedule_names, simulate, validate_plan
 from megatron_bitpipe.schedules import zbv
 from megatron_bitpipe.schedules.actions import ActionType, make_plan
 from megatron_bitpipe.schedules.compose import with_eager_syncs
 from megatron_bitpipe.schedules.placement import v_shape
+
+#: the peers whose own order splits every backward
+ALWAYS_SPLIT = tuple(s for s in schedule_names() if REGISTRY[s].always_split)
 
 SPLIT = CostModel(t_forward=1, t_backward=2, t_weight=1)  # I = W = 1 per device share
 LATENCY = CostModel(t_forward=1, t_backward=2, t_weight=1, t_p2p=0.1)

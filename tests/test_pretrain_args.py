@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_bitpipe.megatron_args import BitPipeConfigError
+from megatron_bitpipe.run_config import RunConfig
 from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
 from megatron_bitpipe.training.gpt import GPTTask, MockGPTDataset
 from megatron_bitpipe.usage import UsageError
@@ -25,13 +26,18 @@ def parse(*extra, world_size=4, cuda=False):
 
 def test_derived_values_follow_megatron():
     args = parse("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2")
-    assert (args.data_parallel_size, args.num_microbatches, args.schedule) == (1, 8, "bitpipe")
+    run = RunConfig.from_args(args)
+    assert (args.data_parallel_size, args.num_microbatches, run.schedule_name) == (1, 8, "bitpipe")
+    assert (run.layout.data, run.batches.num_microbatches, run.executes_plan) == (1, 8, True)
     assert (args.ffn_hidden_size, args.kv_channels, args.max_position_embeddings, args.lr_decay_iters) == (128, 8, 16, 4)
     assert args.distributed_backend == "gloo" and args.use_mock_data
-    assert parse("--pipeline-model-parallel-size", "2", world_size=2).schedule == "1f1b"
-    interleaved = parse("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", world_size=2)
-    assert interleaved.schedule == "interleaved"
-    assert parse(world_size=1).schedule == "no_pipelining"
+    assert RunConfig.from_args(parse("--pipeline-model-parallel-size", "2", world_size=2)).megatron_schedule == "1f1b"
+    interleaved = RunConfig.from_args(
+        parse("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", world_size=2)
+    )
+    assert (interleaved.megatron_schedule, interleaved.layout.virtual, interleaved.label) == ("interleaved", 2, "interleaved (2 chunks per rank)")
+    single = RunConfig.from_args(parse(world_size=1))
+    assert (single.megatron_schedule, single.schedule.schedule, single.executes_plan) == ("no_pipelining", "1f1b", False)
     assert parse("--global-batch-size", "4", world_size=2).data_parallel_size == 2
 
 

@@ -93,7 +93,7 @@ def test_console_script_help(capsys, monkeypatch):
     flag explains itself with its unit."""
     monkeypatch.setattr(sys, "argv", ["/venv/bin/bitpipe-schedule", "--help"])
     top, simulate_help, plan_help = _help(capsys), _help(capsys, "simulate"), _help(capsys, "plan")
-    assert top.startswith("usage: bitpipe-schedule [-h] {simulate,plan}")
+    assert top.startswith("usage: bitpipe-schedule [-h] {list,simulate,plan}")
     assert simulate_help.startswith("usage: bitpipe-schedule simulate ") and plan_help.startswith("usage: bitpipe-schedule plan ")
     assert "``" not in top + simulate_help + plan_help
     flat = " ".join(simulate_help[simulate_help.index("\ncosts:") :].split())  # the cost flags' section
@@ -156,3 +156,29 @@ def test_reader_that_stops_early(command):
     finally:
         os.close(write)
     assert (out.returncode, out.stderr) == (0, "")
+
+
+def test_registry_drives_the_choice_and_the_listing(capsys):
+    """A registered generator is a schedule everywhere: ScheduleChoice plans it, the command
+    line lists and accepts it; a name is registered once."""
+    from dataclasses import replace
+
+    from megatron_bitpipe.schedules import REGISTRY, ScheduleChoice, register
+    from megatron_bitpipe.schedules.cli import main
+
+    toy = replace(REGISTRY["1f1b"], name="toy-1f1b", summary="1F1B under another name", runner=None)
+    register(toy)
+    try:
+        plan = ScheduleChoice("toy-1f1b").plan(2, 4)
+        assert plan.compute_only().actions == ScheduleChoice("1f1b").plan(2, 4).compute_only().actions
+        assert main(["list"]) == 0
+        listing = capsys.readouterr().out.splitlines()
+        assert [line.split()[0] for line in listing] == list(REGISTRY)
+        assert "1F1B under another name" in listing[-1] and "peer (simulator, executor)" in listing[-1]
+        assert main(["plan", "--schedule", "toy-1f1b", "-D", "2", "-N", "2"]) == 0
+        with pytest.raises(ValueError, match="already registered"):
+            register(toy)
+    finally:
+        del REGISTRY["toy-1f1b"]
+    assert main(["plan", "--schedule", "toy-1f1b", "-D", "2", "-N", "2"]) == 2
+    assert "invalid choice: 'toy-1f1b'" in capsys.readouterr().err

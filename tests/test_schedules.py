@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_bitpipe.schedules import ALWAYS_SPLIT, CostModel, SCHEDULES, generate, simulate, validate_plan
+from megatron_bitpipe.schedules import REGISTRY, CostModel, generate, schedule_names, simulate, validate_plan
 from megatron_bitpipe.schedules.actions import Action, ActionType, SchedulePlan
 from megatron_bitpipe.schedules.comm import Payload, received_by, sent_by
 from megatron_bitpipe.schedules.compose import one_f_one_b, with_eager_syncs
 from megatron_bitpipe.schedules.placement import bidirectional_v, looped
+
+SCHEDULES = schedule_names()
+#: the peers whose own order splits every backward
+ALWAYS_SPLIT = tuple(s for s in SCHEDULES if REGISTRY[s].always_split)
 
 F, B = ActionType.FORWARD, ActionType.BACKWARD
 

@@ -22,6 +22,7 @@ import torch
 
 from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.megatron_args import BitPipeConfigError
+from megatron_bitpipe.run_config import RunConfig
 from megatron_bitpipe.training.arguments import parse_args
 from megatron_bitpipe.training.gpt import GPTTask
 from megatron_bitpipe.usage import UsageError
@@ -77,7 +78,7 @@ def test_attention_backend_selects_local_layers(monkeypatch):
     for backend, impl in (("sdpa", "local"), ("local", "local"), ("auto", "transformer_engine")):
         args = parse("--attention-backend", backend)
         try:
-            assert config.transformer_config(args).transformer_impl == impl, backend
+            assert config.transformer_config(args, RunConfig.from_args(args)).transformer_impl == impl, backend
         except AssertionError:
             raise
         except Exception as error:  # a config check needing a real GPU; the choice is made before it

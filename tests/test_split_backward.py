@@ -8,10 +8,14 @@ import sys
 
 import pytest
 
-from megatron_bitpipe.schedules import ALWAYS_SPLIT, CostModel, PlanError, SCHEDULES, generate, simulate, validate_plan
+from megatron_bitpipe.schedules import REGISTRY, CostModel, PlanError, generate, schedule_names, simulate, validate_plan
 from megatron_bitpipe.schedules.actions import Action, ActionType, make_plan
 from megatron_bitpipe.schedules.placement import looped
 from megatron_bitpipe.schedules.split_backward import split_backward
+
+SCHEDULES = schedule_names()
+#: the peers whose own order splits every backward
+ALWAYS_SPLIT = tuple(s for s in SCHEDULES if REGISTRY[s].always_split)
 
 F, B, I, W, SYNC = (ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT,
                     ActionType.BACKWARD_WEIGHT, ActionType.SYNC)

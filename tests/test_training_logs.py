@@ -11,7 +11,10 @@ import re
 import pytest
 
 from megatron_bitpipe.schedules.costs import TransformerShape
-from megatron_bitpipe.training.logs import IterationRecord, TrainingLogger, schedule_label
+from megatron_bitpipe.optimizers import OptimizerChoice
+from megatron_bitpipe.run_config import Batches, ParallelLayout, Precision, RunConfig
+from megatron_bitpipe.schedules import ScheduleChoice
+from megatron_bitpipe.training.logs import IterationRecord, TrainingLogger
 from megatron_bitpipe.training.report import RankReport, model_flops_per_sample
 
 TIMESTAMP = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]"
@@ -20,7 +23,7 @@ TIMESTAMP = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]"
 def _args(tmp_path, **overrides) -> argparse.Namespace:
     settings = dict(
         train_iters=4, log_interval=2, global_batch_size=16, fp16=False, log_json=str(tmp_path / "log.jsonl"), tensorboard_dir=None,
-        schedule="bitpipe", split_backward=False, schedule_costs=None, virtual_pipeline_model_parallel_size=None,
+        virtual_pipeline_model_parallel_size=None,
         tensor_model_parallel_size=1, tensor_parallel_mode="1d", pipeline_model_parallel_size=2, data_parallel_size=1,
         num_microbatches=8, padded_vocab_size=128,
     )  # fmt: skip
@@ -72,7 +75,7 @@ def test_startup_report_and_summary(tmp_path, capsys):
     args = _args(tmp_path, split_backward=True, schedule_costs="costs.json")
     logger = TrainingLogger(args, rank=0, resumed=False)
     ranks = [RankReport(rank, 0, rank, 0, 1000 + rank, 500.0 + rank) for rank in range(2)]
-    logger.startup(ranks, "peak resident set size of the process", 1.5e9)
+    logger.startup(ranks, "peak resident set size of the process", 1.5e9, _run(split=True, costs="costs.json").label)
     logger.record(_record(1, 4.0, memory=700.0))
     logger.evaluation("iteration 1 on test set", {"lm loss": 3.5})
     logger.summary(1, 1, total_time_s=12.0, train_time_s=10.0, validation={"lm loss": 3.0}, test={"lm loss": 3.5})
@@ -99,7 +102,7 @@ def test_startup_report_and_summary(tmp_path, capsys):
 
 def test_only_rank_0_writes(tmp_path, capsys):
     logger = TrainingLogger(_args(tmp_path, log_interval=1), rank=1, resumed=False)
-    logger.startup([RankReport(0, 0, 0, 0, 10, 1.0)], "x", 1.0)
+    logger.startup([RankReport(0, 0, 0, 0, 10, 1.0)], "x", 1.0, "bitpipe")
     logger.record(_record(1, 4.0))
     logger.summary(1, 1, 1.0, 1.0, {}, {})
     assert capsys.readouterr().out == "" and not (tmp_path / "log.jsonl").exists()
@@ -109,14 +112,24 @@ def test_only_rank_0_writes(tmp_path, capsys):
     "overrides,label",
     [
         (dict(), "bitpipe"),
-        (dict(split_backward=True), "bitpipe+split-backward"),
+        (dict(split=True), "bitpipe+split-backward"),
+        (dict(split=True, costs="costs.json"), "bitpipe+split-backward (costs from costs.json)"),
         (dict(schedule="interleaved"), "interleaved (2 chunks per rank)"),
-        (dict(schedule="interleaved", virtual_pipeline_model_parallel_size=4), "interleaved (4 chunks per rank)"),
+        (dict(schedule="interleaved", virtual_size=4), "interleaved (4 chunks per rank)"),
         (dict(schedule="1f1b"), "1f1b"),
+        (dict(schedule="1f1b", pipeline=1), "no_pipelining"),
     ],
 )
-def test_schedule_label(tmp_path, overrides, label):
-    assert schedule_label(_args(tmp_path, **overrides)) == label
+def test_schedule_label(overrides, label):
+    assert _run(**overrides).label == label
+
+
+def _run(schedule="bitpipe", split=False, costs=None, virtual_size=None, pipeline=2) -> RunConfig:
+    """A run's decisions with the given schedule (the rest as the logger tests' flags)."""
+    choice = ScheduleChoice(schedule, split, None, virtual_size)
+    virtual = choice.virtual_chunks if schedule == "interleaved" else None
+    layout = ParallelLayout(tensor=1, pipeline=pipeline, data=1, virtual=virtual, sequence_parallel=False, tensor_parallel_mode="1d")
+    return RunConfig(choice, layout, Precision(), Batches(1, 8, 8), "sync", OptimizerChoice(), costs)
 
 
 def _shape_args(**overrides) -> argparse.Namespace:
@@ -145,7 +158,7 @@ def _count_megatron_flops(argv):
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
-    from megatron_bitpipe.training.config import placement_for, use_global_tp_group
+    from megatron_bitpipe.training.config import use_global_tp_group
     from megatron_bitpipe.training.data import build_tokenizer, collate
     from megatron_bitpipe.training.gpt import GPTTask, MockGPTDataset
 
@@ -153,7 +166,7 @@ def _count_megatron_flops(argv):
     task = GPTTask()
     args = parse_args(task, argv, world_size=1, cuda_available=False)
     args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args)
-    model = task.build_model(args, placement_for(args))
+    model = task.build_model(args, RunConfig.from_args(args))
     use_global_tp_group(model.groups.tp)
     batch = collate([MockGPTDataset(args.seed, "train", args.seq_length, args.padded_vocab_size)[i] for i in range(args.micro_batch_size)])
     with FlopCounterMode(display=False) as counter:

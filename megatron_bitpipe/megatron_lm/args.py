@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Optional
 
-from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems, recompute_problems
+from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems, recompute_problems, resolved_schedule
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 
 __all__ = [
@@ -117,20 +117,20 @@ def chain_args_provider(provider: Optional[ArgsProvider]) -> ArgsProvider:
 
 def layout_independent_init(args: argparse.Namespace) -> bool:
     """Whether the model is initialised from the seed alone (bitpipe, or the flag)."""
-    return getattr(args, "pipeline_schedule", "default") == "bitpipe" or getattr(args, "layout_independent_init", False)
+    return resolved_schedule(args) == "bitpipe" or getattr(args, "layout_independent_init", False)
 
 
 def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     """Raise :class:`BitPipeConfigError` naming every flag that breaks a rule (no communication)."""
     problems: List[str] = bitpipe_arg_problems(args, virtual_size_flag=VIRTUAL_SIZE_FLAG)
-    schedule = "bitpipe" if getattr(args, "pipeline_schedule", "default") == "bitpipe" else "megatron"
-    problems += optimizer_problems(args, schedule=schedule, megatron_lm=True)
+    bitpipe = resolved_schedule(args) == "bitpipe"
+    problems += optimizer_problems(args, schedule="bitpipe" if bitpipe else "megatron", megatron_lm=True)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(
             "--tensor-parallel-mode optimus2d is not available through Megatron-LM's scripts (their "
             "model builders use megatron's 1-D tensor parallelism); use megatron-bitpipe's scripts/pretrain_gpt.py"
         )
-    if getattr(args, "pipeline_schedule", "default") == "bitpipe":
+    if bitpipe:
         for attribute, flag, reason in _BITPIPE_CONFLICTS:
             value = getattr(args, attribute, None)
             if (value or 0) > 1 if attribute in _PARALLEL_SIZES else value:

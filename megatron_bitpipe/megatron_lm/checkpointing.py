@@ -32,6 +32,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from ..megatron_args import resolved_schedule
 from ..training.checkpoint_checks import (
     checkpoint_format,
     find_checkpoint,
@@ -54,7 +55,7 @@ def _legacy_problems(args: argparse.Namespace, model: list, directory: str, iter
     """Why this rank cannot load Megatron-LM's legacy per-rank files (empty if it can)."""
     from megatron.training.checkpointing import get_checkpoint_name
 
-    if getattr(args, "pipeline_schedule", "default") == "bitpipe":
+    if resolved_schedule(args) == "bitpipe":
         return [
             "it is a legacy --ckpt-format torch checkpoint (per-rank files of one layout), which --pipeline-schedule "
             "bitpipe does not read; resume it with the layout that saved it and save with --ckpt-format torch_dist"

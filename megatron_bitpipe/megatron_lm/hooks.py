@@ -51,7 +51,7 @@ from typing import Callable
 from ..megatron_compat import megatron_lm_functions, with_keyword
 from ..optimizers import OPTIMIZERS, OptimizerChoice, ParamScheduler, averaged_weights, build_megatron_optimizer
 from ..plugin import register
-from ..megatron_args import schedule_choice
+from ..megatron_args import resolved_schedule, schedule_choice
 from .args import chain_args_provider, layout_independent_init, validate_megatron_lm_args
 from .losses import make_megatron_lm_forward_backward_func
 
@@ -88,7 +88,7 @@ def setup(args: argparse.Namespace) -> None:
     (``--dist-ckpt-optim-fully-reshardable`` is switched on, with a note).
     """
     validate_megatron_lm_args(args)
-    schedule = getattr(args, "pipeline_schedule", "default")
+    schedule = resolved_schedule(args)
     if schedule == "bitpipe" and args.use_distributed_optimizer and not args.dist_ckpt_optim_fully_reshardable:
         args.dist_ckpt_optim_fully_reshardable = True
         if args.rank == 0:
@@ -128,7 +128,7 @@ def get_model(megatron_get_model: Callable, model_provider_func: Callable, *args
 
     from .model import get_bitpipe_model
 
-    if getattr(get_args(), "pipeline_schedule", "default") == "bitpipe":
+    if resolved_schedule(get_args()) == "bitpipe":
         return get_bitpipe_model(model_provider_func, *args, **kwargs)
     return _seed_only(megatron_get_model(model_provider_func, *args, **kwargs))
 
@@ -141,7 +141,7 @@ def build_distributed_models(megatron_build: Callable, builder, *args, **kwargs)
 
     from .model import build_bitpipe_model_with
 
-    if getattr(get_args(), "pipeline_schedule", "default") == "bitpipe":
+    if resolved_schedule(get_args()) == "bitpipe":
         return build_bitpipe_model_with(builder, megatron_build, *args, **kwargs)
     return _seed_only(megatron_build(*args, **kwargs))
 
@@ -163,7 +163,7 @@ def broadcast_full_batch(mtp_on_this_rank: bool) -> bool:
     """The ``mtp_on_this_rank`` to give ``get_batch_on_this_tp_rank``: true with BitPipe."""
     from megatron.training import get_args
 
-    return mtp_on_this_rank or getattr(get_args(), "pipeline_schedule", "default") == "bitpipe"
+    return mtp_on_this_rank or resolved_schedule(get_args()) == "bitpipe"
 
 
 def get_megatron_optimizer_config(megatron_fn: Callable, args) -> tuple:
@@ -191,7 +191,7 @@ def get_megatron_optimizer(megatron_fn: Callable, config, model_chunks, *args, *
     from ..runtime.distributed_optimizer import build_distributed_optimizer
 
     megatron_args = get_args()
-    if getattr(megatron_args, "pipeline_schedule", "default") == "bitpipe" and config.use_distributed_optimizer:
+    if resolved_schedule(megatron_args) == "bitpipe" and config.use_distributed_optimizer:
         groups = unwrap_model(model_chunks[0]).pipeline_groups
         return build_distributed_optimizer(model_chunks, groups, config, config_overrides=kwargs.get("config_overrides"))
     if megatron_args.optimizer not in _OWN:

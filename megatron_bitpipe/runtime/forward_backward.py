@@ -74,7 +74,7 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
     the chunks' linears are made deferrable on the first call with each chunk
     (:func:`~.weight_grad.enable_split_backward`, which raises for Transformer Engine and
     Optimus 2D layers). Same gradients as without. The schedules that always split their
-    backwards (:data:`~megatron_bitpipe.schedules.ALWAYS_SPLIT`: ZB-H1, ZB-V, DualPipe,
+    backwards (the generators with ``always_split``: ZB-H1, ZB-V, DualPipe,
     DualPipeV) do so too (``choice.splits_backward``).
 
     Communication uses the chunks' own :class:`~.groups.PipelineGroups` (channel groups created

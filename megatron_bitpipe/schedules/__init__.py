@@ -6,7 +6,7 @@ Nothing in this package needs ``torch.distributed``. A :class:`~.choice.Schedule
 compute-only :class:`~.actions.SchedulePlan` (per-rank ordered actions plus the placement that
 implies all communication), :func:`~.lower.lower` writes that communication into the plan as
 ``SEND`` / ``RECV`` actions; :func:`~.validate.validate_plan` checks it,
-:func:`~.simulate.simulate` times it under a :class:`~.simulate.CostModel`, :mod:`.render`
+:func:`~.simulate.simulate` times it under a :class:`~.costs.CostModel`, :mod:`.render`
 draws it and the runtime executes it.
 
 :func:`generate` is the short form ``ScheduleChoice(...).plan(D, N)`` (lowered plans;
@@ -22,11 +22,14 @@ from __future__ import annotations
 from typing import Optional
 
 from .actions import Action, ActionType, SchedulePlan
-from .choice import ALWAYS_SPLIT, GENERATORS, SCHEDULES, ScheduleChoice
+from .choice import ScheduleChoice
+from .generator import ScheduleGenerator
 from .errors import PlanError, ScheduleConfigError
 from .lower import lower
 from .placement import Placement, StageLocation
-from .simulate import CostModel, SimulationResult, simulate
+from .registry import REGISTRY, register, schedule_names
+from .costs import CostModel
+from .simulate import SimulationResult, simulate
 from .split_backward import SPLIT_BACKWARD_SUFFIX
 from .validate import validate_plan
 
@@ -47,22 +50,23 @@ def generate(
 
 
 __all__ = [
-    "ALWAYS_SPLIT",
     "Action",
     "ActionType",
     "CostModel",
-    "GENERATORS",
     "Placement",
     "PlanError",
-    "SCHEDULES",
+    "REGISTRY",
     "SPLIT_BACKWARD_SUFFIX",
     "ScheduleChoice",
     "ScheduleConfigError",
+    "ScheduleGenerator",
     "SchedulePlan",
     "SimulationResult",
     "StageLocation",
     "generate",
     "lower",
+    "register",
+    "schedule_names",
     "simulate",
     "validate_plan",
 ]

@@ -44,9 +44,10 @@ from typing import List, Optional
 
 from .actions import SchedulePlan
 from .compose import bidirectional_plan, bidirectional_problems, smallest_bidirectional_microbatches
+from .generator import PLAN_RUNNER, ScheduleGenerator
 from .list_scheduling import latency_aware_split
 from .placement import bidirectional_v
-from .simulate import CostModel
+from .costs import CostModel
 
 
 placement = bidirectional_v
@@ -75,3 +76,15 @@ def with_split_backward(plan: SchedulePlan, costs: Optional[CostModel] = None) -
     """
     num_ranks = plan.num_ranks
     return latency_aware_split(plan, costs or CostModel(), num_ranks, (num_ranks // 2,))
+
+
+GENERATOR = ScheduleGenerator(
+    name="bitpipe",
+    summary="BitPipe: two V-shaped pipelines in opposite directions, interleaved (two weight replicas)",
+    place=placement,
+    problems=problems,
+    smallest_num_microbatches=smallest_num_microbatches,
+    generate=generate,
+    split_backward=with_split_backward,
+    runner=PLAN_RUNNER,
+)

@@ -17,6 +17,7 @@ from typing import List, Optional
 
 from .actions import SchedulePlan
 from .compose import bidirectional_plan, bidirectional_problems, smallest_bidirectional_microbatches
+from .generator import ScheduleGenerator
 from .placement import bidirectional
 
 
@@ -35,3 +36,13 @@ def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) 
     """Chimera plan for ``num_ranks`` (even) ranks and ``num_microbatches`` (even, >= D);
     the arguments must satisfy :func:`problems`."""
     return bidirectional_plan("chimera", bidirectional(num_ranks), num_microbatches, forward_only)
+
+
+GENERATOR = ScheduleGenerator(
+    name="chimera",
+    summary="Chimera: two straight pipelines in opposite directions (two weight replicas)",
+    place=placement,
+    problems=problems,
+    smallest_num_microbatches=smallest_num_microbatches,
+    generate=generate,
+)

@@ -10,9 +10,10 @@ argument hook and :meth:`ScheduleChoice.plan` all call it), and :attr:`ScheduleC
 is the only spelling of a variant (``bitpipe+split-backward``) in plan names, benchmark
 labels and tables.
 
-Rules are stated per generator module (``problems(num_ranks, num_microbatches, source)``,
-which with ``num_microbatches=None`` gives the pipeline size's rules alone);
-the rules common to every schedule — the layers must fill the placement's stages, the
+Each schedule's own rules, placement and plan come from its generator in
+:mod:`.registry` (:class:`~.generator.ScheduleGenerator`; ``problems(num_ranks,
+num_microbatches, source)`` with ``num_microbatches=None`` gives the pipeline size's rules
+alone); the rules common to every schedule — the layers must fill the placement's stages, the
 virtual size belongs to the interleaved schedule alone — are stated here and in
 :meth:`~.placement.Placement.layer_problem`.
 """
@@ -22,30 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from . import bitpipe, chimera, dualpipe, dualpipev, interleaved, one_f_one_b, zb_h1, zbv
 from .actions import SchedulePlan
 from .errors import MICROBATCH_FLAG, PP_FLAG, VP_FLAG, ScheduleConfigError
 from .lower import lower
 from .placement import Placement
-from .simulate import CostModel
-from .split_backward import SPLIT_BACKWARD_SUFFIX, split_backward as place_weight_gradients
+from .registry import REGISTRY, generator
+from .costs import CostModel
+from .split_backward import SPLIT_BACKWARD_SUFFIX
 
-__all__ = ["ALWAYS_SPLIT", "GENERATORS", "SCHEDULES", "SPLIT_BACKWARD_SUFFIX", "ScheduleChoice"]
-
-#: schedule name -> generator module (``placement``, ``problems``, ``generate``)
-GENERATORS = {
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved,
-    "chimera": chimera,
-    "bitpipe": bitpipe,
-    "zb-h1": zb_h1,
-    "zbv": zbv,
-    "dualpipe": dualpipe,
-    "dualpipev": dualpipev,
-}
-SCHEDULES = tuple(GENERATORS)
-#: the peers whose own order splits every backward (``split_backward`` changes nothing for them)
-ALWAYS_SPLIT = ("zb-h1", "zbv", "dualpipe", "dualpipev")
+__all__ = ["SPLIT_BACKWARD_SUFFIX", "ScheduleChoice"]
 #: the interleaved schedule's chunks per rank when no virtual size is given
 DEFAULT_VIRTUAL_SIZE = 2
 
@@ -55,17 +41,19 @@ class ScheduleChoice:
     """A pipeline schedule as the flags select it.
 
     Attributes:
-        schedule: generator name (:data:`SCHEDULES`).
+        schedule: a registered generator's name (:data:`~.registry.REGISTRY`).
         split_backward: every backward runs as an input-gradient ``I`` and, later in a
             bubble, a weight-gradient ``W`` (:mod:`.split_backward`; BitPipe's order is then
-            planned for ``costs``, :mod:`.list_scheduling`). The :data:`ALWAYS_SPLIT`
-            schedules split either way.
+            planned for ``costs``, :mod:`.list_scheduling`). Generators whose own order splits
+            (``always_split``: the zero-bubble and DualPipe peers) split either way.
         costs: the costs the ``W``'s are placed (and BitPipe's and ZB-V's orders planned)
-            for (only their ratios matter); ``None`` is :class:`~.simulate.CostModel`'s
+            for (only their ratios matter); ``None`` is :class:`~.costs.CostModel`'s
             default (``t_B = 2 t_F``, half of it ``W``). Unused by plans without a split
             backward.
         virtual_size: chunks per rank of ``interleaved`` (``None``: 2); other schedules
             have a fixed number and take ``None`` (or 1).
+
+    Invariant: every method but :meth:`problems` assumes ``schedule`` is registered.
     """
 
     schedule: str
@@ -76,13 +64,13 @@ class ScheduleChoice:
     @property
     def splits_backward(self) -> bool:
         """Whether the plans run split backwards (``I`` and ``W``)."""
-        return self.split_backward or self.schedule in ALWAYS_SPLIT
+        return self.split_backward or REGISTRY[self.schedule].always_split
 
     @property
     def label(self) -> str:
         """``bitpipe`` or ``bitpipe+split-backward`` (``zbv``: its backwards are always split):
         the plan's name and the variant's name in benchmark labels and tables."""
-        suffix = self.split_backward and self.schedule not in ALWAYS_SPLIT
+        suffix = self.split_backward and not REGISTRY[self.schedule].always_split
         return self.schedule + (SPLIT_BACKWARD_SUFFIX if suffix else "")
 
     @classmethod
@@ -98,10 +86,7 @@ class ScheduleChoice:
 
     def placement(self, num_ranks: int) -> Placement:
         """Where the stages live on ``num_ranks`` pipeline ranks (the same for every N)."""
-        generator = GENERATORS[self.schedule]
-        if self.schedule == "interleaved":
-            return generator.placement(num_ranks, self.virtual_chunks)
-        return generator.placement(num_ranks)
+        return REGISTRY[self.schedule].placement(num_ranks, self.virtual_chunks)
 
     def problems(
         self,
@@ -121,19 +106,19 @@ class ScheduleChoice:
         parser calls it ``--num-virtual-stages-per-pipeline-rank``).
         Pure: no communication, no torch.
         """
-        if self.schedule not in GENERATORS:
-            return [f"--schedule: unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}"]
+        if self.schedule not in REGISTRY:
+            return [f"--schedule: unknown schedule {self.schedule!r}; choose from {', '.join(REGISTRY)}"]
         problems: List[str] = []
         if num_ranks < 1:
             return [f"{PP_FLAG} must be >= 1 (got {num_ranks})"]
-        generator = GENERATORS[self.schedule]
-        if self.schedule == "interleaved":
+        schedule = REGISTRY[self.schedule]
+        if schedule.takes_virtual_size:
             if self.virtual_chunks < 1:
                 return [f"{virtual_size_flag} must be >= 1 (got {self.virtual_size})"]
         elif self.virtual_size not in (None, 1):
             problems.append(f"{virtual_size_flag} must not be set with {self.schedule} (its chunks per rank are fixed)")
-        problems += generator.problems(num_ranks, num_microbatches, microbatches)
-        pipeline_size_ok = not generator.problems(num_ranks, None, microbatches)  # N=None: D's rules only
+        problems += schedule.problems(num_ranks, num_microbatches, microbatches)
+        pipeline_size_ok = not schedule.problems(num_ranks, None, microbatches)  # N=None: D's rules only
         if num_layers is not None and pipeline_size_ok:
             layer_problem = self.placement(num_ranks).layer_problem(num_layers, virtual_size_flag)
             if layer_problem:
@@ -142,7 +127,7 @@ class ScheduleChoice:
 
     def smallest_num_microbatches(self, num_ranks: int) -> int:
         """The smallest N (per data-parallel rank) the schedule accepts on ``num_ranks`` ranks."""
-        return GENERATORS[self.schedule].smallest_num_microbatches(num_ranks)
+        return generator(self.schedule).smallest_num_microbatches(num_ranks)
 
     def plan(self, num_ranks: int, num_microbatches: int, forward_only: bool = False) -> SchedulePlan:
         """The lowered plan of one step (:func:`~.lower.lower`: explicit ``SEND`` / ``RECV``
@@ -154,16 +139,8 @@ class ScheduleChoice:
         problems = self.problems(num_ranks, num_microbatches)
         if problems:
             raise ScheduleConfigError("; ".join(problems))
-        generator = GENERATORS[self.schedule]
-        if self.schedule == "interleaved":
-            plan = generator.generate(num_ranks, num_microbatches, self.virtual_chunks, forward_only)
-        elif self.schedule == "zbv":  # ordered for the costs
-            plan = generator.generate(num_ranks, num_microbatches, forward_only, self.costs)
-        else:
-            plan = generator.generate(num_ranks, num_microbatches, forward_only)
-        if self.split_backward and not forward_only and self.schedule not in ALWAYS_SPLIT:
-            if self.schedule == "bitpipe":
-                plan = bitpipe.with_split_backward(plan, self.costs)
-            else:
-                plan = place_weight_gradients(plan, self.costs)
+        schedule = REGISTRY[self.schedule]
+        plan = schedule.compute_plan(num_ranks, num_microbatches, self.virtual_chunks, forward_only, self.costs)
+        if self.split_backward and not forward_only and not schedule.always_split:
+            plan = schedule.split_backward(plan, self.costs)
         return lower(plan)

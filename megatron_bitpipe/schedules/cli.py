@@ -1,11 +1,13 @@
-"""Command line: ``bitpipe-schedule {simulate,plan} ...`` (or ``python -m megatron_bitpipe.schedules``).
+"""Command line: ``bitpipe-schedule {list,simulate,plan} ...`` (or ``python -m megatron_bitpipe.schedules``).
 
+``list`` prints every registered schedule (:mod:`.registry`) with what runs it in training
+and whether its own order splits the backward.
 ``simulate`` validates and simulates one schedule and prints a summary (or one JSON
 object with ``--json``); ``--plot`` writes a Gantt PNG, ``--trace`` a Chrome trace.
 ``plan`` prints every rank's compute actions in order, or with ``--communication`` the
 lowered plan with its ``SEND``/``RECV`` actions (``--receive-lookahead K`` posts each
 receive ``K`` actions before its consumer, :func:`~.lower.lower`). Costs come from ``--costs FILE`` (a JSON
-object with :class:`~.simulate.CostModel` fields, e.g. written by
+object with :class:`~.costs.CostModel` fields, e.g. written by
 ``scripts/calibrate_gpu.py``) and/or the ``--t-*`` flags, which take precedence.
 
 Invalid arguments exit with status 2 and one line naming the flag (the closest flag for an
@@ -24,11 +26,13 @@ import sys
 from typing import Callable, List, Optional
 
 from ..usage import USAGE_EXIT_STATUS, FlagParser, UsageError
-from . import SCHEDULES, ScheduleChoice
+from . import ScheduleChoice
+from .costs import CostModel, read_cost_file
 from .errors import PlanError, ScheduleConfigError
 from .lower import lower
 from .nccl import check_nccl
-from .simulate import CostModel, read_cost_file, simulate
+from .registry import REGISTRY, schedule_names
+from .simulate import simulate
 from .validate import validate_plan
 
 #: CostModel field -> (flag, help); times are in one unit of the caller's choice (TIME), the
@@ -58,7 +62,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     (``args.pp``), ``--num-microbatches`` (``args.num_microbatches``),
     ``--virtual-pipeline-model-parallel-size`` (``args.vp``) and ``--split-backward``,
     as :class:`~.choice.ScheduleChoice` and its ``plan`` take them."""
-    parser.add_argument("--schedule", choices=SCHEDULES, required=True)
+    parser.add_argument("--schedule", choices=schedule_names(), required=True)
     parser.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp", metavar="D", help="pipeline ranks")
     parser.add_argument("--num-microbatches", "-N", type=int, required=True, dest="num_microbatches", metavar="N",
                         help="micro-batches of one step (per data-parallel rank)")
@@ -71,6 +75,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _parser(prog: Optional[str] = None) -> FlagParser:
     parser = FlagParser(prog=prog, description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=FlagParser)
+    commands.add_parser("list", help="list the schedules (name, who runs it in training, summary)")
     for name, help_text in (("simulate", "validate and simulate a schedule"), ("plan", "print per-rank actions")):
         sub = commands.add_parser(name, help=help_text)
         add_plan_arguments(sub)
@@ -94,6 +99,15 @@ def _parser(prog: Optional[str] = None) -> FlagParser:
             sub.add_argument("--plot", metavar="FILE.png", help=f"write a Gantt chart; needs matplotlib: {PLOT_EXTRA}")
             sub.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace")
     return parser
+
+
+def schedule_listing() -> str:
+    """One line per registered schedule: its name, who runs it in training (``--pipeline-schedule``)
+    or ``peer`` for the schedules the simulator and the executor run but training does not select, ``always split`` where its own order splits the backward,
+    and its summary."""
+    runs = {name: (s.runner or "peer (simulator, executor)") + (", always split" if s.always_split else "") for name, s in REGISTRY.items()}
+    name_width, runs_width = max(map(len, runs)), max(map(len, runs.values()))
+    return "\n".join(f"{name:<{name_width}}  {runs[name]:<{runs_width}}  {s.summary}" for name, s in REGISTRY.items())
 
 
 def _non_negative_int(text: str) -> int:
@@ -158,6 +172,9 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return USAGE_EXIT_STATUS
+    if args.command == "list":
+        print(schedule_listing())
+        return 0
     try:
         if args.command == "simulate" and args.plot:
             _require_matplotlib()

@@ -69,29 +69,30 @@ class Transfer:
         """+1 towards higher ranks, -1 towards lower ranks (0 for local hand-overs)."""
         return (self.dst.rank > self.src.rank) - (self.dst.rank < self.src.rank)
 
+    def _action(self, on_activation: ActionType, on_gradient: ActionType, end: StageLocation) -> Action:
+        """The action of this message's kind (``on_activation`` or ``on_gradient``) on ``end``'s chunk."""
+        kind = on_activation if self.payload is Payload.ACTIVATION else on_gradient
+        return Action(kind, end.chunk, self.microbatch)
+
     @property
     def send(self) -> Action:
         """The ``SEND_F`` / ``SEND_B`` action that sends this message, on rank ``src.rank``."""
-        kind = ActionType.SEND_ACTIVATION if self.payload is Payload.ACTIVATION else ActionType.SEND_GRADIENT
-        return Action(kind, self.src.chunk, self.microbatch)
+        return self._action(ActionType.SEND_ACTIVATION, ActionType.SEND_GRADIENT, self.src)
 
     @property
     def receive(self) -> Action:
         """The ``RECV_F`` / ``RECV_B`` action that posts this message's receive, on rank ``dst.rank``."""
-        kind = ActionType.RECV_ACTIVATION if self.payload is Payload.ACTIVATION else ActionType.RECV_GRADIENT
-        return Action(kind, self.dst.chunk, self.microbatch)
+        return self._action(ActionType.RECV_ACTIVATION, ActionType.RECV_GRADIENT, self.dst)
 
     @property
     def producer(self) -> Action:
         """The producing action's :attr:`~.actions.Action.comm_key`."""
-        kind = ActionType.FORWARD if self.payload is Payload.ACTIVATION else ActionType.BACKWARD
-        return Action(kind, self.src.chunk, self.microbatch)
+        return self._action(ActionType.FORWARD, ActionType.BACKWARD, self.src)
 
     @property
     def consumer(self) -> Action:
         """The consuming action's :attr:`~.actions.Action.comm_key`."""
-        kind = ActionType.FORWARD if self.payload is Payload.ACTIVATION else ActionType.BACKWARD
-        return Action(kind, self.dst.chunk, self.microbatch)
+        return self._action(ActionType.FORWARD, ActionType.BACKWARD, self.dst)
 
 
 ChannelGroupKey = Tuple[Payload, int, int, int]

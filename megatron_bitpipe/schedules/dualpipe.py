@@ -38,6 +38,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
 from .errors import PP_FLAG
+from .generator import ScheduleGenerator
 from .placement import bidirectional
 
 F, B, I, W = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
@@ -154,3 +155,14 @@ def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) 
         half_rank = min(rank, num_ranks - 1 - rank)
         actions.append(with_eager_syncs(overlapped_rank_order(order, half_rank, num_ranks // 2, per_direction)))
     return make_plan("dualpipe", bidirectional(num_ranks), num_microbatches, microbatch_pipeline, actions)
+
+
+GENERATOR = ScheduleGenerator(
+    name="dualpipe",
+    summary="DualPipe: two pipelines in opposite directions, forward and backward overlapped",
+    place=placement,
+    problems=problems,
+    smallest_num_microbatches=smallest_num_microbatches,
+    generate=generate,
+    always_split=True,
+)

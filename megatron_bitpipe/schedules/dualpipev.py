@@ -21,6 +21,7 @@ from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
 from .dualpipe import PhaseOrder, overlapped_rank_order
 from .errors import PP_FLAG
+from .generator import ScheduleGenerator
 from .placement import v_shape
 
 placement = v_shape
@@ -49,3 +50,14 @@ def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) 
         order = PhaseOrder((0, 1), microbatches)
         actions.append(with_eager_syncs(overlapped_rank_order(order, rank, num_ranks, num_microbatches)))
     return make_plan("dualpipev", v_shape(num_ranks), num_microbatches, [0] * num_microbatches, actions)
+
+
+GENERATOR = ScheduleGenerator(
+    name="dualpipev",
+    summary="DualPipeV: DualPipe folded onto one V-shaped pipeline",
+    place=placement,
+    problems=problems,
+    smallest_num_microbatches=smallest_num_microbatches,
+    generate=generate,
+    always_split=True,
+)

@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 from .actions import SchedulePlan, make_plan
 from .compose import one_f_one_b, with_eager_syncs
 from .errors import PP_FLAG
+from .generator import MEGATRON_RUNNER, ScheduleGenerator
 from .placement import looped
 
 
@@ -58,3 +59,15 @@ def generate(
         warmup = 2 * (num_ranks - rank - 1) + (virtual_size - 1) * num_ranks
         actions.append(with_eager_syncs(one_f_one_b(forwards, backwards, warmup)))
     return make_plan("interleaved", looped(num_ranks, virtual_size), num_microbatches, [0] * num_microbatches, actions)
+
+
+GENERATOR = ScheduleGenerator(
+    name="interleaved",
+    summary="looped interleaved 1F1B, v chunks per rank (megatron-core's interleaved schedule)",
+    place=placement,
+    problems=problems,
+    smallest_num_microbatches=smallest_num_microbatches,
+    generate=generate,
+    takes_virtual_size=True,
+    runner=MEGATRON_RUNNER,
+)

@@ -48,7 +48,8 @@ from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
 from .errors import PlanError
 from .placement import Placement
-from .simulate import CostModel, simulate
+from .costs import CostModel
+from .simulate import simulate
 from .split_backward import split_backward
 
 __all__ = ["latency_aware_split", "list_schedule"]

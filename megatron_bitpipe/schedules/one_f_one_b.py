@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from .actions import SchedulePlan, make_plan
 from .compose import one_f_one_b, with_eager_syncs
+from .generator import MEGATRON_RUNNER, ScheduleGenerator
 from .placement import Placement, looped
 
 
@@ -43,3 +44,14 @@ def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) 
         else:
             actions.append(with_eager_syncs(one_f_one_b(order, order, num_ranks - rank - 1)))
     return make_plan("1f1b", looped(num_ranks), num_microbatches, [0] * num_microbatches, actions)
+
+
+GENERATOR = ScheduleGenerator(
+    name="1f1b",
+    summary="1F1B: one pipeline, one chunk per rank (megatron-core's non-interleaved schedule)",
+    place=placement,
+    problems=problems,
+    smallest_num_microbatches=smallest_num_microbatches,
+    generate=generate,
+    runner=MEGATRON_RUNNER,
+)

@@ -19,7 +19,7 @@ Execution model (the same one the runtime implements):
   all-reduce of that chunk's gradients among the chunk's replicas (mirror slots) and
   the data-parallel ranks. The all-reduce starts when every replica has issued it and
   the communication lane of each participant is free, and lasts
-  :meth:`CostModel.sync_time` (its bytes over the all-reduce bandwidth, for a group of
+  :meth:`~.costs.CostModel.sync_time` (its bytes over the all-reduce bandwidth, for a group of
   replicas x data-parallel ranks, plus any fixed ``t_sync``).
 
 The step ends when every rank has finished computing and every all-reduce has
@@ -33,126 +33,14 @@ forward saved), and exactly what the emulated layers of the benchmark hold.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from .actions import Action, ActionType, SchedulePlan
 from .comm import received_by
+from .costs import CostModel
 from .errors import PlanError
 from .lower import lower
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Costs in one time unit of the caller's choice (``t_forward = 1`` or milliseconds).
-
-    Attributes:
-        t_forward: forward of one micro-batch through ``L / D`` layers (one device's
-            share of one replica). A stage's cost is this times its ``stage_weight``.
-        t_backward: full backward (input + weight gradients) of the same layers.
-        t_weight: the weight-gradient part of ``t_backward`` — the cost of ``W`` in a split
-            backward, whose ``I`` costs ``t_backward - t_weight``; ``None`` means the rest of
-            ``t_backward`` after ``t_input`` (half of ``t_backward`` without either). Plans
-            without a split backward do not use it.
-        t_input: the cost of ``I`` (input gradient, weight gradients deferred) in a split
-            backward, when measured on its own (``scripts/calibrate_gpu.py`` writes it);
-            ``None`` means ``t_backward`` minus the ``W`` cost. With both ``t_input`` and
-            ``t_weight`` given, ``I + W`` may differ from ``t_backward`` (a split backward
-            does its own work: on one H100, I + W = 1.03 B), and ``t_input`` is not bounded
-            by ``t_backward``. Plans without a split backward do not use it.
-        t_p2p: latency of one point-to-point message.
-        p2p_bytes: bytes of one message (activation or gradient of one micro-batch at a
-            stage boundary); with ``p2p_bandwidth`` gives the bandwidth term.
-        p2p_bandwidth: bytes per time unit; 0 means the bandwidth term is ignored.
-        t_sync: a fixed all-reduce time of the gradients of ``L / D`` layers (whatever the
-            group), added to the bandwidth term below; e.g. a time measured for one group.
-        grad_bytes: bytes of the gradients of ``L / D`` layers that an all-reduce moves
-            (parameters x gradient element size).
-        sync_bandwidth: all-reduce *bus* bandwidth (bytes per time unit, as nccl-tests
-            reports it); with ``grad_bytes`` gives the bandwidth term of a ring
-            all-reduce, ``2 (g-1)/g x bytes / bandwidth`` for a group of ``g`` ranks. 0:
-            no bandwidth term.
-        data_parallel_size: data-parallel ranks each stage's gradients are averaged over
-            besides its replicas: the group of a stage held by ``R`` replicas is
-            ``R x data_parallel_size`` ranks.
-    """
-
-    t_forward: float = 1.0
-    t_backward: float = 2.0
-    t_weight: Optional[float] = None
-    t_input: Optional[float] = None
-    t_p2p: float = 0.0
-    p2p_bytes: float = 0.0
-    p2p_bandwidth: float = 0.0
-    t_sync: float = 0.0
-    grad_bytes: float = 0.0
-    sync_bandwidth: float = 0.0
-    data_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if value is not None and value < 0:
-                raise ValueError(f"cost {name} must be >= 0, got {value}")
-        if self.data_parallel_size < 1 or self.data_parallel_size != int(self.data_parallel_size):
-            raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size}")
-        if self.t_forward + self.t_backward <= 0:
-            raise ValueError("t_forward + t_backward must be > 0")
-        if self.t_weight is not None and self.t_weight > self.t_backward:
-            raise ValueError(f"t_weight ({self.t_weight}) is part of t_backward ({self.t_backward}) and cannot exceed it")
-        if self.t_input is not None and self.t_weight is None and self.t_input > self.t_backward:
-            raise ValueError(
-                f"t_input ({self.t_input}) without t_weight leaves W = t_backward - t_input: it cannot exceed "
-                f"t_backward ({self.t_backward})"
-            )
-
-    @property
-    def weight_time(self) -> float:
-        """Cost of the weight-gradient part (``W``) of a backward of ``L / D`` layers."""
-        if self.t_weight is not None:
-            return self.t_weight
-        return self.t_backward / 2 if self.t_input is None else self.t_backward - self.t_input
-
-    @property
-    def input_time(self) -> float:
-        """Cost of the input-gradient part (``I``) of a split backward of ``L / D`` layers."""
-        return self.t_backward - self.weight_time if self.t_input is None else self.t_input
-
-    @property
-    def message_time(self) -> float:
-        """Time from a ``SEND`` (issued when its producer ends) to the arrival of its message."""
-        bandwidth_term = self.p2p_bytes / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
-        return self.t_p2p + bandwidth_term
-
-    def sync_time(self, stage_weight: float, replicas: int) -> float:
-        """All-reduce time of the gradients of a stage of ``stage_weight`` device shares held
-        by ``replicas`` slots, among those and the data-parallel ranks."""
-        group = replicas * int(self.data_parallel_size)
-        ring = 0.0
-        if self.sync_bandwidth > 0 and group > 1:
-            ring = 2 * (group - 1) / group * self.grad_bytes * stage_weight / self.sync_bandwidth
-        return self.t_sync * stage_weight + ring
-
-    def compute_time(self, action: Action, stage_weight: float) -> float:
-        """Time of ``action`` on a stage holding ``stage_weight`` device shares (0 for SYNC)."""
-        per_share = {
-            ActionType.FORWARD: self.t_forward,
-            ActionType.BACKWARD: self.t_backward,
-            ActionType.BACKWARD_INPUT: self.input_time,
-            ActionType.BACKWARD_WEIGHT: self.weight_time,
-        }
-        return per_share.get(action.type, 0.0) * stage_weight
-
-
-def read_cost_file(path: str) -> Dict[str, float]:
-    """The :class:`CostModel` fields found in JSON cost file ``path`` (other keys,
-    e.g. a calibration's sizes, are ignored). Raises OSError / JSONDecodeError."""
-    with open(path, encoding="utf-8") as handle:
-        loaded = json.load(handle)
-    known = {f.name for f in fields(CostModel)}
-    return {
-        k: (int(v) if k == "data_parallel_size" else float(v)) for k, v in loaded.items() if k in known and v is not None
-    }
 
 
 ENDS_BACKWARD = frozenset(kind for kind in ActionType if kind.ends_backward)

@@ -35,7 +35,8 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
 from .errors import PlanError
-from .simulate import CostModel, SimulationResult, simulate
+from .costs import CostModel
+from .simulate import SimulationResult, simulate
 
 __all__ = ["SPLIT_BACKWARD_SUFFIX", "split_backward"]
 

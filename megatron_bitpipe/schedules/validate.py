@@ -27,7 +27,8 @@ from .comm import Transfer, receive_action, received_by, send_action, sent_by, t
 from .errors import PlanError
 from .lower import lower
 from .nccl import check_nccl
-from .simulate import CostModel, simulate
+from .costs import CostModel
+from .simulate import simulate
 
 
 def is_training_plan(plan: SchedulePlan) -> bool:

@@ -26,6 +26,7 @@ from typing import Deque, List, Optional
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
 from .errors import PP_FLAG
+from .generator import ScheduleGenerator
 from .placement import Placement, looped
 
 F, I, W = ActionType.FORWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
@@ -79,3 +80,14 @@ def generate(num_ranks: int, num_microbatches: int, forward_only: bool = False) 
     else:
         actions = [with_eager_syncs(rank_order(r, num_ranks, num_microbatches)) for r in range(num_ranks)]
     return make_plan("zb-h1", looped(num_ranks), num_microbatches, [0] * num_microbatches, actions)
+
+
+GENERATOR = ScheduleGenerator(
+    name="zb-h1",
+    summary="ZB-H1: 1F1B with a split backward, W in the bubbles (1F1B memory)",
+    place=placement,
+    problems=problems,
+    smallest_num_microbatches=smallest_num_microbatches,
+    generate=generate,
+    always_split=True,
+)

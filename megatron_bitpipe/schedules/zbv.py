@@ -30,9 +30,11 @@ from typing import List, Optional
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import lockstep_order, with_eager_syncs
 from .errors import PP_FLAG
+from .generator import ScheduleGenerator
 from .list_scheduling import latency_aware_split
 from .placement import v_shape
-from .simulate import CostModel, simulate
+from .costs import CostModel
+from .simulate import simulate
 
 F, I, W = ActionType.FORWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
 
@@ -119,3 +121,15 @@ def generate(
     if simulate(scheduled, costs).makespan < simulate(paper, costs).makespan:
         return scheduled
     return paper
+
+
+GENERATOR = ScheduleGenerator(
+    name="zbv",
+    summary="ZB-V: one V-shaped pipeline, split backward, order planned for the costs",
+    place=placement,
+    problems=problems,
+    smallest_num_microbatches=smallest_num_microbatches,
+    generate=generate,
+    takes_costs=True,
+    always_split=True,
+)

@@ -1,8 +1,10 @@
 """Pretraining on megatron-core alone: the loop behind ``scripts/pretrain_gpt.py`` and
 ``scripts/pretrain_bert.py``.
 
-* :mod:`.loop` — :func:`~.loop.main` / :func:`~.loop.pretrain`: check the flags (every rank,
-  before any communication), then run the model-agnostic loop (:class:`~.loop.Trainer`);
+* :mod:`.script` — :func:`~.script.main` / :func:`~.script.pretrain`: check the flags (every
+  rank, before any communication, before torch.distributed and megatron-core are imported);
+  :mod:`.loop` — then the model-agnostic loop (:func:`~.loop.run_training`, :class:`~.loop.Trainer`;
+  the run's decisions: :class:`megatron_bitpipe.run_config.RunConfig`);
 * :mod:`.task` — :class:`~.task.PretrainTask`, what a model brings (provider, forward step,
   datasets); :mod:`.gpt` — :class:`~.gpt.GPTTask`, its model, data and loss;
   :mod:`.bert` — :class:`~.bert.BertTask`, its data and loss; :mod:`.model` — the model from the common flags;
@@ -29,7 +31,7 @@ __all__ = ["main", "pretrain", "PretrainTask"]
 
 #: public name -> the submodule defining it, imported on first use: the scripts parse their
 #: flags (:mod:`.arguments`, :mod:`.script`) before torch and megatron-core are imported
-_SUBMODULE = {"main": "loop", "pretrain": "loop", "PretrainTask": "task"}
+_SUBMODULE = {"main": "script", "pretrain": "script", "PretrainTask": "task"}
 
 
 def __getattr__(name: str):

@@ -15,8 +15,10 @@ for a single process), ``data_parallel_size``, ``num_microbatches`` (per data-pa
 ``ffn_hidden_size`` (4 x hidden, or Megatron's SwiGLU size), ``kv_channels``,
 ``max_position_embeddings`` (``--seq-length``), ``global_batch_size`` (micro-batch x
 data-parallel size; ``global_batch_size_defaulted`` says the flag was left out), ``lr_decay_iters`` (``--train-iters``), ``use_mock_data`` (no
-``--data-path``), ``schedule`` (what actually runs: ``bitpipe``, ``no_pipelining``, ``1f1b``
-or ``interleaved``), ``recompute_granularity`` (``selective`` with ``--recompute-activations``).
+``--data-path``), ``recompute_granularity`` (``selective`` with ``--recompute-activations``).
+The run's decisions (the resolved schedule, layout, precision, batch shape, data-parallel mode,
+optimizer) are not namespace fields: :meth:`megatron_bitpipe.run_config.RunConfig.from_args`
+makes them once from the checked namespace.
 
 Defaults that differ from Megatron-LM: ``--hidden-dropout`` and ``--attention-dropout`` are 0
 (dropout masks are drawn per rank, so only without dropout do two layouts give the same loss
@@ -43,6 +45,7 @@ from ..megatron_args import (
     bitpipe_arg_problems,
     microbatch_problems,
     recompute_problems,
+    resolved_schedule,
 )
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
@@ -325,17 +328,8 @@ def _fill_derived(args: argparse.Namespace, world_size: int, cuda_available: boo
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     args.use_mock_data = not args.data_path
     args.padded_vocab_size = None  # known once the tokenizer is built
-    args.schedule = _schedule(args)
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"  # Megatron-LM's meaning of --recompute-activations
-
-
-def _schedule(args: argparse.Namespace) -> str:
-    if args.pipeline_schedule == "bitpipe":
-        return "bitpipe"
-    if args.pipeline_schedule == "interleaved" or args.virtual_pipeline_model_parallel_size not in (None, 1):
-        return "interleaved"
-    return "no_pipelining" if args.pipeline_model_parallel_size == 1 else "1f1b"
 
 
 def _positive(args, names: Sequence[str]) -> List[str]:
@@ -379,12 +373,13 @@ def _pipeline_problems(args) -> List[str]:
     :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`)."""
     problems = []
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    interleaved = resolved_schedule(args) == "interleaved"
     if args.pipeline_schedule not in PLAN_SCHEDULES and not _flag_combination_problem(args):
-        choice = ScheduleChoice("interleaved" if args.schedule == "interleaved" else "1f1b", virtual_size=vp)
+        choice = ScheduleChoice(resolved_schedule(args), virtual_size=vp)
         problems += microbatch_problems(args, choice, args.num_microbatches)
-    if args.schedule == "interleaved" and pp < 2:
+    if interleaved and pp < 2:
         problems.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2")
-    if args.tensor_parallel_mode == "optimus2d" and args.schedule == "interleaved":
+    if args.tensor_parallel_mode == "optimus2d" and interleaved:
         problems.append(
             "--tensor-parallel-mode optimus2d runs with --pipeline-schedule bitpipe, 1f1b or default, not "
             "with --virtual-pipeline-model-parallel-size"
@@ -407,7 +402,8 @@ def _recompute_problems(args) -> List[str]:
     if args.recompute_activations and args.recompute_granularity == "full":
         problems.append("--recompute-activations means --recompute-granularity selective: drop one of them")
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
-    stages = {"bitpipe": 2 * pp, "interleaved": pp * (vp or 1), "1f1b": pp}.get(args.schedule, 1)
+    choice = ScheduleChoice(resolved_schedule(args), virtual_size=vp)
+    stages = pp if choice.problems(pp) else choice.placement(pp).num_stages  # the schedule's rules report a bad pp
     return problems + recompute_problems(args, max(args.num_layers // stages, 1))
 
 
@@ -548,7 +544,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
         problems += abs_sgd_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
-    problems += optimizer_problems(args, schedule=args.schedule)
+    problems += optimizer_problems(args, schedule=resolved_schedule(args))
     problems += _data_problems(args)
     if task is not None:
         problems += task.validate(args)

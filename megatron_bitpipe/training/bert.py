@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from megatron.core.utils import get_model_config, unwrap_model
 
 from ..runtime.bert import build_bert_chunks, default_bert_layer_spec
-from ..schedules.placement import Placement
+from ..run_config import RunConfig
 from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments
 from .data import indexed_datasets
 from .model import build_model
@@ -234,11 +234,11 @@ class BertTask(BertArguments, PretrainTask):
     def model_flags(self):
         return {**super().model_flags(), "--bert-no-binary-head": lambda a: not getattr(a, "bert_binary_head", True)}
 
-    def build_model(self, args: argparse.Namespace, placement: Placement):
+    def build_model(self, args: argparse.Namespace, run: RunConfig):
         self.loss_names = ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
         return build_model(
             args,
-            placement,
+            run,
             chunk_builder=build_bert_chunks,
             default_layer_spec=default_bert_layer_spec,
             add_binary_head=args.bert_binary_head,

@@ -1,11 +1,14 @@
-"""megatron-core configuration objects from the parsed flags (any model task).
+"""megatron-core configuration objects from the parsed flags and the run's decisions (any model task).
+
+Each function takes the namespace for the values the flags give (sizes, rates) and the
+:class:`~megatron_bitpipe.run_config.RunConfig` for what the run decided (schedule, layout,
+precision, optimizer choice):
 
 * :func:`transformer_config` — the ``TransformerConfig`` of the model;
-* :func:`placement_for` — which pipeline placement the chosen schedule runs;
-* :func:`ddp_config`, :func:`optimizer_config`, :func:`optimizer_choice`,
-  :func:`lr_scheduler` — DDP, the optimizer (``--optimizer``: Adam or one of
-  :mod:`megatron_bitpipe.optimizers`) and Megatron's learning-rate / weight-decay schedule
-  (counted in samples, like Megatron-LM; ``--lr-decay-style rex`` too).
+* :func:`ddp_config`, :func:`optimizer_config`, :func:`lr_scheduler` — DDP, the optimizer
+  (``--optimizer``: Adam or one of :mod:`megatron_bitpipe.optimizers`) and Megatron's
+  learning-rate / weight-decay schedule (counted in samples, like Megatron-LM; ``--lr-decay-style
+  rex`` too).
 
 Kernel choices: without a GPU every fused kernel is off (they are CUDA-only); with one, the
 bias-activation and bias-dropout fusions are on and gradient-accumulation fusion follows
@@ -27,24 +30,16 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
-from ..megatron_args import schedule_choice
-from ..optimizers import OptimizerChoice, ParamScheduler
-from ..schedules.placement import Placement
+from ..optimizers import ParamScheduler
+from ..run_config import RunConfig
 
 __all__ = [
     "transformer_config",
     "use_global_tp_group",
-    "placement_for",
     "ddp_config",
     "optimizer_config",
-    "optimizer_choice",
     "lr_scheduler",
-    "params_dtype",
 ]
-
-
-def params_dtype(args: argparse.Namespace) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 def _have_transformer_engine() -> bool:
@@ -53,15 +48,15 @@ def _have_transformer_engine() -> bool:
     return bool(gpt_layer_specs.HAVE_TE)
 
 
-def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConfig:
-    """The model config from the flags; ``overrides`` replace fields (task specifics)."""
+def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) -> TransformerConfig:
+    """The model config from the flags and the run's decisions; ``overrides`` replace fields
+    (task specifics)."""
     gpu = torch.cuda.is_available()
-    dtype = params_dtype(args)
+    dtype = run.precision.dtype
     # the split defers local layers' W; --attention-backend local/sdpa replace local layers' core attention
-    local_only = args.split_backward or getattr(args, "attention_backend", "auto") != "auto"
+    local_only = run.schedule.split_backward or getattr(args, "attention_backend", "auto") != "auto"
     te_default = gpu and _have_transformer_engine() and not local_only
     impl = args.transformer_impl or ("transformer_engine" if te_default else "local")
-    vp = args.virtual_pipeline_model_parallel_size if args.schedule == "interleaved" else None
     fields = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -77,18 +72,18 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vp,
-        sequence_parallel=args.sequence_parallel,
+        tensor_model_parallel_size=run.layout.tensor,
+        pipeline_model_parallel_size=run.layout.pipeline,
+        virtual_pipeline_model_parallel_size=run.layout.virtual,
+        sequence_parallel=run.layout.sequence_parallel,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         recompute_modules=args.recompute_modules,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
+        bf16=run.precision.bf16,
+        fp16=run.precision.fp16,
         transformer_impl=impl,
         use_cpu_initialization=True,  # local weights only: runtime.init draws each rank's shards
         gradient_accumulation_fusion=gpu and impl == "transformer_engine",
@@ -99,7 +94,7 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
         persist_layer_norm=False,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
-        overlap_p2p_comm=args.overlap_p2p_comm and args.schedule in ("bitpipe", "interleaved"),
+        overlap_p2p_comm=args.overlap_p2p_comm and (run.executes_plan or run.megatron_schedule == "interleaved"),
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=gpu,
         cuda_graph_scope=[],  # the whole layer; megatron's default spelling "full" is deprecated
@@ -114,26 +109,20 @@ def use_global_tp_group(tp_group) -> None:
     parallel_state._TENSOR_MODEL_PARALLEL_GROUP = tp_group
 
 
-def placement_for(args: argparse.Namespace) -> Placement:
-    """The selected schedule's placement: BitPipe's bidirectional V, or megatron's looped
-    placement (``v`` chunks per rank)."""
-    return schedule_choice(args).placement(args.pipeline_model_parallel_size)
-
-
-def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    """Gradients reduced in fp32; overlapped with BitPipe (its eager per-chunk sync) or with
-    ``--overlap-grad-reduce``."""
+def ddp_config(args: argparse.Namespace, run: RunConfig) -> DistributedDataParallelConfig:
+    """Gradients reduced in fp32; overlapped with the plan executor's schedules (BitPipe's eager
+    per-chunk sync) or with ``--overlap-grad-reduce``."""
     return DistributedDataParallelConfig(
-        overlap_grad_reduce=args.schedule == "bitpipe" or args.overlap_grad_reduce,
+        overlap_grad_reduce=run.executes_plan or args.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
 
 
-def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+def optimizer_config(args: argparse.Namespace, run: RunConfig) -> OptimizerConfig:
     """megatron's optimizer config from Megatron's flags (fp32 main weights for bf16/fp16;
     sharded with ``--use-distributed-optimizer``); ``--optimizer`` other than adam reads its
-    hyper-parameters from it (:func:`optimizer_choice`)."""
+    hyper-parameters from it (``run.optimizer``)."""
     return OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
@@ -143,28 +132,23 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
         clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=params_dtype(args),
+        bf16=run.precision.bf16,
+        fp16=run.precision.fp16,
+        params_dtype=run.precision.dtype,
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
 
 
-def optimizer_choice(args: argparse.Namespace) -> OptimizerChoice:
-    """``--optimizer`` and the flags of :mod:`megatron_bitpipe.optimizers`."""
-    return OptimizerChoice.from_args(args)
-
-
-def lr_scheduler(args: argparse.Namespace, optimizer) -> ParamScheduler:
+def lr_scheduler(args: argparse.Namespace, run: RunConfig, optimizer) -> ParamScheduler:
     """Megatron-LM's scheduler over samples: warm-up and decay lengths are iterations x
     ``--global-batch-size``; step it by the global batch size after each successful update.
     megatron's class with ``rex`` added (:class:`~megatron_bitpipe.optimizers.ParamScheduler`).
     With ``--optimizer schedulefree_adamw`` the optimizer warms up itself, so the scheduler
     has no warm-up (its decay style is ``constant``)."""
-    samples = args.global_batch_size
-    warmup = 0 if args.optimizer == "schedulefree_adamw" else args.lr_warmup_iters
+    samples = run.batches.global_batch_size
+    warmup = 0 if run.optimizer.name == "schedulefree_adamw" else args.lr_warmup_iters
     return ParamScheduler(
         optimizer,
         rex_beta=args.rex_beta,

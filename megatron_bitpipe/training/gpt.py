@@ -21,7 +21,7 @@ import torch
 
 from ..optimus.gpt_model import optimus_p2p_tensor_shapes
 from ..runtime.build import PipelineModel
-from ..schedules.placement import Placement
+from ..run_config import RunConfig
 from .data import indexed_datasets
 from .model import build_model
 from .task import PretrainTask
@@ -83,10 +83,10 @@ def gpt_forward_step(data_iterator, model):
     return output, partial(gpt_loss, batch["loss_mask"])
 
 
-def build_gpt_model(args: argparse.Namespace, placement: Placement) -> PipelineModel:
-    """This rank's GPTModel chunks of ``placement`` (``OptimusGPTModel`` with
+def build_gpt_model(args: argparse.Namespace, run: RunConfig) -> PipelineModel:
+    """This rank's GPTModel chunks of ``run``'s placement (``OptimusGPTModel`` with
     ``--tensor-parallel-mode optimus2d``), seed-initialised and DDP-wrapped (collective)."""
-    return build_model(args, placement, rotary_base=args.rotary_base)
+    return build_model(args, run, rotary_base=args.rotary_base)
 
 
 def optimus_shapes_fn(model: PipelineModel) -> Optional[Callable]:
@@ -101,8 +101,8 @@ class GPTTask(PretrainTask):
     name = "gpt"
     loss_names = ("lm loss",)
 
-    def build_model(self, args: argparse.Namespace, placement: Placement):
-        return build_gpt_model(args, placement)
+    def build_model(self, args: argparse.Namespace, run: RunConfig):
+        return build_gpt_model(args, run)
 
     def forward_step(self, data_iterator, model):
         return gpt_forward_step(data_iterator, model)

@@ -40,11 +40,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Dict, List, Optional, Sequence
 
-from ..schedules import ScheduleChoice
 from .distributed import log
 from .report import RankReport
 
-__all__ = ["IterationRecord", "TrainingLogger", "json_key", "schedule_label", "timestamp"]
+__all__ = ["IterationRecord", "TrainingLogger", "json_key", "timestamp"]
 
 
 def json_key(loss_name: str) -> str:
@@ -116,19 +115,6 @@ class IterationRecord:
         return out
 
 
-def schedule_label(args) -> str:
-    """The schedule that runs, as the logs name it: BitPipe's
-    :attr:`~megatron_bitpipe.schedules.ScheduleChoice.label` (``bitpipe+split-backward``)
-    with its ``--schedule-costs`` file, megatron-core's schedule with its chunks per rank."""
-    if args.schedule == "bitpipe":
-        label = ScheduleChoice("bitpipe", args.split_backward).label
-        return label + (f" (costs from {args.schedule_costs})" if args.schedule_costs else "")
-    if args.schedule == "interleaved":
-        chunks = ScheduleChoice("interleaved", virtual_size=args.virtual_pipeline_model_parallel_size).virtual_chunks
-        return f"interleaved ({chunks} chunks per rank)"
-    return args.schedule
-
-
 def _shown(value) -> str:
     if isinstance(value, (list, tuple)):
         return "/".join(_shown(v) for v in value)
@@ -173,10 +159,11 @@ class TrainingLogger:
         if record.validation:
             self._validation(record)
 
-    def startup(self, ranks: Sequence[RankReport], memory: str, flops_per_iteration: float) -> None:
+    def startup(self, ranks: Sequence[RankReport], memory: str, flops_per_iteration: float, schedule: str) -> None:
         """The start-up report: parameters per model-parallel rank (data-parallel rank 0, as
-        Megatron-LM prints them), memory after setup (``memory`` says what it measures) and
-        the model FLOPs of one iteration."""
+        Megatron-LM prints them), memory after setup (``memory`` says what it measures),
+        the model FLOPs of one iteration and the schedule (its
+        :attr:`~megatron_bitpipe.run_config.RunConfig.label`, in the JSON event)."""
         if not self.active:
             return
         args = self.args
@@ -195,7 +182,7 @@ class TrainingLogger:
             {
                 "event": "startup",
                 "timestamp": datetime.now().isoformat(),
-                "schedule": schedule_label(args),
+                "schedule": schedule,
                 "tensor_model_parallel_size": args.tensor_model_parallel_size,
                 "tensor_parallel_mode": args.tensor_parallel_mode,
                 "pipeline_model_parallel_size": args.pipeline_model_parallel_size,

@@ -1,7 +1,8 @@
 """The model-agnostic pretraining loop behind ``scripts/pretrain_gpt.py`` (and BERT's).
 
-:func:`main` parses and checks the flags (every rank, before any communication;
-:mod:`.script`), builds the tokenizer, starts ``torch.distributed`` (:mod:`.distributed`),
+:func:`run_training` takes the checked flags (:mod:`.script` parses them on every rank,
+before any communication), makes the run's decisions once
+(:class:`~megatron_bitpipe.run_config.RunConfig`), builds the tokenizer, starts ``torch.distributed`` (:mod:`.distributed`),
 asks the :class:`~.task.PretrainTask` for the model and the datasets, reports them (parameters,
 memory, model FLOPs) and trains ``--train-iters`` iterations with the schedule the flags select
 (:mod:`.schedule`): evaluation every ``--eval-interval`` iterations, logs (:mod:`.logs`),
@@ -34,35 +35,35 @@ import torch
 import torch.distributed as dist
 
 from ..optimizers import averaged_weights, lr_for_logging
+from ..run_config import RunConfig
 from ..runtime.build import build_optimizer
 from . import distributed
-from .arguments import padded_vocab_size, parse_args
+from .arguments import padded_vocab_size
 from .abs_sgd.step import AbsSgdStep, resume_data_parallel
 from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_checkpoint
-from .config import lr_scheduler, optimizer_choice, optimizer_config, placement_for, use_global_tp_group
+from .config import lr_scheduler, optimizer_config, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .exit_conditions import ExitConditions
-from .logs import IterationRecord, TrainingLogger, schedule_label
+from .logs import IterationRecord, TrainingLogger
 from .report import gather_rank_reports, job_peak_memory_mib, memory_kind, model_flops_per_sample, reset_peak_memory
 from .schedule import Schedule
-from .script import run_script
 from .task import PretrainTask
 
-__all__ = ["main", "pretrain", "run_training", "Trainer"]
+__all__ = ["run_training", "Trainer"]
 
 
 class Trainer:
     """The state of one training job on this rank; built by :meth:`build`."""
 
-    def __init__(self, task: PretrainTask, args: argparse.Namespace, tokenizer, env: distributed.Distributed):
+    def __init__(self, task: PretrainTask, args: argparse.Namespace, run: RunConfig, tokenizer, env: distributed.Distributed):
         self.started = time.perf_counter()  # the summary's total time: set-up and training
-        self.task, self.args, self.env = task, args, env
-        self.model = task.build_model(args, placement_for(args))
+        self.task, self.args, self.run_config, self.env = task, args, run, env
+        self.model = task.build_model(args, run)
         self.groups = self.model.groups
         use_global_tp_group(self.groups.tp)
-        self.optimizer = build_optimizer(self.model, optimizer_config(args), optimizer_choice(args))
-        self.scheduler = lr_scheduler(args, self.optimizer)
-        self.schedule = Schedule(args, self.model, self.optimizer, task)
+        self.optimizer = build_optimizer(self.model, optimizer_config(args, run), run.optimizer)
+        self.scheduler = lr_scheduler(args, run, self.optimizer)
+        self.schedule = Schedule(args, run, self.model, self.optimizer, task)
         self.state = TrainingState()
         loaded = None
         if args.load:
@@ -70,12 +71,12 @@ class Trainer:
                 loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task)
             self.state = loaded or self.state
         self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
-        self.abs_sgd = AbsSgdStep(self) if args.data_parallel_mode == "abs-sgd" else None
+        self.abs_sgd = AbsSgdStep(self) if run.data_parallel_mode == "abs-sgd" else None
         if loaded is not None:
             resume_data_parallel(checkpoint_dir(args.load, loaded.iteration), self.abs_sgd)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
         self.flops_per_iteration = args.global_batch_size * model_flops_per_sample(args, task.causal_attention)
-        self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration)
+        self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration, run.label)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -232,27 +233,17 @@ def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: 
     counts from here. Raises CheckpointError for a checkpoint that does not fit (before
     anything is loaded).
     """
+    run = RunConfig.from_args(args)
     with ExitConditions(args, time.time()) as exits:
         tokenizer = build_tokenizer(args)
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
         env = distributed.initialize(args, cpu_fallback)
+        layout, batches = run.layout, run.batches
         distributed.log(
-            f"{task.name}: {schedule_label(args)} schedule, TP {args.tensor_model_parallel_size} ({args.tensor_parallel_mode}) x "
-            f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, {args.num_microbatches} micro-batches "
-            f"of {args.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
+            f"{task.name}: {run.label} schedule, TP {layout.tensor} ({layout.tensor_parallel_mode}) x "
+            f"PP {layout.pipeline} x DP {layout.data}, {batches.num_microbatches} micro-batches "
+            f"of {batches.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
         )
-        Trainer(task, args, tokenizer, env).train(exits)
+        Trainer(task, args, run, tokenizer, env).train(exits)
     dist.destroy_process_group()
 
-
-def pretrain(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> None:
-    """Train ``task`` as the flags ``argv`` (default ``sys.argv[1:]``) say: :func:`run_training`
-    after :func:`.arguments.parse_args`, which raises UsageError or BitPipeConfigError for bad
-    flags (before any communication)."""
-    run_training(task, parse_args(task, argv), cpu_fallback=cpu_fallback)
-
-
-def main(task: PretrainTask, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> int:
-    """:func:`pretrain` with the scripts' exit codes and error reports:
-    :func:`.script.run_script` with ``task`` already loaded."""
-    return run_script(task, lambda: task, argv, cpu_fallback=cpu_fallback)

@@ -23,7 +23,7 @@ from ..runtime.build import PipelineModel, build_pipeline_model
 from ..runtime.model import default_gpt_layer_spec
 from ..runtime.sdpa_attention import SdpaDotProductAttention, with_core_attention
 from ..runtime.groups import ParallelGrid
-from ..schedules.placement import Placement
+from ..run_config import RunConfig
 from .config import ddp_config, transformer_config
 
 __all__ = ["build_model"]
@@ -31,12 +31,12 @@ __all__ = ["build_model"]
 
 def build_model(
     args: argparse.Namespace,
-    placement: Placement,
+    run: RunConfig,
     *,
     default_layer_spec: Callable[[TransformerConfig], ModuleSpec] = default_gpt_layer_spec,
     **model_kwargs,
 ) -> PipelineModel:
-    """This rank's chunks of ``placement``, seed-initialised and DDP-wrapped (collective).
+    """This rank's chunks of ``run``'s placement, seed-initialised and DDP-wrapped (collective).
 
     ``model_kwargs`` go to ``build_pipeline_model`` and from there to the chunk builder
     (``chunk_builder``, ``rotary_base``, ``add_binary_head``...). With ``--attention-backend
@@ -44,20 +44,20 @@ def build_model(
     spec: GPT's by default) with :class:`~megatron_bitpipe.runtime.sdpa_attention.SdpaDotProductAttention`
     as core attention, unless ``model_kwargs`` give a ``layer_spec``.
     """
-    config = transformer_config(args)
+    config = transformer_config(args, run)
     if getattr(args, "attention_backend", "auto") == "sdpa" and "layer_spec" not in model_kwargs:
         model_kwargs["layer_spec"] = with_core_attention(default_layer_spec(config), SdpaDotProductAttention)
     return build_pipeline_model(
         config,
-        ParallelGrid(args.tensor_model_parallel_size, args.data_parallel_size, args.pipeline_model_parallel_size),
-        placement,
+        ParallelGrid(run.layout.tensor, run.layout.data, run.layout.pipeline),
+        run.placement,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         seed=args.seed,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        ddp_config=ddp_config(args),
-        tensor_parallel_mode=args.tensor_parallel_mode,
+        ddp_config=ddp_config(args, run),
+        tensor_parallel_mode=run.layout.tensor_parallel_mode,
         position_embedding_type=args.position_embedding_type,
-        reduce_gradients=args.data_parallel_mode == "sync",
+        reduce_gradients=run.data_parallel_mode == "sync",
         **model_kwargs,
     )

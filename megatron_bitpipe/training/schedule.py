@@ -1,15 +1,15 @@
 """Running one global batch with the schedule the flags select.
 
-================  ======================================================  ==================
-``args.schedule``  forward_backward function                              placement
-================  ======================================================  ==================
-bitpipe           :func:`~megatron_bitpipe.runtime.forward_backward.make_forward_backward_func`  bidirectional V
-                  of the flags' :class:`~megatron_bitpipe.schedules.ScheduleChoice` (``--split-backward``,
-                  ``--schedule-costs``)
-no_pipelining     megatron-core ``forward_backward_no_pipelining``         looped, 1 rank
-1f1b              megatron-core ``forward_backward_pipelining_without_interleaving``  looped
-interleaved       megatron-core ``forward_backward_pipelining_with_interleaving``  looped, v chunks
-================  ======================================================  ==================
+==========================  ======================================================  ==================
+``RunConfig.schedule_name``  forward_backward function                              placement
+==========================  ======================================================  ==================
+bitpipe                     :func:`~megatron_bitpipe.runtime.forward_backward.make_forward_backward_func`  bidirectional V
+                            of the run's :class:`~megatron_bitpipe.schedules.ScheduleChoice` (``--split-backward``,
+                            ``--schedule-costs``)
+no_pipelining               megatron-core ``forward_backward_no_pipelining``         looped, 1 rank
+1f1b                        megatron-core ``forward_backward_pipelining_without_interleaving``  looped
+interleaved                 megatron-core ``forward_backward_pipelining_with_interleaving``  looped, v chunks
+==========================  ======================================================  ==================
 
 megatron-core's schedules get the model's explicit process groups (``pg_collection`` and a
 ``P2PCommunicator`` over the pipeline group) and read the hooks Megatron-LM installs on the
@@ -31,8 +31,8 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from ..run_config import RunConfig
 from ..runtime.build import PipelineModel
-from ..megatron_args import schedule_choice
 from ..runtime.forward_backward import make_forward_backward_func
 
 __all__ = ["Schedule"]
@@ -45,29 +45,31 @@ _MEGATRON_FUNCTIONS = {
 
 
 class Schedule:
-    """The forward_backward function of ``args.schedule`` bound to ``model``.
+    """The forward_backward function of ``run``'s schedule bound to ``model``.
 
     Installs the config hooks (see the module docstring) on ``model.config``, the config
     every DDP chunk reports.
     """
 
-    def __init__(self, args, model: PipelineModel, optimizer, task):
+    def __init__(self, args, run: RunConfig, model: PipelineModel, optimizer, task):
         self.args = args
+        self.run_config = run
         self.model = model
-        if args.schedule == "bitpipe":
-            self.function = make_forward_backward_func(schedule_choice(args))
+        megatron_schedule = run.megatron_schedule
+        if megatron_schedule is None:
+            self.function = make_forward_backward_func(run.schedule)
         else:
-            self.function = _MEGATRON_FUNCTIONS[args.schedule]
+            self.function = _MEGATRON_FUNCTIONS[megatron_schedule]
         config = model.config
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
-        if args.overlap_grad_reduce and args.schedule != "bitpipe":
+        if args.overlap_grad_reduce and megatron_schedule is not None:
             no_sync = [chunk.no_sync for chunk in model.chunks]
             config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.kwargs: Dict[str, object] = {}
-        if args.schedule != "bitpipe":
+        if megatron_schedule is not None:
             self.kwargs["pg_collection"] = model.groups.rank_pgs
-        if args.schedule in ("1f1b", "interleaved"):
+        if megatron_schedule in ("1f1b", "interleaved"):
             self.kwargs["p2p_communicator"] = P2PCommunicator(model.groups.pp, config)
             self.kwargs["adjust_tensor_shapes_fn"] = task.adjust_tensor_shapes_fn(model)
         self.slowdown = None
@@ -79,7 +81,7 @@ class Schedule:
     def run(self, forward_step_func: Callable, batches: List[dict], forward_only: bool) -> List[dict]:
         """Forward (and backward) of this data-parallel rank's micro-batches; the loss
         reports of the micro-batches whose loss this rank computes."""
-        if self.args.schedule == "interleaved":
+        if self.run_config.megatron_schedule == "interleaved":
             data_iterator = [iter(batches) for _ in self.model.chunks]  # each chunk reads every micro-batch
         else:
             data_iterator = iter(batches)
@@ -90,7 +92,7 @@ class Schedule:
             model=self.model.chunks,
             num_microbatches=len(batches),
             seq_length=self.args.seq_length,
-            micro_batch_size=self.args.micro_batch_size,
+            micro_batch_size=self.run_config.batches.micro_batch_size,
             forward_only=forward_only,
             **self.kwargs,
         )

@@ -35,7 +35,10 @@ from .arguments import parse_args
 from .errors import CheckpointError
 from .task import TaskArguments
 
-__all__ = ["PEER_REPORT_WAIT_S", "ignore_dependency_warnings", "ignore_missing_kernel_warnings", "report_user_error", "run_script"]
+__all__ = [
+    "PEER_REPORT_WAIT_S", "ignore_dependency_warnings", "ignore_missing_kernel_warnings", "main", "pretrain",
+    "report_user_error", "run_script",
+]  # fmt: skip
 
 #: seconds a rank other than 0 waits under torchrun for the job to end before it prints a
 #: user error itself (see the module docstring)
@@ -126,3 +129,18 @@ def run_script(
         report_user_error(prog, error)
         return CHECKPOINT_EXIT_STATUS
     return 0
+
+
+def pretrain(task, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> None:
+    """Train ``task`` (a :class:`~.task.PretrainTask`) as the flags ``argv`` (default
+    ``sys.argv[1:]``) say: :func:`~.loop.run_training` after :func:`.arguments.parse_args`,
+    which raises UsageError or BitPipeConfigError for bad flags (before any communication)."""
+    from .loop import run_training  # torch.distributed and megatron-core
+
+    run_training(task, parse_args(task, argv), cpu_fallback=cpu_fallback)
+
+
+def main(task, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> int:
+    """:func:`pretrain` with the scripts' exit codes and error reports: :func:`run_script` with
+    ``task`` already loaded."""
+    return run_script(task, lambda: task, argv, cpu_fallback=cpu_fallback)

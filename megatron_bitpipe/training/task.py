@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:  # the flags are parsed before torch and megatron-core are imported
     from ..runtime.build import PipelineModel
-    from ..schedules.placement import Placement
+    from ..run_config import RunConfig
 
 __all__ = ["PretrainTask", "TaskArguments", "MODEL_SHAPE_FLAGS"]
 
@@ -75,8 +75,8 @@ class PretrainTask(TaskArguments):
         values (:data:`MODEL_SHAPE_FLAGS` and the task's own)."""
         return dict(MODEL_SHAPE_FLAGS)
 
-    def build_model(self, args: argparse.Namespace, placement: Placement) -> PipelineModel:
-        """This rank's chunks of ``placement``, initialised from ``--seed`` alone, wrapped in
+    def build_model(self, args: argparse.Namespace, run: RunConfig) -> PipelineModel:
+        """This rank's chunks of ``run``'s placement, initialised from ``--seed`` alone, wrapped in
         megatron DDP (a collective call: it creates the process groups)."""
         raise NotImplementedError
 

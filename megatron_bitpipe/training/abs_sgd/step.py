@@ -231,7 +231,7 @@ class AbsSgdStep:
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
             "data_parallel_size": args.data_parallel_size,
-            "schedule": args.schedule,
+            "schedule": self.trainer.run_config.schedule_name,
             "tensor_parallel_mode": args.tensor_parallel_mode,
         }
 

@@ -1,0 +1,188 @@
+"""One run's decisions, made once from the parsed flags: :class:`RunConfig`.
+
+Both routes parse Megatron-LM's flag names — this package's scripts
+(:func:`megatron_bitpipe.training.arguments.parse_args`) and Megatron-LM's own parser with
+:func:`~megatron_bitpipe.megatron_args.add_bitpipe_args` — and both make one
+:class:`RunConfig` from the checked namespace with :meth:`RunConfig.from_args`. It holds what
+used to be re-derived from the namespace wherever it was needed: the resolved
+:class:`~megatron_bitpipe.schedules.ScheduleChoice` (``--pipeline-schedule default`` already
+resolved to megatron-core's choice, ``--schedule-costs`` read), who runs it (megatron-core's
+forward_backward function or this package's plan executor), the parallel layout, the
+precision, the batch shape, the data-parallel mode and the optimizer choice. Everything
+downstream of the parser takes the :class:`RunConfig` for these decisions; the model's
+hyper-parameters (layers, hidden size, ...) stay Megatron-LM's namespace fields, read in one
+place per consumer (the ``TransformerConfig`` builder).
+
+Pure Python (torch only for :attr:`Precision.dtype`), no communication: made on every rank
+before ``torch.distributed`` starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+from .megatron_args import schedule_choice
+from .optimizers import OptimizerChoice
+from .schedules import REGISTRY, ScheduleChoice
+from .schedules.generator import PLAN_RUNNER
+from .schedules.placement import Placement
+
+__all__ = ["Batches", "ParallelLayout", "Precision", "RunConfig"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the job's ranks are split.
+
+    Invariant: ``world == tensor * pipeline * data``.
+
+    Attributes:
+        tensor: tensor-parallel size (``--tensor-model-parallel-size``; Optimus 2D: ``q * q``).
+        pipeline: pipeline-parallel size ``D`` (``--pipeline-model-parallel-size``).
+        data: data-parallel size (replicas of each model chunk; BitPipe's two weight replicas
+            are not counted here).
+        virtual: chunks per rank of megatron-core's interleaved schedule; ``None`` otherwise.
+        sequence_parallel: megatron's sequence parallelism (off with TP 1).
+        tensor_parallel_mode: ``1d`` (megatron's) or ``optimus2d`` (SUMMA).
+    """
+
+    tensor: int
+    pipeline: int
+    data: int
+    virtual: Optional[int]
+    sequence_parallel: bool
+    tensor_parallel_mode: str
+
+    @property
+    def world(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Weights' and activations' precision (``--bf16`` / ``--fp16``; fp32 otherwise). With bf16
+    or fp16 the optimizer keeps fp32 main weights."""
+
+    bf16: bool = False
+    fp16: bool = False
+
+    @property
+    def name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    @property
+    def dtype(self):
+        """The ``torch.dtype`` of the model's parameters and pipeline messages."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.name]
+
+
+@dataclass(frozen=True)
+class Batches:
+    """The shape of one iteration, in samples.
+
+    Invariant: ``global_batch_size == micro_batch_size * num_microbatches * data-parallel size``.
+
+    Attributes:
+        micro_batch_size: samples per micro-batch.
+        global_batch_size: samples per iteration over the job.
+        num_microbatches: micro-batches per data-parallel rank and iteration (the schedule's N).
+        global_batch_size_defaulted: ``--global-batch-size`` was left out (its default is
+            ``micro_batch_size * data-parallel size``; error messages say so).
+    """
+
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    global_batch_size_defaulted: bool = False
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The decisions of one run (see the module docstring).
+
+    Attributes:
+        schedule: the pipeline schedule that runs, resolved (never ``default``).
+        layout: the parallel layout.
+        precision: fp32, bf16 or fp16.
+        batches: the batch shape.
+        data_parallel_mode: ``--data-parallel-mode`` (``sync`` on Megatron-LM's route).
+        optimizer: ``--optimizer`` and its flags.
+        schedule_costs_path: the ``--schedule-costs`` file the split's plan is made for (logs name it).
+    """
+
+    schedule: ScheduleChoice
+    layout: ParallelLayout
+    precision: Precision
+    batches: Batches
+    data_parallel_mode: str
+    optimizer: OptimizerChoice
+    schedule_costs_path: Optional[str] = None
+
+    @property
+    def executes_plan(self) -> bool:
+        """Whether this package's plan executor runs the schedule (else megatron-core's functions)."""
+        return REGISTRY[self.schedule.schedule].runner == PLAN_RUNNER
+
+    @property
+    def megatron_schedule(self) -> Optional[str]:
+        """megatron-core's forward_backward function that runs the schedule: ``no_pipelining``
+        (one pipeline stage), ``1f1b`` or ``interleaved``; ``None`` when the plan executor runs it."""
+        if self.executes_plan:
+            return None
+        return "no_pipelining" if self.layout.pipeline == 1 else self.schedule.schedule
+
+    @property
+    def label(self) -> str:
+        """The schedule as the logs name it: the plan's label (``bitpipe+split-backward``) with
+        its cost file, megatron-core's schedule with its chunks per rank."""
+        if self.executes_plan:
+            costs = f" (costs from {self.schedule_costs_path})" if self.schedule_costs_path else ""
+            return self.schedule.label + costs
+        if self.megatron_schedule == "interleaved":
+            return f"interleaved ({self.schedule.virtual_chunks} chunks per rank)"
+        return self.megatron_schedule
+
+    @property
+    def schedule_name(self) -> str:
+        """What runs, in one word: ``no_pipelining``, ``1f1b`` or ``interleaved`` (megatron-core's
+        functions), else the plan-executed schedule's name (``bitpipe``)."""
+        return self.megatron_schedule or self.schedule.schedule
+
+    @property
+    def placement(self) -> Placement:
+        """Where the schedule's stages live on the pipeline ranks."""
+        return self.schedule.placement(self.layout.pipeline)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RunConfig":
+        """The decisions of checked flags (either route's namespace; the data-parallel size and
+        the batch sizes as Megatron-LM derives them). Reads the ``--schedule-costs`` file."""
+        schedule = schedule_choice(args)
+        interleaved = REGISTRY[schedule.schedule].takes_virtual_size
+        tensor, pipeline = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        data = args.data_parallel_size
+        return cls(
+            schedule=schedule,
+            layout=ParallelLayout(
+                tensor=tensor,
+                pipeline=pipeline,
+                data=data,
+                virtual=schedule.virtual_chunks if interleaved else None,
+                sequence_parallel=bool(args.sequence_parallel) and tensor > 1,
+                tensor_parallel_mode=getattr(args, "tensor_parallel_mode", "1d"),
+            ),
+            precision=Precision(bf16=bool(args.bf16), fp16=bool(args.fp16)),
+            batches=Batches(
+                micro_batch_size=args.micro_batch_size,
+                global_batch_size=args.global_batch_size,
+                num_microbatches=args.global_batch_size // (args.micro_batch_size * data),
+                global_batch_size_defaulted=getattr(args, "global_batch_size_defaulted", False),
+            ),
+            data_parallel_mode=getattr(args, "data_parallel_mode", "sync"),
+            optimizer=OptimizerChoice.from_args(args),
+            schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.split_backward else None,
+        )
