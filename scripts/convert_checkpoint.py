@@ -34,7 +34,7 @@ _VOCAB_FLAG = "padded vocabulary (--vocab-size, --tokenizer-type)"
 
 
 def _read(root: str, step):
-    from megatron_bitpipe.training.checkpoint_checks import checkpoint_format, find_checkpoint
+    from megatron_bitpipe.checkpoint_checks import checkpoint_format, find_checkpoint
 
     found = find_checkpoint(root, step)
     if found is None:

@@ -68,7 +68,7 @@ def train_case(argv: Sequence[str], log_json: str) -> dict:
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
     from megatron_bitpipe.training.data import build_tokenizer
-    from megatron_bitpipe.training.errors import CheckpointError
+    from megatron_bitpipe.checkpoint_rules import CheckpointError
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
     from megatron_bitpipe.run_config import RunConfig

@@ -79,7 +79,7 @@ def train_in_process(task: str, argv: List[str]):
     refused, else None."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import pretrain
-    from megatron_bitpipe.training.errors import CheckpointError
+    from megatron_bitpipe.checkpoint_rules import CheckpointError
 
     try:
         pretrain(make_task(task), argv, cpu_fallback=enable_cpu_megatron)

@@ -41,6 +41,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..runtime.groups import ParallelGrid, new_groups, process_group_collection
+from ..runtime.kernels import kernel_fields
 
 __all__ = [
     "build_looped_process_groups",
@@ -93,16 +94,12 @@ def tiny_gpt_config(
 ) -> TransformerConfig:
     """An fp32 GPT ``TransformerConfig`` that runs anywhere megatron-core runs.
 
-    Choices (each avoids a CUDA-only path or a source of run-to-run differences):
-    ``use_cpu_initialization`` (weights created on the CPU, then copied to the device);
-    no gradient-accumulation / softmax / bias-activation / bias-dropout / RoPE fusions and
-    no persistent layer norm (apex/TE kernels); dropout 0 (deterministic comparisons);
-    ``cross_entropy_loss_fusion=True, cross_entropy_fusion_impl='native'`` (the unfused cross
-    entropy reads the *global* TP group, the fused one takes the model's group);
-    ``batch_p2p_comm=False`` (batched p2p mixes up the two directions when prev == next, i.e.
-    at pp = 2 with the interleaved schedule; losses and gradients come out wrong);
-    ``deallocate_pipeline_outputs=False`` (with ``overlap_p2p_comm`` on gloo the asynchronous
-    send can read an output after it was deallocated). ``overrides`` replace any field.
+    Choices (each avoids a CUDA-only path or a source of run-to-run differences): the kernels
+    of a run without a GPU (:func:`~megatron_bitpipe.runtime.kernels.kernel_fields`: no
+    fusions, weights created on the CPU, unbatched p2p, outputs kept after their send);
+    dropout 0 (deterministic comparisons); ``cross_entropy_loss_fusion=True,
+    cross_entropy_fusion_impl='native'`` (the unfused cross entropy reads the *global* TP
+    group, the fused one takes the model's group). ``overrides`` replace any field.
     """
     fields = dict(
         num_layers=num_layers,
@@ -114,19 +111,11 @@ def tiny_gpt_config(
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
         cross_entropy_loss_fusion=True,
         cross_entropy_fusion_impl="native",
-        batch_p2p_comm=False,
-        deallocate_pipeline_outputs=False,
+        **kernel_fields(gpu=False),
     )
     fields.update(overrides)
     return TransformerConfig(**fields)

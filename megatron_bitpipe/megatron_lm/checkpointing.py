@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..megatron_args import resolved_schedule
-from ..training.checkpoint_checks import (
+from ..checkpoint_checks import (
     checkpoint_format,
     find_checkpoint,
     format_problem,
@@ -42,7 +42,7 @@ from ..training.checkpoint_checks import (
     raise_if_any,
     request_problems,
 )
-from ..training.errors import CheckpointError
+from ..checkpoint_rules import CheckpointError
 
 __all__ = ["check_checkpoint", "check_or_exit"]
 

@@ -16,8 +16,8 @@
   :mod:`.preprocess` — text to Megatron indexed datasets (``scripts/preprocess_data.py``)
   and the built-in corpus;
 * :mod:`.checkpoint` — megatron-core distributed checkpoints (Megatron-LM's contents) that any
-  layout loads; :mod:`.checkpoint_checks` — whether a checkpoint can be loaded (shared with the
-  Megatron-LM routes); :mod:`.optimizer_state` — optimizer state across optimizer kinds;
+  layout loads (whether a checkpoint can be loaded: :mod:`megatron_bitpipe.checkpoint_checks`,
+  shared with the Megatron-LM routes); :mod:`.optimizer_state` — optimizer state across optimizer kinds;
 * :mod:`.logs` — Megatron-style lines, JSON lines, TensorBoard; :mod:`.distributed` —
   torch.distributed start-up under torchrun or alone;
 * :mod:`.exit_conditions` — Megatron-LM's early exits (signal, time budget, interval).

@@ -12,7 +12,7 @@ data-parallel size, with or without the distributed optimizer (:mod:`.optimizer_
 and Megatron-LM's own scripts load it too, and write checkpoints these scripts load.
 
 :func:`load_checkpoint` never loads partially: every check
-(:mod:`.checkpoint_checks`: format, files, model flags, every requested tensor's presence and
+(:mod:`megatron_bitpipe.checkpoint_checks`: format, files, model flags, every requested tensor's presence and
 shape, the learning-rate schedule) runs and is agreed on by all ranks before anything is
 copied, and a failure raises the same :class:`CheckpointError` on every rank. See
 ``docs/checkpoints.md``.
@@ -40,7 +40,7 @@ from megatron.core.utils import unwrap_model
 from ..runtime.build import PipelineModel
 from ..runtime.distributed_optimizer import SHARDING_TYPE
 from . import optimizer_state
-from .checkpoint_checks import (
+from ..checkpoint_checks import (
     TRACKER,
     checkpoint_dir,
     checkpoint_format,
@@ -53,7 +53,7 @@ from .checkpoint_checks import (
     request_problems,
 )
 from .distributed import log
-from .errors import CheckpointError
+from ..checkpoint_rules import CheckpointError
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "TrainingState", "checkpoint_dir", "save_checkpoint", "load_checkpoint"]
 

@@ -10,13 +10,12 @@ precision, optimizer choice):
   learning-rate / weight-decay schedule (counted in samples, like Megatron-LM; ``--lr-decay-style
   rex`` too).
 
-Kernel choices: without a GPU every fused kernel is off (they are CUDA-only); with one, the
-bias-activation and bias-dropout fusions are on and gradient-accumulation fusion follows
-Transformer Engine's presence. The cross entropy is megatron-core's unfused, exact one unless
+Kernel choices: :func:`~megatron_bitpipe.runtime.kernels.kernel_fields` (without a GPU every
+fused kernel is off; with one, the bias-activation and bias-dropout fusions are on and
+gradient-accumulation fusion follows Transformer Engine; p2p is never batched). The cross
+entropy is megatron-core's unfused, exact one unless
 ``--cross-entropy-loss-fusion`` (whose 'native' kernel rounds the logits' gradient to bf16);
 the unfused one reads megatron's global TP group, which :func:`use_global_tp_group` sets.
-``batch_p2p_comm`` is off: batched p2p mixes up the two directions between the same pair of
-ranks (pipeline size 2 with the interleaved schedule).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from megatron.core.transformer import TransformerConfig
 
 from ..optimizers import ParamScheduler
 from ..run_config import RunConfig
+from ..runtime.kernels import kernel_fields
 
 __all__ = [
     "transformer_config",
@@ -85,19 +85,11 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
         bf16=run.precision.bf16,
         fp16=run.precision.fp16,
         transformer_impl=impl,
-        use_cpu_initialization=True,  # local weights only: runtime.init draws each rank's shards
-        gradient_accumulation_fusion=gpu and impl == "transformer_engine",
-        bias_activation_fusion=gpu and (args.swiglu or args.add_bias_linear),
-        bias_dropout_fusion=gpu,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         overlap_p2p_comm=args.overlap_p2p_comm and (run.executes_plan or run.megatron_schedule == "interleaved"),
-        batch_p2p_comm=False,
-        deallocate_pipeline_outputs=gpu,
         cuda_graph_scope=[],  # the whole layer; megatron's default spelling "full" is deprecated
+        **kernel_fields(gpu, transformer_engine=impl == "transformer_engine", bias_activation=args.swiglu or args.add_bias_linear),
     )
     fields.update(overrides)
     return TransformerConfig(**fields)

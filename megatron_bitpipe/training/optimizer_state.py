@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedTensorFactory
 from megatron.core.optimizer import DistributedOptimizer
 
-from .errors import CheckpointError
+from ..checkpoint_rules import CheckpointError
 
 __all__ = ["OptimizerLoad", "use_run_hyperparameters"]
 

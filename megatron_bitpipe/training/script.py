@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 from ..megatron_args import BitPipeConfigError
 from ..usage import USAGE_EXIT_STATUS, UsageError
 from .arguments import parse_args
-from .errors import CheckpointError
+from ..checkpoint_rules import CheckpointError
 from .task import TaskArguments
 
 __all__ = [

@@ -17,32 +17,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
+from ..checkpoint_rules import MODEL_SHAPE_FLAGS
+
 if TYPE_CHECKING:  # the flags are parsed before torch and megatron-core are imported
     from ..runtime.build import PipelineModel
     from ..run_config import RunConfig
 
-__all__ = ["PretrainTask", "TaskArguments", "MODEL_SHAPE_FLAGS"]
-
-#: flag -> its value in a run's arguments (or a checkpoint's saved ones), for every setting that
-#: changes the parameters' names or shapes. The attributes are Megatron-LM's argument names, so
-#: a checkpoint of Megatron-LM's scripts is read the same way; one its arguments lack counts as
-#: Megatron-LM's default.
-MODEL_SHAPE_FLAGS: Dict[str, Callable[[argparse.Namespace], object]] = {
-    "--num-layers": lambda a: a.num_layers,
-    "--hidden-size": lambda a: a.hidden_size,
-    "--ffn-hidden-size": lambda a: a.ffn_hidden_size,
-    "--num-attention-heads": lambda a: a.num_attention_heads,
-    "--num-query-groups": lambda a: a.num_query_groups if getattr(a, "group_query_attention", False) else a.num_attention_heads,
-    "--kv-channels": lambda a: a.kv_channels,
-    "padded vocabulary (--vocab-size, --tokenizer-type, --make-vocab-size-divisible-by)": lambda a: a.padded_vocab_size,
-    "--max-position-embeddings": lambda a: a.max_position_embeddings,
-    "--position-embedding-type": lambda a: getattr(a, "position_embedding_type", "learned_absolute"),
-    "--normalization": lambda a: getattr(a, "normalization", "LayerNorm"),
-    "--swiglu": lambda a: bool(getattr(a, "swiglu", False)),
-    "--disable-bias-linear": lambda a: not getattr(a, "add_bias_linear", True),
-    "--untie-embeddings-and-output-weights": lambda a: bool(getattr(a, "untie_embeddings_and_output_weights", False)),
-}
-
+__all__ = ["PretrainTask", "TaskArguments"]
 
 class TaskArguments:
     """A task's own flags and their checks. Pure Python, importable without torch or
@@ -72,7 +53,7 @@ class PretrainTask(TaskArguments):
     def model_flags(self) -> Dict[str, Callable[[argparse.Namespace], object]]:
         """flag -> its value in a run's (or checkpoint's) arguments, for everything that fixes
         the parameters' names and shapes; a checkpoint loads only into a model with the same
-        values (:data:`MODEL_SHAPE_FLAGS` and the task's own)."""
+        values (:data:`~megatron_bitpipe.checkpoint_rules.MODEL_SHAPE_FLAGS` and the task's own)."""
         return dict(MODEL_SHAPE_FLAGS)
 
     def build_model(self, args: argparse.Namespace, run: RunConfig) -> PipelineModel:

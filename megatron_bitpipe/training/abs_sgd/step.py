@@ -46,7 +46,7 @@ from typing import List, Optional
 import torch
 
 from ...optimizers import lr_for_logging
-from ..errors import CheckpointError
+from ...checkpoint_rules import CheckpointError
 from ..data import collate
 from ..distributed import log
 from ..logs import IterationRecord

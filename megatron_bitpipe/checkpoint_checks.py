@@ -1,7 +1,7 @@
 """Whether a checkpoint directory can be loaded, checked before anything is loaded.
 
-Shared by the pretrain scripts' loader (:mod:`.checkpoint`) and the guard in front of
-Megatron-LM's (:mod:`megatron_bitpipe.megatron_lm.checkpointing`):
+Shared by the pretrain scripts' loader (:mod:`megatron_bitpipe.training.checkpoint`) and the
+guard in front of Megatron-LM's (:mod:`megatron_bitpipe.megatron_lm.checkpointing`):
 
 * :func:`find_checkpoint` — Megatron-LM's tracker file (``latest_checkpointed_iteration.txt``)
   or ``--ckpt-step`` picks the iteration directory; None when ``--load`` holds no checkpoint;
@@ -12,7 +12,7 @@ Megatron-LM's (:mod:`megatron_bitpipe.megatron_lm.checkpointing`):
 * :func:`missing_files` — the shard files a ``torch_dist`` checkpoint's index names but the
   directory lacks (or holds truncated);
 * :func:`model_flag_problems` — the model-shape flags that differ from the checkpoint's
-  (its saved arguments, ours or Megatron-LM's; :data:`~.task.MODEL_SHAPE_FLAGS`);
+  (its saved arguments, ours or Megatron-LM's; :data:`~.checkpoint_rules.MODEL_SHAPE_FLAGS`);
 * :func:`request_problems` — every tensor or object a load would ask for that the checkpoint
   lacks or holds in another global shape;
 * :func:`raise_if_any` — every rank raises the same :class:`CheckpointError` if any rank
@@ -31,9 +31,8 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-from .. import megatron_compat
-from .errors import CheckpointError
-from .task import MODEL_SHAPE_FLAGS
+from . import megatron_compat
+from .checkpoint_rules import MODEL_SHAPE_FLAGS, CheckpointError
 
 __all__ = [
     "TRACKER",
@@ -169,7 +168,7 @@ def model_flag_problems(
     saved: Optional[argparse.Namespace], current: argparse.Namespace, flags: Dict[str, Callable] = MODEL_SHAPE_FLAGS
 ) -> List[str]:
     """``"--flag is X there, Y here"`` for every model-shape flag of ``flags`` (flag -> value
-    of a namespace; :data:`~.task.MODEL_SHAPE_FLAGS` by default) that differs.
+    of a namespace; :data:`~.checkpoint_rules.MODEL_SHAPE_FLAGS` by default) that differs.
 
     ``saved`` are the arguments stored in the checkpoint (None: it has none, nothing to
     compare; the tensor shapes are still checked). A flag ``saved`` cannot answer is skipped.
