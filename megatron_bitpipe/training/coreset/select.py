@@ -126,8 +126,8 @@ class Progress:
     """A progress bar on stderr: ``label done/total [percent] elapsed``, redrawn at most every
     0.2 s and at the end."""
 
-    def __init__(self, label: str, total: int, stream=sys.stderr):
-        self.label, self.total, self.stream = label, total, stream
+    def __init__(self, label: str, total: int, stream=None):
+        self.label, self.total, self.stream = label, total, stream or sys.stderr
         self.done, self.started, self.drawn = 0, time.perf_counter(), 0.0
 
     def __call__(self, count: int) -> None:
