@@ -17,7 +17,7 @@ the seeds) and the selection time (warm-up, proxies, facility location). Everyth
 this one process, one run after the other (the pretrain loop, one CPU rank).
 
     python scripts/bench_coreset.py --seeds 1 2 3 --json docs/coresets/bench.json \\
-        --plot docs/images/bench_coreset.png
+        --plot docs/images/bench_coreset.png --doc docs/coresets.md
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
 from megatron_bitpipe.training.script import ignore_dependency_warnings  # noqa: E402
 
@@ -160,18 +161,25 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the runs here")
     parser.add_argument("--plot", default=None, help="write the plot here (PNG)")
     parser.add_argument("--from-json", default=None, help="print and plot earlier results instead of running")
+    parser.add_argument("--doc", default=None, help="rewrite the bench-coreset block of this Markdown file (docs/coresets.md)")
     args = parser.parse_args(argv)
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
         results = run(args)
+        results["command"] = "python scripts/bench_coreset.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     if args.json and not args.from_json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print(table(results))
-    print(f"\n{results['wall_s']:.0f} s wall, load average {', '.join(f'{v:.1f}' for v in results['load_average'])} (1, 5, 15 min) at the end")
+    timing = f"{results['wall_s']:.0f} s wall, load average {', '.join(f'{v:.1f}' for v in results['load_average'])} (1, 5, 15 min) at the end"
+    print(table(results) + "\n\n" + timing)
     if args.plot:
         plot(results, args.plot)
+    if args.doc:
+        from doc_blocks import update_file
+
+        command = results["command"]
+        update_file(args.doc, {"bench-coreset": f"```bash\n{command}\n```\n\n{table(results)}\n\n{timing}\n"})
     return 0
 
 
