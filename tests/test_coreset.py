@@ -11,8 +11,9 @@
 * Training (mock data; one launch of 2 ranks, BitPipe PP2, and one single-process launch):
   ``--coreset`` of every sample with γ = 1 gives bit for bit the full-data losses in both
   layouts; a weighted coreset's first loss equals the weighted mean computed by hand from the
-  initial model, and PP2 equals single-process training on it; the selection script's craig
-  and random files (warm-up of 2 iterations) train.
+  initial model, and PP2 equals single-process training on it; the selection script writes
+  craig (proxies after a 2-iteration warm-up) and random files of the expected sizes and
+  weights, and a run trains on the craig one.
 """
 
 from __future__ import annotations
@@ -267,16 +268,19 @@ def _coreset_files(world_size: int, layout: List[str]) -> Dict[str, str]:
     return paths
 
 
-def _losses(argv: List[str], world_size: int) -> List[float]:
+def _losses(argv: List[str], world_size: int, hand: bool = False) -> dict:
+    """The first 3 iterations' losses; with ``hand`` (one process, a weighted coreset) also
+    the first one computed by hand from the initial model (:func:`_hand_weighted_first_loss`)."""
     _, trainer = _trainer(argv, world_size)
-    return [_quiet(trainer.train_step).losses["lm loss"] for _ in range(3)]
+    first = _hand_weighted_first_loss(trainer) if hand else None
+    return {"losses": [_quiet(trainer.train_step).losses["lm loss"] for _ in range(3)], "hand_first": first}
 
 
-def _runs(world_size: int, layout: List[str]) -> Dict[str, List[float]]:
+def _runs(world_size: int, layout: List[str]) -> Dict[str, dict]:
     paths = _coreset_files(world_size, layout)
     runs = {"full": _losses([*TRAIN, *layout], world_size)}
     for name, path in paths.items():
-        runs[name] = _losses([*TRAIN, *layout, "--coreset", path], world_size)
+        runs[name] = _losses([*TRAIN, *layout, "--coreset", path], world_size, hand=name == "weighted" and world_size == 1)
     return runs
 
 
@@ -284,13 +288,12 @@ def run_cases(cases) -> dict:
     return {case.name: _runs(case.world_size, list(case.layout)) for case in cases}
 
 
-def _hand_weighted_first_loss() -> float:
-    """Σ w·m·l / Σ m over the first global batch of the weighted stream, from the initial
-    model's per-token losses (single process)."""
+def _hand_weighted_first_loss(trainer) -> float:
+    """Σ w·m·l / Σ m over the first global batch of the :data:`WEIGHTED` stream, from the
+    per-token losses of the initial model (one chunk) on the full training set's samples."""
     from megatron_bitpipe.training.data import collate
 
-    _, trainer = _trainer(TRAIN, 1)
-    data = trainer.train_data  # the full training set
+    data = trainer.train_data.dataset  # the full training set under the coreset's stream
     indices, gamma = WEIGHTED
     weights = gamma * len(indices) / 12
     batch = collate([data[int(indices[p])] for p in range(4)])
@@ -301,7 +304,7 @@ def _hand_weighted_first_loss() -> float:
 
 
 def _selected_and_trained() -> dict:
-    """The script's craig (2 warm-up iterations) and random files, and a run on each."""
+    """The script's craig (2 warm-up iterations) and random files, and a run on the craig one."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training.coreset.select import SelectionArguments, select
 
@@ -313,8 +316,8 @@ def _selected_and_trained() -> dict:
         args = parse_args(SelectionArguments(), argv, world_size=1, cuda_available=False)
         _quiet(lambda: select(args, enable_cpu_megatron, log=lambda line: None))
         coreset = read_coreset(path)
-        result[method] = {"indices": coreset.indices.tolist(), "gamma": coreset.gamma.tolist(), "info": coreset.info,
-                          "losses": _losses([*TRAIN, "--coreset", path], 1)}
+        result[method] = {"indices": coreset.indices.tolist(), "gamma": coreset.gamma.tolist(), "info": coreset.info}
+    result["craig"]["losses"] = _losses([*TRAIN, "--coreset", os.path.join(directory, "craig.npz")], 1)["losses"]
     return result
 
 
@@ -322,14 +325,14 @@ def run_references(keys) -> dict:
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    return {"single": _runs(1, []), "hand_weighted_first_loss": _hand_weighted_first_loss(), "selected": _selected_and_trained()}
+    return {"single": _runs(1, []), "selected": _selected_and_trained()}
 
 
 @pytest.mark.multirank
 def test_coreset_training_single_process(references):
-    runs = references["single"]
+    runs = {name: run["losses"] for name, run in references["single"].items()}
     assert runs["all"] == runs["full"]  # every sample, γ = 1: bit for bit the full data's losses
-    assert runs["weighted"][0] == pytest.approx(references["hand_weighted_first_loss"], rel=1e-6)
+    assert runs["weighted"][0] == pytest.approx(references["single"]["weighted"]["hand_first"], rel=1e-6)
     assert runs["weighted"] != runs["full"]
 
 
@@ -337,9 +340,9 @@ def test_coreset_training_single_process(references):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_coreset_training_multi_rank(case, launched, references):
     for rank_runs in launched[case]:
-        assert rank_runs["all"] == rank_runs["full"]  # bit for bit in this layout too
+        assert rank_runs["all"]["losses"] == rank_runs["full"]["losses"]  # bit for bit in this layout too
         for name in ("full", "weighted"):
-            assert rank_runs[name] == pytest.approx(references["single"][name], rel=1e-5), name
+            assert rank_runs[name]["losses"] == pytest.approx(references["single"][name]["losses"], rel=1e-5), name
 
 
 @pytest.mark.multirank
@@ -349,6 +352,6 @@ def test_selection_script_files_train(references):
         # shards of 5, 5, 2 samples keep 2 (round(2.5) = 2), 2 and 1
         assert len(record["indices"]) == 5 and sum(record["gamma"]) == pytest.approx(12), method
         assert record["indices"] == sorted(set(record["indices"]))
-        assert all(np.isfinite(record["losses"]))
+    assert all(np.isfinite(selected["craig"]["losses"]))
     assert selected["craig"]["info"]["warmup_iters"] == 2 and selected["craig"]["info"]["proxy"].startswith("output-layer")
     assert selected["random"]["gamma"] == [12 / 5] * 5

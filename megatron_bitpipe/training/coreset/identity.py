@@ -25,7 +25,7 @@ import json
 import os
 import re
 from dataclasses import asdict, dataclass, fields
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -199,7 +199,3 @@ def coreset_problems(args: argparse.Namespace) -> List[str]:
         return [f"--coreset {path}: {error}"]
     return [f"--coreset {path}: {line}" for line in coreset.identity.differences(DatasetIdentity.from_args(args))]
 
-
-def identity_summary(identity: DatasetIdentity) -> Tuple[str, ...]:
-    """Human-readable lines of ``identity`` (for the selection script's report)."""
-    return tuple(f"{DatasetIdentity.FLAGS[name]}: {value}" for name, value in asdict(identity).items())
