@@ -193,6 +193,11 @@ def test_script_errors_exit_2_before_any_work(tmp_path):
         status, err = _exit_and_stderr(select_main, [*MODEL, "--vocab-size", "64", "--fraction", fraction, "--output", str(tmp_path / "x.npz")])
         assert status == 2 and f"--fraction must be in (0, 1] (got {float(fraction)})" in err and err.count("error:") == 1
     assert not (tmp_path / "x.npz").exists()
+    no_model = [*MODEL, "--vocab-size", "64", "--fraction", "0.5", "--output", str(tmp_path / "x.npz")]
+    status, err = _exit_and_stderr(select_main, no_model)
+    assert status == 2 and "--coreset-method craig needs a model for its proxies: --load DIR or --coreset-warmup-iters N > 0" in err
+    status, err = _exit_and_stderr(select_main, [*no_model, "--load", str(tmp_path / "none")])
+    assert status == 2 and f"--load {tmp_path / 'none'}: no checkpoint there" in err and not (tmp_path / "x.npz").exists()
     bad = [*MODEL, *_data(tmp_path), "--seed", "9", "--coreset", _written(tmp_path, [*MODEL, *_data(tmp_path)])]
     never = lambda: pytest.fail("the task must not be loaded")  # noqa: E731
     status, err = _exit_and_stderr(lambda argv: run_script(GPTArguments(), never, argv, prog="pretrain_gpt.py"), bad)

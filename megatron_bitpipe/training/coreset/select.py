@@ -11,7 +11,8 @@ will read the file) plus the selection's own (:class:`SelectionSettings`). Steps
    builds them (megatron-core's builder; a dataset without training samples: exit 2). The
    candidates are the n = ``--train-iters`` x ``--global-batch-size`` samples the run would
    train on, in its order.
-2. ``craig``: a model — ``--load DIR`` (any layout's checkpoint) and/or
+2. ``craig``: a model — ``--load DIR`` (any layout's checkpoint; ``--finetune`` loads its
+   weights only, without the checks of its schedule against these flags) and/or
    ``--coreset-warmup-iters`` iterations of training on the first training samples with the
    flags' optimizer and schedule — gives each candidate its proxy (:mod:`.proxies`:
    the output layer's gradient, dimension = padded vocabulary); per shard of
@@ -223,9 +224,12 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] 
 
 def _select_with_model(args, task, tokenizer, settings, n, cpu_fallback, timings, collate, log) -> Selection:
     from .. import distributed
+    from ..checkpoint_checks import find_checkpoint
     from ..loop import Trainer
     from .proxies import proxies_for
 
+    if settings.load is not None and find_checkpoint(settings.load, args.ckpt_step) is None:
+        raise BitPipeConfigError(f"--load {settings.load}: no checkpoint there (the proxies would come from an untrained model)")
     started = time.perf_counter()
     env = distributed.initialize(args, cpu_fallback)
     trainer = Trainer(task, args, tokenizer, env)
@@ -244,8 +248,10 @@ def _select_with_model(args, task, tokenizer, settings, n, cpu_fallback, timings
 
 
 def main(argv: Optional[Sequence[str]] = None, cpu_fallback: Optional[Callable[[], None]] = None, prog: str = "select_coreset.py") -> int:
-    """The script: 0 done, 2 bad flags or data (one message on stderr, before any work)."""
-    from ..script import report_user_error
+    """The script: 0 done, 2 bad flags or data (one message on stderr, before any work), 1 a
+    ``--load`` checkpoint that does not fit (the pretrain scripts' statuses)."""
+    from ..errors import CheckpointError
+    from ..script import CHECKPOINT_EXIT_STATUS, report_user_error
 
     try:
         args = parse_args(SelectionArguments(), argv, prog=prog)
@@ -253,4 +259,7 @@ def main(argv: Optional[Sequence[str]] = None, cpu_fallback: Optional[Callable[[
     except (UsageError, BitPipeConfigError) as error:
         report_user_error(prog, error)
         return USAGE_EXIT_STATUS
+    except CheckpointError as error:
+        report_user_error(prog, error)
+        return CHECKPOINT_EXIT_STATUS
     return 0
