@@ -179,9 +179,9 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] 
     returns it. A process group this starts (for the proxy model) is ended; a caller's stays."""
     import torch.distributed as dist
 
-    from ..data import build_tokenizer, collate
-    from ..gpt import GPTTask
     from ..arguments import padded_vocab_size
+    from ..data import build_tokenizer
+    from ..gpt import GPTTask
 
     owns_group = not dist.is_initialized()  # a caller's group (a test launcher's) stays
     settings = SelectionSettings.from_args(args)
@@ -190,8 +190,7 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] 
     started = time.perf_counter()
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    task = GPTTask()
-    task.build_datasets(args, tokenizer)  # a dataset without training samples fails here, before any work
+    GPTTask().build_datasets(args, tokenizer)  # a dataset without training samples fails here, before any work
     timings = {"datasets_s": time.perf_counter() - started}
     if not settings.needs_model:
         if settings.fraction == 1.0:
@@ -200,7 +199,11 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] 
             selection = _random(n, args.seed, settings)
         timings["selection_s"] = time.perf_counter() - started - timings["datasets_s"]
     else:
-        selection = _select_with_model(args, task, tokenizer, settings, n, cpu_fallback, timings, collate, log)
+        try:
+            selection = _select_with_model(args, tokenizer, settings, n, cpu_fallback, timings, log)
+        finally:
+            if owns_group and dist.is_initialized():
+                dist.destroy_process_group()
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     info = {
         "fraction": settings.fraction,
@@ -217,14 +220,16 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] 
     write_coreset(settings.output, coreset)
     log(f"coreset: {len(selection.indices)} of {n} training samples ({settings.method}, fraction {settings.fraction}) -> {settings.output}")
     log("coreset timings (s): " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in timings.items()) + f" | peak memory (MiB): {peak_mib:.1f}")
-    if owns_group and dist.is_initialized():
-        dist.destroy_process_group()
     return coreset
 
 
-def _select_with_model(args, task, tokenizer, settings, n, cpu_fallback, timings, collate, log) -> Selection:
+def _select_with_model(args, tokenizer, settings: SelectionSettings, n: int, cpu_fallback, timings: dict, log) -> Selection:
+    """CRAIG with the proxy model of ``--load`` / the warm-up (one process: it starts the
+    process group, the caller ends it)."""
     from .. import distributed
     from ..checkpoint_checks import find_checkpoint
+    from ..data import collate
+    from ..gpt import GPTTask
     from ..loop import Trainer
     from .proxies import proxies_for
 
@@ -232,7 +237,7 @@ def _select_with_model(args, task, tokenizer, settings, n, cpu_fallback, timings
         raise BitPipeConfigError(f"--load {settings.load}: no checkpoint there (the proxies would come from an untrained model)")
     started = time.perf_counter()
     env = distributed.initialize(args, cpu_fallback)
-    trainer = Trainer(task, args, tokenizer, env)
+    trainer = Trainer(GPTTask(), args, tokenizer, env)
     for _ in range(settings.warmup_iters):
         record = trainer.train_step()
         if record.iteration % max(1, settings.warmup_iters // 5) == 0 or record.iteration == settings.warmup_iters:
