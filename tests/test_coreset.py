@@ -9,7 +9,8 @@
 * Bad input: one error each, exit 2, before any work (another dataset, split, seq length,
   seed, tokenizer, sample count; fraction outside (0, 1]; no training samples).
 * Training (mock data; one launch of 2 ranks, BitPipe PP2, and one single-process launch):
-  ``--coreset`` of every sample with γ = 1 gives bit for bit the full-data losses in both
+  ``--coreset`` of the script's ``--fraction 1`` file (every sample, γ = 1) gives bit for bit
+  the full-data losses in both
   layouts; a weighted coreset's first loss equals the weighted mean computed by hand from the
   initial model, and PP2 equals single-process training on it; the selection script writes
   craig (proxies after a 2-iteration warm-up) and random files of the expected sizes and
@@ -257,18 +258,19 @@ def _trainer(argv: List[str], world_size: int):
 
 
 def _coreset_files(world_size: int, layout: List[str]) -> Dict[str, str]:
-    """Every sample with γ = 1, and :data:`WEIGHTED`, for this run (a file per rank)."""
+    """``all``: the selection script's file for ``--fraction 1`` (flags of one process: the
+    file does not depend on the layout); ``weighted``: :data:`WEIGHTED` (a file per rank)."""
     import torch.distributed as dist
 
-    args = parse_args(GPTArguments(), [*TRAIN, *layout], world_size=world_size, cuda_available=False)
-    identity = DatasetIdentity.from_args(args)
-    n = identity.train_samples
+    from megatron_bitpipe.training.coreset.select import SelectionArguments, select
+
     directory = tempfile.mkdtemp(prefix=f"coreset_rank{dist.get_rank()}_")
-    files = {"all": (np.arange(n), np.ones(n)), "weighted": WEIGHTED}
-    paths = {}
-    for name, (indices, gamma) in files.items():
-        paths[name] = os.path.join(directory, f"{name}.npz")
-        write_coreset(paths[name], CoresetFile(indices, gamma, identity, {}))
+    paths = {name: os.path.join(directory, f"{name}.npz") for name in ("all", "weighted")}
+    selection = parse_args(SelectionArguments(), [*TRAIN, "--fraction", "1", "--output", paths["all"]], world_size=1, cuda_available=False)
+    everything = select(selection, log=lambda line: None)
+    assert everything.indices.tolist() == list(range(12)) and everything.gamma.tolist() == [1.0] * 12
+    args = parse_args(GPTArguments(), [*TRAIN, *layout], world_size=world_size, cuda_available=False)
+    write_coreset(paths["weighted"], CoresetFile(*WEIGHTED, DatasetIdentity.from_args(args), {}))
     return paths
 
 
