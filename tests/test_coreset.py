@@ -244,17 +244,11 @@ def _quiet(fn):
 
 def _trainer(argv: List[str], world_size: int):
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.training import distributed
-    from megatron_bitpipe.training.arguments import padded_vocab_size
-    from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.coreset.select import proxy_trainer
     from megatron_bitpipe.training.gpt import GPTTask
-    from megatron_bitpipe.training.loop import Trainer
 
     args = parse_args(GPTTask(), argv, world_size=world_size, cuda_available=False)
-    tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    env = distributed.initialize(args, enable_cpu_megatron)
-    return args, _quiet(lambda: Trainer(GPTTask(), args, tokenizer, env))
+    return args, _quiet(lambda: proxy_trainer(args, enable_cpu_megatron))
 
 
 def _coreset_files(world_size: int, layout: List[str]) -> Dict[str, str]:

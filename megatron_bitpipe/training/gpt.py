@@ -23,9 +23,9 @@ import torch
 from ..optimus.gpt_model import optimus_p2p_tensor_shapes
 from ..runtime.build import PipelineModel
 from ..schedules.placement import Placement
+from .data import indexed_datasets
 from .coreset.identity import CoresetSettings
 from .coreset.training import CoresetDataset, weighted_gpt_loss
-from .data import indexed_datasets
 from .gpt_args import GPTArguments
 from .model import build_model
 from .task import PretrainTask

@@ -46,7 +46,7 @@ from ..task import TaskArguments
 from .facility import Selection, select_shard, shard_bounds, shard_size_of
 from .identity import CoresetFile, DatasetIdentity, write_coreset
 
-__all__ = ["METHODS", "SelectionArguments", "SelectionSettings", "main", "select"]
+__all__ = ["METHODS", "SelectionArguments", "SelectionSettings", "main", "proxy_trainer", "select"]
 
 #: --coreset-method values
 METHODS = ("craig", "random")
@@ -200,7 +200,7 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] 
         timings["selection_s"] = time.perf_counter() - started - timings["datasets_s"]
     else:
         try:
-            selection = _select_with_model(args, tokenizer, settings, n, cpu_fallback, timings, log)
+            selection = _select_with_model(args, settings, n, cpu_fallback, timings, log)
         finally:
             if owns_group and dist.is_initialized():
                 dist.destroy_process_group()
@@ -223,21 +223,33 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] 
     return coreset
 
 
-def _select_with_model(args, tokenizer, settings: SelectionSettings, n: int, cpu_fallback, timings: dict, log) -> Selection:
-    """CRAIG with the proxy model of ``--load`` / the warm-up (one process: it starts the
-    process group, the caller ends it)."""
+def proxy_trainer(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] = None):
+    """The pretrain loop's :class:`~..loop.Trainer` (model, optimizer, schedule, datasets,
+    ``--load``) of the checked flags ``args`` in this process (collective: it starts or joins
+    the process group)."""
     from .. import distributed
-    from ..checkpoint_checks import find_checkpoint
-    from ..data import collate
+    from ..arguments import padded_vocab_size
+    from ..data import build_tokenizer
     from ..gpt import GPTTask
     from ..loop import Trainer
+
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    env = distributed.initialize(args, cpu_fallback)
+    return Trainer(GPTTask(), args, tokenizer, env)
+
+
+def _select_with_model(args, settings: SelectionSettings, n: int, cpu_fallback, timings: dict, log) -> Selection:
+    """CRAIG with the proxy model of ``--load`` / the warm-up (one process: it starts the
+    process group, the caller ends it)."""
+    from ..checkpoint_checks import find_checkpoint
+    from ..data import collate
     from .proxies import proxies_for
 
     if settings.load is not None and find_checkpoint(settings.load, args.ckpt_step) is None:
         raise BitPipeConfigError(f"--load {settings.load}: no checkpoint there (the proxies would come from an untrained model)")
     started = time.perf_counter()
-    env = distributed.initialize(args, cpu_fallback)
-    trainer = Trainer(GPTTask(), args, tokenizer, env)
+    trainer = proxy_trainer(args, cpu_fallback)
     for _ in range(settings.warmup_iters):
         record = trainer.train_step()
         if record.iteration % max(1, settings.warmup_iters // 5) == 0 or record.iteration == settings.warmup_iters:
@@ -247,7 +259,7 @@ def _select_with_model(args, tokenizer, settings: SelectionSettings, n: int, cpu
     samples = trainer.train_data.__getitem__
 
     def proxies_of(start: int, stop: int) -> np.ndarray:
-        return proxies_for(chunk, samples, range(start, stop), args.micro_batch_size, collate, env.device)
+        return proxies_for(chunk, samples, range(start, stop), args.micro_batch_size, collate, trainer.env.device)
 
     return _craig(proxies_of, n, settings, timings)
 
