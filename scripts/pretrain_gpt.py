@@ -12,7 +12,7 @@ GPU it trains on the CPU (gloo) through megatron-bitpipe's CPU compatibility lay
 
 import sys
 
-from megatron_bitpipe.training.task import TaskArguments
+from megatron_bitpipe.training.gpt_args import GPTArguments
 from megatron_bitpipe.training.script import ignore_dependency_warnings, run_script
 
 ignore_dependency_warnings()  # megatron-core's notes (apex, Transformer Engine, torch deprecations), every rank
@@ -33,4 +33,4 @@ def cpu_fallback() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_script(TaskArguments(), load_task, cpu_fallback=cpu_fallback))
+    sys.exit(run_script(GPTArguments(), load_task, cpu_fallback=cpu_fallback))

@@ -7,7 +7,8 @@
 * **Data.** :class:`MockGPTDataset` by default; Megatron indexed datasets
   (``--data-path``) through megatron-core's ``GPTDataset`` and
   ``BlendedMegatronDatasetBuilder`` otherwise.
-* **Loss.** Megatron-LM's: the masked sum of per-token cross entropy and the token count.
+* **Loss.** Megatron-LM's: the masked sum of per-token cross entropy and the token count;
+  with ``--coreset`` each sample's losses weighted (:mod:`.coreset.training`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from ..optimus.gpt_model import optimus_p2p_tensor_shapes
 from ..runtime.build import PipelineModel
 from ..run_config import RunConfig
 from .data import indexed_datasets
+from .coreset.identity import CoresetSettings
+from .coreset.training import CoresetDataset, weighted_gpt_loss
+from .gpt_args import GPTArguments
 from .model import build_model
 from .task import PretrainTask
 
@@ -80,6 +84,8 @@ def gpt_forward_step(data_iterator, model):
     if torch.cuda.is_available():
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    if "loss_weight" in batch:  # a coreset's samples: each loss times its weight
+        return output, partial(weighted_gpt_loss, batch["loss_mask"], sample_weights=batch["loss_weight"])
     return output, partial(gpt_loss, batch["loss_mask"])
 
 
@@ -95,7 +101,7 @@ def optimus_shapes_fn(model: PipelineModel) -> Optional[Callable]:
     return optimus_p2p_tensor_shapes(mesh) if mesh is not None else None
 
 
-class GPTTask(PretrainTask):
+class GPTTask(GPTArguments, PretrainTask):
     """GPT with megatron-core; see the module docstring."""
 
     name = "gpt"
@@ -108,6 +114,11 @@ class GPTTask(PretrainTask):
         return gpt_forward_step(data_iterator, model)
 
     def build_datasets(self, args: argparse.Namespace, tokenizer):
+        train, valid, test = self._datasets(args, tokenizer)
+        coreset = CoresetSettings.from_args(args)
+        return (train if coreset is None else CoresetDataset(train, coreset.coreset)), valid, test
+
+    def _datasets(self, args: argparse.Namespace, tokenizer):
         if args.use_mock_data:
             vocab = tokenizer.vocab_size
             valid = MockGPTDataset(args.seed, "valid", args.seq_length, vocab) if args.eval_iters > 0 else None
