@@ -232,17 +232,18 @@ def proxy_trainer(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], 
     from ..data import build_tokenizer
     from ..gpt import GPTTask
     from ..loop import Trainer
+    from ...run_config import RunConfig
 
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     env = distributed.initialize(args, cpu_fallback)
-    return Trainer(GPTTask(), args, tokenizer, env)
+    return Trainer(GPTTask(), args, RunConfig.from_args(args), tokenizer, env)
 
 
 def _select_with_model(args, settings: SelectionSettings, n: int, cpu_fallback, timings: dict, log) -> Selection:
     """CRAIG with the proxy model of ``--load`` / the warm-up (one process: it starts the
     process group, the caller ends it)."""
-    from ..checkpoint_checks import find_checkpoint
+    from ...checkpoint_checks import find_checkpoint
     from ..data import collate
     from .proxies import proxies_for
 
@@ -267,7 +268,7 @@ def _select_with_model(args, settings: SelectionSettings, n: int, cpu_fallback, 
 def main(argv: Optional[Sequence[str]] = None, cpu_fallback: Optional[Callable[[], None]] = None, prog: str = "select_coreset.py") -> int:
     """The script: 0 done, 2 bad flags or data (one message on stderr, before any work), 1 a
     ``--load`` checkpoint that does not fit (the pretrain scripts' statuses)."""
-    from ..errors import CheckpointError
+    from ...checkpoint_rules import CheckpointError
     from ..script import CHECKPOINT_EXIT_STATUS, report_user_error
 
     try:
