@@ -14,7 +14,11 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from megatron_bitpipe.optimus.checkpoint import optimus_module_sharded_state_dict
-from megatron_bitpipe.optimus.collectives import all_reduce_sum, column_replicated
+from megatron_bitpipe.optimus.collectives import (
+    all_reduce_sum,
+    column_replicated,
+    column_replicated_all,
+)
 from megatron_bitpipe.optimus.layout import (
     LayoutKind,
     ParamLayout,
@@ -238,8 +242,7 @@ class OptimusLayerNorm(torch.nn.Module):
         """Normalised ``x``, carrying a recipe (:mod:`~megatron_bitpipe.optimus.recompute`):
         a SUMMA linear consuming it recomputes it from the norm's saved input and statistics
         instead of keeping it."""
-        weight = column_replicated(self.weight, self.mesh)
-        bias = None if self.bias is None else column_replicated(self.bias, self.mesh)
+        weight, bias = column_replicated_all((self.weight, self.bias), self.mesh)
         out, mean, inv_std = _MeshNorm.apply(
             x, weight, bias, self.eps, self.hidden_size, self.mesh.row_group, self.rms
         )
