@@ -38,10 +38,10 @@ def all_gather_blocks(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     One collective in place of ``size`` broadcasts; the result holds ``size`` blocks at once
     (``size`` × the memory of ``local``, a fresh buffer; ``local`` is copied into its slot).
     """
-    out = torch.empty(group.size() * local.numel(), dtype=local.dtype, device=local.device)
-    # flat: gloo accepts only the concatenated form of the output
-    getattr(dist, _ALL_GATHER)(out, local.contiguous().view(-1), group=group)
-    return out.view((group.size(),) + tuple(local.shape))
+    out = torch.empty((group.size(),) + tuple(local.shape), dtype=local.dtype, device=local.device)
+    # flat views: gloo accepts only the concatenated form of the output
+    getattr(dist, _ALL_GATHER)(out.view(-1), local.contiguous().view(-1), group=group)
+    return out
 
 
 def reduce_scatter_blocks(partials: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -51,9 +51,11 @@ def reduce_scatter_blocks(partials: torch.Tensor, group: dist.ProcessGroup) -> t
     which summed one block onto its owner; with ``size`` = 2 the sum is bitwise the same (one
     commutative addition), with more members the association order is gloo's/NCCL's.
     """
-    out = torch.empty(partials[0].numel(), dtype=partials.dtype, device=partials.device)
-    getattr(dist, _REDUCE_SCATTER)(out, partials.contiguous().view(-1), group=group)
-    return out.view(partials.shape[1:])
+    out = torch.empty(partials.shape[1:], dtype=partials.dtype, device=partials.device)
+    # a base tensor, not a view: callers may return it from an autograd function whose
+    # output is then modified in place (the cross entropy overwrites the logits)
+    getattr(dist, _REDUCE_SCATTER)(out.view(-1), partials.contiguous().view(-1), group=group)
+    return out
 
 
 def _along_dim(collective, tensor: torch.Tensor, dim: int, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
