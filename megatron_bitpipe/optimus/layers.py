@@ -176,9 +176,10 @@ class _MeshNorm(torch.autograd.Function):
     Statistics are computed in fp32 with one row-group collective: RMSNorm all-reduces Σx²;
     LayerNorm all-gathers each block's mean and Σ(x − block mean)² and merges them
     (:func:`_layer_norm_statistics`, as exact as a two-pass local norm); the backward needs
-    one more all-reduce of the per-token sums Σg and Σg·x̂ (g = dy·γ). Saves the input, mean and 1/σ (not x̂). Returns the output and
-    the (non-differentiable) statistics ``mean`` (None for RMSNorm) and ``inv_std``, so the
-    output can be recomputed from saved tensors alone (:func:`_normalize`).
+    one more all-reduce of the per-token sums Σg and Σg·x̂ (g = dy·γ). Saves the input, mean
+    and 1/σ (not x̂). Returns the output and the (non-differentiable) statistics ``mean``
+    (None for RMSNorm) and ``inv_std``, so the output can be recomputed from saved tensors
+    alone (:func:`_normalize`).
     """
 
     @staticmethod

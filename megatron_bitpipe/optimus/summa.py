@@ -17,9 +17,10 @@ features; a weight is a plain 2-D block. On the rank at ``(i, j)``:
   token dimensions are contracted, so C is a 2-D weight-shaped block.
 
 The backward of each product is made of the other two (dA of A·B is dC·Bᵀ, dB is Aᵀ·dC,
-and so on). So each operand crosses its group in exactly one collective per product:
-forward 2 all-gathers, backward 2 all-gathers and 2 reduce-scatters (6 per product, where
-the classic per-``k`` form issues q broadcasts or reduces per operand, 6q in all). The
+and so on). Each operand crosses its group in exactly one collective per product (an
+all-gather, or a reduce-scatter of the result): 2 collectives forward and 4 for the two
+gradient products, 6 per product whatever q, where the classic per-``k`` form issues q
+broadcasts or reduces per operand, 6q in all. The
 bytes received are the same ((q−1) blocks per operand and rank); the cost is transient
 memory: a gathered operand holds q blocks at once, and so does the stack of q partials
 before its reduce-scatter (per-``k`` streaming held one received block or one partial at a
