@@ -182,7 +182,8 @@ def _model_elements(sizes: dict) -> dict:
     """Expected elements received per rank (the meter's (p−1)/p factors), for comparison.
 
     optimus2d: per SUMMA linear in→out, 3 activation-sized and 3 weight-sized block streams
-    (forward: broadcast A and W; dA: broadcast W, reduce dA; dW: broadcast A, reduce dW),
+    (forward: all-gather A and W; dA: all-gather W, reduce-scatter dA; dW: all-gather A,
+    reduce-scatter dW),
     i.e. (21·bsh + 36·h²)/q for ffn = 4h (docs/optimus.md); norms and bias grads not counted.
     tp: 4 all-reduces of bsh. tp+sp: 4 all-gathers/reduce-scatters forward, 4 backward and
     the 2 re-gathers of the column-parallel inputs for their weight gradients.
@@ -191,8 +192,8 @@ def _model_elements(sizes: dict) -> dict:
     q = math.isqrt(p)
     bsh = b * s * h
     share = (q - 1) / q
-    # per SUMMA linear (in→out): fwd 2 broadcasts (activation, weight), bwd dA: weight
-    # broadcast + activation reduce, dB: activation broadcast + weight reduce
+    # per SUMMA linear (in→out): fwd 2 all-gathers (activation, weight), bwd dA: weight
+    # all-gather + activation reduce-scatter, dB: activation all-gather + weight reduce-scatter
     linears = [(h, 3 * h), (h, h), (h, f), (f, h)]
     summa = sum(share * (3 * b * s * i / q + 3 * i * o / q) for i, o in linears)
     tp_share = (p - 1) / p

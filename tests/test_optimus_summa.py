@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_bitpipe.benchmarking.meters import CollectiveMeter
 from megatron_bitpipe.optimus.layers import OptimusLayerNorm, OptimusLinear
 from megatron_bitpipe.optimus.layout import shard_serial_tensor
 from megatron_bitpipe.optimus.mesh import build_optimus_mesh, mesh_side
@@ -98,10 +101,19 @@ def _products(compute_mesh, reference_mesh):
     ]
 
 
+def _collectives(meter: CollectiveMeter) -> dict:
+    return dict(Counter(call.op for call in meter.calls))
+
+
 def _check_products():
     mesh = world_mesh()
-    for name, actual, expected in _products(mesh, mesh):
+    with CollectiveMeter() as meter:
+        results = _products(mesh, mesh)
+    for name, actual, expected in results:
         check(name, actual, expected)
+    # each operand crosses its group once per product: 3 products forward (2 + 2 + 2) and
+    # their 6 backward products, 6 collectives per product whatever q
+    assert _collectives(meter) == {"all_gather": 12, "reduce_scatter": 6}
 
 
 def _count_mismatches_of_transposed_mesh():
@@ -195,8 +207,13 @@ def _norm(normalization: str):
     grad_full = random(S, B, 8, seed=24)
     y_full = serial(x_full)
     y_full.backward(grad_full)
-    y = layer(x)
-    y.backward(block(grad_full, tokens, mesh))
+    with CollectiveMeter() as meter:
+        y = layer(x)
+        y.backward(block(grad_full, tokens, mesh))
+    # forward: statistics (LayerNorm: one all-gather of block means and M2; RMSNorm: Σx²);
+    # backward: (Σg, Σg·x̂) and the weight (+ bias) gradients summed over the column
+    statistics = {"all_gather": 1} if normalization == "LayerNorm" else {"all_reduce": 1}
+    assert Counter(_collectives(meter)) == Counter(statistics) + Counter({"all_reduce": 2})
     check("y", y, block(y_full.detach(), tokens, mesh))
     check("dx", x.grad, block(x_full.grad, tokens, mesh))
     check("dγ", layer.weight.grad, block(serial.weight.grad, {0: "column"}, mesh))

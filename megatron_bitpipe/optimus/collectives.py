@@ -11,38 +11,10 @@ mesh rows: block ``k`` belongs to the column-group member with group rank ``k``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 from megatron_bitpipe.optimus.mesh import OptimusMesh
-
-
-def broadcast_block(local: torch.Tensor, root: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """The root's ``local`` on every member of ``group`` (root given as group rank).
-
-    Every member passes a tensor of the same shape; the root's is sent unchanged and
-    returned as is, the others receive into a fresh buffer.
-    """
-    if group.rank() == root:
-        buffer = local.contiguous()
-    else:
-        buffer = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-    dist.broadcast(buffer, group=group, group_src=root)
-    return buffer
-
-
-def reduce_block(
-    partial: torch.Tensor, root: int, group: dist.ProcessGroup
-) -> Optional[torch.Tensor]:
-    """Sum of every member's ``partial`` on the root (group rank); ``None`` elsewhere.
-
-    ``partial`` is consumed: its storage is reused as the reduction buffer.
-    """
-    partial = partial.contiguous()
-    dist.reduce(partial, group=group, group_dst=root)
-    return partial if group.rank() == root else None
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -57,6 +29,33 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 #: (``benchmarking.meters.CollectiveMeter`` wraps them)
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def all_gather_blocks(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every member's ``local`` stacked on a new leading dimension: ``[group size, *shape]``,
+    member ``k``'s block (group rank ``k``) at index ``k``.
+
+    One collective in place of ``size`` broadcasts; the result holds ``size`` blocks at once
+    (``size`` × the memory of ``local``, a fresh buffer; ``local`` is copied into its slot).
+    """
+    out = torch.empty((group.size(),) + tuple(local.shape), dtype=local.dtype, device=local.device)
+    # flat views: gloo accepts only the concatenated form of the output
+    getattr(dist, _ALL_GATHER)(out.view(-1), local.contiguous().view(-1), group=group)
+    return out
+
+
+def reduce_scatter_blocks(partials: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Block ``group.rank()`` of the sum over members of ``partials`` ``[group size, *shape]``.
+
+    Returns a fresh ``[*shape]`` tensor. One collective in place of ``size`` reduces, each of
+    which summed one block onto its owner; with ``size`` = 2 the sum is bitwise the same (one
+    commutative addition), with more members the association order is gloo's/NCCL's.
+    """
+    out = torch.empty(partials.shape[1:], dtype=partials.dtype, device=partials.device)
+    # a base tensor, not a view: callers may return it from an autograd function whose
+    # output is then modified in place (the cross entropy overwrites the logits)
+    getattr(dist, _REDUCE_SCATTER)(out.view(-1), partials.contiguous().view(-1), group=group)
+    return out
 
 
 def _along_dim(collective, tensor: torch.Tensor, dim: int, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -122,22 +121,26 @@ class _ReduceScatterBatch(torch.autograd.Function):
         return all_gather_along(grad, ctx.dim, ctx.mesh.column_group), None, None
 
 
-class _SumGradOverColumn(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the column group.
+class _SumGradsOverColumn(torch.autograd.Function):
+    """Identity forward on one or more tensors; backward sums their gradients over the
+    column group in one all-reduce (the gradients flattened and concatenated).
 
-    For a parameter replicated over the column group (a bias or LayerNorm block of one
+    For parameters replicated over the column group (biases, LayerNorm weights of one
     feature block, used on every batch block): each member's local gradient covers only its
-    batch block, and the true gradient is their sum.
+    batch block, and the true gradient is their sum. Summing several at once changes no
+    value (element-wise sums), only the number of collectives.
     """
 
     @staticmethod
-    def forward(ctx, tensor, mesh):
+    def forward(ctx, mesh, *tensors):
         ctx.mesh = mesh
-        return tensor.view_as(tensor)
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_sum(grad.clone(), ctx.mesh.column_group), None
+    def backward(ctx, *grads):
+        flat = all_reduce_sum(torch.cat([grad.reshape(-1) for grad in grads]), ctx.mesh.column_group)
+        sums = flat.split([grad.numel() for grad in grads])
+        return (None,) + tuple(total.view_as(grad) for total, grad in zip(sums, grads))
 
 
 def gather_batch(tensor: torch.Tensor, dim: int, mesh: OptimusMesh) -> torch.Tensor:
@@ -152,4 +155,14 @@ def reduce_scatter_batch(tensor: torch.Tensor, dim: int, mesh: OptimusMesh) -> t
 
 def column_replicated(parameter: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
     """Use of a column-replicated parameter whose gradient must be summed over batch blocks."""
-    return _SumGradOverColumn.apply(parameter, mesh)
+    (used,) = _SumGradsOverColumn.apply(mesh, parameter)
+    return used
+
+
+def column_replicated_all(parameters, mesh: OptimusMesh) -> tuple:
+    """:func:`column_replicated` for several parameters used together (e.g. a norm's weight
+    and bias): one all-reduce of their concatenated gradients instead of one each.
+    ``None`` entries pass through as ``None``."""
+    present = [p for p in parameters if p is not None]
+    used = iter(_SumGradsOverColumn.apply(mesh, *present))
+    return tuple(None if p is None else next(used) for p in parameters)

@@ -14,7 +14,12 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from megatron_bitpipe.optimus.checkpoint import optimus_module_sharded_state_dict
-from megatron_bitpipe.optimus.collectives import all_reduce_sum, column_replicated
+from megatron_bitpipe.optimus.collectives import (
+    all_gather_blocks,
+    all_reduce_sum,
+    column_replicated,
+    column_replicated_all,
+)
 from megatron_bitpipe.optimus.layout import (
     LayoutKind,
     ParamLayout,
@@ -144,14 +149,37 @@ def _normalize(x, mean, inv_std, weight, bias):
     return out.to(x.dtype)
 
 
+def _layer_norm_statistics(x32: torch.Tensor, group) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(mean, variance)`` of fp32 ``x32`` ``[..., h/q]`` over the hidden size split
+    across ``group`` (each member one equal block), both ``[..., 1]``, in one all-gather.
+
+    Each member sends its block mean ``m_k`` and ``M_k = Σ(x − m_k)²`` over its block (n
+    elements); every member merges them the same way (Chan, Golub and LeVeque's pairwise
+    update for equal counts): ``mean = Σ_k m_k / q`` and
+    ``variance = (Σ_k M_k + n·Σ_k (m_k − mean)²) / (q·n)``. No large sums of squares are
+    subtracted, so it is as exact as the two-pass form (it replaced an all-reduce of Σx
+    followed by one of Σ(x − mean)²: same values up to rounding, one collective fewer).
+    """
+    block = x32.shape[-1]
+    block_mean = x32.mean(-1, keepdim=True)
+    block_m2 = (x32 - block_mean).square().sum(-1, keepdim=True)
+    gathered = all_gather_blocks(torch.cat([block_mean, block_m2], dim=-1), group)
+    means, m2s = gathered[..., :1], gathered[..., 1:]
+    mean = means.mean(0)
+    m2 = m2s.sum(0) + block * (means - mean).square().sum(0)
+    return mean, m2 / (block * gathered.shape[0])
+
+
 class _MeshNorm(torch.autograd.Function):
     """LayerNorm / RMSNorm over a hidden dimension split across the row group.
 
-    Statistics are computed in fp32 from row-group sums: Σx, then Σ(x−mean)² (two passes,
-    as exact as a local norm); the backward needs one more all-reduce of the per-token sums
-    Σg and Σg·x̂ (g = dy·γ). Saves the input, mean and 1/σ (not x̂). Returns the output and
-    the (non-differentiable) statistics ``mean`` (None for RMSNorm) and ``inv_std``, so the
-    output can be recomputed from saved tensors alone (:func:`_normalize`).
+    Statistics are computed in fp32 with one row-group collective: RMSNorm all-reduces Σx²;
+    LayerNorm all-gathers each block's mean and Σ(x − block mean)² and merges them
+    (:func:`_layer_norm_statistics`, as exact as a two-pass local norm); the backward needs
+    one more all-reduce of the per-token sums Σg and Σg·x̂ (g = dy·γ). Saves the input, mean
+    and 1/σ (not x̂). Returns the output and the (non-differentiable) statistics ``mean``
+    (None for RMSNorm) and ``inv_std``, so the output can be recomputed from saved tensors
+    alone (:func:`_normalize`).
     """
 
     @staticmethod
@@ -159,11 +187,9 @@ class _MeshNorm(torch.autograd.Function):
         x32 = x.float()
         if rms:
             mean = None
-            centered = x32
+            variance = all_reduce_sum(x32.square().sum(-1, keepdim=True), group) / hidden_size
         else:
-            mean = all_reduce_sum(x32.sum(-1, keepdim=True), group) / hidden_size
-            centered = x32 - mean
-        variance = all_reduce_sum(centered.square().sum(-1, keepdim=True), group) / hidden_size
+            mean, variance = _layer_norm_statistics(x32, group)
         inv_std = torch.rsqrt(variance + eps)
         ctx.save_for_backward(x, mean, inv_std, weight)
         ctx.hidden_size, ctx.group, ctx.has_bias = hidden_size, group, bias is not None
@@ -238,8 +264,7 @@ class OptimusLayerNorm(torch.nn.Module):
         """Normalised ``x``, carrying a recipe (:mod:`~megatron_bitpipe.optimus.recompute`):
         a SUMMA linear consuming it recomputes it from the norm's saved input and statistics
         instead of keeping it."""
-        weight = column_replicated(self.weight, self.mesh)
-        bias = None if self.bias is None else column_replicated(self.bias, self.mesh)
+        weight, bias = column_replicated_all((self.weight, self.bias), self.mesh)
         out, mean, inv_std = _MeshNorm.apply(
             x, weight, bias, self.eps, self.hidden_size, self.mesh.row_group, self.rms
         )

@@ -5,25 +5,38 @@ mesh position ``(a, b)``. An activation's rows are its tokens (every leading dim
 e.g. ``[s, b/q]``, with the batch block given by the mesh row) and its columns its
 features; a weight is a plain 2-D block. On the rank at ``(i, j)``:
 
-* :func:`summa_ab`  ``C = A·B``:   ``C_{ij} = Σ_k A_{ik} B_{kj}``. Per ``k``: broadcast
-  ``A_{ik}`` along row ``i``, ``B_{kj}`` down column ``j``, multiply locally.
-* :func:`summa_abt` ``C = A·Bᵀ``:  ``C_{il} = Σ_j A_{ij} B_{lj}ᵀ``. Per ``l``: broadcast
-  ``B_{lj}`` down column ``j``, multiply locally, reduce along row ``i`` onto ``(i, l)``.
-* :func:`summa_atb` ``C = Aᵀ·B``:  ``C_{kj} = Σ_i A_{ik}ᵀ B_{ij}``. Per ``k``: broadcast
-  ``A_{ik}`` along row ``i``, multiply locally, reduce down column ``j`` onto ``(k, j)``;
-  the token dimensions are contracted, so C is a 2-D weight-shaped block.
+* :func:`summa_ab`  ``C = A·B``:   ``C_{ij} = Σ_k A_{ik} B_{kj}``. All-gather
+  ``A_{i0..i(q−1)}`` along row ``i`` and ``B_{0j..(q−1)j}`` down column ``j``, then sum the
+  q local products in ``k`` order.
+* :func:`summa_abt` ``C = A·Bᵀ``:  ``C_{il} = Σ_j A_{ij} B_{lj}ᵀ``. All-gather
+  ``B_{0j..(q−1)j}`` down column ``j``, form the q partials ``A_{ij} B_{lj}ᵀ`` (one per
+  ``l``), reduce-scatter them along row ``i``: ``(i, l)`` keeps the sum of partial ``l``.
+* :func:`summa_atb` ``C = Aᵀ·B``:  ``C_{kj} = Σ_i A_{ik}ᵀ B_{ij}``. All-gather
+  ``A_{i0..i(q−1)}`` along row ``i``, form the q partials ``A_{ik}ᵀ B_{ij}`` (one per ``k``),
+  reduce-scatter them down column ``j``: ``(k, j)`` keeps the sum of partial ``k``. The
+  token dimensions are contracted, so C is a 2-D weight-shaped block.
 
 The backward of each product is made of the other two (dA of A·B is dC·Bᵀ, dB is Aᵀ·dC,
-and so on), so every pass moves q blocks per operand through broadcasts or reduces over
-groups of q ranks. All members of the mesh must call these functions together with
-same-shaped blocks.
+and so on). Each operand crosses its group in exactly one collective per product (an
+all-gather, or a reduce-scatter of the result): 2 collectives forward and 4 for the two
+gradient products, 6 per product whatever q, where the classic per-``k`` form issues q
+broadcasts or reduces per operand, 6q in all. The
+bytes received are the same ((q−1) blocks per operand and rank); the cost is transient
+memory: a gathered operand holds q blocks at once, and so does the stack of q partials
+before its reduce-scatter (per-``k`` streaming held one received block or one partial at a
+time). Nothing extra is kept for backward. Arithmetic: every local product is the same
+matmul on the same blocks as per ``k``, and ``summa_ab`` adds them in ``k`` order as before;
+the sums over ranks are gloo/NCCL reduce-scatters instead of reduces (bitwise the same for
+q = 2, one commutative addition; for q > 2 the association order is the library's).
+
+All members of the mesh must call these functions together with same-shaped blocks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_bitpipe.optimus.collectives import broadcast_block, reduce_block
+from megatron_bitpipe.optimus.collectives import all_gather_blocks, reduce_scatter_blocks
 from megatron_bitpipe.optimus.mesh import OptimusMesh
 from megatron_bitpipe.optimus.recompute import recipe_of
 
@@ -33,34 +46,29 @@ def _as_matrix(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _ab(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
-    out = None
-    for k in range(mesh.side):
-        a_k = broadcast_block(a, k, mesh.row_group)
-        b_k = broadcast_block(b, k, mesh.column_group)
-        product = torch.matmul(a_k, b_k)
-        out = product if out is None else out.add_(product)
+    a_row = all_gather_blocks(a, mesh.row_group)  # [q, ..., k/q]: A_{i,k} at k
+    b_column = all_gather_blocks(b, mesh.column_group)  # [q, k/q, n/q]: B_{k,j} at k
+    out = torch.matmul(a_row[0], b_column[0])
+    for k in range(1, mesh.side):
+        out.add_(torch.matmul(a_row[k], b_column[k]))
     return out
 
 
 def _abt(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
-    out = None
+    b_column = all_gather_blocks(b, mesh.column_group)  # [q, n/q, k/q]: B_{l,j} at l
+    partials = torch.empty((mesh.side,) + a.shape[:-1] + b.shape[:1], dtype=a.dtype, device=a.device)
     for l in range(mesh.side):
-        b_l = broadcast_block(b, l, mesh.column_group)
-        reduced = reduce_block(torch.matmul(a, b_l.t()), l, mesh.row_group)
-        if reduced is not None:
-            out = reduced
-    return out
+        torch.matmul(a, b_column[l].t(), out=partials[l])
+    return reduce_scatter_blocks(partials, mesh.row_group)
 
 
 def _atb(a: torch.Tensor, b: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
-    out = None
+    a_row = all_gather_blocks(a, mesh.row_group)  # [q, ..., m/q]: A_{i,k} at k
     b_matrix = _as_matrix(b)
+    partials = torch.empty((mesh.side, a.shape[-1], b.shape[-1]), dtype=a.dtype, device=a.device)
     for k in range(mesh.side):
-        a_k = broadcast_block(a, k, mesh.row_group)
-        reduced = reduce_block(_as_matrix(a_k).t().matmul(b_matrix), k, mesh.column_group)
-        if reduced is not None:
-            out = reduced
-    return out
+        torch.matmul(_as_matrix(a_row[k]).t(), b_matrix, out=partials[k])
+    return reduce_scatter_blocks(partials, mesh.column_group)
 
 
 # product -> (forward, dA from (a, b, dC), dB from (a, b, dC)), all in SUMMA products
