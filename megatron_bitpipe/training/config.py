@@ -27,6 +27,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
+from .. import megatron_compat
 from ..megatron_args import schedule_choice
 from ..optimizers import OptimizerChoice, ParamScheduler
 from ..schedules.placement import Placement
@@ -57,8 +58,8 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
     """The model config from the flags; ``overrides`` replace fields (task specifics)."""
     gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
-    # the split defers local layers' W; --attention-backend local/sdpa replace local layers' core attention
-    local_only = args.split_backward or getattr(args, "attention_backend", "auto") != "auto"
+    # --attention-backend local/sdpa replace local layers' core attention
+    local_only = getattr(args, "attention_backend", "auto") != "auto"
     te_default = gpu and _have_transformer_engine() and not local_only
     impl = args.transformer_impl or ("transformer_engine" if te_default else "local")
     vp = args.virtual_pipeline_model_parallel_size if args.schedule == "interleaved" else None
@@ -105,7 +106,10 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
         cuda_graph_scope=[],  # the whole layer; megatron's default spelling "full" is deprecated
     )
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    config = TransformerConfig(**fields)
+    if args.split_backward:  # the weight-gradient deferral contract, before the model is built
+        megatron_compat.enable_delay_wgrad_compute(config)
+    return config
 
 
 def use_global_tp_group(tp_group) -> None:
@@ -127,6 +131,7 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
         overlap_grad_reduce=args.schedule == "bitpipe" or args.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        **megatron_compat.ddp_delay_wgrad_fields(args.split_backward),
     )
 
 
