@@ -12,8 +12,9 @@ real attention / MLP / layer classes, and through the executor on a one-rank pla
   module is reached once per call; gradients equal the non-deferred backward's (fp32);
 * errors: ``backward_dw`` with nothing queued, a ``W`` out of the ``I`` order, and weight work
   left at the end of a step (it would be dropped) raise, naming the module or action;
-* refusals: a TE-contract layer built without ``delay_wgrad_compute``, and TE's deferred
-  weights under a megatron DDP without ``delay_wgrad_compute``.
+* refusals: a TE-contract linear of a transformer layer built without
+  ``delay_wgrad_compute`` (one outside the layers, as the LM head, is accepted undeferred),
+  and TE's deferred weights under a megatron DDP without ``delay_wgrad_compute``.
 """
 
 from __future__ import annotations
@@ -134,9 +135,12 @@ def test_chunk_backward_dw_runs_one_microbatch_per_call_in_fifo_order():
 
 def test_refuses_te_layers_built_without_the_flag_or_under_ddp_without_it():
     generator = torch.Generator().manual_seed(0)
-    built_without = torch.nn.Sequential(PlainDoubleLinear(SimpleNamespace(delay_wgrad_compute=False), 2, 2, generator))
-    with pytest.raises(SplitBackwardError, match="only when built with delay_wgrad_compute"):
+    built_without = _Chunk(delay=False)
+    with pytest.raises(SplitBackwardError, match="layers.0.self_attention.linear_qkv .* only when built with delay_wgrad_compute"):
         enable_split_backward([built_without])
+    # outside the layers (an LM head that does not defer): its weight gradient stays in I
+    head_only = torch.nn.Sequential(PlainDoubleLinear(SimpleNamespace(delay_wgrad_compute=False), 2, 2, generator))
+    assert enable_split_backward([head_only]) == 0 and not ChunkWeightGrad(head_only).defers
     chunk = torch.nn.Sequential(PlainDoubleLinear(SimpleNamespace(delay_wgrad_compute=True), 2, 2, generator))
     chunk.ddp_config = SimpleNamespace(delay_wgrad_compute=False)
     with pytest.raises(SplitBackwardError, match=r"DistributedDataParallelConfig\(delay_wgrad_compute=True\)"):

@@ -386,8 +386,10 @@ def enable_split_backward(chunks: Sequence[torch.nn.Module]) -> int:
     modules defer.
 
     Raises :class:`SplitBackwardError` (before changing anything) for: Transformer Engine
-    linears built without ``delay_wgrad_compute`` (build from a config with the flag; the
-    scripts do with ``--split-backward``); TE's deferred weights under a megatron DDP without
+    linears of a transformer layer built without ``delay_wgrad_compute`` (build from a config
+    with the flag; the scripts do with ``--split-backward``; outside the layers a TE module
+    that does not defer — megatron-core 0.19's MXFP8 LM head forces it off — computes its
+    weight gradient in ``I``); TE's deferred weights under a megatron DDP without
     ``delay_wgrad_compute`` (its gradient hook would fire in ``I``); Optimus 2D layers;
     megatron's own embedding-wgrad deferral (``--defer-embedding-wgrad-compute``); linears whose
     weight is sharded for rematerialisation (megatron-core 0.19's ``gtp_weight_remat_size`` > 1).
@@ -395,13 +397,14 @@ def enable_split_backward(chunks: Sequence[torch.nn.Module]) -> int:
     linears, own = [], 0
     for chunk in chunks:
         ddp_delays = getattr(getattr(chunk, "ddp_config", None), "delay_wgrad_compute", True)
+        in_layers = {id(m) for layer in chunk.modules() if isinstance(layer, TransformerLayer) for m in layer.modules()}
         for name, module in chunk.named_modules():
             if isinstance(module.__dict__.get("wgrad_queue"), WeightGradQueue):  # already deferrable
                 linears.append((name, module))
                 continue
             defers = _self_deferring(module)
             if defers is not None:
-                if not defers and not getattr(getattr(module, "config", None), "delay_wgrad_compute", False):
+                if not defers and id(module) in in_layers:
                     raise SplitBackwardError(
                         f"split backward: {name} ({type(module).__name__}) defers its weight gradients only when built "
                         "with delay_wgrad_compute: build the model from a config passed through "
