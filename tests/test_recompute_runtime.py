@@ -8,11 +8,12 @@ replicas stay bit-identical, evaluation losses equal: BitPipe plain and split (f
 uniform and block, and selective recompute of the core attention), TP 2 with
 sequence parallelism, and Optimus 2D.
 
-Split backward: megatron's checkpoint recomputes a forward inside the backward of ``I``, so the
-executor runs ``I`` in the micro-batch's weight-gradient deferral as it does its ``F``. Proven
-here: every recomputation runs inside that deferral, and every ``W`` runs as many deferred
-weight gradients as without recompute (none is computed early in ``I``), with the same
-gradients at the end.
+Split backward: megatron's checkpoint recomputes a forward inside the backward of ``I``; the
+linears of that recomputed forward defer as the ``F``'s would (``delay_wgrad_compute`` is read
+at forward time, the recompute records autograd). Proven here: the backward of every
+recomputation queues weight work exactly when the backward is split, and every ``W`` runs as
+many queued weight gradients as without recompute (none is computed early in ``I``), with the
+same gradients at the end.
 """
 
 from __future__ import annotations
@@ -77,27 +78,34 @@ LAUNCH_TIMEOUT = 800
 
 
 def run_cases(cases: List[RecomputeCase]) -> dict:
-    """Each case's :func:`pipeline` record plus ``deferred_per_W`` (closures each ``W`` ran) and
-    ``recomputed_in_deferral`` (per checkpoint recomputation: inside a deferral?)."""
+    """Each case's :func:`pipeline` record plus ``deferred_per_W`` (queued entries each ``W``
+    ran) and ``recomputed_in_deferral`` (per checkpoint recomputation: did its backward queue
+    weight work?)."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.runtime import weight_grad
-    from megatron_bitpipe.runtime.weight_grad import WeightGradWork
+    from megatron_bitpipe.runtime.weight_grad import ChunkWeightGrad, WeightGradQueue, queued_weight_work
 
     enable_cpu_megatron()
-    deferred, recomputed = [], []
-    run_work, checkpoint_backward = WeightGradWork.run, CheckpointFunction.backward
+    deferred, recomputed, pushes = [], [], []
+    chunk_backward_dw, push, checkpoint_backward = ChunkWeightGrad.backward_dw, WeightGradQueue.push, CheckpointFunction.backward
 
-    def counted_run(work):
-        deferred.append(len(work))
-        run_work(work)
+    def counted_backward_dw(rollup):
+        before = sum(queued_weight_work(module) or 0 for _, module in rollup.modules)
+        chunk_backward_dw(rollup)
+        deferred.append(before - sum(queued_weight_work(module) or 0 for _, module in rollup.modules))
+
+    def counted_push(queue, *args):
+        pushes.append(1)
+        push(queue, *args)
 
     def observed_backward(ctx, *grads):
-        recomputed.append(weight_grad.active_work() is not None)
-        return checkpoint_backward(ctx, *grads)
+        before = len(pushes)
+        result = checkpoint_backward(ctx, *grads)
+        recomputed.append(len(pushes) > before)
+        return result
 
-    WeightGradWork.run = counted_run
+    ChunkWeightGrad.backward_dw, WeightGradQueue.push = counted_backward_dw, counted_push
     CheckpointFunction.backward = staticmethod(observed_backward)
     out = {}
     try:
@@ -108,7 +116,8 @@ def run_cases(cases: List[RecomputeCase]) -> dict:
             out[case.name]["deferred_per_W"] = list(deferred)
             out[case.name]["recomputed_in_deferral"] = list(recomputed)
     finally:
-        WeightGradWork.run, CheckpointFunction.backward = run_work, staticmethod(checkpoint_backward)
+        ChunkWeightGrad.backward_dw, WeightGradQueue.push = chunk_backward_dw, push
+        CheckpointFunction.backward = staticmethod(checkpoint_backward)
     return out
 
 
@@ -121,8 +130,9 @@ def test_recompute_equals_single_process_training(case, references, launched):
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", [c for c in CASES if c.recompute], ids=lambda c: c.name)
 def test_recomputed_forwards_of_a_split_backward_defer_their_weight_gradients(case, launched):
-    """Checkpoints are recomputed in backward, inside the deferral exactly when the backward is
-    split, and each ``W`` then runs as many deferred weight gradients as without recompute."""
+    """Checkpoints are recomputed in backward, their linears queueing weight work exactly when
+    the backward is split, and each ``W`` then runs as many queued weight gradients as without
+    recompute."""
     for rank in launched.ranks(case.world_size):
         record = rank[case.name]
         assert set(record["recomputed_in_deferral"]) == {case.split_backward}, "no checkpoint was recomputed"

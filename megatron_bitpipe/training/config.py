@@ -58,8 +58,10 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
     """The model config from the flags; ``overrides`` replace fields (task specifics)."""
     gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
-    # --attention-backend local/sdpa replace local layers' core attention
-    local_only = getattr(args, "attention_backend", "auto") != "auto"
+    # --attention-backend local/sdpa replace local layers' core attention; --split-backward
+    # defaults to local layers too (its Transformer Engine path has not run on a GPU yet:
+    # docs/runtime.md), --transformer-impl transformer_engine selects TE's own deferral
+    local_only = args.split_backward or getattr(args, "attention_backend", "auto") != "auto"
     te_default = gpu and _have_transformer_engine() and not local_only
     impl = args.transformer_impl or ("transformer_engine" if te_default else "local")
     vp = args.virtual_pipeline_model_parallel_size if args.schedule == "interleaved" else None
