@@ -23,6 +23,7 @@ module (no megatron-core state needed, for single-process tests).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 
 import torch
@@ -135,7 +136,9 @@ def te_double_layer_spec(config):
         attention,
         submodules=dataclasses.replace(attention.submodules, linear_qkv=DoubleColumnLinear, linear_proj=DoubleRowLinear),
     )
-    mlp = dataclasses.replace(
-        mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=DoubleColumnLinear, linear_fc2=DoubleRowLinear)
-    )
+    linears = dict(linear_fc1=DoubleColumnLinear, linear_fc2=DoubleRowLinear)
+    if isinstance(mlp, functools.partial):  # megatron-core 0.19: MLP.as_mlp_submodule with its submodules
+        mlp = functools.partial(mlp.func, *mlp.args, **dict(mlp.keywords, submodules=dataclasses.replace(mlp.keywords["submodules"], **linears)))
+    else:  # 0.16: a ModuleSpec
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, **linears))
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
