@@ -305,10 +305,11 @@ class ChunkWeightGrad:
 
     Rolled up like megatron-core's own interface: each transformer layer's ``self_attention``
     and ``mlp`` (their ``backward_dw`` reach QKV / output projection and fc1 / fc2), then each
-    deferring module outside them (the LM head) directly. ``modules`` are the chunk's deferring
-    modules (:func:`enable_split_backward` found them); every one must be reached exactly once
-    per call — before, each must have work queued; after, each visible queue must be one
-    shorter (SplitBackwardError otherwise).
+    deferring module outside them (the LM head) directly. ``modules`` are the chunk's modules
+    that defer when this is built (after :func:`enable_split_backward`); ``units`` the
+    ``(name, backward_dw)`` calls, in module order (run in reverse, as a backward would). Every
+    deferring module must be reached exactly once per call — before, each must have work
+    queued; after, each visible queue must be one shorter (SplitBackwardError otherwise).
     """
 
     def __init__(self, chunk: torch.nn.Module):
