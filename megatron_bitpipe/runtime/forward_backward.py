@@ -71,10 +71,9 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
 
     With ``choice.split_backward`` every backward runs as ``I`` (input gradient) and, later,
     ``W`` (weight gradients), the plan placing the ``W``'s into bubbles for ``choice.costs``;
-    the chunks' linears are put under megatron-core's ``delay_wgrad_compute`` contract on the
-    first call with each chunk (:func:`~.weight_grad.enable_split_backward`: local linears
-    made deferrable, Transformer Engine's used as built — it raises for TE layers built
-    without the flag and for Optimus 2D layers). Same gradients as without. The schedules that always split their
+    the chunks' linears are put under megatron-core's ``delay_wgrad_compute`` contract on the first call
+    with each chunk (:func:`~.weight_grad.enable_split_backward`, which raises for TE layers built without it and
+    Optimus 2D layers). Same gradients as without. The schedules that always split their
     backwards (:data:`~megatron_bitpipe.schedules.ALWAYS_SPLIT`: ZB-H1, ZB-V, DualPipe,
     DualPipeV) do so too (``choice.splits_backward``).
 

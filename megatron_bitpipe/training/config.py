@@ -27,7 +27,6 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
-from .. import megatron_compat
 from ..megatron_args import schedule_choice
 from ..optimizers import OptimizerChoice, ParamScheduler
 from ..schedules.placement import Placement
@@ -58,9 +57,7 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
     """The model config from the flags; ``overrides`` replace fields (task specifics)."""
     gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
-    # --attention-backend local/sdpa replace local layers' core attention; --split-backward
-    # defaults to local layers too (its Transformer Engine path has not run on a GPU yet:
-    # docs/runtime.md), --transformer-impl transformer_engine selects TE's own deferral
+    # the split defers local layers' W; --attention-backend local/sdpa replace local layers' core attention
     local_only = args.split_backward or getattr(args, "attention_backend", "auto") != "auto"
     te_default = gpu and _have_transformer_engine() and not local_only
     impl = args.transformer_impl or ("transformer_engine" if te_default else "local")
@@ -110,6 +107,8 @@ def transformer_config(args: argparse.Namespace, **overrides) -> TransformerConf
     fields.update(overrides)
     config = TransformerConfig(**fields)
     if args.split_backward:  # the weight-gradient deferral contract, before the model is built
+        from .. import megatron_compat
+
         megatron_compat.enable_delay_wgrad_compute(config)
     return config
 
@@ -129,6 +128,8 @@ def placement_for(args: argparse.Namespace) -> Placement:
 def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
     """Gradients reduced in fp32; overlapped with BitPipe (its eager per-chunk sync) or with
     ``--overlap-grad-reduce``."""
+    from .. import megatron_compat
+
     return DistributedDataParallelConfig(
         overlap_grad_reduce=args.schedule == "bitpipe" or args.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
