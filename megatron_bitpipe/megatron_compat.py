@@ -16,10 +16,9 @@ patch release in the range behaves like its neighbours:
 * :func:`linear_weight_shards`, :func:`linear_call_is_plain` — 0.19's tensor-parallel linears
   can shard their weight over a rematerialisation group (``gtp_remat_size``, passed to the
   linear's ``_forward_impl``); before 0.19 there is no such sharding.
-* :func:`enable_delay_wgrad_compute`, :func:`ddp_delay_wgrad_fields` — the weight-gradient
-  deferral contract megatron-core uses for Transformer Engine: ``delay_wgrad_compute`` in
-  ``ModelParallelConfig`` (0.16.1 and 0.19.2 have it) and in ``DistributedDataParallelConfig``
-  (both too). ``TransformerConfig.__post_init__`` of 0.16-0.19 admits the flag only together
+* :func:`enable_delay_wgrad_compute` — the weight-gradient deferral contract megatron-core
+  uses for Transformer Engine: ``delay_wgrad_compute`` in ``ModelParallelConfig`` (0.16.1 and
+  0.19.2 have it; ``DistributedDataParallelConfig`` has its own in both, set directly). ``TransformerConfig.__post_init__`` of 0.16-0.19 admits the flag only together
   with ``overlap_moe_expert_parallel_comm`` (its MoE overlap schedule), so the flag is set on
   the constructed config; where a release has no such field it becomes a plain attribute,
   read by this package's deferrable local linears only (megatron's TE linears of such a
@@ -42,7 +41,6 @@ patch release in the range behaves like its neighbours:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -60,7 +58,6 @@ __all__ = [
     "linear_call_is_plain",
     "reads_common_state_in_index",
     "enable_delay_wgrad_compute",
-    "ddp_delay_wgrad_fields",
     "MegatronLMFunctions",
     "megatron_lm_functions",
     "builder_model_config",
@@ -143,17 +140,6 @@ def enable_delay_wgrad_compute(config) -> None:
     model: megatron's TE linears read it in their constructor), bypassing
     ``TransformerConfig.__post_init__``'s MoE-overlap-only check (see the module docstring)."""
     config.delay_wgrad_compute = True
-
-
-def ddp_delay_wgrad_fields(delay: bool) -> dict:
-    """``DistributedDataParallelConfig`` keywords for deferred weight gradients: with
-    ``delay_wgrad_compute`` megatron DDP registers the gradient hook of a parameter marked
-    ``skip_backward_post_hook`` (Transformer Engine's deferred weights) on its module, run after
-    ``backward_dw``, instead of on the gradient accumulator. Empty where the field is absent."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
-    return {"delay_wgrad_compute": delay} if delay and "delay_wgrad_compute" in fields else {}
 
 
 # Megatron-LM's training code (a checkout's ``megatron.training``) -------------------------

@@ -223,7 +223,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
             overlap_grad_reduce=case.overlap_grad_reduce,
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=case.distributed_optimizer,
-            **megatron_compat.ddp_delay_wgrad_fields(choice.splits_backward),
+            delay_wgrad_compute=choice.splits_backward,
         ),
         **case.model_kwargs(),
         tensor_parallel_mode=case.tensor_parallel_mode,

@@ -75,7 +75,7 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         check_for_large_grads=getattr(args, "check_for_large_grads", False),
         average_in_collective=getattr(args, "ddp_average_in_collective", False),
         use_distributed_optimizer=args.use_distributed_optimizer,
-        **megatron_compat.ddp_delay_wgrad_fields(getattr(args, "split_backward", False)),
+        delay_wgrad_compute=getattr(args, "split_backward", False),  # TE's deferred weights: DDP's hook after backward_dw
     )
 
 

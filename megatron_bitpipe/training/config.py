@@ -128,13 +128,11 @@ def placement_for(args: argparse.Namespace) -> Placement:
 def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
     """Gradients reduced in fp32; overlapped with BitPipe (its eager per-chunk sync) or with
     ``--overlap-grad-reduce``."""
-    from .. import megatron_compat
-
     return DistributedDataParallelConfig(
         overlap_grad_reduce=args.schedule == "bitpipe" or args.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        **megatron_compat.ddp_delay_wgrad_fields(args.split_backward),
+        delay_wgrad_compute=args.split_backward,  # TE's deferred weights: DDP's hook after backward_dw
     )
 
 
