@@ -9,7 +9,8 @@
   ``--num-virtual-stages-per-pipeline-rank`` in Megatron-LM's; else 1F1B);
 * ``--split-backward`` — with ``bitpipe``: run every backward as the input gradient and,
   later, the weight gradients, placed into the pipeline's bubbles
-  (:mod:`megatron_bitpipe.schedules.split_backward`); megatron-core's local layers only;
+  (:mod:`megatron_bitpipe.schedules.split_backward`), through megatron-core's
+  ``delay_wgrad_compute`` contract (local layers and Transformer Engine's);
 * ``--schedule-costs FILE`` — the cost file ``scripts/calibrate_gpu.py`` writes: the split
   places its weight-gradient actions for these measured costs;
 * ``--tensor-parallel-mode {1d,optimus2d}`` (:mod:`megatron_bitpipe.optimus.args`).
@@ -258,8 +259,6 @@ def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = V
     if getattr(args, "split_backward", False):
         if schedule != "bitpipe":
             problems.append(f"--split-backward needs --pipeline-schedule bitpipe (got {schedule})")
-        if getattr(args, "transformer_impl", "local") == "transformer_engine":
-            problems.append("--split-backward defers the weight gradients of megatron-core's local layers: use --transformer-impl local")
         if getattr(args, "tensor_parallel_mode", "1d") != "1d":
             problems.append("--split-backward is not supported with --tensor-parallel-mode optimus2d")
     elif getattr(args, "schedule_costs", None) is not None:

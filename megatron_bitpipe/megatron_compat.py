@@ -16,6 +16,14 @@ patch release in the range behaves like its neighbours:
 * :func:`linear_weight_shards`, :func:`linear_call_is_plain` — 0.19's tensor-parallel linears
   can shard their weight over a rematerialisation group (``gtp_remat_size``, passed to the
   linear's ``_forward_impl``); before 0.19 there is no such sharding.
+* :func:`enable_delay_wgrad_compute` — the weight-gradient deferral contract megatron-core
+  uses for Transformer Engine: ``delay_wgrad_compute`` in ``ModelParallelConfig`` (0.16.1 and
+  0.19.2 have it; ``DistributedDataParallelConfig`` has its own in both, set directly). ``TransformerConfig.__post_init__`` of 0.16-0.19 admits the flag only together
+  with ``overlap_moe_expert_parallel_comm`` (its MoE overlap schedule), so the flag is set on
+  the constructed config; where a release has no such field it becomes a plain attribute,
+  read by this package's deferrable local linears only (megatron's TE linears of such a
+  release would not defer, and :func:`~megatron_bitpipe.runtime.weight_grad.enable_split_backward`
+  refuses them).
 * :func:`reads_common_state_in_index` — megatron-core 0.19 saves a distributed checkpoint's
   plain values as an object of its index instead of ``common.pt``; its reader reads both,
   0.16's only ``common.pt``.
@@ -49,6 +57,7 @@ __all__ = [
     "linear_weight_shards",
     "linear_call_is_plain",
     "reads_common_state_in_index",
+    "enable_delay_wgrad_compute",
     "MegatronLMFunctions",
     "megatron_lm_functions",
     "builder_model_config",
@@ -124,6 +133,13 @@ def linear_call_is_plain(newer_keywords: dict) -> bool:
     """Whether the keywords a megatron linear passes its ``_forward_impl`` beyond 0.16's
     (``gtp_remat_size`` since 0.19) ask for nothing beyond 0.16's behaviour."""
     return all(name == "gtp_remat_size" and value == 1 for name, value in newer_keywords.items())
+
+
+def enable_delay_wgrad_compute(config) -> None:
+    """Set ``config.delay_wgrad_compute`` on a constructed model config (before building the
+    model: megatron's TE linears read it in their constructor), bypassing
+    ``TransformerConfig.__post_init__``'s MoE-overlap-only check (see the module docstring)."""
+    config.delay_wgrad_compute = True
 
 
 # Megatron-LM's training code (a checkout's ``megatron.training``) -------------------------

@@ -68,7 +68,6 @@ tests and demos; the times are a CPU's, not a GPU's).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -220,9 +219,9 @@ def measure_share(model, config, shape, timer: Callable, warmup: int, iters: int
     ``shape`` = (s, b, h), and its parameter count.
 
     Each iteration runs a whole step (``F``, ``B``) and, when the share's linears defer
-    (megatron-core local layers), a split one: ``F`` inside
-    :func:`~megatron_bitpipe.runtime.weight_grad.deferring`, ``I`` (``backward_step`` inside it
-    again, as the executor runs ``I``) and ``W`` (the deferred work's ``run``). ``timer(fn)`` runs
+    (megatron-core local layers), a split one: ``F`` and ``I`` (``backward_step``) with
+    ``delay_wgrad_compute`` set on the linears' config, as the executor runs them, and ``W``
+    (the chunk's :meth:`~megatron_bitpipe.runtime.weight_grad.ChunkWeightGrad.backward_dw`). ``timer(fn)`` runs
     ``fn`` and returns its duration in ms. Returns ``t_forward``, ``t_backward``,
     ``t_forward_deferring``, ``t_input``, ``t_weight`` (the last three None without the split),
     ``parameters``, ``layer_impl``, ``dtype``, ``output_dtypes`` (what the next stage would
@@ -234,7 +233,7 @@ def measure_share(model, config, shape, timer: Callable, warmup: int, iters: int
 
     from megatron_bitpipe.megatron_compat import backward_step
     from megatron_bitpipe.runtime.model import transformer_block_of
-    from megatron_bitpipe.runtime.weight_grad import SplitBackwardError, WeightGradWork, deferring, enable_split_backward
+    from megatron_bitpipe.runtime.weight_grad import ChunkWeightGrad, SplitBackwardError, enable_split_backward
 
     s, b, h = shape
     generator = torch.Generator(device="cpu").manual_seed(1234)
@@ -248,6 +247,13 @@ def measure_share(model, config, shape, timer: Callable, warmup: int, iters: int
         split_note = None
     except SplitBackwardError as error:
         split_note = f"I and W not measured: {error}"
+    weight_grads = ChunkWeightGrad(model)
+    deferring_configs = {id(m.config): m.config for _, m in weight_grads.modules if "wgrad_queue" in m.__dict__}
+
+    def defer(on: bool) -> None:
+        """Local linears defer while their config has ``delay_wgrad_compute`` (read at forward time)."""
+        for deferring_config in deferring_configs.values():
+            deferring_config.delay_wgrad_compute = on
     batch = {
         "tokens": torch.zeros((b, s), dtype=torch.long, device=device),
         "position_ids": torch.arange(s, device=device).expand(b, s),
@@ -258,37 +264,34 @@ def measure_share(model, config, shape, timer: Callable, warmup: int, iters: int
         data = next(data_iterator)
         return chunk(data["tokens"], data["position_ids"], None, labels=data["labels"]), None
 
-    def run(context_factory):
-        """One F then its backward; the times (ms) and the deferred work."""
+    def run(deferring: bool):
+        """One F then its backward, the linears deferring or not; the times (ms)."""
+        defer(deferring)
         input_tensor = hidden.detach().requires_grad_()
         outputs: List = []
-        work = WeightGradWork()
-        context = context_factory(work)
-        with context:
-            t_f = timer(lambda: outputs.append(forward_step(
-                forward_step_func, iter([batch]), model, 1, input_tensor, [], config, 1, False,
-                is_first_microbatch=False, current_microbatch=0, is_last_stage=False,
-            )[0]))
+        t_f = timer(lambda: outputs.append(forward_step(
+            forward_step_func, iter([batch]), model, 1, input_tensor, [], config, 1, False,
+            is_first_microbatch=False, current_microbatch=0, is_last_stage=False,
+        )[0]))
         output = outputs[0]
         output_dtypes.add(str(output.dtype))
         deallocate_output_tensor(output, config.deallocate_pipeline_outputs)  # as after its send
-        with context_factory(work):
-            t_b = timer(lambda: backward_step(input_tensor, output, grad, config))
-        return t_f, t_b, work
+        t_b = timer(lambda: backward_step(input_tensor, output, grad, config))
+        return t_f, t_b
 
     times: Dict[str, List[float]] = {k: [] for k in ("F", "B", "Fd", "I", "W")}
     output_dtypes = set()
     with model.no_sync():
         for iteration in range(warmup + iters):
             model.zero_grad_buffer()
-            t_f, t_b, _ = run(lambda work: contextlib.nullcontext())
+            t_f, t_b = run(deferring=False)
             kept = iteration >= warmup
             if kept:
                 times["F"].append(t_f)
                 times["B"].append(t_b)
             if split_note is None:
-                t_fd, t_i, work = run(deferring)
-                t_w = timer(work.run)
+                t_fd, t_i = run(deferring=True)
+                t_w = timer(weight_grads.backward_dw)
                 if kept:
                     times["Fd"].append(t_fd)
                     times["I"].append(t_i)

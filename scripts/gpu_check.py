@@ -18,8 +18,12 @@ reported and the next one runs):
    ``NCCL_SOCKET_IFNAME=lo``), a tiny GPT (8 layers h256 s256): first the single-process
    references (``ref-*``), then megatron-core's 1F1B on 4 pipeline ranks as the control,
    BitPipe plain, Optimus 2D q=2, BitPipe ``--split-backward``, BitPipe PP2 x DP2 with the
-   distributed optimizer, BERT with BitPipe PP4 and BitPipe in bf16. Each run's per-iteration
-   losses must equal its reference's: rtol 1e-4 in fp32, 2e-2 in bf16.
+   distributed optimizer, BERT with BitPipe PP4, BitPipe in bf16, and BitPipe
+   ``--split-backward`` on Transformer Engine layers (``bitpipe-split-te-pp4``: TE's own
+   ``delay_wgrad_compute`` / ``backward_dw``, against ``ref-gpt-te-fp32``, the same TE model in
+   one process). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
+   fp32, 2e-2 in bf16. The two Transformer Engine items run only where ``transformer_engine``
+   is importable; elsewhere they are ``skipped (Transformer Engine not importable)``.
 
 Runs that cannot hang come first; a run of several ranks that outlives its timeout has its
 ranks' Python stacks dumped into the log (SIGUSR1, see gpu_rank.py) and its whole process
@@ -43,6 +47,7 @@ every item that ran is ``ok``, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -88,6 +93,7 @@ NCCL_MULTI_RANK_MIN = (2, 30, 0)
 
 OK, MISMATCH = "ok", "mismatch"
 NEEDS_GPU, OVER_BUDGET = "skipped (needs a GPU)", "skipped (budget)"
+NEEDS_TE = "skipped (Transformer Engine not importable)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,6 +296,7 @@ class Item:
     timeout: float
     description: str
     needs_gpu: bool = False
+    needs_te: bool = False  # runs only where transformer_engine is importable
     env: Dict[str, str] = field(default_factory=dict)
     log_json: Optional[str] = None
     output: Optional[str] = None  # calibration cost file
@@ -381,15 +388,18 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
                           f"calibrate_gpu.py, 12 layers h3072 s1024 b1, {precision}", needs_gpu=True, output=output))  # fmt: skip
 
     tiny = [*sizes.tiny, *COMMON, "--train-iters", str(sizes.tiny_iters)]
+    te_layers = ["--transformer-impl", "transformer_engine"]
     references = {
         "ref-gpt-fp32": (gpt, [], "fp32"),
         "ref-gpt-bf16": (gpt, ["--bf16"], "bf16"),
         "ref-bert-fp32": (bert, [], "fp32"),
+        "ref-gpt-te-fp32": (gpt, te_layers, "fp32"),
     }
     for name, (script, extra, precision) in references.items():
-        model = "BERT" if script == bert else "GPT"
+        model = ("BERT" if script == bert else "GPT") + (" on Transformer Engine layers" if extra == te_layers else "")
         items.append(Item(name, "reference", [py, script, *tiny, *extra, *log_json(name)], timeout(name, "reference"),
-                          f"{model} tiny, one process, {precision} (the reference)", needs_gpu=precision == "bf16",
+                          f"{model} tiny, one process, {precision} (the reference)",
+                          needs_gpu=precision == "bf16" or extra == te_layers, needs_te=extra == te_layers,
                           log_json=str(work / f"{name}.jsonl")))  # fmt: skip
 
     sharing, sharing_env, wrapper_flags = nccl_sharing(nccl_version)
@@ -403,14 +413,17 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
          "ref-gpt-fp32", "BitPipe PP2 x DP2, distributed optimizer"),
         ("bert-bitpipe-pp4", bert, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4"], "ref-bert-fp32", "BERT, BitPipe PP4"),
         ("bitpipe-pp4-bf16", gpt, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--bf16"], "ref-gpt-bf16", "BitPipe PP4, bf16"),
+        ("bitpipe-split-te-pp4", gpt, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--split-backward", *te_layers],
+         "ref-gpt-te-fp32", "BitPipe PP4 --split-backward on Transformer Engine layers (TE's delay_wgrad_compute)"),
     ]  # fmt: skip
     launcher = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPTS / "gpu_rank.py"), *wrapper_flags]
     for name, script, layout, reference, what in runs:
         precision = "bf16" if "--bf16" in layout else "fp32"
+        te = "transformer_engine" in layout
         env = dict(sharing_env)  # NCCL's variables; gloo (the dry run) ignores them
         items.append(Item(name, "multirank", [*launcher, script, *tiny, *layout, *log_json(name)], timeout(name, "multirank"),
                           f"{what}, 4 ranks" + ("" if dry_run else f" on one GPU ({sharing})") + f", {precision} vs {reference}",
-                          needs_gpu=precision == "bf16", env=env, log_json=str(work / f"{name}.jsonl"),
+                          needs_gpu=precision == "bf16" or te, needs_te=te, env=env, log_json=str(work / f"{name}.jsonl"),
                           reference=reference, rtol=RTOL[precision]))  # fmt: skip
     return items
 
@@ -680,6 +693,14 @@ def write_results(out: Path, meta: dict, rows: List[dict]) -> None:
     (out / TABLE_FILE).write_text("\n".join(header) + "\n" + format_table(rows) + "\n", encoding="utf-8")
 
 
+def have_transformer_engine() -> bool:
+    """Whether ``transformer_engine`` is importable here (the TE items run only then)."""
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _cuda_available() -> Tuple[bool, Optional[Tuple[int, int, int]]]:
     try:
         import torch
@@ -749,6 +770,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         signal.signal(signum, _on_signal)
     rows: List[dict] = []
     logs: Dict[str, dict] = {}
+    have_te = have_transformer_engine()
     control_seconds: Optional[float] = None
     begin = time.monotonic()
     try:
@@ -765,6 +787,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.dry_run and item.needs_gpu:
                 row["status"] = NEEDS_GPU
                 runner.note(f"\n===== [{index}/{len(items)}] {item.name} | {NEEDS_GPU} | {item.shell()}")
+            elif item.needs_te and not have_te:
+                row["status"] = NEEDS_TE
+                runner.note(f"\n===== [{index}/{len(items)}] {item.name} | {NEEDS_TE} | {item.shell()}")
             elif timeout is None:
                 row["status"] = OVER_BUDGET
                 row["numbers"] = f"{max(remaining, 0):.0f} s left of {args.budget_s:.0f}"

@@ -194,7 +194,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     """Train ``case`` through ``make_step_func(ScheduleChoice(case.schedule, case.split_backward))`` on this rank."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from megatron_bitpipe import schedules
+    from megatron_bitpipe import megatron_compat, schedules
     from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
     from megatron_bitpipe.runtime.forward_backward import make_step_func
     from megatron_bitpipe.runtime.groups import ParallelGrid
@@ -210,6 +210,8 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         sequence_parallel=case.sequence_parallel,
         **case.config_overrides(),
     )
+    if choice.splits_backward:  # as the scripts do: the deferral contract before the model is built
+        megatron_compat.enable_delay_wgrad_compute(config)
     model = build_pipeline_model(
         config,
         ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp),
@@ -221,6 +223,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
             overlap_grad_reduce=case.overlap_grad_reduce,
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=case.distributed_optimizer,
+            delay_wgrad_compute=choice.splits_backward,
         ),
         **case.model_kwargs(),
         tensor_parallel_mode=case.tensor_parallel_mode,

@@ -153,16 +153,19 @@ def _script_args(command, script):
     return command[command.index(str(REPO / "scripts" / script)) + 1 :]
 
 
-def test_items_and_their_flags(tmp_path):
-    """Every command is one its script accepts, for its world size, with a GPU."""
+def test_items_and_their_flags(tmp_path, monkeypatch):
+    """Every command is one its script accepts, for its world size, with a GPU (and, for the
+    Transformer Engine items, with TE importable)."""
+    from megatron_bitpipe.training import arguments
     from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.bert import BertTask
     from megatron_bitpipe.training.gpt import GPTTask
 
     calibrate = _load("calibrate_gpu")
+    real_find_spec = importlib.util.find_spec
     items = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 27, 7))
     names = [i.name for i in items]
-    assert names[0] == "environment" and len(names) == len(set(names)) == 17
+    assert names[0] == "environment" and len(names) == len(set(names)) == 19
     multirank = [i for i in items if i.kind == "multirank"]
     assert multirank[0].name == gpu_check.CONTROL and "--pipeline-schedule" not in multirank[0].command
     assert {i.reference for i in multirank} <= {i.name for i in items if i.kind == "reference"}
@@ -177,6 +180,9 @@ def test_items_and_their_flags(tmp_path):
             assert item.command[6].endswith("gpu_rank.py") and item.command[7] == gpu_rank.HOSTID_FLAG
             assert item.env["NCCL_SOCKET_IFNAME"] == "lo"
             assert item.rtol == (2e-2 if "--bf16" in item.command else 1e-4)
+        assert item.needs_te == ("transformer_engine" in item.command) and (item.needs_gpu or not item.needs_te)
+        monkeypatch.setattr(arguments.importlib.util, "find_spec", lambda name, *a, te=item.needs_te: (
+            object() if te and name == "transformer_engine" else real_find_spec(name, *a)))
         if item.kind in ("train", "reference", "multirank"):
             bert = "pretrain_bert.py" in " ".join(item.command)
             args = _script_args(item.command, "pretrain_bert.py" if bert else "pretrain_gpt.py")
@@ -193,6 +199,19 @@ def test_items_and_their_flags(tmp_path):
     assert all(i.env == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} and gpu_rank.HOSTID_FLAG not in i.command for i in new if i.kind == "multirank")
 
 
+def test_transformer_engine_items_are_skipped_without_it(tmp_path, monkeypatch, capsys):
+    """On a GPU without Transformer Engine the TE items are skipped with one clear status,
+    nothing is run, and the check still passes."""
+    monkeypatch.setattr(gpu_check, "_cuda_available", lambda: (True, (2, 27, 7)))
+    monkeypatch.setattr(gpu_check, "have_transformer_engine", lambda: False)
+    monkeypatch.setattr(gpu_check.Runner, "run", lambda *a: pytest.fail("a skipped item was run"))
+    assert gpu_check.main(["--out", str(tmp_path), "--items", "bitpipe-split-te-pp4"]) == 0
+    rows = json.loads((tmp_path / gpu_check.RESULTS_FILE).read_text())["items"]
+    assert [(r["item"], r["status"]) for r in rows] == [
+        ("ref-gpt-te-fp32", gpu_check.NEEDS_TE), ("bitpipe-split-te-pp4", gpu_check.NEEDS_TE)]
+    assert "| bitpipe-split-te-pp4 | skipped (Transformer Engine not importable) |" in capsys.readouterr().out
+
+
 def test_dry_run_items_fit_a_cpu(tmp_path):
     from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.bert import BertTask
@@ -201,7 +220,7 @@ def test_dry_run_items_fit_a_cpu(tmp_path):
     items = gpu_check.build_items(tmp_path, tmp_path, dry_run=True, nccl_version=None)
     runnable = [i for i in items if not i.needs_gpu]
     assert {i.kind for i in runnable} == {"environment", "reference", "multirank"}
-    assert all(i.kind in ("train", "benchmark", "calibrate") or "--bf16" in i.command for i in items if i.needs_gpu)
+    assert all(i.kind in ("train", "benchmark", "calibrate") or "--bf16" in i.command or i.needs_te for i in items if i.needs_gpu)
     for item in runnable[1:]:
         bert = "pretrain_bert.py" in " ".join(item.command)
         args = _script_args(item.command, "pretrain_bert.py" if bert else "pretrain_gpt.py")

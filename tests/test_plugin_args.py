@@ -104,6 +104,10 @@ def test_register_installs_a_given_bitpipe_function():
 
 def test_split_backward_rules():
     megatron_bitpipe.validate_bitpipe_args(parse("--pipeline-schedule", "bitpipe", "--split-backward"))
+    # Transformer Engine defers through its own delay_wgrad_compute: accepted
+    megatron_bitpipe.validate_bitpipe_args(
+        parse("--pipeline-schedule", "bitpipe", "--split-backward", transformer_impl="transformer_engine")
+    )
     with pytest.raises(BitPipeConfigError) as info:
         megatron_bitpipe.validate_bitpipe_args(
             parse("--split-backward", "--tensor-parallel-mode", "optimus2d", transformer_impl="transformer_engine",
@@ -111,7 +115,7 @@ def test_split_backward_rules():
         )
     text = str(info.value)
     assert "--split-backward needs --pipeline-schedule bitpipe (got default)" in text
-    assert "use --transformer-impl local" in text and "--tensor-parallel-mode optimus2d" in text
+    assert "--tensor-parallel-mode optimus2d" in text and "--transformer-impl" not in text
 
 
 def test_schedule_costs_reach_the_schedule_choice(tmp_path):

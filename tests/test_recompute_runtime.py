@@ -8,11 +8,13 @@ replicas stay bit-identical, evaluation losses equal: BitPipe plain and split (f
 uniform and block, and selective recompute of the core attention), TP 2 with
 sequence parallelism, and Optimus 2D.
 
-Split backward: megatron's checkpoint recomputes a forward inside the backward of ``I``, so the
-executor runs ``I`` in the micro-batch's weight-gradient deferral as it does its ``F``. Proven
-here: every recomputation runs inside that deferral, and every ``W`` runs as many deferred
-weight gradients as without recompute (none is computed early in ``I``), with the same
-gradients at the end.
+Split backward: megatron's checkpoint recomputes a forward inside the backward of ``I``; the
+linears of that recomputed forward defer as the ``F``'s would (``delay_wgrad_compute`` is read
+at forward time, the recompute records autograd). Proven here: checkpoints are recomputed, every
+linear a recomputation runs defers exactly when the backward is split (full recompute runs
+linears in every recomputation; selective recompute of the core attention none), and every
+``W`` runs as many queued weight gradients as without recompute (none is computed early in
+``I``), with the same gradients at the end.
 """
 
 from __future__ import annotations
@@ -77,27 +79,41 @@ LAUNCH_TIMEOUT = 800
 
 
 def run_cases(cases: List[RecomputeCase]) -> dict:
-    """Each case's :func:`pipeline` record plus ``deferred_per_W`` (closures each ``W`` ran) and
-    ``recomputed_in_deferral`` (per checkpoint recomputation: inside a deferral?)."""
+    """Each case's :func:`pipeline` record plus ``deferred_per_W`` (queued entries each ``W``
+    ran) and ``recomputed_linears`` (per checkpoint recomputation: how many deferrable linear
+    calls it ran, and how many of them deferred)."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.runtime import weight_grad
-    from megatron_bitpipe.runtime.weight_grad import WeightGradWork
+    from megatron_bitpipe.runtime.weight_grad import ChunkWeightGrad, queued_weight_work
 
     enable_cpu_megatron()
-    deferred, recomputed = [], []
-    run_work, checkpoint_backward = WeightGradWork.run, CheckpointFunction.backward
+    deferred, recomputed, calls, deferring_calls = [], [], [], []
+    chunk_backward_dw, checkpoint_backward = ChunkWeightGrad.backward_dw, CheckpointFunction.backward
+    linear_call, deferred_apply = weight_grad._DeferrableForwardImpl.__call__, weight_grad._DeferredWeightGradLinear.apply
 
-    def counted_run(work):
-        deferred.append(len(work))
-        run_work(work)
+    def counted_backward_dw(rollup):
+        before = sum(queued_weight_work(module) or 0 for _, module in rollup.modules)
+        chunk_backward_dw(rollup)
+        deferred.append(before - sum(queued_weight_work(module) or 0 for _, module in rollup.modules))
+
+    def counted_call(impl, *args, **kwargs):
+        calls.append(1)
+        return linear_call(impl, *args, **kwargs)
+
+    def counted_apply(*args):
+        deferring_calls.append(1)
+        return deferred_apply(*args)
 
     def observed_backward(ctx, *grads):
-        recomputed.append(weight_grad.active_work() is not None)
-        return checkpoint_backward(ctx, *grads)
+        before = len(calls), len(deferring_calls)
+        result = checkpoint_backward(ctx, *grads)
+        recomputed.append((len(calls) - before[0], len(deferring_calls) - before[1]))
+        return result
 
-    WeightGradWork.run = counted_run
+    ChunkWeightGrad.backward_dw, weight_grad._DeferrableForwardImpl.__call__ = counted_backward_dw, counted_call
+    weight_grad._DeferredWeightGradLinear.apply = counted_apply
     CheckpointFunction.backward = staticmethod(observed_backward)
     out = {}
     try:
@@ -106,9 +122,11 @@ def run_cases(cases: List[RecomputeCase]) -> dict:
             recomputed.clear()
             out[case.name] = pipeline(case)
             out[case.name]["deferred_per_W"] = list(deferred)
-            out[case.name]["recomputed_in_deferral"] = list(recomputed)
+            out[case.name]["recomputed_linears"] = list(recomputed)
     finally:
-        WeightGradWork.run, CheckpointFunction.backward = run_work, staticmethod(checkpoint_backward)
+        ChunkWeightGrad.backward_dw, weight_grad._DeferrableForwardImpl.__call__ = chunk_backward_dw, linear_call
+        weight_grad._DeferredWeightGradLinear.apply = deferred_apply
+        CheckpointFunction.backward = staticmethod(checkpoint_backward)
     return out
 
 
@@ -121,11 +139,16 @@ def test_recompute_equals_single_process_training(case, references, launched):
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", [c for c in CASES if c.recompute], ids=lambda c: c.name)
 def test_recomputed_forwards_of_a_split_backward_defer_their_weight_gradients(case, launched):
-    """Checkpoints are recomputed in backward, inside the deferral exactly when the backward is
-    split, and each ``W`` then runs as many deferred weight gradients as without recompute."""
+    """Checkpoints are recomputed in backward, every linear they run deferring exactly when the
+    backward is split, and each ``W`` then runs as many queued weight gradients as without
+    recompute."""
     for rank in launched.ranks(case.world_size):
         record = rank[case.name]
-        assert set(record["recomputed_in_deferral"]) == {case.split_backward}, "no checkpoint was recomputed"
+        linears = record["recomputed_linears"]
+        assert linears, "no checkpoint was recomputed"
+        assert all(deferring == (total if case.split_backward else 0) for total, deferring in linears), linears
+        full = dict(case.recompute).get("recompute_granularity") == "full"
+        assert all(total > 0 for total, _ in linears) == (full and case.split_backward), linears
         if case.plain:
             assert record["deferred_per_W"] == rank[case.plain]["deferred_per_W"]
             assert sum(record["deferred_per_W"]) > 0

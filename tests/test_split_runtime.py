@@ -9,6 +9,10 @@
   time, the list-scheduled plan), and with a variant derived here
   (:func:`late_split_plan`) that defers every ``W`` to just before its chunk's ``SYNC``
   (long-lived deferred work, ``W``'s long after their ``I``); TP=2 with sequence parallelism;
+  and at D=4 with Transformer Engine's deferral contract in the layers (the test double of
+  :mod:`tests.te_double` as QKV, projection, fc1, fc2, under megatron DDP's
+  ``delay_wgrad_compute``; the LM head stays a local linear): every double's ``backward_dw``
+  finds work, none is left;
 * layers whose weight gradients cannot be deferred are refused naming the flag.
 """
 
@@ -28,10 +32,20 @@ from .runtime_support import STEPS, Case, assert_equals_reference, pipeline, run
 
 @dataclasses.dataclass(frozen=True)
 class SplitCase(Case):
-    """``late``: the plan of :func:`late_split_plan` instead of the generator's split plan."""
+    """``late``: the plan of :func:`late_split_plan` instead of the generator's split plan;
+    ``te_double``: the layers' linears are Transformer Engine test doubles."""
 
     split_backward: bool = True
     late: bool = False
+    te_double: bool = False
+
+    def model_kwargs(self) -> dict:
+        if not self.te_double:
+            return super().model_kwargs()
+        from .runtime_support import model_config
+        from .te_double import te_double_layer_spec
+
+        return dict(super().model_kwargs(), layer_spec=te_double_layer_spec(model_config()))
 
 
 CASES_2 = [
@@ -42,6 +56,7 @@ CASES_4 = [
     SplitCase("split_bitpipe_pp4_n4", "bitpipe", pp=4, n=4),
     SplitCase("split_bitpipe_pp4_n8_p2p", "bitpipe", pp=4, n=8, t_p2p=0.2),  # the latency-aware order
     SplitCase("split_bitpipe_pp4_n8_late", "bitpipe", pp=4, n=8, late=True),
+    SplitCase("split_bitpipe_pp4_n4_te_double", "bitpipe", pp=4, n=4, te_double=True),
     SplitCase("split_bitpipe_tp2_sp_pp2_n4_late", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True, late=True),
 ]
 CASES = CASES_2 + CASES_4
@@ -69,23 +84,35 @@ def late_split_plan(plan):
 
 def run_cases(cases: List[SplitCase]) -> dict:
     from megatron_bitpipe.runtime import forward_backward
-    from megatron_bitpipe.runtime.weight_grad import WeightGradWork
+    from megatron_bitpipe.runtime.weight_grad import ChunkWeightGrad, queued_weight_work
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+
+    from .te_double import _DeferringContract
 
     enable_cpu_megatron()
     plain = forward_backward._plan
-    run_work = WeightGradWork.run
-    deferred = []
+    chunk_backward_dw, double_backward_dw = ChunkWeightGrad.backward_dw, _DeferringContract.backward_dw
+    deferred, double_calls = [], []
 
-    def counted_run(work):
-        deferred.append(len(work))
-        run_work(work)
+    def queued(rollup):
+        return sum(queued_weight_work(module) or 0 for _, module in rollup.modules)
 
-    WeightGradWork.run = counted_run
+    def counted_backward_dw(rollup):
+        before = queued(rollup)
+        chunk_backward_dw(rollup)
+        deferred.append(before - queued(rollup))
+
+    def counted_double(module):
+        double_calls.append(not module.wgrad_store.context.empty())
+        double_backward_dw(module)
+
+    ChunkWeightGrad.backward_dw = counted_backward_dw
+    _DeferringContract.backward_dw = counted_double
     out = {}
     for case in cases:
         served = []
         deferred.clear()
+        double_calls.clear()
 
         def derived(choice, num_ranks, num_microbatches, forward_only, case=case, served=served):
             served.append(choice.split_backward and not forward_only)
@@ -98,6 +125,7 @@ def run_cases(cases: List[SplitCase]) -> dict:
         out[case.name] = pipeline(case)
         out[case.name]["split_plans_served"] = served
         out[case.name]["deferred_per_W"] = list(deferred)
+        out[case.name]["double_calls"] = list(double_calls)
     return out
 
 
@@ -111,10 +139,16 @@ def test_split_backward_equals_single_process_training(case, references, launche
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_training_steps_ran_split_plans(case, launched):
     """Every training step got a split plan, the evaluation a plain forward-only one, and
-    every ``W`` ran deferred linear weight gradients (4 per transformer layer of the chunk)."""
+    every ``W`` (the chunk's ``backward_dw``) ran one queued entry of each deferring linear (4
+    per transformer layer of the chunk); with the TE doubles, each of their ``backward_dw``
+    calls found work (TE's would return silently on an empty queue)."""
     for result in launched[case]:
         assert result["split_plans_served"] == [True] * STEPS + [False]
         assert result["deferred_per_W"] and min(result["deferred_per_W"]) >= 4
+        if case.te_double:
+            assert len(result["double_calls"]) >= 4 * len(result["deferred_per_W"]) and all(result["double_calls"])
+        else:
+            assert result["double_calls"] == []
 
 
 def test_message_time_case_runs_a_list_scheduled_plan():
@@ -149,7 +183,7 @@ def _linear_checks() -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.weight_grad import WeightGradWork, deferring, enable_split_backward
+    from megatron_bitpipe.runtime.weight_grad import SplitBackwardError, enable_split_backward
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.runtime.groups import ParallelGrid
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
@@ -179,26 +213,32 @@ def _linear_checks() -> dict:
         for fusion in (False, True):
             name = f"{kind}{'_fused' if fusion else ''}"
             ref, split = make(kind, fusion), make(kind, fusion)
+            config.delay_wgrad_compute = False
             assert enable_split_backward([split]) == enable_split_backward([split]) == 1
+            record = {"flag_set": split.config.delay_wgrad_compute is True}
             x_ref, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
             ref(x_ref)[0].backward(g)
-            work = WeightGradWork()
-            with deferring(work):
-                y = split(x_split)[0]
+            y = split(x_split)[0]
             y.backward(g)
             weight_grad = split.weight.main_grad if fusion else split.weight.grad
-            record = {
+            record.update({
                 "output": torch.equal(y, ref(x)[0]),
                 "input_grad": torch.equal(x_split.grad, x_ref.grad),
                 "bias_grad_in_I": torch.equal(split.bias.grad, ref.bias.grad),
-                "weight_grad_waits": (weight_grad is None or not weight_grad.any()) and len(work) == 1,
-            }
-            work.run()
+                "weight_grad_waits": (weight_grad is None or not weight_grad.any()) and len(split.wgrad_queue) == 1,
+            })
+            split.backward_dw()
             ref_weight_grad = ref.weight.main_grad if fusion else ref.weight.grad
             weight_grad = split.weight.main_grad if fusion else split.weight.grad
             record["weight_grad_after_W"] = torch.allclose(weight_grad, ref_weight_grad, rtol=1e-6, atol=0)
-            record["work_empty"] = len(work) == 0
-            # outside the context: megatron's own function, weight gradient at once
+            record["queue_empty"] = len(split.wgrad_queue) == 0
+            try:
+                split.backward_dw()
+                record["empty_queue_refused"] = False
+            except SplitBackwardError:
+                record["empty_queue_refused"] = True
+            # without delay_wgrad_compute: megatron's own function, weight gradient at once
+            config.delay_wgrad_compute = False
             split.zero_grad()
             ref.zero_grad()
             if fusion:
@@ -208,6 +248,7 @@ def _linear_checks() -> dict:
             ref(x)[0].backward(g)
             plain = split.weight.main_grad if fusion else split.weight.grad
             record["outside_is_megatron"] = torch.equal(plain, ref.weight.main_grad if fusion else ref.weight.grad)
+            record["nothing_queued_outside"] = len(split.wgrad_queue) == 0
             out[name] = record
     return out
 
@@ -236,7 +277,6 @@ def _emulated_layer_checks() -> dict:
     and the live activations after ``I`` and after ``W``, gradients against the whole backward."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_bitpipe.runtime.weight_grad import WeightGradWork, deferring
     from megatron_bitpipe.benchmarking.emulation import EmulatedDevice, emulated_layer_spec
     from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
     from megatron_bitpipe.benchmarking.meters import LiveActivationMeter
@@ -261,18 +301,18 @@ def _emulated_layer_checks() -> dict:
     for layer in layers:
         layer.weight.grad = None
     facts = {}
-    work = WeightGradWork()
+    config.delay_wgrad_compute = True
     meter = LiveActivationMeter([layer.weight for layer in layers])
     with EmulatedDevice(asynchronous=True) as device, meter:
-        with deferring(work):
-            loss = run()
+        loss = run()
         launched = device.launched_seconds
         loss.backward()
         facts["I_s"] = device.launched_seconds - launched
         facts["held_after_I"] = meter.live_layer_bytes
         facts["weight_grads_after_I"] = [layer.weight.grad for layer in layers]
         launched = device.launched_seconds
-        work.run()
+        for layer in layers:
+            layer.backward_dw()
         facts["W_s"] = device.launched_seconds - launched
         facts["held_after_W"] = meter.live_layer_bytes
     split = [x.grad] + [layer.weight.grad for layer in layers]
@@ -313,9 +353,6 @@ def test_layers_that_cannot_defer_are_refused_naming_the_flag():
     from megatron_bitpipe.optimus.layers import OptimusLinear
     from megatron_bitpipe.runtime.weight_grad import SplitBackwardError, enable_split_backward
 
-    te_layer = type("TELayerNormColumnParallelLinear", (torch.nn.Module,), {"__module__": "megatron.core.extensions.transformer_engine"})
-    with pytest.raises(SplitBackwardError, match="--transformer-impl local"):
-        enable_split_backward([torch.nn.Sequential(te_layer())])
     optimus = OptimusLinear.__new__(OptimusLinear)
     torch.nn.Module.__init__(optimus)
     with pytest.raises(SplitBackwardError, match="--tensor-parallel-mode"):

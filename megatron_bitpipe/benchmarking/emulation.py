@@ -39,7 +39,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
-from ..runtime.weight_grad import accumulate_weight_grad, active_work
+from ..runtime.weight_grad import WeightGradQueue, accumulate_weight_grad
 from .meters import LiveActivationMeter
 
 __all__ = ["EmulatedDevice", "EmulatedTransformerLayer", "ReplicaSlowdown", "emulated_layer_spec", "sleep_until"]
@@ -232,11 +232,11 @@ class _TimedLayer(torch.autograd.Function):
     """``y = x + x * w``, whose forward takes ``forward_s`` and backward ``backward_s`` of
     emulated device time (:class:`EmulatedDevice`; a blocking sleep when none is active).
 
-    Split backward (``deferral`` = (the Parameter ``w``, the active
-    :class:`~megatron_bitpipe.runtime.weight_grad.WeightGradWork`), ``weight`` then arrives
+    Split backward (``deferral`` = (the Parameter ``w``, the layer's
+    :class:`~megatron_bitpipe.runtime.weight_grad.WeightGradQueue`), ``weight`` then arrives
     detached, as for megatron's linears): the backward (``I``) takes ``input_s`` and
-    defers a closure that takes ``weight_s`` and adds ``w``'s gradient; it holds ``x`` (and
-    the layer activation the meter counts) until it runs.
+    queues a closure that takes ``weight_s`` and adds ``w``'s gradient; it holds ``x`` (and
+    the layer activation the meter counts) until the layer's ``backward_dw`` runs it.
 
     Durations count from the entry of each pass, so the little real compute inside is part
     of the configured time instead of adding to it.
@@ -259,7 +259,7 @@ class _TimedLayer(torch.autograd.Function):
         if ctx.deferral is None:
             _compute(ctx.backward_s, launched_at)
             return grad_x, _weight_grad(grad, x), None, None, None, None, None
-        param, work = ctx.deferral
+        param, queue = ctx.deferral
         weight_s = ctx.weight_s
         meter = LiveActivationMeter.current()
         held = meter.hold(x) if meter is not None else None  # x stays live for the meter until W
@@ -271,7 +271,7 @@ class _TimedLayer(torch.autograd.Function):
             _compute(weight_s, started)
             held = None
 
-        work.add(param, weight_grad)
+        queue.push(param, weight_grad)
         _compute(ctx.input_s, launched_at)
         return grad_x, None, None, None, None, None, None
 
@@ -311,15 +311,21 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         self.input_seconds = backward_seconds - weight_seconds if input_seconds is None else input_seconds
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype, device=device))
+        #: the split backward's FIFO (megatron-core's ``delay_wgrad_compute`` contract, as the
+        #: local linears of :mod:`megatron_bitpipe.runtime.weight_grad` follow it)
+        self.wgrad_queue = WeightGradQueue(f"emulated layer {self.layer_number}")
+
+    def backward_dw(self) -> None:
+        """Run the oldest queued weight gradient (``delay_wgrad_compute`` set on the config)."""
+        self.wgrad_queue.backward_dw()
 
     def forward(self, hidden_states, context=None, **unused) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         meter = LiveActivationMeter.current()
         if meter is not None:
             meter.mark_layer_activation(hidden_states)
-        work = active_work()
         weight, deferral = self.weight, None
-        if work is not None:
-            weight, deferral = self.weight.detach(), (self.weight, work)
+        if getattr(self.config, "delay_wgrad_compute", False) and torch.is_grad_enabled():
+            weight, deferral = self.weight.detach(), (self.weight, self.wgrad_queue)
         times = (self.forward_seconds, self.backward_seconds, self.weight_seconds, self.input_seconds)
         return _TimedLayer.apply(hidden_states, weight, *times, deferral), context
 

@@ -75,6 +75,7 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         check_for_large_grads=getattr(args, "check_for_large_grads", False),
         average_in_collective=getattr(args, "ddp_average_in_collective", False),
         use_distributed_optimizer=args.use_distributed_optimizer,
+        delay_wgrad_compute=getattr(args, "split_backward", False),  # TE's deferred weights: DDP's hook after backward_dw
     )
 
 
@@ -214,6 +215,8 @@ def _bitpipe_chunks(args, make: ChunkMaker, builder: str, config, model_type, wr
         return chunk
 
     tied = not args.untie_embeddings_and_output_weights
+    if getattr(args, "split_backward", False):  # before building: TE linears read it in their constructor
+        megatron_compat.enable_delay_wgrad_compute(config)
     chunks = build_chunks(
         without_megatron_init(config),  # every weight is drawn once, below
         groups,

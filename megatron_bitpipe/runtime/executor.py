@@ -15,20 +15,23 @@ times — and for every action does what megatron-core's own schedules do for a 
   ``backward_step``, hand the input gradient on the same way;
 * ``SEND_F(c, m)`` / ``SEND_B(c, m)``: ``isend`` the kept output of ``F(c, m)`` / input
   gradient of ``B(c, m)`` (or ``I(c, m)``) to the next / previous stage's rank;
-* split backward (:mod:`.weight_grad`): the ``F`` of a micro-batch whose backward the plan
-  splits runs inside :func:`~.weight_grad.deferring`, so deferrable linears leave their
-  weight gradients out of the graph; ``I(c, m)`` is ``B`` with those weight gradients
-  collected (by (chunk, micro-batch)) instead of computed, and ``W(c, m)`` runs them. After
-  ``I`` the activation state is released as after ``B``, except what the deferred work holds
-  (each linear's input and output gradient) until ``W``. ``I`` receives and sends what ``B``
-  would (``RECV_B`` / ``SEND_B``);
+* split backward (:mod:`.weight_grad`, megatron-core's ``delay_wgrad_compute`` contract):
+  on a chunk whose linears defer, every backward queues its weight-gradient work in each
+  linear's FIFO. ``I(c, m)`` is that backward; ``W(c, m)`` is chunk ``c``'s
+  :meth:`~.weight_grad.ChunkWeightGrad.backward_dw`, which runs the oldest queued
+  micro-batch — ``m``, since each chunk's ``W``'s follow its ``I``'s order (the validator
+  proves it; RuntimeError here otherwise). A whole ``B`` on such a chunk runs its
+  ``backward_dw`` at once. After ``I`` the activation state is released as after ``B``,
+  except what the queued work holds (each linear's input and output gradient) until ``W``.
+  ``I`` receives and sends what ``B`` would (``RECV_B`` / ``SEND_B``);
 * ``SYNC(c)``: start chunk ``c``'s asynchronous gradient all-reduce (megatron DDP's
   ``start_grad_sync``) — every backward of the chunk is done by then, and no deferred
   weight gradient still due adds to one of its parameters (a tied LM head on another chunk
   adds to the embedding chunk's weight: its ``W`` must come first; RuntimeError otherwise).
 
 At the end of the step nothing may be left: no unconsumed received or handed-over tensor,
-no unsent output, no activation kept for a backward, no deferred weight-gradient work.
+no unsent output, no activation kept for a backward, no ``W`` still due and no weight work
+in any module's FIFO (the step would drop those gradients).
 
 The executor decides nothing about communication: it runs the plan's ``SEND`` and ``RECV``
 actions where the plan puts them (:mod:`megatron_bitpipe.schedules.lower` places them; the
@@ -70,8 +73,9 @@ global batch and every item is read once.
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -82,7 +86,7 @@ from ..schedules.actions import Action, ActionType, SchedulePlan
 from ..schedules.comm import Payload, transfer_of
 from .groups import PipelineGroups
 from .layout import ChunkSpec, chunk_specs
-from .weight_grad import WeightGradWork, deferring
+from .weight_grad import ChunkWeightGrad
 
 __all__ = ["MicrobatchSource", "PlanExecutor"]
 
@@ -207,7 +211,6 @@ class PlanExecutor:
         self.specs: List[ChunkSpec] = chunk_specs(plan.placement, config.num_layers, self.rank)
         actions = plan.actions[self.rank]
         self.forward_only = not any(a.type.computes_input_grad for a in actions)
-        self._split = {(a.chunk, a.microbatch) for a in actions if a.type is ActionType.BACKWARD_INPUT}
         self.cp_size = groups.rank_pgs.cp.size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self._links = [plan.placement.links(self.rank, c) for c in range(plan.placement.chunks_per_rank)]
@@ -217,7 +220,8 @@ class PlanExecutor:
         self._sends: Dict[Action, _Outgoing] = {}  # SEND action -> send in flight
         self._activations: Dict[Tuple[int, int], _Activations] = {}
         self._forwarded_chunks: set = set()
-        self._deferred: Dict[Tuple[int, int], WeightGradWork] = {}
+        self._weight_grads = [ChunkWeightGrad(chunk) for chunk in self.chunks]
+        self._weight_due: Dict[int, Deque[int]] = defaultdict(deque)  # chunk -> micro-batches of its I's, W not run
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -230,7 +234,7 @@ class PlanExecutor:
             elif action.type.computes_input_grad:
                 self._backward(action)
             elif action.type is ActionType.BACKWARD_WEIGHT:
-                self._deferred.pop((action.chunk, action.microbatch)).run()
+                self._weight_grad(action)
             elif action.type is ActionType.SYNC:
                 self._sync(action)
             elif action.type.is_receive:
@@ -240,12 +244,15 @@ class PlanExecutor:
             result.trace.append(str(action))
             self._reap_sends(wait=False)
         self._reap_sends(wait=True)
-        leftover = self._received or self._handed_over or self._unsent or self._deferred
+        due = {c: list(mbs) for c, mbs in self._weight_due.items() if mbs}
+        queued = {c: w.pending() for c, w in enumerate(self._weight_grads) if w.pending()}
+        leftover = self._received or self._handed_over or self._unsent or due or queued
         if leftover or (self._activations and not self.forward_only):
             raise RuntimeError(
                 f"rank {self.rank}: plan left unconsumed tensors: received {sorted(map(str, self._received))}, "
                 f"handed over {sorted(map(str, self._handed_over))}, unsent {sorted(map(str, self._unsent))}, "
-                f"activations {sorted(self._activations)}, deferred weight gradients {sorted(self._deferred)}"
+                f"activations {sorted(self._activations)}, W due by chunk {due}, "
+                f"weight-gradient work queued by chunk {queued}"
             )
         self.source.finish()
         return result
@@ -259,21 +266,20 @@ class PlanExecutor:
         first_of_chunk = chunk not in self._forwarded_chunks
         self._forwarded_chunks.add(chunk)
         store: List[object] = []
-        with self._deferral(chunk, microbatch):
-            output, num_tokens = forward_step(
-                self.forward_step_func,
-                self.source.iterator_for(microbatch),
-                self.chunks[chunk],
-                self.loss_divisor,
-                input_tensor,
-                store,
-                self.config,
-                self.cp_size,
-                self.collect_non_loss_data,
-                is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first_of_chunk),
-                current_microbatch=microbatch,
-                is_last_stage=spec.post_process,
-            )
+        output, num_tokens = forward_step(
+            self.forward_step_func,
+            self.source.iterator_for(microbatch),
+            self.chunks[chunk],
+            self.loss_divisor,
+            input_tensor,
+            store,
+            self.config,
+            self.cp_size,
+            self.collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first_of_chunk),
+            current_microbatch=microbatch,
+            is_last_stage=spec.post_process,
+        )
         if spec.post_process:
             result.num_tokens += num_tokens
             if store:
@@ -294,25 +300,32 @@ class PlanExecutor:
         if pending is not None:  # the output must be sent (and deallocated) before its backward
             pending.work.wait()
             self._finish_send(pending)
-        with self._deferral(chunk, microbatch):  # in I, recomputed forwards defer too
-            input_grad = backward_step(saved.input, saved.output, output_grad, self.config)
+        input_grad = backward_step(saved.input, saved.output, output_grad, self.config)
+        if action.type is ActionType.BACKWARD_INPUT:
+            self._weight_due[chunk].append(microbatch)
+        elif self._weight_grads[chunk].defers:  # a whole B: its weight gradients now
+            self._weight_grads[chunk].backward_dw()
         if not self.specs[chunk].pre_process:
             self._hand_on(action, input_grad, output_of_forward=False)
 
-    def _deferral(self, chunk: int, microbatch: int):
-        """The context of an ``F`` or ``I`` of (chunk, micro-batch): :func:`~.weight_grad.deferring`
-        into the work its ``W`` will run if the plan splits its backward, else nothing."""
-        if (chunk, microbatch) not in self._split:
-            return contextlib.nullcontext()
-        return deferring(self._deferred.setdefault((chunk, microbatch), WeightGradWork()))
+    def _weight_grad(self, action: Action) -> None:
+        """``W(c, m)``: chunk ``c``'s ``backward_dw()``, which runs its oldest queued micro-batch."""
+        due = self._weight_due[action.chunk]
+        if not due or due[0] != action.microbatch:
+            raise RuntimeError(
+                f"rank {self.rank}: plan runs {action} but chunk {action.chunk}'s weight-gradient FIFO holds "
+                f"micro-batches {list(due)} (W's must follow the I's order)"
+            )
+        due.popleft()
+        self._weight_grads[action.chunk].backward_dw()
 
     def _sync(self, action: Action) -> None:
         own = {id(p) for p in self.chunks[action.chunk].parameters()}
-        for key, work in self._deferred.items():
-            if any(id(w) in own for w in work.weights()):
+        for chunk, due in self._weight_due.items():
+            if due and any(id(p) in own for p in self._weight_grads[chunk].pending_parameters()):
                 raise RuntimeError(
-                    f"rank {self.rank}: plan runs {action} before W{key[0]}.{key[1]}, whose deferred weight "
-                    f"gradients add to chunk {action.chunk}'s parameters (tied weights)"
+                    f"rank {self.rank}: plan runs {action} before W{chunk}.{due[0]}, whose deferred weight "
+                    f"gradients add to chunk {action.chunk}'s parameters (its own, or tied weights)"
                 )
         if self.eager_sync:
             self.chunks[action.chunk].start_grad_sync()

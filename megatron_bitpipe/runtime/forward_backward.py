@@ -71,8 +71,8 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
 
     With ``choice.split_backward`` every backward runs as ``I`` (input gradient) and, later,
     ``W`` (weight gradients), the plan placing the ``W``'s into bubbles for ``choice.costs``;
-    the chunks' linears are made deferrable on the first call with each chunk
-    (:func:`~.weight_grad.enable_split_backward`, which raises for Transformer Engine and
+    the chunks' linears are put under megatron-core's ``delay_wgrad_compute`` contract on the first call
+    with each chunk (:func:`~.weight_grad.enable_split_backward`, which raises for TE layers built without it and
     Optimus 2D layers). Same gradients as without. The schedules that always split their
     backwards (the generators with ``always_split``: ZB-H1, ZB-V, DualPipe,
     DualPipeV) do so too (``choice.splits_backward``).

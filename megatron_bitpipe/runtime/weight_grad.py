@@ -1,50 +1,63 @@
-"""Split backward (zero-bubble style): input gradient now, weight gradients later.
+"""Split backward (zero-bubble style): input gradient now, weight gradients later —
+through megatron-core's weight-gradient deferral contract (the one it uses for Transformer
+Engine).
 
 A plan may run the backward of a (chunk, micro-batch) as two actions: ``I`` computes the
 input gradient (what the previous stage waits for) and ``W``, later, the weight gradients.
-This module provides the runtime side for megatron-core's local tensor-parallel linears:
+The contract, as megatron-core 0.16-0.19 wire it for TE's linears:
 
-* :class:`WeightGradWork` — the deferred weight-gradient closures of one
-  (chunk, micro-batch), run in the order they were deferred by :meth:`WeightGradWork.run`.
-* :func:`deferring` — the deferral context. The executor enters it around the ``F`` of a
-  micro-batch whose backward is split, and again around its ``I`` (activation
-  recomputation replays forwards inside the backward). A linear whose forward runs inside
-  it builds a graph whose backward computes the input (and bias) gradient at once and adds
-  the weight gradient to the context's work instead of computing it. Outside the context
-  the linear runs megatron-core's own function: nothing changes for ``B``, other schedules
-  or evaluation.
-* :func:`enable_split_backward` — installs the deferrable forward on every
-  ``ColumnParallelLinear``/``RowParallelLinear`` of the chunks (instance attribute
-  ``_forward_impl``; idempotent; megatron's classes and globals are not touched).
+* ``delay_wgrad_compute`` on the model config
+  (:func:`~megatron_bitpipe.megatron_compat.enable_delay_wgrad_compute`) makes a linear's
+  backward leave its weight gradient out and queue the work instead;
+* every deferring linear keeps a FIFO of that work, one entry per backward it ran;
+  ``linear.backward_dw()`` runs the oldest entry;
+* megatron-core rolls ``backward_dw()`` up: ``SelfAttention.backward_dw`` (QKV, output
+  projection), ``MLP.backward_dw`` (fc2, fc1); :class:`ChunkWeightGrad` rolls those up per
+  transformer layer and, with the deferring linears outside layers (the LM head), per chunk.
+  One ``ChunkWeightGrad.backward_dw()`` = one micro-batch's weight gradients of the chunk, the
+  oldest (the validator makes each chunk's ``W``'s follow its ``I``'s micro-batch order).
 
-Why the decision is taken at forward time: megatron DDP registers a post-hook on every
+This module gives megatron-core's *local* tensor-parallel linears that contract
+(:func:`enable_split_backward`: an instance ``_forward_impl`` and ``backward_dw`` and a
+:class:`WeightGradQueue` per linear; megatron's classes and globals untouched) and accepts
+modules that bring their own (Transformer Engine's ``Linear``/``LayerNormLinear``/... built
+with ``delay_wgrad_compute``: ``need_backward_dw()``, ``backward_dw()``, a FIFO
+``wgrad_store``).
+
+Why a local linear decides at forward time: megatron DDP registers a post-hook on every
 parameter's gradient accumulator that asserts a gradient exists; the accumulator (and the
 hook) runs whenever the weight is an autograd input of a node, even if that node returns
 no gradient for it. So a weight whose gradient is deferred enters the linear's autograd
-function detached, and ``W`` later feeds the gradient to the weight's own accumulator
-(``torch.autograd.backward(weight, grad)``): ``.grad`` accumulation, megatron DDP's hook
-(``main_grad += grad``), tied weights (the LM head using the embedding's Parameter: the
-embedding's contribution arrives in ``I``, the head's in ``W``) all behave as for a
-gradient produced by autograd. With ``gradient_accumulation_fusion`` ``W`` adds into
-``weight.main_grad`` with megatron's fused kernel, as megatron's backward does.
+function detached, and ``backward_dw`` later feeds the gradient to the weight's own
+accumulator (``torch.autograd.backward(weight, grad)``): ``.grad`` accumulation, megatron
+DDP's hook (``main_grad += grad``), tied weights (the LM head using the embedding's
+Parameter: the embedding's contribution arrives in ``I``, the head's in ``W``) all behave as
+for a gradient produced by autograd. With ``gradient_accumulation_fusion`` it adds into
+``weight.main_grad`` with megatron's fused kernel, as megatron's backward does. (TE instead
+marks its deferred weights ``skip_backward_post_hook`` and megatron DDP, with its own
+``delay_wgrad_compute``, hooks them to the module's ``backward_dw``.)
 
 Invariants:
 
+* a local linear defers when its config has ``delay_wgrad_compute``, autograd records its
+  forward and its weight requires a gradient; otherwise it runs megatron's own function;
 * math and communication equal megatron's ``LinearWithGradAccumulationAndAsyncCommunication``:
   sequence-parallel all-gather of the input in forward, ``allreduce_dgrad`` all-reduce or
   sequence-parallel reduce-scatter of the input gradient in ``I``, bias gradient in ``I``;
-* ``W`` holds the linear's local input and its output gradient from ``I`` until it runs; with
+* a queued entry holds the linear's local input and its output gradient until it runs; with
   sequence parallelism it re-gathers the input over the tensor-parallel group (as megatron's
   backward does) instead of keeping the ``tp`` times larger gathered copy. Tensor-parallel
-  ranks of a stage run the same plan, so their ``W`` gathers line up;
-* every deferred closure runs exactly once; a :class:`WeightGradWork` is empty after ``run``.
+  ranks of a stage run the same plan, so their gathers line up;
+* every queued entry runs exactly once: ``backward_dw()`` on an empty queue raises
+  :class:`SplitBackwardError`, and :meth:`ChunkWeightGrad.pending` names what is left so the
+  executor can refuse to end a step that would drop weight gradients.
 """
 
 from __future__ import annotations
 
-import contextlib
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.parallel_state import get_global_memory_buffer
@@ -57,78 +70,73 @@ from megatron.core.tensor_parallel.layers import (
     dist_all_gather_func,
     dist_reduce_scatter_func,
 )
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_tensor_model_parallel_group_if_none, prepare_input_tensors_for_wgrad_compute
 
 from .. import megatron_compat
 from ..optimus.layers import OptimusLinear
 
 __all__ = [
-    "WeightGradWork",
-    "deferring",
-    "active_work",
+    "WeightGradQueue",
+    "ChunkWeightGrad",
     "accumulate_weight_grad",
     "enable_split_backward",
+    "queued_weight_work",
     "SplitBackwardError",
 ]
 
 
 class SplitBackwardError(ValueError):
-    """The model has layers whose weight gradients cannot be deferred."""
+    """The model has layers whose weight gradients cannot be deferred, or the deferred work
+    was run out of step (``backward_dw`` with nothing queued, work left over)."""
 
 
-class WeightGradWork:
-    """The deferred weight-gradient work of one (chunk, micro-batch): ``(weight, closure)``
-    pairs in the order the backward deferred them."""
+class WeightGradQueue:
+    """One module's FIFO of deferred weight-gradient work: one ``(parameter, closure)`` entry
+    per backward of the module, run oldest first by :meth:`backward_dw`.
 
-    def __init__(self) -> None:
-        self._items: List[Tuple[torch.Tensor, Callable[[], None]]] = []
+    ``name`` names the module in errors.
+    """
 
-    def add(self, weight: torch.Tensor, closure: Callable[[], None]) -> None:
-        self._items.append((weight, closure))
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._entries: Deque[Tuple[torch.Tensor, Callable[[], None]]] = deque()
 
-    def weights(self) -> Iterator[torch.Tensor]:
-        """The parameters the pending closures will add gradients to."""
-        return (weight for weight, _ in self._items)
+    def push(self, param: torch.Tensor, closure: Callable[[], None]) -> None:
+        """Queue the weight work of one backward (called by the linear's backward)."""
+        self._entries.append((param, closure))
 
-    def run(self) -> None:
-        """Run every pending closure once, in deferral order (each frees what it held)."""
-        items, self._items = self._items, []
-        for _, closure in items:
-            closure()
+    def backward_dw(self) -> None:
+        """Run the oldest entry once (it frees what it held); SplitBackwardError if none is queued."""
+        if not self._entries:
+            raise SplitBackwardError(
+                f"backward_dw() on {self.name}: no deferred weight-gradient work is queued "
+                "(a W without its I, or a module the chunk's roll-up reaches twice)"
+            )
+        _, closure = self._entries.popleft()
+        closure()
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """The parameters the queued entries will add gradients to."""
+        return (param for param, _ in self._entries)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._entries)
 
 
-_ACTIVE: Optional[WeightGradWork] = None
-
-
-def active_work() -> Optional[WeightGradWork]:
-    """The work of the innermost :func:`deferring` context, or None outside one."""
-    return _ACTIVE
-
-
-@contextlib.contextmanager
-def deferring(work: WeightGradWork):
-    """Weight gradients of deferrable layers whose forward runs in here go to ``work``.
-
-    A module global, not thread-local: on a GPU autograd replays recomputed forwards on its
-    own thread while the caller waits inside the backward.
-    """
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, work
-    try:
-        yield work
-    finally:
-        _ACTIVE = previous
+def accumulate_weight_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``param`` as autograd would: through its gradient accumulator, so
+    ``.grad`` accumulates and the hooks on it (megatron DDP's ``main_grad += grad``) run."""
+    torch.autograd.backward(param, grad)
 
 
 class _DeferredWeightGradLinear(torch.autograd.Function):
-    """megatron's linear with async communication; the weight gradient goes to ``work``.
+    """megatron's linear with async communication; the weight gradient goes to the linear's queue.
 
     ``weight`` arrives detached (no autograd edge, see the module docstring); ``target``
-    names the Parameter (or tied Parameter) that ``W`` accumulates into — inside a plain
-    object, since every tensor argument of ``apply`` would become an autograd input.
+    names the Parameter (or tied Parameter) that ``backward_dw`` accumulates into and the
+    queue — inside a plain object, since every tensor argument of ``apply`` would become an
+    autograd input.
     """
 
     @staticmethod
@@ -160,7 +168,7 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
         param = ctx.target.param
         closure = _weight_grad_closure(param, input, grad_output, ctx.fusion, ctx.sequence_parallel, ctx.tp_group)
-        ctx.target.work.add(param, closure)
+        ctx.target.queue.push(param, closure)
         if handle is not None:
             handle.wait()
         return grad_input, None, grad_bias, None, None, None, None, None
@@ -168,10 +176,10 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class _Target:
-    """Where a deferred weight gradient goes: ``param``'s gradient, through ``work``."""
+    """Where a deferred weight gradient goes: ``param``'s gradient, through ``queue``."""
 
     param: torch.nn.Parameter
-    work: WeightGradWork
+    queue: "WeightGradQueue"
 
 
 def _gather_sequence(input: torch.Tensor, tp_group) -> torch.Tensor:
@@ -184,7 +192,7 @@ def _gather_sequence(input: torch.Tensor, tp_group) -> torch.Tensor:
 
 
 def _weight_grad_closure(param, input, grad_output, fusion: bool, sequence_parallel: bool, tp_group) -> Callable[[], None]:
-    """``W`` of one linear call: ``param``'s gradient += grad_outputᵀ · total_input."""
+    """The weight work of one linear backward: ``param``'s gradient += grad_outputᵀ · total_input."""
 
     def weight_grad() -> None:
         total_input = _gather_sequence(input, tp_group) if sequence_parallel else input
@@ -195,12 +203,6 @@ def _weight_grad_closure(param, input, grad_output, fusion: bool, sequence_paral
             accumulate_weight_grad(param, grad_2d.t().matmul(input_2d))
 
     return weight_grad
-
-
-def accumulate_weight_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-    """Add ``grad`` to ``param`` as autograd would: through its gradient accumulator, so
-    ``.grad`` accumulates and the hooks on it (megatron DDP's ``main_grad += grad``) run."""
-    torch.autograd.backward(param, grad)
 
 
 def _fused_accumulate(input_2d, grad_2d, main_grad) -> None:
@@ -215,16 +217,19 @@ def _fused_accumulate(input_2d, grad_2d, main_grad) -> None:
 
 
 class _DeferrableForwardImpl:
-    """``_forward_impl`` of one linear: megatron's own outside :func:`deferring`, the
-    deferred-weight-gradient function inside it.
+    """``_forward_impl`` of one local linear: the deferred-weight-gradient function while
+    ``config.delay_wgrad_compute`` is set and autograd records the call, megatron's own
+    otherwise (evaluation, recompute's first pass under ``no_grad``, a model not split).
 
     Keywords newer megatron-core releases add to the call (``gtp_remat_size`` in 0.19) go to
     megatron's function unchanged; deferring needs them at their neutral values
     (:func:`~megatron_bitpipe.megatron_compat.linear_call_is_plain`).
     """
 
-    def __init__(self, original: Callable):
+    def __init__(self, original: Callable, queue: WeightGradQueue, config):
         self.original = original
+        self.queue = queue
+        self.config = config
 
     def __call__(
         self,
@@ -239,8 +244,8 @@ class _DeferrableForwardImpl:
         tp_group=None,
         **newer_keywords,
     ):
-        work = active_work()
-        if work is None or not weight.requires_grad:
+        defer = getattr(self.config, "delay_wgrad_compute", False) and torch.is_grad_enabled() and weight.requires_grad
+        if not defer:
             return self.original(
                 input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                 grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group,
@@ -250,29 +255,169 @@ class _DeferrableForwardImpl:
             raise SplitBackwardError(f"split backward cannot defer a linear called with {newer_keywords}")
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         return _DeferredWeightGradLinear.apply(
-            input, weight.detach(), bias, _Target(weight, work), gradient_accumulation_fusion, allreduce_dgrad,
+            input, weight.detach(), bias, _Target(weight, self.queue), gradient_accumulation_fusion, allreduce_dgrad,
             sequence_parallel, tp_group,
         )
 
 
-def enable_split_backward(chunks: Sequence[torch.nn.Module]) -> int:
-    """Make the weight gradients of every megatron-core local linear of ``chunks`` deferrable.
+# -- modules that bring the contract themselves (Transformer Engine) ----------------------------
 
-    Idempotent. Returns how many linears defer. Raises :class:`SplitBackwardError` (before
-    changing anything) for layers whose weight gradients cannot be split: Transformer Engine
-    layers (use ``--transformer-impl local``), Optimus 2D layers (``--tensor-parallel-mode
-    optimus2d`` is not supported with the split backward), megatron's own embedding-wgrad
-    deferral (``--defer-embedding-wgrad-compute``) and linears whose weight is sharded for
-    rematerialisation (megatron-core 0.19's ``gtp_weight_remat_size`` > 1).
+
+def _self_deferring(module: torch.nn.Module) -> Optional[bool]:
+    """For a module with its own deferral (Transformer Engine >= 2.3: ``need_backward_dw()``,
+    or a ``wgrad_store`` with ``delay_wgrad_compute()``): whether it defers; None for others."""
+    need = getattr(module, "need_backward_dw", None)
+    if callable(need):
+        return bool(need())
+    store = getattr(module, "wgrad_store", None)
+    if store is not None and callable(getattr(store, "delay_wgrad_compute", None)):
+        return bool(store.delay_wgrad_compute())
+    return None
+
+
+def queued_weight_work(module: torch.nn.Module) -> Optional[int]:
+    """How many entries a deferring module has queued: a :class:`WeightGradQueue`'s length,
+    or the size of Transformer Engine's ``wgrad_store.context`` queue; None when it cannot be
+    seen (TE's ``backward_dw`` itself returns silently on an empty queue)."""
+    queue = module.__dict__.get("wgrad_queue")
+    if isinstance(queue, WeightGradQueue):
+        return len(queue)
+    context = getattr(getattr(module, "wgrad_store", None), "context", None)
+    size = getattr(context, "qsize", None)
+    return size() if callable(size) else None
+
+
+def _queued_parameters(module: torch.nn.Module) -> List[torch.Tensor]:
+    """The parameters a deferring module's queued work adds to (a TE module: its own deferred ones)."""
+    queue = module.__dict__.get("wgrad_queue")
+    if isinstance(queue, WeightGradQueue):
+        return list(queue.parameters())
+    if queued_weight_work(module) == 0:
+        return []
+    return [p for p in module.parameters() if getattr(p, "skip_backward_post_hook", False)]
+
+
+# -- roll-up ------------------------------------------------------------------------------------
+
+
+class ChunkWeightGrad:
+    """``backward_dw()`` of one model chunk: one micro-batch's deferred weight gradients, the oldest.
+
+    Rolled up like megatron-core's own interface: each transformer layer's ``self_attention``
+    and ``mlp`` (their ``backward_dw`` reach QKV / output projection and fc1 / fc2), then each
+    deferring module outside them (the LM head) directly. ``modules`` are the chunk's modules
+    that defer when this is built (after :func:`enable_split_backward`); ``units`` the
+    ``(name, backward_dw)`` calls, in module order (run in reverse, as a backward would). Every
+    deferring module must be reached exactly once per call — before, each must have work
+    queued; after, each visible queue must be one shorter (SplitBackwardError otherwise).
     """
-    linears = []
+
+    def __init__(self, chunk: torch.nn.Module):
+        self.modules: List[Tuple[str, torch.nn.Module]] = [
+            (name, module) for name, module in chunk.named_modules() if _deferring(module)
+        ]
+        deferring = {id(module) for _, module in self.modules}
+        covered = set()
+        self.units: List[Tuple[str, Callable[[], None]]] = []
+        for name, layer in chunk.named_modules():
+            if not isinstance(layer, TransformerLayer):
+                continue
+            for part in ("self_attention", "cross_attention", "mlp"):
+                unit = getattr(layer, part, None)
+                inside = {id(m) for m in unit.modules()} & deferring if isinstance(unit, torch.nn.Module) else set()
+                if inside and callable(getattr(unit, "backward_dw", None)):
+                    self.units.append((f"{name}.{part}", unit.backward_dw))
+                    covered |= inside
+        self.units += [(name, module.backward_dw) for name, module in self.modules if id(module) not in covered]
+
+    @property
+    def defers(self) -> bool:
+        """Whether a backward of this chunk queues weight work now (it then needs ``backward_dw``)."""
+        return any(_deferring(module) for _, module in self.modules)
+
+    def backward_dw(self) -> None:
+        """Run one queued micro-batch's weight gradients of every deferring module of the chunk."""
+        before = {name: queued_weight_work(module) for name, module in self.modules}
+        empty = [name for name, count in before.items() if count == 0]
+        if empty:
+            raise SplitBackwardError(f"backward_dw() with no deferred weight-gradient work queued in {', '.join(empty)}")
+        for _, backward_dw in reversed(self.units):
+            backward_dw()
+        wrong = [
+            f"{name} ({count} -> {queued_weight_work(module)})"
+            for (name, module), count in zip(self.modules, before.values())
+            if count is not None and queued_weight_work(module) != count - 1
+        ]
+        if wrong:
+            raise SplitBackwardError(f"the chunk's backward_dw() must run each module's oldest entry once: {', '.join(wrong)}")
+
+    def pending(self) -> List[Tuple[str, int]]:
+        """``(module name, queued entries)`` of every deferring module with work queued (modules
+        whose queue cannot be seen are left out)."""
+        counts = [(name, queued_weight_work(module)) for name, module in self.modules]
+        return [(name, count) for name, count in counts if count]
+
+    def pending_parameters(self) -> Iterator[torch.Tensor]:
+        """The parameters the queued work will add gradients to."""
+        for _, module in self.modules:
+            yield from _queued_parameters(module)
+
+
+def _deferring(module: torch.nn.Module) -> bool:
+    """A module with a :class:`WeightGradQueue` (``wgrad_queue``: a local linear made
+    deferrable here, the benchmarks' emulated layer) whose config asks, or a module deferring
+    itself (Transformer Engine)."""
+    if isinstance(module.__dict__.get("wgrad_queue"), WeightGradQueue):
+        return bool(getattr(module.config, "delay_wgrad_compute", False))
+    return bool(_self_deferring(module))
+
+
+# -- enabling -----------------------------------------------------------------------------------
+
+
+def enable_split_backward(chunks: Sequence[torch.nn.Module]) -> int:
+    """Put every linear of ``chunks`` under the weight-gradient deferral contract.
+
+    megatron-core local ``ColumnParallelLinear``/``RowParallelLinear``: an instance
+    ``_forward_impl`` that defers and a ``backward_dw`` running its :class:`WeightGradQueue`
+    (``wgrad_queue``); their config (and that of modules already holding a ``wgrad_queue``)
+    gets ``delay_wgrad_compute``
+    (:func:`~megatron_bitpipe.megatron_compat.enable_delay_wgrad_compute`). Modules with their
+    own deferral (Transformer Engine) are used as they are. Idempotent. Returns how many
+    modules defer.
+
+    Raises :class:`SplitBackwardError` (before changing anything) for: Transformer Engine
+    linears of a transformer layer built without ``delay_wgrad_compute`` (build from a config
+    with the flag; the scripts do with ``--split-backward``; outside the layers a TE module
+    that does not defer — megatron-core 0.19's MXFP8 LM head forces it off — computes its
+    weight gradient in ``I``); TE's deferred weights under a megatron DDP without
+    ``delay_wgrad_compute`` (its gradient hook would fire in ``I``); Optimus 2D layers;
+    megatron's own embedding-wgrad deferral (``--defer-embedding-wgrad-compute``); linears whose
+    weight is sharded for rematerialisation (megatron-core 0.19's ``gtp_weight_remat_size`` > 1).
+    """
+    linears, own = [], 0
     for chunk in chunks:
+        ddp_delays = getattr(getattr(chunk, "ddp_config", None), "delay_wgrad_compute", True)
+        in_layers = {id(m) for layer in chunk.modules() if isinstance(layer, TransformerLayer) for m in layer.modules()}
         for name, module in chunk.named_modules():
-            if "transformer_engine" in type(module).__module__:
-                raise SplitBackwardError(
-                    f"split backward: {name} is a Transformer Engine layer ({type(module).__name__}); "
-                    "pass --transformer-impl local"
-                )
+            if isinstance(module.__dict__.get("wgrad_queue"), WeightGradQueue):  # already deferrable
+                linears.append((name, module))
+                continue
+            defers = _self_deferring(module)
+            if defers is not None:
+                if not defers and id(module) in in_layers:
+                    raise SplitBackwardError(
+                        f"split backward: {name} ({type(module).__name__}) defers its weight gradients only when built "
+                        "with delay_wgrad_compute: build the model from a config passed through "
+                        "megatron_compat.enable_delay_wgrad_compute (the scripts do with --split-backward)"
+                    )
+                if defers and not ddp_delays:
+                    raise SplitBackwardError(
+                        f"split backward: {name} defers its weight gradients itself (Transformer Engine); wrap the chunks "
+                        "in DistributedDataParallel with DistributedDataParallelConfig(delay_wgrad_compute=True)"
+                    )
+                own += bool(defers)
+                continue
             if isinstance(module, OptimusLinear):
                 raise SplitBackwardError(
                     f"split backward: {name} is an Optimus 2D layer; --tensor-parallel-mode optimus2d is not "
@@ -288,8 +433,12 @@ def enable_split_backward(chunks: Sequence[torch.nn.Module]) -> int:
                         f"split backward: {name} shards its weight for rematerialisation (gtp_weight_remat_size > 1), "
                         "which the deferred weight gradients do not support"
                     )
-                linears.append(module)
-    for module in linears:
-        if not isinstance(module.__dict__.get("_forward_impl"), _DeferrableForwardImpl):
-            module._forward_impl = _DeferrableForwardImpl(module._forward_impl)
-    return len(linears)
+                linears.append((name, module))
+    for name, module in linears:
+        megatron_compat.enable_delay_wgrad_compute(module.config)
+        if "wgrad_queue" not in module.__dict__:
+            queue = WeightGradQueue(name)
+            module.wgrad_queue = queue
+            module._forward_impl = _DeferrableForwardImpl(module._forward_impl, queue, module.config)
+            module.backward_dw = queue.backward_dw
+    return len(linears) + own

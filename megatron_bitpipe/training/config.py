@@ -92,7 +92,12 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
         **kernel_fields(gpu, transformer_engine=impl == "transformer_engine", bias_activation=args.swiglu or args.add_bias_linear),
     )
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    config = TransformerConfig(**fields)
+    if args.split_backward:  # the weight-gradient deferral contract, before the model is built
+        from .. import megatron_compat
+
+        megatron_compat.enable_delay_wgrad_compute(config)
+    return config
 
 
 def use_global_tp_group(tp_group) -> None:
@@ -108,6 +113,7 @@ def ddp_config(args: argparse.Namespace, run: RunConfig) -> DistributedDataParal
         overlap_grad_reduce=run.executes_plan or args.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        delay_wgrad_compute=args.split_backward,  # TE's deferred weights: DDP's hook after backward_dw
     )
 
 
