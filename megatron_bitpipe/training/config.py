@@ -93,7 +93,7 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
     )
     fields.update(overrides)
     config = TransformerConfig(**fields)
-    if args.split_backward:  # the weight-gradient deferral contract, before the model is built
+    if run.schedule.split_backward:  # the weight-gradient deferral contract, before the model is built
         from .. import megatron_compat
 
         megatron_compat.enable_delay_wgrad_compute(config)
@@ -113,7 +113,7 @@ def ddp_config(args: argparse.Namespace, run: RunConfig) -> DistributedDataParal
         overlap_grad_reduce=run.executes_plan or args.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        delay_wgrad_compute=args.split_backward,  # TE's deferred weights: DDP's hook after backward_dw
+        delay_wgrad_compute=run.schedule.split_backward,  # TE's deferred weights: DDP's hook after backward_dw
     )
 
 
