@@ -1,0 +1,76 @@
+"""Rank-side code of the HFTA tests: train a fused array and each model's unfused run with the
+training loop (:class:`~megatron_bitpipe.training.loop.Trainer`) and record, per step, each
+model's losses, gradients (after clipping, as the optimizer used them) and weights.
+
+A fused parameter ``[B, ...]`` is recorded as model ``k``'s slices under the unfused names, so
+the two records compare key by key. Pipeline layouts record this rank's chunks under global
+layer names; the test merges the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+MODEL = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
+    "--lr-warmup-iters", "1", "--min-lr", "1e-5", "--clip-grad", "0.5", "--weight-decay", "0.1", "--adam-eps", "1e-4",
+    "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1", "--train-iters", "3", "--seed", "1234",
+]  # fmt: skip
+LRS = (3e-3, 1e-3, 5e-4)
+SEEDS = (1234, 7, 99)
+
+
+def hfta_flags(lrs=LRS, seeds=SEEDS) -> List[str]:
+    return ["--hfta-models", str(len(lrs)), "--hfta-lr", ",".join(map(str, lrs)), "--hfta-seeds", ",".join(map(str, seeds)), "--lr", str(max(lrs))]
+
+
+def _named_tensors(trainer, of) -> Dict[str, torch.Tensor]:
+    from megatron.core.utils import unwrap_model
+
+    from megatron_bitpipe.runtime.layout import to_global_name
+
+    out = {}
+    for chunk, spec in zip(trainer.model.chunks, trainer.model.specs):
+        for name, param in unwrap_model(chunk).named_parameters():
+            out[to_global_name(name, spec)] = of(param).detach().clone()
+    return out
+
+
+def train_records(argv: List[str], steps: int, num_models: Optional[int], init_seed: Optional[int] = None) -> dict:
+    """Rank body: ``steps`` iterations of the training loop with ``argv``; per step the logged
+    losses and extra fields, and (fused: per model, ``models[k]``) gradients and weights.
+    ``init_seed``: an unfused model starts from that seed's weights (the data still follows
+    ``--seed``, as the fused array's does)."""
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import distributed
+    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.gpt import GPTTask
+    from megatron_bitpipe.training.loop import Trainer
+
+    task = GPTTask()
+    args = parse_args(task, argv)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    trainer = Trainer(task, args, tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    if init_seed is not None:  # fp32 Adam holds the parameters themselves: overwrite them in place
+        from megatron_bitpipe.runtime.init import initialize_from_seed
+
+        initialize_from_seed(trainer.model.chunks, trainer.model.specs, init_seed, trainer.groups.tp)
+    records = []
+    for _ in range(steps):
+        record = trainer.train_step()
+        grads = _named_tensors(trainer, lambda p: p.main_grad)
+        weights = _named_tensors(trainer, lambda p: p)
+        split = (lambda t: [t]) if num_models is None else (lambda t: list(t.unbind(0)))
+        models = [
+            {"grads": {n: split(g)[k] for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
+            for k in range(num_models or 1)
+        ]
+        records.append(dict(losses=record.losses, extra=record.extra, grad_norm=record.grad_norm, lr=record.lr, models=models))
+    validation = trainer.evaluate()
+    return dict(steps=records, validation=validation)
