@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 import torch
 
 MODEL = [
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
     "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
     "--lr-warmup-iters", "1", "--min-lr", "1e-5", "--clip-grad", "0.5", "--weight-decay", "0.1", "--adam-eps", "1e-4",
     "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1", "--train-iters", "3", "--seed", "1234",
@@ -74,3 +74,12 @@ def train_records(argv: List[str], steps: int, num_models: Optional[int], init_s
         records.append(dict(losses=record.losses, extra=record.extra, grad_norm=record.grad_norm, lr=record.lr, models=models))
     validation = trainer.evaluate()
     return dict(steps=records, validation=validation)
+
+
+def reference_records(steps: int) -> dict:
+    """Rank body (one rank): the fused array of :data:`LRS`/:data:`SEEDS` in one process
+    (``fused``) and each model's unfused run with ``--lr`` its rate, starting from its seed's
+    weights (``unfused[k]``)."""
+    fused = train_records([*MODEL, *hfta_flags()], steps, len(LRS))
+    unfused = [train_records([*MODEL, "--lr", str(lr)], steps, None, init_seed=seed) for lr, seed in zip(LRS, SEEDS)]
+    return dict(fused=fused, unfused=unfused)

@@ -49,7 +49,7 @@ def unfused(x: torch.Tensor, num_models: int) -> torch.Tensor:
 def fused(y: torch.Tensor, s: int) -> torch.Tensor:
     """``[B, s*b, ...]`` -> ``[s, B*b, ...]`` (inverse of :func:`unfused`)."""
     num_models, sb = y.shape[:2]
-    return y.reshape(num_models, s, sb // s, *y.shape[2:]).transpose(0, 1).reshape(s, num_models * (sb // s), *y.shape[2:])
+    return y.reshape(num_models, s, sb // s, *y.shape[2:]).transpose(0, 1).reshape(s, num_models * (sb // s), *y.shape[2:]).contiguous()
 
 
 def _per_model(vector: torch.Tensor, batch: int) -> torch.Tensor:
@@ -170,5 +170,5 @@ class HftaEmbedding(torch.nn.Module):
             embeddings = embeddings + self.position_embeddings(position_ids)
         b, s = input_ids.shape
         # [B, b, s, h] -> [s, B*b, h], model-major
-        embeddings = embeddings.permute(2, 0, 1, 3).reshape(s, self.num_models * b, -1)
+        embeddings = embeddings.permute(2, 0, 1, 3).reshape(s, self.num_models * b, -1).contiguous()
         return self.embedding_dropout(embeddings)
