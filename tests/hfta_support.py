@@ -83,3 +83,43 @@ def reference_records(steps: int) -> dict:
     fused = train_records([*MODEL, *hfta_flags()], steps, len(LRS))
     unfused = [train_records([*MODEL, "--lr", str(lr)], steps, None, init_seed=seed) for lr, seed in zip(LRS, SEEDS)]
     return dict(fused=fused, unfused=unfused)
+
+
+def _trainer(argv: List[str]):
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import distributed
+    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.gpt import GPTTask
+    from megatron_bitpipe.training.loop import Trainer
+
+    task = GPTTask()
+    args = parse_args(task, argv)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    return Trainer(task, args, tokenizer, distributed.initialize(args, enable_cpu_megatron))
+
+
+def checkpoint_records(root: str) -> dict:
+    """Rank body (one rank): a fused array trains 3 iterations saving at 2 and 3; a second run
+    resumes from iteration 2; model 1 of the iteration-3 checkpoint is extracted
+    (``scripts/hfta_extract.py``'s function) and evaluated as an unfused model loaded by the
+    training loop, next to the fused array loaded from the same checkpoint."""
+    import json
+
+    from megatron_bitpipe.hfta.extract import extract_model
+    from megatron_bitpipe.training.exit_conditions import ExitConditions
+
+    fused = [*MODEL, *hfta_flags()]
+    runs = {"full": [*fused, "--save", f"{root}/fused", "--save-interval", "2"], "resumed": [*fused, "--load", f"{root}/fused", "--ckpt-step", "2"]}
+    logs = {}
+    for name, argv in runs.items():
+        trainer = _trainer([*argv, "--log-json", f"{root}/{name}.jsonl"])
+        with ExitConditions(trainer.args, time.time()) as exits:
+            trainer.train(exits)
+        with open(f"{root}/{name}.jsonl", encoding="utf-8") as lines:
+            logs[name] = {r["iteration"]: r for r in map(json.loads, lines) if r["event"] == "iteration"}
+    extract_model(f"{root}/fused", 1, f"{root}/model1")
+    array = _trainer([*fused, "--load", f"{root}/fused"]).evaluate()
+    model1 = _trainer([*MODEL, "--lr", str(LRS[1]), "--load", f"{root}/model1", "--no-load-optim"]).evaluate()
+    return dict(logs=logs, array=array, model1=model1)

@@ -9,6 +9,10 @@
   weights, on the same batches (rtol 1e-5).
 * BitPipe over 4 pipeline ranks, with and without the split backward: the fused array's
   losses, gradients and weights equal the single-process fused run.
+* Checkpoints (``torch_dist``): a fused array resumed from its iteration-2 checkpoint logs
+  iteration 3 bit for bit as the uninterrupted run (weights and per-model Adam state restored);
+  model 1 extracted from the iteration-3 checkpoint (``scripts/hfta_extract.py``) and loaded by
+  the training loop as an ordinary GPT has the fused array's model-1 validation loss.
 * Logs: iteration events carry ``lm_losses`` (one per model), ``lm_loss`` (their mean),
   ``best_lm_loss`` and ``best_model``.
 """
@@ -24,7 +28,7 @@ import torch
 from megatron_bitpipe.megatron_args import BitPipeConfigError
 from megatron_bitpipe.training.arguments import parse_args
 
-from .hfta_support import LRS, MODEL, hfta_flags, reference_records, train_records
+from .hfta_support import LRS, MODEL, checkpoint_records, hfta_flags, reference_records, train_records
 
 STEPS = 3
 RTOL, ATOL = 1e-5, 1e-6
@@ -50,7 +54,11 @@ def run_cases(cases: List[HftaCase]) -> dict:
 
 
 def run_references(keys) -> dict:
-    return {key: reference_records(STEPS) for key in keys}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        checkpoints = checkpoint_records(root)
+    return {key: dict(reference_records(STEPS), checkpoints=checkpoints) for key in keys}
 
 
 def _close(actual: dict, expected: dict, what: str) -> None:
@@ -145,3 +153,15 @@ def test_bitpipe_pipeline_equals_single_process(case, references, launched):
             merged = _merged(ranks, step, what)
             for k in range(len(LRS)):
                 _close(merged[k], single["steps"][step]["models"][k][what], f"{case.name} step {step} model {k} {what}")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_checkpoint_resumes_exactly_and_model_extracts(references):
+    checkpoints = references["single"]["checkpoints"]
+    full, resumed = checkpoints["logs"]["full"], checkpoints["logs"]["resumed"]
+    assert sorted(resumed) == [3]
+    for key in ("lm_losses", "lm_loss", "best_model", "grad_norm", "lr"):
+        assert resumed[3][key] == full[3][key], key
+    assert checkpoints["model1"]["lm loss"] == pytest.approx(checkpoints["array"]["lm loss 1"], rel=1e-6)
+    assert checkpoints["array"]["lm loss 1"] != checkpoints["array"]["lm loss 0"]

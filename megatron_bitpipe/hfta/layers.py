@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 __all__ = ["HftaLinear", "HftaNorm", "HftaEmbedding", "fused", "unfused"]
 
@@ -58,7 +59,17 @@ def _per_model(vector: torch.Tensor, batch: int) -> torch.Tensor:
     return vector[:, None, :].expand(num_models, batch, n).reshape(1, num_models * batch, n)
 
 
-class HftaLinear(torch.nn.Module):
+class _Sharded(torch.nn.Module):
+    """``sharded_state_dict`` of a module without tensor-parallel splits (distributed checkpoints):
+    megatron's default for plain modules, which megatron's ``MLP`` does not apply to its linears."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        own = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(own, prefix, {}, sharded_offsets, dp_cp_group=metadata["dp_cp_group"])
+
+
+class HftaLinear(_Sharded):
     """B linears ``y_k = x_k W_k^T (+ b_k)`` as one batched GEMM, with the interface of
     megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` at tensor-parallel size 1.
 
@@ -94,6 +105,16 @@ class HftaLinear(torch.nn.Module):
         if self.bias is not None:
             with torch.no_grad():
                 self.bias.zero_()
+        # as megatron's linears: a state dict without "_extra_state" loads (GPTModel drops the
+        # tied output layer's from its distributed checkpoints)
+        self._register_load_state_dict_pre_hook(lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
+
+    def get_extra_state(self) -> None:
+        """None, as megatron's linears store: checkpoints hold the same ``_extra_state`` entries."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to restore (see :meth:`get_extra_state`)."""
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
@@ -108,7 +129,7 @@ class HftaLinear(torch.nn.Module):
         return out + bias, None
 
 
-class HftaNorm(torch.nn.Module):
+class HftaNorm(_Sharded):
     """B LayerNorms (or RMSNorms, ``config.normalization``) over the last dimension, weight and
     bias ``[B, h]``; megatron's norm constructor arguments."""
 

@@ -14,6 +14,12 @@ writes through the views into the fused parameters.
 that each model's gradient norm and clipping are its own (a norm over the whole array would
 couple the models). ``step()`` returns ``(success, grad norm, None)`` with the norm of the whole
 array (``sqrt(Σ_k norm_k²)``); ``model_grad_norms`` holds the B norms of the last step.
+
+**Checkpoints** (``torch_dist``): the Adam moments are stored fused, like the weights:
+``optimizer.state.exp_avg.<name>`` is the ``[B, ...]`` stack of the models' moments of fused
+parameter ``<name>``, sharded as the parameter is; the step (common to all models) as
+``common_step``; each model's parameter-group values as plain values. A fused checkpoint thus
+loads into any pipeline layout of the same array.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import math
 from typing import Iterator, List, Sequence, Tuple
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, _get_megatron_optimizer_based_on_param_groups, _get_param_groups
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -63,10 +72,61 @@ def model_views(chunks: Sequence[torch.nn.Module], k: int) -> List[Tuple[str, to
     return views
 
 
-class HftaOptimizer(ChainedOptimizer):
-    """B megatron optimizers, model ``k``'s at index ``k``; see the module docstring."""
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
-    model_grad_norms: List[float] = []
+
+class HftaOptimizer(ChainedOptimizer):
+    """B megatron optimizers, model ``k``'s at index ``k``, over the views ``fused[i][1][k]``
+    of the fused parameters ``fused[i][0]``; see the module docstring."""
+
+    def __init__(self, parts, fused: List[Tuple[torch.nn.Parameter, List[torch.Tensor]]], lrs: Sequence[float]):
+        super().__init__(parts)
+        self.fused, self.lrs = fused, tuple(lrs)
+        self.model_grad_norms: List[float] = []
+
+    def max_lr_of(self, part) -> float:
+        """This run's peak learning rate of the model whose optimizer is ``part`` (``--hfta-lr``)."""
+        return self.lrs[self.chained_optimizers.index(part)]
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        if is_loading:
+            for part in self.chained_optimizers:
+                part.init_state_fn(part.optimizer, part.config)
+        index = {id(param): i for i, (param, _) in enumerate(self.fused)}
+        model_entries = {}
+        for entry in nested_values(model_sharded_state_dict):
+            if isinstance(entry, ShardedBase) and id(getattr(entry, "data", None)) in index:
+                model_entries.setdefault(index[id(entry.data)], entry)
+        state = {key: {} for key in _MOMENTS}
+        for i, entry in model_entries.items():
+            views = self.fused[i][1]
+            for key in _MOMENTS:
+                stacked = torch.stack([part.optimizer.state[view][key] for part, view in zip(self.chained_optimizers, views)])
+                state[key][i] = make_sharded_optimizer_tensor(entry, stacked, prefix=f"optimizer.state.{key}")
+        first = self.chained_optimizers[0].optimizer
+        step = first.state[self.fused[0][1][0]].get("step") if self.fused else None
+        if step is not None:
+            state["common_step"] = torch.as_tensor(step).clone()
+        groups = [
+            [{**group, "params": LocalNonpersistentObject(group["params"])} for group in part.optimizer.state_dict()["param_groups"]]
+            for part in self.chained_optimizers
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        state = state_dict["state"]
+        step = state.get("common_step")
+        for i, (_, views) in enumerate(self.fused):
+            for k, (part, view) in enumerate(zip(self.chained_optimizers, views)):
+                slot = part.optimizer.state[view]
+                for key in _MOMENTS:
+                    if i in state[key]:
+                        slot[key].copy_(state[key][i][k])
+                if step is not None:
+                    slot["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
+        for part, groups in zip(self.chained_optimizers, state_dict["param_groups"]):
+            for group, saved in zip(part.optimizer.param_groups, groups):
+                group.update({key: value for key, value in saved.items() if key != "params"})
 
     @torch.no_grad()
     def step(self):
@@ -90,9 +150,10 @@ def build_hfta_optimizer(
     fp32, not distributed). Collective, as megatron's parameter grouping is."""
     if config.optimizer != "adam" or config.use_distributed_optimizer or config.bf16 or config.fp16:
         raise ValueError("a fused array trains with megatron's fp32 Adam, not distributed")
-    parts = []
+    parts, views = [], []
     for k, lr in enumerate(hfta.lrs):
-        groups = _get_param_groups([_ModelSlice(model_views(chunks, k))], config, None)
+        views.append(model_views(chunks, k))
+        groups = _get_param_groups([_ModelSlice(views[k])], config, None)
         for group in groups:
             group["max_lr"] = lr
         parts.append(
@@ -100,4 +161,5 @@ def build_hfta_optimizer(
                 config, model_chunks=list(chunks), param_groups=groups, model_parallel_group=pg_collection.mp, pg_collection=pg_collection
             )
         )
-    return HftaOptimizer(parts)
+    params = [param for chunk in chunks for param in chunk.parameters() if param.requires_grad]
+    return HftaOptimizer(parts, [(param, [model[i][1] for model in views]) for i, param in enumerate(params)], hfta.lrs)
