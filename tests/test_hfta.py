@@ -7,8 +7,9 @@
   logged loss, gradients (as clipped) and weights after each of 3 steps, its grad norm and
   its validation loss equal the unfused run with ``--lr`` its rate starting from its seed's
   weights, on the same batches (rtol 1e-5).
-* BitPipe over 4 pipeline ranks, with and without the split backward: the fused array's
-  losses, gradients and weights equal the single-process fused run.
+* BitPipe over 4 pipeline ranks, with and without the split backward, and BitPipe over 2
+  pipeline ranks x data parallelism 2: the fused array's losses, gradients and weights equal
+  the single-process fused run.
 * Checkpoints (``torch_dist``): a fused array resumed from its iteration-2 checkpoint logs
   iteration 3 bit for bit as the uninterrupted run (weights and per-model Adam state restored);
   model 1 extracted from the iteration-3 checkpoint (``scripts/hfta_extract.py``) and loaded by
@@ -46,6 +47,7 @@ class HftaCase:
 CASES = [
     HftaCase("bitpipe_pp4", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4")),
     HftaCase("bitpipe_split_pp4", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--split-backward")),
+    HftaCase("bitpipe_pp2_dp2", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2")),
 ]
 
 
