@@ -8,8 +8,8 @@
   its validation loss equal the unfused run with ``--lr`` its rate starting from its seed's
   weights, on the same batches (rtol 1e-5).
 * BitPipe over 4 pipeline ranks, with and without the split backward, and BitPipe over 2
-  pipeline ranks x data parallelism 2: the fused array's losses, gradients and weights equal
-  the single-process fused run.
+  pipeline ranks x data parallelism 2 with full activation recompute: the fused array's
+  losses, gradients and weights equal the single-process fused run.
 * Checkpoints (``torch_dist``): a fused array resumed from its iteration-2 checkpoint logs
   iteration 3 bit for bit as the uninterrupted run (weights and per-model Adam state restored);
   model 1 extracted from the iteration-3 checkpoint (``scripts/hfta_extract.py``) and loaded by
@@ -47,7 +47,11 @@ class HftaCase:
 CASES = [
     HftaCase("bitpipe_pp4", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4")),
     HftaCase("bitpipe_split_pp4", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--split-backward")),
-    HftaCase("bitpipe_pp2_dp2", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2")),
+    HftaCase(
+        "bitpipe_pp2_dp2_recompute",
+        ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+         "--recompute-method", "uniform", "--recompute-num-layers", "1"),
+    ),  # fmt: skip
 ]
 
 
@@ -96,9 +100,8 @@ def test_flags_parse_into_settings():
         (["--hfta-models", "2", "--hfta-lr", "1e-3,1e-6"], "--hfta-lr 1e-06 is below --min-lr 1e-05"),
         (["--hfta-models", "0"], "--hfta-models must be >= 1"),
         (
-            ["--hfta-models", "2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--recompute-activations"],
-            "--hfta-models does not compose yet with: --tensor-model-parallel-size > 1; --use-distributed-optimizer; "
-            "--recompute-granularity / --recompute-activations",
+            ["--hfta-models", "2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+            "--hfta-models does not compose yet with: --tensor-model-parallel-size > 1; --use-distributed-optimizer",
         ),
         (["--hfta-models", "2", "--optimizer", "lamb"], "--hfta-models does not compose yet with: --optimizer other than adam"),
     ],

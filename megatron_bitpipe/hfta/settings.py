@@ -86,7 +86,6 @@ _NOT_YET = {
     "bf16": ((False,), "--bf16"),
     "fp16": ((False,), "--fp16"),
     "use_distributed_optimizer": ((False,), "--use-distributed-optimizer"),
-    "recompute_granularity": ((None,), "--recompute-granularity / --recompute-activations"),
     "optimizer": (("adam",), "--optimizer other than adam"),
     "data_parallel_mode": (("sync",), "--data-parallel-mode other than sync"),
     "qk_layernorm": ((False,), "--qk-layernorm"),
