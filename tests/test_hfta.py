@@ -7,7 +7,8 @@
   logged loss, gradients (as clipped) and weights after each of 3 steps, its grad norm and
   its validation loss equal the unfused run with ``--lr`` its rate starting from its seed's
   weights, on the same batches (rtol 1e-5).
-* BitPipe over 4 pipeline ranks, with and without the split backward, and BitPipe over 2
+* BitPipe over 4 pipeline ranks, with and without the split backward (the batched linears'
+  weight gradients deferred to ``W``), and BitPipe over 2
   pipeline ranks x data parallelism 2 with full activation recompute: the fused array's
   losses, gradients and weights equal the single-process fused run.
 * Checkpoints (``torch_dist``): a fused array resumed from its iteration-2 checkpoint logs
@@ -56,7 +57,23 @@ CASES = [
 
 
 def run_cases(cases: List[HftaCase]) -> dict:
-    return {case.name: train_records([*MODEL, *hfta_flags(), *case.flags], STEPS, len(LRS)) for case in cases}
+    """Each case's records, with ``deferred``: how many batched GEMMs ran with their weight
+    gradient deferred to ``W`` (the split backward)."""
+    from megatron_bitpipe.hfta import layers
+
+    deferred, apply = [0], layers._DeferredWeightGradBmm.apply
+
+    def counted(*args):
+        deferred[0] += 1
+        return apply(*args)
+
+    layers._DeferredWeightGradBmm.apply = counted
+    out = {}
+    for case in cases:
+        before = deferred[0]
+        out[case.name] = train_records([*MODEL, *hfta_flags(), *case.flags], STEPS, len(LRS))
+        out[case.name]["deferred"] = deferred[0] - before
+    return out
 
 
 def run_references(keys) -> dict:
@@ -152,6 +169,10 @@ def _merged(ranks: List[dict], step: int, what: str) -> dict:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_bitpipe_pipeline_equals_single_process(case, references, launched):
     single, ranks = references["single"]["fused"], launched[case]
+    if "--split-backward" in case.flags:
+        assert all(rank["deferred"] > 0 for rank in ranks), "the batched linears must defer their weight gradients"
+    else:
+        assert all(rank["deferred"] == 0 for rank in ranks)
     for step in range(STEPS):
         assert ranks[0]["steps"][step]["extra"]["lm_losses"] == pytest.approx(single["steps"][step]["extra"]["lm_losses"], rel=RTOL)
         for what in ("grads", "weights"):

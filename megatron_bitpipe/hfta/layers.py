@@ -12,7 +12,9 @@ need the model dimension:
   weight ``[B, out, in]``, bias ``[B, out]``; one ``torch.bmm`` over the B models. With
   ``skip_bias_add`` the bias is returned as a ``[1, B*b, out]`` tensor that broadcasts over the
   fused activation exactly as megatron's ``[out]`` bias broadcasts over ``[s, b, out]``, so the
-  bias-dropout-add and bias-activation code of megatron is used unchanged;
+  bias-dropout-add and bias-activation code of megatron is used unchanged. Under BitPipe's split
+  backward (:mod:`megatron_bitpipe.runtime.weight_grad`) the weight gradient is deferred to
+  ``W`` like megatron's linears';
 * :class:`HftaNorm` — LayerNorm / RMSNorm with weight (and bias) ``[B, h]``;
 * :class:`HftaEmbedding` — word and learned position embeddings ``[B, vocab, h]``,
   ``[B, positions, h]``: the same token ids for every model, the fused ``[s, B*b, h]`` out.
@@ -31,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+from ..runtime.weight_grad import accumulate_weight_grad, active_work
 
 __all__ = ["HftaLinear", "HftaNorm", "HftaEmbedding", "fused", "unfused"]
 
@@ -67,6 +71,39 @@ class _Sharded(torch.nn.Module):
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         own = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(own, prefix, {}, sharded_offsets, dp_cp_group=metadata["dp_cp_group"])
+
+
+class _DeferredWeightGradBmm(torch.autograd.Function):
+    """The batched GEMM of :class:`HftaLinear` under the split backward
+    (:func:`megatron_bitpipe.runtime.weight_grad.deferring`): the backward returns the input
+    gradient and adds the weight gradient's computation to the active work (``W``), which
+    accumulates it into ``holder.param`` through its gradient accumulator. ``weight`` arrives
+    detached; ``holder`` is a plain object, so the Parameter is no autograd input."""
+
+    @staticmethod
+    def forward(ctx, input_, weight, holder):
+        ctx.save_for_backward(input_, weight)
+        ctx.holder, ctx.work = holder, active_work()
+        return fused(torch.bmm(unfused(input_, weight.shape[0]), weight.transpose(1, 2)), input_.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        b = weight.shape[0]
+        grad_b = unfused(grad_output, b)
+        grad_input = fused(torch.bmm(grad_b, weight), input_.shape[0])
+        param = ctx.holder.param
+
+        def weight_grad() -> None:
+            accumulate_weight_grad(param, torch.bmm(grad_b.transpose(1, 2), unfused(input_, b)))
+
+        ctx.work.add(param, weight_grad)
+        return grad_input, None, None
+
+
+class _Holder:
+    def __init__(self, param):
+        self.param = param
 
 
 class HftaLinear(_Sharded):
@@ -120,7 +157,10 @@ class HftaLinear(_Sharded):
         weight = self.weight if weight is None else weight
         s, bb = input_.shape[:2]
         batch = bb // self.num_models
-        out = fused(torch.bmm(unfused(input_, self.num_models), weight.transpose(1, 2)), s)
+        if active_work() is not None and torch.is_grad_enabled() and weight.requires_grad:
+            out = _DeferredWeightGradBmm.apply(input_, weight.detach(), _Holder(weight))
+        else:
+            out = fused(torch.bmm(unfused(input_, self.num_models), weight.transpose(1, 2)), s)
         if self.bias is None:
             return out, None
         bias = _per_model(self.bias, batch)
