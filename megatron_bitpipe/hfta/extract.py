@@ -38,8 +38,7 @@ def extract_model(load: str, k: int, save: str, step: Optional[int] = None) -> s
     """Write model ``k`` of the fused checkpoint under ``load`` (iteration ``step``, default
     the latest) as an ordinary checkpoint under ``save``; returns its directory. ValueError for
     a checkpoint without a fused array or a ``k`` out of range."""
-    from ..training.checkpoint import CHECKPOINT_VERSION
-    from ..training.checkpoint_checks import TRACKER, checkpoint_dir, find_checkpoint
+    from ..training.checkpoint import CHECKPOINT_VERSION, TRACKER, checkpoint_dir, find_checkpoint
 
     found = find_checkpoint(load, step)
     if found is None:
