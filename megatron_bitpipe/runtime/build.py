@@ -18,6 +18,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from ..hfta.model import fused_array_settings
+from ..hfta.optimizer import build_hfta_optimizer
 from ..optimizers import OptimizerChoice, build_megatron_optimizer
 from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
@@ -148,6 +150,9 @@ def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, cho
     job; the grad norm sums every rank's shards once (``intra_dist_opt``, all ranks); see
     :mod:`.distributed_optimizer`. ValueError if the model's DDP and ``optimizer_config``
     disagree about the distributed optimizer.
+
+    A fused array (:mod:`megatron_bitpipe.hfta`): one Adam per model over its slices, each with
+    its own learning rate, grad norm and clipping (:mod:`megatron_bitpipe.hfta.optimizer`).
     """
     distributed = optimizer_config.use_distributed_optimizer
     if distributed != model.chunks[0].ddp_config.use_distributed_optimizer:
@@ -155,6 +160,9 @@ def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, cho
             "the optimizer and the model's DDP must agree on use_distributed_optimizer "
             f"(optimizer {distributed}, DDP {not distributed})"
         )
+    hfta = fused_array_settings(model.chunks)
+    if hfta is not None:
+        return build_hfta_optimizer(optimizer_config, model.chunks, hfta, model.groups.rank_pgs)
     if not distributed:
         return build_megatron_optimizer(
             optimizer_config, choice, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs

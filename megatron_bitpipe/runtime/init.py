@@ -214,7 +214,9 @@ def initialize_from_seed(
     before the optimizer copies fp32 main weights. Local, no communication: ``tp_group`` only
     gives the tp rank and size. A tied head built by
     :func:`~megatron_bitpipe.runtime.model.build_gpt_chunks` is the embedding's Parameter and
-    changes with it. Expert-parallel parameters are not supported (NotImplementedError).
+    changes with it. A parameter with ``model_seeds`` (a fused array's, :mod:`megatron_bitpipe.hfta`)
+    has a leading model dimension: slice ``k`` gets the value its parameter has in the unfused
+    model of seed ``model_seeds[k]``. Expert-parallel parameters are not supported (NotImplementedError).
     """
     if len(chunks) != len(layers):
         raise ValueError(f"{len(chunks)} chunks but {len(layers)} layer ranges")
@@ -226,7 +228,21 @@ def initialize_from_seed(
                 if not getattr(param, "allreduce", True):
                     raise NotImplementedError(f"{local_name}: expert-parallel parameters are not supported")
                 name = to_global_name(local_name, chunk_layers)
-                initialize_parameter(param, name, init_method_for(name, model.config), seed, tp_rank, tp_size)
+                init = init_method_for(name, model.config)
+                # A fused array's parameter (megatron_bitpipe.hfta): slice k is model k's tensor, from its seed.
+                for tensor, tensor_seed in _model_slices(param, seed):
+                    initialize_parameter(tensor, name, init, tensor_seed, tp_rank, tp_size)
+
+
+def _model_slices(param: torch.Tensor, seed: int):
+    """``[(param, seed)]``, or for a parameter with a leading model dimension (``model_seeds``)
+    ``[(param[k], model_seeds[k]) ...]``."""
+    seeds = getattr(param, "model_seeds", None)
+    if seeds is None:
+        return [(param, seed)]
+    if len(seeds) != param.shape[0]:
+        raise ValueError(f"{len(seeds)} model seeds for a parameter of {param.shape[0]} models")
+    return list(zip(param.unbind(0), seeds))
 
 
 def without_megatron_init(config: TransformerConfig) -> TransformerConfig:

@@ -330,22 +330,24 @@ def gpt_chunk_factory(
     max_sequence_length: int,
     layer_spec: Optional[ModuleSpec] = None,
     position_embedding_type: str = "learned_absolute",
+    model_class: type = GPTModel,
     **gpt_kwargs,
 ) -> ChunkFactory:
     """The :data:`ChunkFactory` making :func:`build_gpt_chunks`' GPTModel chunks (``OptimusGPTModel``
     over ``mesh`` when given): a chunk holds ``spec``'s layers and its ``pre_process`` /
     ``post_process`` ends. ``layer_spec`` defaults to :func:`default_gpt_layer_spec` of ``config``
-    (none with a mesh); ``gpt_kwargs`` go to the model class."""
+    (none with a mesh); ``gpt_kwargs`` go to the model class, ``model_class`` (a ``GPTModel``
+    subclass such as :class:`~megatron_bitpipe.hfta.HftaGPTModel`) without a mesh."""
     spec = layer_spec or (None if mesh else default_gpt_layer_spec(config))
 
     def make_chunk(chunk_config: TransformerConfig, chunk: ChunkLayers, pgs: ProcessGroupCollection, tie: bool):
         if mesh is None:
             block = chunk_block_spec(spec, chunk.num_layers) if is_layer_spec(spec) else spec
-            model_class, model_kwargs = GPTModel, dict(transformer_layer_spec=block)
+            model_kwargs = dict(transformer_layer_spec=block)
         else:
             block = get_optimus_gpt_block_spec(chunk_config, mesh, chunk.num_layers, layer_spec=spec)
-            model_class, model_kwargs = OptimusGPTModel, dict(transformer_layer_spec=block, mesh=mesh)
-        return model_class(
+            model_kwargs = dict(transformer_layer_spec=block, mesh=mesh)
+        return (model_class if mesh is None else OptimusGPTModel)(
             config=chunk_config,
             vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,

@@ -47,6 +47,7 @@ from ..megatron_args import (
     recompute_problems,
     resolved_schedule,
 )
+from ..hfta.settings import add_hfta_args, hfta_problems
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 from ..usage import FlagParser
@@ -292,6 +293,7 @@ def build_parser(task=None, prog: Optional[str] = None) -> FlagParser:
     for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_checkpoint_args, _add_data_args):
         add(parser)
     add_optimizer_args(parser)
+    add_hfta_args(parser)
     if task is not None:
         task.add_arguments(parser)
     return parser
@@ -546,6 +548,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
     problems += _schedule_problems(args)
     problems += optimizer_problems(args, schedule=resolved_schedule(args))
     problems += _data_problems(args)
+    problems += hfta_problems(args)
     if task is not None:
         problems += task.validate(args)
     if problems:

@@ -20,8 +20,11 @@ from typing import Callable, Dict, Optional
 import numpy as np
 import torch
 
+from ..hfta.model import HftaGPTModel, hfta_gpt_layer_spec, hfta_loss, hfta_loss_names, hfta_p2p_tensor_shapes, iteration_losses
+from ..hfta.settings import HftaSettings, hfta_settings
 from ..optimus.gpt_model import optimus_p2p_tensor_shapes
 from ..runtime.build import PipelineModel
+from ..runtime.sdpa_attention import SdpaDotProductAttention
 from ..run_config import RunConfig
 from .data import indexed_datasets
 from .coreset.identity import CoresetSettings
@@ -30,7 +33,7 @@ from .gpt_args import GPTArguments
 from .model import build_model
 from .task import PretrainTask
 
-__all__ = ["GPTTask", "MockGPTDataset", "build_gpt_model", "gpt_forward_step", "gpt_loss", "optimus_shapes_fn"]
+__all__ = ["GPTTask", "MockGPTDataset", "build_gpt_model", "gpt_forward_step", "gpt_loss", "hfta_forward_step", "optimus_shapes_fn"]
 
 
 class MockGPTDataset:
@@ -78,21 +81,44 @@ def gpt_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def gpt_forward_step(data_iterator, model):
-    """megatron-core ``forward_step_func``: one micro-batch (a dict from the dataset)."""
+def _gpt_output(data_iterator, model):
+    """The model's output on the next micro-batch (a dict from the dataset) and the micro-batch."""
     batch = next(data_iterator)
     if torch.cuda.is_available():
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), batch
+
+
+def gpt_forward_step(data_iterator, model):
+    """megatron-core ``forward_step_func``: one micro-batch (a dict from the dataset)."""
+    output, batch = _gpt_output(data_iterator, model)
     if "loss_weight" in batch:  # a coreset's samples: each loss times its weight
         return output, partial(weighted_gpt_loss, batch["loss_mask"], sample_weights=batch["loss_weight"])
     return output, partial(gpt_loss, batch["loss_mask"])
 
 
-def build_gpt_model(args: argparse.Namespace, run: RunConfig) -> PipelineModel:
+def hfta_forward_step(num_models: int, data_iterator, model):
+    """:func:`gpt_forward_step` of a fused array of ``num_models`` GPTs (the same micro-batch
+    for every model; :func:`megatron_bitpipe.hfta.model.hfta_loss`)."""
+    output, batch = _gpt_output(data_iterator, model)
+    return output, partial(hfta_loss, num_models, batch["loss_mask"])
+
+
+def hfta_model_kwargs(args: argparse.Namespace, hfta: Optional[HftaSettings]) -> dict:
+    """``build_model`` keywords of a fused array (none without one): the batched layer spec
+    (with ``--attention-backend sdpa``'s core attention), :class:`~megatron_bitpipe.hfta.model.HftaGPTModel`."""
+    if hfta is None:
+        return {}
+    core_attention = SdpaDotProductAttention if args.attention_backend == "sdpa" else None
+    layer_spec = hfta_gpt_layer_spec(hfta.num_models, args.normalization, core_attention)
+    return dict(layer_spec=layer_spec, model_class=HftaGPTModel, hfta=hfta)
+
+
+def build_gpt_model(args: argparse.Namespace, run: RunConfig, hfta: Optional[HftaSettings] = None) -> PipelineModel:
     """This rank's GPTModel chunks of ``run``'s placement (``OptimusGPTModel`` with
-    ``--tensor-parallel-mode optimus2d``), seed-initialised and DDP-wrapped (collective)."""
-    return build_model(args, run, rotary_base=args.rotary_base)
+    ``--tensor-parallel-mode optimus2d``; the fused array of ``hfta``'s models with
+    ``--hfta-models``), seed-initialised and DDP-wrapped (collective)."""
+    return build_model(args, run, rotary_base=args.rotary_base, **hfta_model_kwargs(args, hfta))
 
 
 def optimus_shapes_fn(model: PipelineModel) -> Optional[Callable]:
@@ -102,16 +128,30 @@ def optimus_shapes_fn(model: PipelineModel) -> Optional[Callable]:
 
 
 class GPTTask(GPTArguments, PretrainTask):
-    """GPT with megatron-core; see the module docstring."""
+    """GPT with megatron-core; see the module docstring. With ``--hfta-models B`` the model is
+    a fused array of B GPTs (:mod:`megatron_bitpipe.hfta`): :meth:`build_model` fixes the
+    task's :class:`~megatron_bitpipe.hfta.HftaSettings`, its loss names (``lm loss``, the mean,
+    and ``lm loss k`` per model) and its loss."""
 
     name = "gpt"
     loss_names = ("lm loss",)
+    hfta: Optional[HftaSettings] = None
 
     def build_model(self, args: argparse.Namespace, run: RunConfig):
-        return build_gpt_model(args, run)
+        self.hfta = hfta_settings(args)
+        if self.hfta is not None:
+            self.loss_names = hfta_loss_names(self.hfta.num_models)
+        return build_gpt_model(args, run, self.hfta)
 
     def forward_step(self, data_iterator, model):
+        if self.hfta is not None:
+            return hfta_forward_step(self.hfta.num_models, data_iterator, model)
         return gpt_forward_step(data_iterator, model)
+
+    def iteration_losses(self, losses):
+        if self.hfta is None:
+            return losses, {}
+        return iteration_losses(losses, self.hfta.num_models)
 
     def build_datasets(self, args: argparse.Namespace, tokenizer):
         train, valid, test = self._datasets(args, tokenizer)
@@ -137,4 +177,6 @@ class GPTTask(GPTArguments, PretrainTask):
         )
 
     def adjust_tensor_shapes_fn(self, model):
+        if self.hfta is not None:
+            return hfta_p2p_tensor_shapes(self.hfta.num_models)
         return optimus_shapes_fn(model)

@@ -115,7 +115,7 @@ class Trainer:
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=args.global_batch_size)
-        losses = self._reduce_losses(reports)
+        losses, extra = self.task.iteration_losses(self._reduce_losses(reports))
         self._synchronize()
         elapsed = time.perf_counter() - start
         self.state.iteration += 1
@@ -138,6 +138,7 @@ class Trainer:
             losses=losses,
             max_memory_mib=job_peak_memory_mib(self.env.device),
             tflops_per_device=self.flops_per_iteration / (elapsed * self.env.world_size * 1e12) if on_gpu else None,
+            extra=extra,
         )
 
     def evaluate(self, dataset=None) -> Dict[str, float]:

@@ -193,14 +193,16 @@ def use_run_hyperparameters(optimizer, scheduler) -> None:
     ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``), then the
     current learning rate and weight decay recomputed from it. (A loaded megatron optimizer
     keeps the saving run's values, and its scheduler reads each group's own bounds.)"""
+    max_lr_of = getattr(optimizer, "max_lr_of", lambda part: scheduler.max_lr)  # a fused array's: each model's own
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         config = part.config
+        max_lr = max_lr_of(part)
         for group in part.optimizer.param_groups:
             if "betas" in group:
                 group["betas"] = (config.adam_beta1, config.adam_beta2)
             if "eps" in group:
                 group["eps"] = config.adam_eps
-            group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+            group["max_lr"], group["min_lr"] = max_lr, scheduler.min_lr
     scheduler.step(increment=0)
 
 

@@ -71,6 +71,7 @@ class Schedule:
             self.kwargs["pg_collection"] = model.groups.rank_pgs
         if megatron_schedule in ("1f1b", "interleaved"):
             self.kwargs["p2p_communicator"] = P2PCommunicator(model.groups.pp, config)
+        if megatron_schedule != "no_pipelining":
             self.kwargs["adjust_tensor_shapes_fn"] = task.adjust_tensor_shapes_fn(model)
         self.slowdown = None
         if args.emulate_replica_slowdown is not None:

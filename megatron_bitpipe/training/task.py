@@ -70,6 +70,11 @@ class PretrainTask(TaskArguments):
         evaluation, test None where there is no test split (evaluated once, after training)."""
         raise NotImplementedError
 
+    def iteration_losses(self, losses: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, object]]:
+        """A training iteration's reduced losses -> (the losses it logs, further JSON/line
+        fields for :attr:`~.logs.IterationRecord.extra`)."""
+        return losses, {}
+
     def adjust_tensor_shapes_fn(self, model: PipelineModel) -> Optional[Callable]:
         """megatron's ``adjust_tensor_shapes_fn`` for the pipeline p2p shapes (None: [s, b, h])."""
         return None

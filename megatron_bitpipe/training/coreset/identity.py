@@ -191,6 +191,8 @@ def coreset_problems(args: argparse.Namespace) -> List[str]:
         return []
     if getattr(args, "data_parallel_mode", "sync") != "sync":
         return [f"--coreset needs --data-parallel-mode sync (got {args.data_parallel_mode})"]
+    if getattr(args, "hfta_models", None) is not None:
+        return ["--coreset cannot be combined with --hfta-models (the fused array's loss does not weight samples)"]
     if not os.path.isfile(path):
         return [f"--coreset {path}: no such file"]
     try:

@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""HFTA throughput: B GPTs trained as one fused array vs the same B trained one after another.
+
+For each B in ``--models`` the training loop of ``scripts/pretrain_gpt.py`` (one process, fp32,
+Adam, CPU with gloo unless a GPU is present) runs ``--iters`` timed iterations after
+``--warmup`` untimed ones of
+
+* the fused array ``--hfta-models B`` (every model sees the global batch), and
+* one unfused model (B models one after another take B times its time),
+
+and reports samples per second over all B models: fused ``B * batch / t_fused``, sequential
+``batch / t_single`` (the same for every B), and the ratio. One torch thread (``--threads``).
+
+Usage: ``python scripts/bench_hfta.py --models 1 2 4 8 --json docs/images/bench_hfta.json --plot docs/images/bench_hfta.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+    "--micro-batch-size", "4", "--global-batch-size", "4", "--vocab-size", "512", "--lr", "1e-3",
+    "--clip-grad", "1.0", "--train-iters", "1000", "--eval-iters", "0", "--log-interval", "1000",
+]  # fmt: skip
+
+
+def _time_steps(argv: List[str], warmup: int, iters: int) -> float:
+    """Rank body: median seconds per training iteration of the loop with ``argv``."""
+    import torch
+
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import distributed
+    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.gpt import GPTTask
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.loop import Trainer
+
+    task = GPTTask()
+    args = parse_args(task, argv)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    times = []
+    for step in range(warmup + iters):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.train_step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(models: List[int], warmup: int, iters: int, model_args: List[str]) -> List[dict]:
+    """One row per B: seconds per iteration fused and single, samples/s both ways, speed-up."""
+    from megatron_bitpipe.cpu.launcher import launch
+
+    batch = int(model_args[model_args.index("--global-batch-size") + 1])
+    single = launch(_time_steps, 1, model_args, warmup, iters, timeout=600)[0]
+    rows = []
+    for b in models:
+        fused = launch(_time_steps, 1, [*model_args, "--hfta-models", str(b)], warmup, iters, timeout=600)[0]
+        rows.append(
+            dict(
+                models=b,
+                fused_s_per_iter=fused,
+                single_s_per_iter=single,
+                fused_samples_per_s=b * batch / fused,
+                sequential_samples_per_s=batch / single,
+                speedup=b * single / fused,
+            )
+        )
+    return rows
+
+
+def table(rows: List[dict]) -> str:
+    lines = [
+        "| B | fused s/iter | one model s/iter | fused samples/s | one after another samples/s | speed-up |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['models']} | {r['fused_s_per_iter']:.4f} | {r['single_s_per_iter']:.4f} | "
+            f"{r['fused_samples_per_s']:.1f} | {r['sequential_samples_per_s']:.1f} | {r['speedup']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: List[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = [r["models"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    ax.plot(b, [r["fused_samples_per_s"] for r in rows], "o-", label="fused array (--hfta-models B)")
+    ax.plot(b, [r["sequential_samples_per_s"] for r in rows], "s--", label="B models one after another")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(b, [str(x) for x in b])
+    ax.set_xlabel("models B")
+    ax.set_ylabel("samples/s (all models)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=int, nargs="+", default=[1, 2, 4, 8], help="array sizes B (default 1 2 4 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations (default 2)")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations; the median counts (default 5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (OMP_NUM_THREADS, default 1)")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--plot", default=None, help="write the plot here (PNG)")
+    args = parser.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    rows = measure(args.models, args.warmup, args.iters, MODEL)
+    load = os.getloadavg()
+    print(table(rows))
+    print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(rows=rows, load_average=load, model=MODEL), indent=1) + "\n")
+    if args.plot:
+        import torch
+
+        device = "GPU" if torch.cuda.is_available() else f"CPU, {args.threads} thread(s)"
+        plot(rows, args.plot, f"HFTA, tiny GPT (2 layers, h 64, s 64, batch 4), {device}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Rank-side code of the HFTA tests: train a fused array and each model's unfused run with the
+training loop (:class:`~megatron_bitpipe.training.loop.Trainer`) and record, per step, each
+model's losses, gradients (after clipping, as the optimizer used them) and weights.
+
+A fused parameter ``[B, ...]`` is recorded as model ``k``'s slices under the unfused names, so
+the two records compare key by key. Pipeline layouts record this rank's chunks under global
+layer names; the test merges the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+MODEL = [
+    "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
+    "--lr-warmup-iters", "1", "--min-lr", "1e-5", "--clip-grad", "0.5", "--weight-decay", "0.1", "--adam-eps", "1e-4",
+    "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1", "--train-iters", "3", "--seed", "1234",
+]  # fmt: skip
+LRS = (3e-3, 1e-3, 5e-4)
+SEEDS = (1234, 7, 99)
+
+
+def hfta_flags(lrs=LRS, seeds=SEEDS) -> List[str]:
+    return ["--hfta-models", str(len(lrs)), "--hfta-lr", ",".join(map(str, lrs)), "--hfta-seeds", ",".join(map(str, seeds)), "--lr", str(max(lrs))]
+
+
+def _named_tensors(trainer, of) -> Dict[str, torch.Tensor]:
+    from megatron.core.utils import unwrap_model
+
+    from megatron_bitpipe.runtime.layout import to_global_name
+
+    out = {}
+    for chunk, spec in zip(trainer.model.chunks, trainer.model.specs):
+        for name, param in unwrap_model(chunk).named_parameters():
+            out[to_global_name(name, spec)] = of(param).detach().clone()
+    return out
+
+
+def train_records(argv: List[str], steps: int, num_models: Optional[int], init_seed: Optional[int] = None) -> dict:
+    """Rank body: ``steps`` iterations of the training loop with ``argv``; per step the logged
+    losses and extra fields, and (fused: per model, ``models[k]``) gradients and weights.
+    ``init_seed``: an unfused model starts from that seed's weights (the data still follows
+    ``--seed``, as the fused array's does)."""
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import distributed
+    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.gpt import GPTTask
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.loop import Trainer
+
+    task = GPTTask()
+    args = parse_args(task, argv)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    if init_seed is not None:  # fp32 Adam holds the parameters themselves: overwrite them in place
+        from megatron_bitpipe.runtime.init import initialize_from_seed
+
+        initialize_from_seed(trainer.model.chunks, trainer.model.specs, init_seed, trainer.groups.tp)
+    records = []
+    for _ in range(steps):
+        record = trainer.train_step()
+        grads = _named_tensors(trainer, lambda p: p.main_grad)
+        weights = _named_tensors(trainer, lambda p: p)
+        split = (lambda t: [t]) if num_models is None else (lambda t: list(t.unbind(0)))
+        models = [
+            {"grads": {n: split(g)[k] for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
+            for k in range(num_models or 1)
+        ]
+        records.append(dict(losses=record.losses, extra=record.extra, grad_norm=record.grad_norm, lr=record.lr, models=models))
+    validation = trainer.evaluate()
+    return dict(steps=records, validation=validation)
+
+
+def reference_records(steps: int) -> dict:
+    """Rank body (one rank): the fused array of :data:`LRS`/:data:`SEEDS` in one process
+    (``fused``) and each model's unfused run with ``--lr`` its rate, starting from its seed's
+    weights (``unfused[k]``)."""
+    fused = train_records([*MODEL, *hfta_flags()], steps, len(LRS))
+    unfused = [train_records([*MODEL, "--lr", str(lr)], steps, None, init_seed=seed) for lr, seed in zip(LRS, SEEDS)]
+    return dict(fused=fused, unfused=unfused)
+
+
+def _trainer(argv: List[str]):
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training import distributed
+    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.gpt import GPTTask
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.loop import Trainer
+
+    task = GPTTask()
+    args = parse_args(task, argv)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    return Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+
+
+def checkpoint_records(root: str) -> dict:
+    """Rank body (one rank): a fused array trains 3 iterations saving at 2 and 3; a second run
+    resumes from iteration 2; model 1 of the iteration-3 checkpoint is extracted
+    (``scripts/hfta_extract.py``'s function) and evaluated as an unfused model loaded by the
+    training loop, next to the fused array loaded from the same checkpoint."""
+    import json
+
+    from megatron_bitpipe.hfta.extract import extract_model
+    from megatron_bitpipe.training.exit_conditions import ExitConditions
+
+    fused = [*MODEL, *hfta_flags()]
+    runs = {"full": [*fused, "--save", f"{root}/fused", "--save-interval", "2"], "resumed": [*fused, "--load", f"{root}/fused", "--ckpt-step", "2"]}
+    logs = {}
+    for name, argv in runs.items():
+        trainer = _trainer([*argv, "--log-json", f"{root}/{name}.jsonl"])
+        with ExitConditions(trainer.args, time.time()) as exits:
+            trainer.train(exits)
+        with open(f"{root}/{name}.jsonl", encoding="utf-8") as lines:
+            logs[name] = {r["iteration"]: r for r in map(json.loads, lines) if r["event"] == "iteration"}
+    extract_model(f"{root}/fused", 1, f"{root}/model1")
+    array = _trainer([*fused, "--load", f"{root}/fused"]).evaluate()
+    model1 = _trainer([*MODEL, "--lr", str(LRS[1]), "--load", f"{root}/model1", "--no-load-optim"]).evaluate()
+    return dict(logs=logs, array=array, model1=model1)

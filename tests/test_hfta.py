@@ -1,0 +1,193 @@
+"""HFTA (``--hfta-models``): a fused array of B GPTs trains each model exactly as its own run.
+
+* Flags: the rules refuse what does not compose yet, naming the flags, before any process
+  group exists (pure Python).
+* Single process, fp32, B=3 with three learning rates and three seeds, Adam with weight decay
+  and active clipping (``--clip-grad 0.5``, every model's norm is above it): model ``k``'s
+  logged loss, gradients (as clipped) and weights after each of 3 steps, its grad norm and
+  its validation loss equal the unfused run with ``--lr`` its rate starting from its seed's
+  weights, on the same batches (rtol 1e-5).
+* BitPipe over 4 pipeline ranks, with and without the split backward (the batched linears'
+  weight gradients deferred to ``W``), and BitPipe over 2
+  pipeline ranks x data parallelism 2 with full activation recompute: the fused array's
+  losses, gradients and weights equal the single-process fused run.
+* Checkpoints (``torch_dist``): a fused array resumed from its iteration-2 checkpoint logs
+  iteration 3 bit for bit as the uninterrupted run (weights and per-model Adam state restored);
+  model 1 extracted from the iteration-3 checkpoint (``scripts/hfta_extract.py``) and loaded by
+  the training loop as an ordinary GPT has the fused array's model-1 validation loss.
+* Logs: iteration events carry ``lm_losses`` (one per model), ``lm_loss`` (their mean),
+  ``best_lm_loss`` and ``best_model``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import pytest
+import torch
+
+from megatron_bitpipe.megatron_args import BitPipeConfigError
+from megatron_bitpipe.training.arguments import parse_args
+
+from .hfta_support import LRS, MODEL, checkpoint_records, hfta_flags, reference_records, train_records
+
+STEPS = 3
+RTOL, ATOL = 1e-5, 1e-6
+LAUNCH_TIMEOUT = 600
+
+
+@dataclass(frozen=True)
+class HftaCase:
+    name: str
+    flags: tuple
+    world_size: int = 4
+    reference_key: str = "single"
+
+
+CASES = [
+    HftaCase("bitpipe_pp4", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4")),
+    HftaCase("bitpipe_split_pp4", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--split-backward")),
+    HftaCase(
+        "bitpipe_pp2_dp2_recompute",
+        ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+         "--recompute-method", "uniform", "--recompute-num-layers", "1"),
+    ),  # fmt: skip
+]
+
+
+def run_cases(cases: List[HftaCase]) -> dict:
+    """Each case's records, with ``deferred``: how many batched GEMMs ran with their weight
+    gradient deferred to ``W`` (the split backward)."""
+    from megatron_bitpipe.hfta import layers
+
+    deferred, apply = [0], layers._DeferredWeightGradBmm.apply
+
+    def counted(*args):
+        deferred[0] += 1
+        return apply(*args)
+
+    layers._DeferredWeightGradBmm.apply = counted
+    out = {}
+    for case in cases:
+        before = deferred[0]
+        out[case.name] = train_records([*MODEL, *hfta_flags(), *case.flags], STEPS, len(LRS))
+        out[case.name]["deferred"] = deferred[0] - before
+    return out
+
+
+def run_references(keys) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        checkpoints = checkpoint_records(root)
+    return {key: dict(reference_records(STEPS), checkpoints=checkpoints) for key in keys}
+
+
+def _close(actual: dict, expected: dict, what: str) -> None:
+    assert actual.keys() == expected.keys(), what
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {name}: {m}")
+
+
+# ------------------------------------------------------------------------------ flags
+
+
+def _problems(argv) -> str:
+    with pytest.raises(BitPipeConfigError) as error:
+        parse_args(None, [*MODEL, *argv], world_size=4, cuda_available=False)
+    return str(error.value)
+
+
+def test_flags_parse_into_settings():
+    from megatron_bitpipe.hfta import hfta_settings
+
+    args = parse_args(None, [*MODEL, "--lr", "1e-3", "--hfta-models", "2", "--hfta-lr", "1e-3,2e-4"], world_size=1, cuda_available=False)
+    settings = hfta_settings(args)
+    assert (settings.num_models, settings.lrs, settings.seeds) == (2, (1e-3, 2e-4), (1234, 1234))
+    assert hfta_settings(parse_args(None, [*MODEL, "--lr", "1e-3"], world_size=1, cuda_available=False)) is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hfta-lr", "1e-3"], "--hfta-lr needs --hfta-models B"),
+        (["--hfta-models", "3", "--hfta-lr", "1e-3,2e-3"], "--hfta-lr gives 2 values for --hfta-models 3"),
+        (["--hfta-models", "2", "--hfta-seeds", "1"], "--hfta-seeds gives 1 values for --hfta-models 2"),
+        (["--hfta-models", "2", "--hfta-lr", "1e-3,1e-6"], "--hfta-lr 1e-06 is below --min-lr 1e-05"),
+        (["--hfta-models", "0"], "--hfta-models must be >= 1"),
+        (
+            ["--hfta-models", "2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+            "--hfta-models does not compose yet with: --tensor-model-parallel-size > 1; --use-distributed-optimizer",
+        ),
+        (["--hfta-models", "2", "--optimizer", "lamb"], "--hfta-models does not compose yet with: --optimizer other than adam"),
+    ],
+)
+def test_flags_refuse_with_one_clear_error(argv, message):
+    assert message in _problems(["--lr", "1e-3", *argv])
+
+
+# ------------------------------------------------------------------------------ equivalence
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("k", range(len(LRS)))
+def test_model_k_equals_its_unfused_run(references, k):
+    fused, unfused = references["single"]["fused"], references["single"]["unfused"][k]
+    for step, (f, u) in enumerate(zip(fused["steps"], unfused["steps"])):
+        assert f["extra"]["lm_losses"][k] == pytest.approx(u["losses"]["lm loss"], rel=RTOL), step
+        assert u["grad_norm"] > 0.5, "clipping must be active"
+        _close(f["models"][k]["grads"], u["models"][0]["grads"], f"step {step} grad")
+        _close(f["models"][k]["weights"], u["models"][0]["weights"], f"step {step} weight")
+    assert fused["validation"][f"lm loss {k}"] == pytest.approx(unfused["validation"]["lm loss"], rel=RTOL)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_logs_carry_every_models_loss(references):
+    fused = references["single"]["fused"]
+    for step in fused["steps"]:
+        losses, extra = step["losses"], step["extra"]
+        assert len(extra["lm_losses"]) == len(LRS)
+        assert losses["lm loss"] == pytest.approx(sum(extra["lm_losses"]) / len(LRS), rel=1e-6)  # the mean in fp32
+        assert losses["best lm loss"] == min(extra["lm_losses"]) == extra["lm_losses"][extra["best_model"]]
+    assert len({tuple(step["extra"]["lm_losses"]) for step in fused["steps"]}) == STEPS  # the models train
+
+
+def _merged(ranks: List[dict], step: int, what: str) -> dict:
+    out = {}
+    for rank in ranks:
+        for k, model in enumerate(rank["steps"][step]["models"]):
+            for name, tensor in model[what].items():
+                out.setdefault(k, {})[name] = tensor
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bitpipe_pipeline_equals_single_process(case, references, launched):
+    single, ranks = references["single"]["fused"], launched[case]
+    if "--split-backward" in case.flags:
+        assert all(rank["deferred"] > 0 for rank in ranks), "the batched linears must defer their weight gradients"
+    else:
+        assert all(rank["deferred"] == 0 for rank in ranks)
+    for step in range(STEPS):
+        assert ranks[0]["steps"][step]["extra"]["lm_losses"] == pytest.approx(single["steps"][step]["extra"]["lm_losses"], rel=RTOL)
+        for what in ("grads", "weights"):
+            merged = _merged(ranks, step, what)
+            for k in range(len(LRS)):
+                _close(merged[k], single["steps"][step]["models"][k][what], f"{case.name} step {step} model {k} {what}")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_checkpoint_resumes_exactly_and_model_extracts(references):
+    checkpoints = references["single"]["checkpoints"]
+    full, resumed = checkpoints["logs"]["full"], checkpoints["logs"]["resumed"]
+    assert sorted(resumed) == [3]
+    for key in ("lm_losses", "lm_loss", "best_model", "grad_norm", "lr"):
+        assert resumed[3][key] == full[3][key], key
+    assert checkpoints["model1"]["lm loss"] == pytest.approx(checkpoints["array"]["lm loss 1"], rel=1e-6)
+    assert checkpoints["array"]["lm loss 1"] != checkpoints["array"]["lm loss 0"]
