@@ -15,6 +15,12 @@ times — and for every action does what megatron-core's own schedules do for a 
   ``backward_step``, hand the input gradient on the same way;
 * ``SEND_F(c, m)`` / ``SEND_B(c, m)``: ``isend`` the kept output of ``F(c, m)`` / input
   gradient of ``B(c, m)`` (or ``I(c, m)``) to the next / previous stage's rank;
+* ``OVERLAP_F_B`` (an ``F`` and a ``B`` or ``I`` of other micro-batches, DualPipe's overlapped
+  pair): wait for the forward half's input, then the backward half's, then run the forward
+  and the backward; the plan's sends of both outputs follow it. On one device the halves run
+  one after the other: the pair overlaps the communication of both halves with their compute
+  (DualPipe's ``overlapped_forward_backward`` module hook, which would interleave the two
+  halves' kernels, is not used);
 * split backward (:mod:`.weight_grad`): the ``F`` of a micro-batch whose backward the plan
   splits runs inside :func:`~.weight_grad.deferring`, so deferrable linears leave their
   weight gradients out of the graph; ``I(c, m)`` is ``B`` with those weight gradients
@@ -54,7 +60,8 @@ and creating a communicator blocks until every member arrives. So:
    at set-up, in one global order, by :meth:`~.groups.PipelineGroups.build`; with NCCL the
    scripts also pass ``device_id`` for eager initialisation;
 4. ranks wait only where the plan's data flow makes them: a compute action for the receive of
-   its input, a backward for the send of its forward's output, the end of the step for all sends.
+   its input (an overlapped pair for both halves' before computing either), a backward for the
+   send of its forward's output, the end of the step for all sends.
 
 :func:`megatron_bitpipe.schedules.nccl.check_nccl` executes a lowered plan under exactly these
 rules (its :data:`~megatron_bitpipe.schedules.nccl.RUNTIME_RULES`) and proves each generator's
@@ -205,7 +212,7 @@ class PlanExecutor:
         self.first_val_step = first_val_step
         self.rank = groups.pp_rank
         self.specs: List[ChunkSpec] = chunk_specs(plan.placement, config.num_layers, self.rank)
-        actions = plan.actions[self.rank]
+        actions = [part for action in plan.actions[self.rank] for part in action.parts]
         self.forward_only = not any(a.type.computes_input_grad for a in actions)
         self._split = {(a.chunk, a.microbatch) for a in actions if a.type is ActionType.BACKWARD_INPUT}
         self.cp_size = groups.rank_pgs.cp.size()
@@ -226,9 +233,11 @@ class PlanExecutor:
         result = StepResult(num_tokens=torch.zeros((), dtype=torch.int, device=self.device))
         for action in self.plan.actions[self.rank]:
             if action.type is ActionType.FORWARD:
-                self._forward(action, result)
+                self._forward(action, self._take_input(action), result)
             elif action.type.computes_input_grad:
-                self._backward(action)
+                self._backward(action, self._take_input(action))
+            elif action.type is ActionType.OVERLAP_F_B:
+                self._overlapped(action, result)
             elif action.type is ActionType.BACKWARD_WEIGHT:
                 self._deferred.pop((action.chunk, action.microbatch)).run()
             elif action.type is ActionType.SYNC:
@@ -252,10 +261,9 @@ class PlanExecutor:
 
     # -- actions ----------------------------------------------------------------------------
 
-    def _forward(self, action: Action, result: StepResult) -> None:
+    def _forward(self, action: Action, input_tensor: Optional[torch.Tensor], result: StepResult) -> None:
         chunk, microbatch = action.chunk, action.microbatch
         spec = self.specs[chunk]
-        input_tensor = self._take_input(action)
         first_of_chunk = chunk not in self._forwarded_chunks
         self._forwarded_chunks.add(chunk)
         store: List[object] = []
@@ -283,10 +291,9 @@ class PlanExecutor:
         if not self.forward_only:
             self._activations[(chunk, microbatch)] = _Activations(input_tensor, output)
 
-    def _backward(self, action: Action) -> None:
+    def _backward(self, action: Action, output_grad: Optional[torch.Tensor]) -> None:
         chunk, microbatch = action.chunk, action.microbatch
         saved = self._activations.pop((chunk, microbatch))
-        output_grad = self._take_input(action)
         forward = Action(ActionType.FORWARD, chunk, microbatch)
         if forward in self._unsent:
             raise RuntimeError(f"rank {self.rank}: plan runs {action} before sending the output of {forward}")
@@ -298,6 +305,13 @@ class PlanExecutor:
             input_grad = backward_step(saved.input, saved.output, output_grad, self.config)
         if not self.specs[chunk].pre_process:
             self._hand_on(action, input_grad, output_of_forward=False)
+
+    def _overlapped(self, action: Action, result: StepResult) -> None:
+        """``OVERLAP_F_B``: both halves' inputs (the forward's, then the backward's), then both halves."""
+        forward, backward = action.parts
+        inputs = [self._take_input(forward), self._take_input(backward)]
+        self._forward(forward, inputs[0], result)
+        self._backward(backward, inputs[1])
 
     def _deferral(self, chunk: int, microbatch: int):
         """The context of an ``F`` or ``I`` of (chunk, micro-batch): :func:`~.weight_grad.deferring`

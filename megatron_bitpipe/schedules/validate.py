@@ -118,8 +118,10 @@ def _check_backward(rank: int, forward: Action, position: Dict[Action, int]) -> 
     for step in steps:
         if step not in position:
             raise PlanError(f"rank {rank}: missing {step}")
-        if position[step] <= position[previous]:
-            raise PlanError(f"rank {rank}: {step} at position {position[step]} runs before (or with) {previous}")
+        if position[step] < position[previous]:
+            raise PlanError(f"rank {rank}: {step} at position {position[step]} runs before {previous}")
+        if position[step] == position[previous]:
+            raise PlanError(f"rank {rank}: {step} at position {position[step]} runs in one overlapped pair with {previous}")
         previous = step
     return position[previous]
 
