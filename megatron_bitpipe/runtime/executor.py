@@ -17,10 +17,10 @@ times — and for every action does what megatron-core's own schedules do for a 
   gradient of ``B(c, m)`` (or ``I(c, m)``) to the next / previous stage's rank;
 * ``OVERLAP_F_B`` (an ``F`` and a ``B`` or ``I`` of other micro-batches, DualPipe's overlapped
   pair): wait for the forward half's input, then the backward half's, then run the forward
-  and the backward; the plan's sends of both outputs follow it. On one device the halves run
-  one after the other: the pair overlaps the communication of both halves with their compute
-  (DualPipe's ``overlapped_forward_backward`` module hook, which would interleave the two
-  halves' kernels, is not used);
+  and the backward; the plan's sends of both outputs follow it, as DualPipe's
+  ``_forward_backward_chunk`` issues them. The halves run one after the other (DualPipe's
+  ``overlapped_forward_backward`` module hook, which interleaves the two halves' kernels, has no
+  counterpart here), so a pair costs ``F + B``;
 * split backward (:mod:`.weight_grad`): the ``F`` of a micro-batch whose backward the plan
   splits runs inside :func:`~.weight_grad.deferring`, so deferrable linears leave their
   weight gradients out of the graph; ``I(c, m)`` is ``B`` with those weight gradients
