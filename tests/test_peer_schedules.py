@@ -171,6 +171,28 @@ def test_overlapped_pair_rules():
         validate_plan(plan)
 
 
+def test_a_pair_waits_for_both_inputs_before_either_half():
+    """Rank 0 pairs F0.1 with B0.0, but rank 1 sends B0.0's gradient only after F0.1: run one
+    after the other this would finish; as a pair it deadlocks in the simulator and under NCCL's
+    rules as the executor issues it (the pair waits for RECV_B0.0 before sending F0.1)."""
+    from megatron_bitpipe.schedules import PlanError, lower
+    from megatron_bitpipe.schedules.actions import Action, overlapped
+    from megatron_bitpipe.schedules.nccl import check_nccl
+    from megatron_bitpipe.schedules.placement import looped
+
+    rank_1 = with_eager_syncs([Action.parse(t) for t in "F0.0 F0.1 B0.0 B0.1".split()])
+    pair = overlapped(Action.parse("F0.1"), Action.parse("B0.0"))
+    for rank_0, ok in (([Action.parse("F0.0"), *pair.parts, Action.parse("B0.1")], True),
+                       ([Action.parse("F0.0"), pair, Action.parse("B0.1")], False)):
+        plan = make_plan("1f1b", looped(2, 1), 2, [0, 0], [with_eager_syncs(rank_0), rank_1])
+        assert check_nccl(lower(plan)).ok == ok
+        if ok:
+            validate_plan(plan)
+        else:
+            with pytest.raises(PlanError, match="rank 0 at B0.0: waits for the gradient"):
+                validate_plan(plan)
+
+
 @pytest.mark.parametrize(
     "schedule,D,N,flag",
     [
