@@ -60,7 +60,7 @@ def test_latency_aware_order_beats_the_lock_step_order_with_message_costs():
     costs = CostModel(t_p2p=0.1)
     lock_step = simulate(split_backward(generate("bitpipe", 8, 16), costs), costs).makespan
     ours = simulate(generate("bitpipe", 8, 16, split_backward=True, costs=costs), costs).makespan
-    assert lock_step == pytest.approx(52.9) and ours == pytest.approx(51.7)  # DualPipe: 52.7
+    assert lock_step == pytest.approx(52.9) and ours == pytest.approx(51.7)  # DualPipe: 56.3
 
 
 def test_free_messages_keep_the_lock_step_plan():

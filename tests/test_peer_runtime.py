@@ -2,8 +2,8 @@
 and equal single-process training (CPU ranks, gloo).
 
 ZB-V and DualPipeV (one replica on a V: two chunks per rank, embedding and LM head on
-rank 0), ZB-H1 (one chunk per rank) and DualPipe (two replicas on Chimera's placement, its
-forward/backward pairs run one after the other) with their own split backwards: the loss
+rank 0), ZB-H1 (one chunk per rank) and DualPipe (two replicas on Chimera's placement), whose
+overlapped forward/backward pairs run as ``OVERLAP_F_B`` actions, with their own split backwards: the loss
 of every micro-batch, every gradient, the grad norm and the weights after each optimizer
 step equal single-process training from the same seed on the same global batches (fp32),
 and evaluation too. ZB-V is also run ordered for a message time (its latency-aware plan).

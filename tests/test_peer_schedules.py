@@ -26,7 +26,6 @@ LATENCY = CostModel(t_forward=1, t_backward=2, t_weight=1, t_p2p=0.1)
     [
         ("zb-h1", 4, 4, 15.0), ("zb-h1", 8, 8, 31.0), ("zb-h1", 8, 16, 55.0),
         ("zbv", 4, 4, 13.5), ("zbv", 8, 8, 27.5), ("zbv", 8, 16, 51.5),
-        ("dualpipev", 8, 16, 51.5), ("dualpipe", 8, 16, 51.0),
     ],
 )
 def test_free_messages_reproduce_the_published_makespans(schedule, D, N, makespan):
@@ -40,13 +39,14 @@ def test_free_messages_reproduce_the_published_makespans(schedule, D, N, makespa
     [
         ("zb-h1", 4, 4, 16.0), ("zb-h1", 8, 16, 57.8), ("zb-h1", 16, 16, 68.8),
         ("zbv", 4, 8, 26.8), ("zbv", 8, 16, 54.8), ("zbv", 16, 64, 206.8),
-        ("dualpipev", 4, 8, 26.8), ("dualpipev", 8, 16, 55.2), ("dualpipev", 16, 64, 208.0),
-        ("dualpipe", 4, 8, 25.7), ("dualpipe", 8, 16, 52.7), ("dualpipe", 16, 64, 202.7),
+        ("dualpipev", 4, 8, 28.7), ("dualpipev", 8, 16, 59.9), ("dualpipev", 16, 64, 224.3),
+        ("dualpipe", 4, 8, 26.9), ("dualpipe", 8, 16, 56.3), ("dualpipe", 16, 64, 214.1),
     ],
 )
 def test_message_time_matches_the_published_orders(schedule, D, N, makespan):
     """At t_p2p = 0.1 t_F the orders give the makespans of the published implementations
-    (for ZB-V at N >= 2D-1 the paper's order is the faster candidate)."""
+    (for ZB-V at N >= 2D-1 the paper's order is the faster candidate; DualPipe's overlapped
+    pairs send both outputs at their end, as DeepSeek's code issues them)."""
     assert simulate(generate(schedule, D, N, costs=LATENCY), LATENCY).makespan == pytest.approx(makespan)
 
 
@@ -87,8 +87,113 @@ def test_plans_are_valid_and_always_split():
 
 def test_dualpipe_overlapped_pairs_keep_whole_backwards():
     """DualPipe's overlapped forward/backward pairs run whole backwards (B), its drain splits."""
-    kinds = {a.type for _, a in generate("dualpipe", 4, 8)}
+    plan = generate("dualpipe", 4, 8)
+    kinds = {a.type for _, a in plan}
     assert ActionType.BACKWARD in kinds and ActionType.BACKWARD_INPUT in kinds
+    pairs = [a for actions in plan.actions for a in actions if a.type is ActionType.OVERLAP_F_B]
+    assert pairs and {a.backward.type for a in pairs} == {ActionType.BACKWARD}
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+def test_overlapped_pairs_where_published(schedule):
+    """Steps 4 and 5 overlap every forward with a backward, except the first pair of step 4 on
+    the middle ranks (DualPipeV: the last rank): 2(n-D+h+1) + (u-h-1) pairs on half rank h,
+    with u = D/2 and n = N/2 for DualPipe, u = D and n = N for DualPipeV (h = r)."""
+    D, N = 8, 24
+    plan = generate(schedule, D, N)
+    u, n = (D // 2, N // 2) if schedule == "dualpipe" else (D, N)
+    for rank, actions in enumerate(plan.actions):
+        h = min(rank, D - 1 - rank) if schedule == "dualpipe" else rank
+        pairs = sum(a.type is ActionType.OVERLAP_F_B for a in actions)
+        assert pairs == 2 * (n - 2 * u + h + 1) + (u - h - 1) - (h == u - 1), rank
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+@pytest.mark.parametrize("D", [4, 8, 16])
+def test_published_dualpipe_bubble(schedule, D):
+    """DeepSeek's bubble (PP/2-1)(F&B + B - 3W) per rank, with F&B = F + B (one device computes
+    both halves of a pair), holds exactly at F = I = W (t_B = 2 t_F): PP = D for DualPipe; for
+    DualPipeV PP = 2D stages of half a device share each. With W < F (the H100's 0.85 t_F)
+    the W's fill more and the bubble is smaller."""
+    PP, share = (D, 1.0) if schedule == "dualpipe" else (2 * D, 0.5)
+    F, B, W = share * SPLIT.t_forward, share * SPLIT.t_backward, share * SPLIT.weight_time
+    for N in (2 * D, 3 * D):
+        result = simulate(generate(schedule, D, N, costs=SPLIT), SPLIT)
+        work = N * (SPLIT.t_forward + SPLIT.t_backward)
+        assert result.makespan - work == pytest.approx((PP / 2 - 1) * ((F + B) + B - 3 * W))
+        assert result.busy == pytest.approx([work] * D)  # every rank's bubble is the same
+    h100 = CostModel(t_forward=1, t_backward=2.02, t_weight=0.85)
+    bubble = simulate(generate(schedule, D, 2 * D, costs=h100), h100).makespan - 2 * D * 3.02
+    F, B, W = share, share * 2.02, share * 0.85
+    assert 0 < bubble < (PP / 2 - 1) * ((F + B) + B - 3 * W)
+
+
+def test_overlapped_pair_timing():
+    """A pair starts once both halves' inputs arrived, computes t_F + t_B, and sends both
+    outputs at its end. 1F1B on two ranks with rank 0's F0.2 overlapped with B0.0, messages 0.5:
+    B0.0's gradient reaches rank 0 at 5, the pair runs [5, 8], F0.2's output reaches rank 1 at
+    8.5; one after the other, F0.2 would run [2, 3] and the step end at 13 instead of 14."""
+    from megatron_bitpipe.schedules import lower
+    from megatron_bitpipe.schedules.actions import Action, overlapped
+    from megatron_bitpipe.schedules.nccl import check_nccl
+    from megatron_bitpipe.schedules.placement import looped
+
+    costs = CostModel(t_forward=1, t_backward=2, t_p2p=0.5)
+    rank_1 = [Action.parse(t) for t in "F0.0 B0.0 F0.1 B0.1 F0.2 B0.2".split()]
+    sequential = [Action.parse(t) for t in "F0.0 F0.1 F0.2 B0.0 B0.1 B0.2".split()]
+    pair = overlapped(Action.parse("F0.2"), Action.parse("B0.0"))
+    paired = sequential[:2] + [pair] + sequential[4:]
+    assert Action.parse(str(pair)) == pair and str(pair) == "F0.2&B0.0"
+    plans = {name: make_plan("1f1b", looped(2, 1), 3, [0] * 3, [with_eager_syncs(a), with_eager_syncs(rank_1)])
+             for name, a in (("paired", paired), ("sequential", sequential))}
+    lowered = lower(plans["paired"])
+    texts = [str(a) for a in lowered.actions[0]]
+    at = texts.index("F0.2&B0.0")
+    assert texts[at - 1: at + 2] == ["RECV_B0.0", "F0.2&B0.0", "SEND_F0.2"]
+    validate_plan(lowered)
+    assert check_nccl(lowered).ok
+    result = simulate(plans["paired"], costs)
+    events = {(e.rank, str(e.action)): e for e in result.events}
+    assert (events[0, "F0.2&B0.0"].start, events[0, "F0.2&B0.0"].end) == (5.0, 8.0)
+    assert events[1, "F0.2"].ready == 8.5
+    assert result.makespan == 14.0 and simulate(plans["sequential"], costs).makespan == 13.0
+
+
+def test_overlapped_pair_rules():
+    from megatron_bitpipe.schedules import PlanError
+    from megatron_bitpipe.schedules.actions import Action, overlapped
+    from megatron_bitpipe.schedules.placement import looped
+
+    with pytest.raises(ValueError, match="needs its own forward"):
+        overlapped(Action.parse("F0.1"), Action.parse("B0.1"))
+    with pytest.raises(ValueError, match="must be B or I"):
+        overlapped(Action.parse("F0.1"), Action.parse("W0.0"))
+    early = [overlapped(Action.parse("F0.0"), Action.parse("B0.1")), Action.parse("F0.1"), Action.parse("B0.0")]
+    plan = make_plan("1f1b", looped(1, 1), 2, [0, 0], [with_eager_syncs(early)])
+    with pytest.raises(PlanError, match="B0.1 at position 0 runs before F0.1"):
+        validate_plan(plan)
+
+
+def test_a_pair_waits_for_both_inputs_before_either_half():
+    """Rank 0 pairs F0.1 with B0.0, but rank 1 sends B0.0's gradient only after F0.1: run one
+    after the other this would finish; as a pair it deadlocks in the simulator and under NCCL's
+    rules as the executor issues it (the pair waits for RECV_B0.0 before sending F0.1)."""
+    from megatron_bitpipe.schedules import PlanError, lower
+    from megatron_bitpipe.schedules.actions import Action, overlapped
+    from megatron_bitpipe.schedules.nccl import check_nccl
+    from megatron_bitpipe.schedules.placement import looped
+
+    rank_1 = with_eager_syncs([Action.parse(t) for t in "F0.0 F0.1 B0.0 B0.1".split()])
+    pair = overlapped(Action.parse("F0.1"), Action.parse("B0.0"))
+    for rank_0, ok in (([Action.parse("F0.0"), *pair.parts, Action.parse("B0.1")], True),
+                       ([Action.parse("F0.0"), pair, Action.parse("B0.1")], False)):
+        plan = make_plan("1f1b", looped(2, 1), 2, [0, 0], [with_eager_syncs(rank_0), rank_1])
+        assert check_nccl(lower(plan)).ok == ok
+        if ok:
+            validate_plan(plan)
+        else:
+            with pytest.raises(PlanError, match="rank 0 at B0.0: waits for the gradient"):
+                validate_plan(plan)
 
 
 @pytest.mark.parametrize(

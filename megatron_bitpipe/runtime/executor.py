@@ -15,6 +15,12 @@ times — and for every action does what megatron-core's own schedules do for a 
   ``backward_step``, hand the input gradient on the same way;
 * ``SEND_F(c, m)`` / ``SEND_B(c, m)``: ``isend`` the kept output of ``F(c, m)`` / input
   gradient of ``B(c, m)`` (or ``I(c, m)``) to the next / previous stage's rank;
+* ``OVERLAP_F_B`` (an ``F`` and a ``B`` or ``I`` of other micro-batches, DualPipe's overlapped
+  pair): wait for the forward half's input, then the backward half's, then run the forward
+  and the backward; the plan's sends of both outputs follow it, as DualPipe's
+  ``_forward_backward_chunk`` issues them. The halves run one after the other (DualPipe's
+  ``overlapped_forward_backward`` module hook, which interleaves the two halves' kernels, has no
+  counterpart here), so a pair costs ``F + B``;
 * split backward (:mod:`.weight_grad`, megatron-core's ``delay_wgrad_compute`` contract):
   on a chunk whose linears defer, every backward queues its weight-gradient work in each
   linear's FIFO. ``I(c, m)`` is that backward; ``W(c, m)`` is chunk ``c``'s
@@ -57,7 +63,8 @@ and creating a communicator blocks until every member arrives. So:
    at set-up, in one global order, by :meth:`~.groups.PipelineGroups.build`; with NCCL the
    scripts also pass ``device_id`` for eager initialisation;
 4. ranks wait only where the plan's data flow makes them: a compute action for the receive of
-   its input, a backward for the send of its forward's output, the end of the step for all sends.
+   its input (an overlapped pair for both halves' before computing either), a backward for the
+   send of its forward's output, the end of the step for all sends.
 
 :func:`megatron_bitpipe.schedules.nccl.check_nccl` executes a lowered plan under exactly these
 rules (its :data:`~megatron_bitpipe.schedules.nccl.RUNTIME_RULES`) and proves each generator's
@@ -209,7 +216,7 @@ class PlanExecutor:
         self.first_val_step = first_val_step
         self.rank = groups.pp_rank
         self.specs: List[ChunkSpec] = chunk_specs(plan.placement, config.num_layers, self.rank)
-        actions = plan.actions[self.rank]
+        actions = [part for action in plan.actions[self.rank] for part in action.parts]
         self.forward_only = not any(a.type.computes_input_grad for a in actions)
         self.cp_size = groups.rank_pgs.cp.size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -230,9 +237,11 @@ class PlanExecutor:
         result = StepResult(num_tokens=torch.zeros((), dtype=torch.int, device=self.device))
         for action in self.plan.actions[self.rank]:
             if action.type is ActionType.FORWARD:
-                self._forward(action, result)
+                self._forward(action, self._take_input(action), result)
             elif action.type.computes_input_grad:
-                self._backward(action)
+                self._backward(action, self._take_input(action))
+            elif action.type is ActionType.OVERLAP_F_B:
+                self._overlapped(action, result)
             elif action.type is ActionType.BACKWARD_WEIGHT:
                 self._weight_grad(action)
             elif action.type is ActionType.SYNC:
@@ -259,10 +268,9 @@ class PlanExecutor:
 
     # -- actions ----------------------------------------------------------------------------
 
-    def _forward(self, action: Action, result: StepResult) -> None:
+    def _forward(self, action: Action, input_tensor: Optional[torch.Tensor], result: StepResult) -> None:
         chunk, microbatch = action.chunk, action.microbatch
         spec = self.specs[chunk]
-        input_tensor = self._take_input(action)
         first_of_chunk = chunk not in self._forwarded_chunks
         self._forwarded_chunks.add(chunk)
         store: List[object] = []
@@ -289,10 +297,9 @@ class PlanExecutor:
         if not self.forward_only:
             self._activations[(chunk, microbatch)] = _Activations(input_tensor, output)
 
-    def _backward(self, action: Action) -> None:
+    def _backward(self, action: Action, output_grad: Optional[torch.Tensor]) -> None:
         chunk, microbatch = action.chunk, action.microbatch
         saved = self._activations.pop((chunk, microbatch))
-        output_grad = self._take_input(action)
         forward = Action(ActionType.FORWARD, chunk, microbatch)
         if forward in self._unsent:
             raise RuntimeError(f"rank {self.rank}: plan runs {action} before sending the output of {forward}")
@@ -318,6 +325,13 @@ class PlanExecutor:
             )
         due.popleft()
         self._weight_grads[action.chunk].backward_dw()
+
+    def _overlapped(self, action: Action, result: StepResult) -> None:
+        """``OVERLAP_F_B``: both halves' inputs (the forward's, then the backward's), then both halves."""
+        forward, backward = action.parts
+        inputs = [self._take_input(forward), self._take_input(backward)]
+        self._forward(forward, inputs[0], result)
+        self._backward(backward, inputs[1])
 
     def _sync(self, action: Action) -> None:
         own = {id(p) for p in self.chunks[action.chunk].parameters()}

@@ -1,10 +1,11 @@
 """The action vocabulary of a pipeline schedule and the plan that holds it.
 
 A *plan* is pure data: for every pipeline rank, the ordered list of actions that rank
-executes in one training step. *Compute* actions (``F``, ``B``, ``I``, ``W``, ``SYNC``)
-are what a generator writes; which tensor each of them receives and sends follows from
-the plan's :class:`~megatron_bitpipe.schedules.placement.Placement` (which rank and local
-chunk hold each stage, see :mod:`megatron_bitpipe.schedules.comm`). *Communication*
+executes in one training step. *Compute* actions (``F``, ``B``, ``I``, ``W``, ``SYNC``, and
+``OVERLAP_F_B``: a forward and a backward run as one overlapped pair) are what a generator
+writes; which tensor each of them receives and sends follows from the plan's
+:class:`~megatron_bitpipe.schedules.placement.Placement` (which rank and local chunk hold each
+stage, see :mod:`megatron_bitpipe.schedules.comm`). *Communication*
 actions (``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``) make that explicit: the lowering
 pass (:mod:`megatron_bitpipe.schedules.lower`) writes one ``SEND`` on the producing rank
 and one ``RECV`` on the consuming rank for every message between ranks, at the positions
@@ -17,6 +18,8 @@ Invariants of a valid plan (checked by :func:`megatron_bitpipe.schedules.validat
   own and, in a training plan, either one ``B`` after it or a split backward: one ``I``
   after the ``F`` and one ``W`` after the ``I``;
 * ``SYNC(chunk)`` appears once per chunk, after that chunk's last ``B`` or ``W``;
+* an overlapped pair ``OVERLAP_F_B`` counts as its two *halves* (:attr:`Action.parts`), both
+  at the pair's position: the rules above hold for the halves;
 * a micro-batch runs on exactly one pipeline (``microbatch_pipeline``), so a chunk only
   sees the micro-batches of the pipeline it belongs to;
 * in a lowered plan, every message between two ranks has one ``SEND`` after its producer
@@ -48,6 +51,12 @@ class ActionType(str, enum.Enum):
     ``SEND_B(c, m)`` sends the input gradient of ``B(c, m)`` (or ``I(c, m)``) to the
     previous stage's rank and ``RECV_B(c, m)`` posts the receive of its output gradient.
     A ``RECV`` only posts the receive; the compute action that consumes it waits for it.
+
+    ``OVERLAP_F_B`` (torch.distributed.pipelining's name) is one action made of a forward and
+    a backward (``B`` or ``I``) of other (chunk, micro-batch) pairs, run together as
+    DualPipe's overlapped forward/backward chunks: both inputs are received first, then both
+    halves compute, then both outputs are sent (see :func:`overlapped`). None of the
+    properties below is true for it; its halves (:attr:`Action.parts`) carry them.
     """
 
     FORWARD = "F"
@@ -59,6 +68,7 @@ class ActionType(str, enum.Enum):
     RECV_ACTIVATION = "RECV_F"  #: post the receive of a forward's input
     SEND_GRADIENT = "SEND_B"  #: send a backward's input gradient to the previous stage's rank
     RECV_GRADIENT = "RECV_B"  #: post the receive of a backward's output gradient
+    OVERLAP_F_B = "OVERLAP_F_B"  #: a forward and a backward run as one overlapped pair
 
     @property
     def computes_input_grad(self) -> bool:
@@ -109,6 +119,7 @@ _COMPUTE_OF = {
     ActionType.RECV_GRADIENT: ActionType.BACKWARD,
 }
 _TEXT = re.compile(r"^([A-Z_]+?)(\d+)(?:\.(\d+))?$")
+_PAIR_SEPARATOR = "&"  #: ``F0.3&B1.1``: the forward and backward halves of an overlapped pair
 
 F = ActionType.FORWARD
 B = ActionType.BACKWARD
@@ -126,15 +137,31 @@ class Action:
             send / receive of a forward's or backward's tensor.
         chunk: local model-chunk index on the rank (0-based).
         microbatch: global micro-batch index in ``[0, N)``; ``None`` for ``SYNC``.
+        backward: ``OVERLAP_F_B`` only: the backward half (``B`` or ``I``); ``chunk`` and
+            ``microbatch`` are then the forward half's. Build pairs with :func:`overlapped`.
     """
 
     type: ActionType
     chunk: int
     microbatch: Optional[int] = None
+    backward: Optional["Action"] = None
 
     def __post_init__(self) -> None:
         if (self.type is SYNC) != (self.microbatch is None):
             raise ValueError(f"{self.type} action needs microbatch={'None' if self.type is SYNC else 'an int'}")
+        pair = self.type is ActionType.OVERLAP_F_B
+        if pair != (self.backward is not None):
+            raise ValueError(f"{self.type} action {'needs' if pair else 'takes no'} backward half")
+        if pair and not self.backward.type.computes_input_grad:
+            raise ValueError(f"the backward half of an overlapped pair must be B or I, not {self.backward.type}")
+
+    @property
+    def parts(self) -> Tuple["Action", ...]:
+        """The actions this one runs: ``(forward, backward)`` halves of an ``OVERLAP_F_B``,
+        else ``(self,)``."""
+        if self.backward is None:
+            return (self,)
+        return (Action(ActionType.FORWARD, self.chunk, self.microbatch), self.backward)
 
     @property
     def comm_key(self) -> "Action":
@@ -154,17 +181,35 @@ class Action:
     def __str__(self) -> str:
         if self.type is SYNC:
             return f"S{self.chunk}"
+        if self.backward is not None:
+            return _PAIR_SEPARATOR.join(str(part) for part in self.parts)
         return f"{self.type}{self.chunk}.{self.microbatch}"
 
     @classmethod
     def parse(cls, text: str) -> "Action":
         """Inverse of ``str``: ``"F1.3"`` → F(chunk 1, micro-batch 3), ``"W0.2"``, ``"S2"`` → SYNC(2),
-        ``"RECV_B2.5"`` → RECV_B(chunk 2, micro-batch 5). ValueError for other text."""
+        ``"RECV_B2.5"`` → RECV_B(chunk 2, micro-batch 5), ``"F0.3&B1.1"`` → the overlapped pair
+        of F(0, 3) and B(1, 1). ValueError for other text."""
+        if _PAIR_SEPARATOR in text:
+            halves = text.split(_PAIR_SEPARATOR)
+            if len(halves) != 2:
+                raise ValueError(f"not an action: {text!r}")
+            return overlapped(*(cls.parse(half) for half in halves))
         match = _TEXT.match(text)
         if match is None:
             raise ValueError(f"not an action: {text!r}")
         kind, chunk, microbatch = match.groups()
         return cls(ActionType(kind), int(chunk), None if microbatch is None else int(microbatch))
+
+
+def overlapped(forward: Action, backward: Action) -> Action:
+    """The ``OVERLAP_F_B`` action running ``forward`` (an ``F``) and ``backward`` (a ``B`` or
+    ``I`` of another chunk or micro-batch) as one overlapped pair. ValueError otherwise."""
+    if forward.type is not ActionType.FORWARD:
+        raise ValueError(f"the forward half of an overlapped pair must be F, not {forward.type}")
+    if (forward.chunk, forward.microbatch) == (backward.chunk, backward.microbatch):
+        raise ValueError(f"{forward} and {backward} cannot overlap: a backward needs its own forward first")
+    return Action(ActionType.OVERLAP_F_B, forward.chunk, forward.microbatch, backward)
 
 
 @dataclass(frozen=True)
@@ -214,9 +259,11 @@ class SchedulePlan:
         return replace(self, actions=tuple(tuple(a for a in acts if not a.type.is_communication) for acts in self.actions))
 
     def __iter__(self) -> Iterator[Tuple[int, Action]]:
+        """(rank, action) of every action, an overlapped pair as its two halves."""
         for rank, actions in enumerate(self.actions):
             for action in actions:
-                yield rank, action
+                for part in action.parts:
+                    yield rank, part
 
     def format(self) -> str:
         """Human-readable table, one line per rank (``F0.1 F0.2 B0.1 …``)."""

@@ -44,13 +44,14 @@ def one_f_one_b(
 
 
 def with_eager_syncs(actions: Sequence[Action]) -> List[Action]:
-    """Insert ``SYNC(c)`` directly after the last backward (``B`` or ``W``) of each chunk ``c``."""
-    last_backward = {a.chunk: i for i, a in enumerate(actions) if a.type.ends_backward}
+    """Insert ``SYNC(c)`` directly after the last backward (``B`` or ``W``) of each chunk ``c``
+    (the action holding it: an overlapped pair whose backward half it is)."""
+    last_backward = {p.chunk: i for i, a in enumerate(actions) for p in a.parts if p.type.ends_backward}
     out: List[Action] = []
     for i, action in enumerate(actions):
         out.append(action)
-        if action.type.ends_backward and last_backward[action.chunk] == i:
-            out.append(Action(ActionType.SYNC, action.chunk))
+        out.extend(Action(ActionType.SYNC, p.chunk) for p in action.parts
+                   if p.type.ends_backward and last_backward[p.chunk] == i)
     return out
 
 

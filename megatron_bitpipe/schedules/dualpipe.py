@@ -14,9 +14,11 @@ steps:
 2. ``h+1`` times: forward of phase 0, forward of phase 1;
 3. ``u-h-1`` times: input gradient of phase 1, the oldest weight gradient, forward of
    phase 1 (zero-bubble style);
-4. ``n-D+h+1`` times: forward of phase 0 with backward of phase 1, then forward of phase 1
-   with backward of phase 0 — the overlapped pairs of the main step;
-5. ``u-h-1`` times: backward of phase 1, then forward of phase 1 with backward of phase 0;
+4. ``n-D+h+1`` times: forward of phase 0 overlapped with backward of phase 1, then forward of
+   phase 1 overlapped with backward of phase 0 — the main step; on the middle ranks
+   (``h = u-1``) the first of these pairs runs as a forward, then a backward, not overlapped;
+5. ``u-h-1`` times: backward of phase 1, then forward of phase 1 overlapped with backward of
+   phase 0;
 6. ``h+1`` times: backward of phase 1, backward of phase 0 — from the middle of this step
    on (phase 1 first on odd ``h``, phase 0 first on even ``h``) as input gradients only,
    their weight gradients queued;
@@ -24,10 +26,11 @@ steps:
 8. the ``h+1`` weight gradients still queued.
 
 Every micro-batch's backward is therefore either whole (``B``) or split (``I`` then a
-later ``W``, oldest first). An overlapped forward-and-backward pair runs here as the
-forward followed by the backward, each sending its output as soon as it is done — a
-generous model of the overlap, which on a GPU also hides the pair's communication.
-Needs ``N >= 2D``, even; 2x weights; peak activations ``D + 1`` Ma on the middle ranks.
+later ``W``, oldest first). An overlapped pair is one ``OVERLAP_F_B`` action
+(:func:`~.actions.overlapped`) whose backward half is always whole: both halves' inputs are
+received, both computed, then both outputs sent, as DeepSeek's ``_forward_backward_chunk``
+does (the simulator's rule for it: :mod:`.simulate`). Needs ``N >= 2D``, even; 2x weights;
+peak activations ``D + 1`` Ma on the middle ranks.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Deque, Dict, List, Optional, Tuple
 
-from .actions import Action, ActionType, SchedulePlan, make_plan
+from .actions import Action, ActionType, SchedulePlan, make_plan, overlapped
 from .compose import with_eager_syncs
 from .errors import PP_FLAG
 from .generator import ScheduleGenerator
@@ -74,6 +77,13 @@ class PhaseOrder:
         if split:
             self.weight_grads.append(Action(W, chunk, microbatch))
 
+    def overlapped(self, forward_phase: int, backward_phase: int) -> None:
+        """A forward of ``forward_phase`` overlapped with a whole backward of ``backward_phase``."""
+        self.forward(forward_phase)
+        self.backward(backward_phase)
+        backward = self.actions.pop()
+        self.actions.append(overlapped(self.actions.pop(), backward))
+
     def weight_grad(self) -> None:
         self.actions.append(self.weight_grads.popleft())
 
@@ -97,8 +107,8 @@ class PhaseOrder:
 
 def overlapped_rank_order(order: PhaseOrder, half_rank: int, half_ranks: int, per_direction: int) -> List[Action]:
     """Steps 1-8 for one rank: ``half_ranks`` = ``u``, ``per_direction`` = micro-batches per
-    phase. (The published order runs the first pair of step 4 on the middle ranks without
-    overlap; in this model every pair is a forward followed by a backward anyway.)"""
+    phase. The middle ranks (``h = u-1``) run the first pair of step 4 without overlap, as the
+    published order does (to shorten their bubble)."""
     h, u = half_rank, half_ranks
     for _ in range(2 * (u - h - 1)):
         order.forward(0)
@@ -109,15 +119,16 @@ def overlapped_rank_order(order: PhaseOrder, half_rank: int, half_ranks: int, pe
         order.backward(1, split=True)
         order.weight_grad()
         order.forward(1)
-    for _ in range(per_direction - 2 * u + h + 1):
-        order.forward(0)
-        order.backward(1)
-        order.forward(1)
-        order.backward(0)
+    for i in range(per_direction - 2 * u + h + 1):
+        if i == 0 and h == u - 1:
+            order.forward(0)
+            order.backward(1)
+        else:
+            order.overlapped(0, 1)
+        order.overlapped(1, 0)
     for _ in range(u - h - 1):
         order.backward(1)
-        order.forward(1)
-        order.backward(0)
+        order.overlapped(1, 0)
     order.drain(h, u - h - 1)
     return order.actions
 

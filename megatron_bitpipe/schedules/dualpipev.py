@@ -8,8 +8,9 @@ Ordering rule: DualPipe's eight steps (:mod:`.dualpipe`) with the V's chunks as 
 phases — phase 0 is chunk 0, phase 1 chunk 1 — the rank ``r`` in place of the half rank,
 ``D`` in place of ``D/2`` and all ``N`` micro-batches in place of one direction's:
 ``2(D-r-1)`` forwards of chunk 0; ``r+1`` pairs of forwards; ``D-r-1`` times ``I``,
-``W``, ``F`` of chunk 1; ``N-2D+r+1`` overlapped forward/backward pairs of both chunks;
-then the drain, half of it with split backwards. Needs ``N >= 2D``; 1x weights; peak
+``W``, ``F`` of chunk 1; ``N-2D+r+1`` times two overlapped forward/backward pairs
+(``OVERLAP_F_B``; the last rank, which plays the middle ranks' part, runs its first pair as a
+forward, then a backward); then the drain, half of it with split backwards. Needs ``N >= 2D``; 1x weights; peak
 activations ``D + 1/2`` Ma (``2D + 1`` chunk activations of ``L/2D`` layers).
 """
 

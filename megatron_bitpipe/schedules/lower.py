@@ -26,6 +26,11 @@ message is delivered whether or not its receive is posted yet), only how long th
 receive buffer lives. Receives of one channel are always posted in their consumers'
 order, so the validator's FIFO check sees the generator's order.
 
+An overlapped pair ``OVERLAP_F_B`` (forward and backward halves) is one consumer and one
+producer: its forward half's receive and then its backward half's are posted before it (the
+same place for both), and after it the forward half's send, then the backward half's — the
+order DualPipe issues them in (both inputs received, both halves computed, both outputs sent).
+
 V-turn hand-overs between two chunks of one rank stay implicit: they move no message.
 The compute actions keep their order: ``lower(plan).compute_only() == plan.compute_only()``.
 """
@@ -63,14 +68,16 @@ def _lower_rank(plan: SchedulePlan, rank: int, receive_lookahead: int) -> tuple:
     actions = plan.actions[rank]
     receives_before: Dict[int, List[Action]] = defaultdict(list)
     for index, action in enumerate(actions):
-        receive = receive_action(placement, rank, action)
-        if receive is not None:
-            receives_before[max(0, index - receive_lookahead)].append(receive)
+        for part in action.parts:
+            receive = receive_action(placement, rank, part)
+            if receive is not None:
+                receives_before[max(0, index - receive_lookahead)].append(receive)
     lowered: List[Action] = []
     for index, action in enumerate(actions):
         lowered.extend(receives_before[index])
         lowered.append(action)
-        send = send_action(placement, rank, action)
-        if send is not None:
-            lowered.append(send)
+        for part in action.parts:
+            send = send_action(placement, rank, part)
+            if send is not None:
+                lowered.append(send)
     return tuple(lowered)

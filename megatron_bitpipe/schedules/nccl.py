@@ -20,7 +20,9 @@ GPUs. This module executes a lowered plan symbolically under NCCL's rules instea
    every member's operation is active.
 4. **Waiting.** A compute action waits for the receive of its input (``work.wait()``); a
    backward also waits for the send of its forward's output (the executor frees that output
-   only after its send); the step ends when all of the rank's operations completed.
+   only after its send); an overlapped pair ``OVERLAP_F_B`` waits for what both its halves
+   wait for before either computes, and its sends (lowered after it) are issued after both;
+   the step ends when all of the rank's operations completed.
 5. **Creation.** Communicators created at set-up (the runtime's) cost nothing here: they are
    created in one global order before the step. With ``lazy_communicators`` an operation on
    a communicator the rank has not used yet first *creates* it — torch's unbatched p2p on a
@@ -252,10 +254,12 @@ def _issue(plan: SchedulePlan, rules: IssueRules):
                 collectives[(communicator, collective_count[communicator])].append(op)
                 collective_count[communicator] += 1
                 issue(op, members)
-            else:
-                waits = [receive_of.get(action.comm_key)]
-                if action.type.computes_input_grad:  # the forward's output is freed after its send
-                    waits.append(send_of.get(Action(ActionType.FORWARD, action.chunk, action.microbatch)))
+            else:  # an overlapped pair waits for both halves' inputs before computing either
+                waits = []
+                for part in action.parts:
+                    waits.append(receive_of.get(part.comm_key))
+                    if part.type.computes_input_grad:  # the forward's output is freed after its send
+                        waits.append(send_of.get(Action(ActionType.FORWARD, part.chunk, part.microbatch)))
                 steps.append(("wait", (action, [w for w in waits if w is not None])))
         steps.append(("wait", ("the end of the step", own)))
         program.append(steps)

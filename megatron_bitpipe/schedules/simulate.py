@@ -8,6 +8,15 @@ Execution model (the same one the runtime implements):
   is free and the output gradient has arrived (the loss stage needs only its own
   forward, which the plan orders before it); a weight-gradient action ``W`` when the
   rank is free (its ``I`` ran earlier on the same rank);
+* an overlapped pair ``OVERLAP_F_B`` (DualPipe's overlapped forward and backward chunks)
+  starts when the rank is free and the inputs of *both* halves have arrived (the backward
+  half's own forward ran earlier), and takes the sum of its halves' times, ``t_F + t_B``
+  (``t_F + t_I`` with an ``I`` half): one device computes both, so the overlap saves no
+  compute. What it overlaps is communication: both halves' receives are posted before the
+  pair and both outputs are sent at its end, the forward half's first, as DualPipe's
+  ``_forward_backward_chunk`` issues them — so the forward half's output leaves ``t_B`` later
+  than after a lone ``F``, and the pair's messages travel while the next action computes.
+  Activations: the forward half's are counted before the backward half's are released;
 * communication is what the plan's ``SEND`` and ``RECV`` actions say (a compute-only
   plan is lowered first, :func:`~.lower.lower`): a ``SEND`` costs the rank nothing and
   never blocks it (it needs only its producer, earlier on the same rank); its message
@@ -63,7 +72,8 @@ class Event(NamedTuple):
     """One interval of the timeline: a compute action, or a gradient all-reduce (``SYNC``).
 
     ``ready`` is when the action could have started had the rank been free: its
-    :func:`same_rank_prerequisite` done and its input message arrived (0 for ``SYNC``).
+    :func:`same_rank_prerequisite` done and its input message arrived (0 for ``SYNC``); for an
+    overlapped pair (one event, ``pipeline`` its forward half's) the later of its halves'.
     """
 
     rank: int
@@ -131,7 +141,7 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     num_ranks = plan.num_ranks
 
     F, B, W = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT
-    duration = {kind: costs.compute_time(Action(kind, 0, 0), weight) for kind in ActionType if kind is not ActionType.SYNC}
+    duration = {kind: costs.compute_time(Action(kind, 0, 0), weight) for kind in (F, B, W, ActionType.BACKWARD_INPUT)}
     # Keys are (rank, type, chunk, micro-batch) tuples: ``F``/``B`` (``B`` for ``I`` too) of
     # finished compute actions, ``SEND_F``/``SEND_B`` of issued sends.
     finish: Dict[Tuple[int, ActionType, int, int], float] = {}  # -> end of a compute action
@@ -192,27 +202,29 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                         break
                     arrival[(rank, action.type, action.chunk, action.microbatch)] = clock[rank] + message_time
                 elif not action.type.is_receive:
-                    ready = input_ready(rank, action)
-                    if ready is None:
+                    readies = [input_ready(rank, part) for part in action.parts]
+                    if None in readies:
                         break
+                    ready = max(readies)
                     start = max(clock[rank], ready)
-                    end = start + duration[action.type]
-                    kind = B if action.type is ActionType.BACKWARD_INPUT else action.type
-                    finish[(rank, kind, action.chunk, action.microbatch)] = end
+                    end = start + sum(duration[part.type] for part in action.parts)
+                    for part in action.parts:  # an overlapped pair: both outputs at its end
+                        kind = B if part.type is ActionType.BACKWARD_INPUT else part.type
+                        finish[(rank, kind, part.chunk, part.microbatch)] = end
+                        if part.type is F:
+                            in_flight[rank] += weight
+                            peak[rank] = max(peak[rank], in_flight[rank])
+                        elif part.type in ENDS_BACKWARD:
+                            in_flight[rank] -= weight
                     clock[rank] = end
                     busy[rank] += end - start
                     events.append(Event(rank, action, start, end, pipeline_of[rank][action.chunk], ready))
-                    if action.type is F:
-                        in_flight[rank] += weight
-                        peak[rank] = max(peak[rank], in_flight[rank])
-                    elif action.type in ENDS_BACKWARD:
-                        in_flight[rank] -= weight
                 cursor[rank] += 1
                 progressed = True
 
     blocked = [r for r in range(num_ranks) if cursor[r] < len(plan.actions[r])]
     if blocked:
-        raise PlanError(_deadlock_message(plan, blocked, cursor, finish))
+        raise PlanError(_deadlock_message(plan, blocked, cursor, finish, input_ready))
 
     sync_events = _schedule_syncs(plan, costs, sync_issue)
     end_of_step = max([max(clock)] + [e.end for e in sync_events])
@@ -246,10 +258,12 @@ def _schedule_syncs(
     return events
 
 
-def _deadlock_message(plan: SchedulePlan, blocked: List[int], cursor: List[int], finish) -> str:
+def _deadlock_message(plan: SchedulePlan, blocked: List[int], cursor: List[int], finish, input_ready) -> str:
+    """One line per blocked rank: what its next action (each waiting half of a pair) waits for."""
     lines = [f"plan '{plan.name}' deadlocks (D={plan.num_ranks}, N={plan.num_microbatches}):"]
-    for rank in blocked:
-        action = plan.actions[rank][cursor[rank]]
+    waiting = [(rank, part) for rank in blocked for part in plan.actions[rank][cursor[rank]].parts
+               if part.type.is_send or input_ready(rank, part) is None]
+    for rank, action in waiting:
         before = same_rank_prerequisite(action)
         if before is not None and (rank, before.comm_key.type, before.chunk, before.microbatch) not in finish:
             lines.append(f"  rank {rank} at {action}: its {before} has not run")

@@ -8,6 +8,8 @@
    micro-batches only visit chunks of their pipeline; each chunk runs its ``W``'s in the
    micro-batch order of its ``I``'s (deferred weight-gradient work is a FIFO per module, as
    Transformer Engine's ``delay_wgrad_compute`` queue, whose ``backward_dw()`` runs the oldest);
+   an overlapped pair ``OVERLAP_F_B`` counts as its forward and backward halves, both at the
+   pair's position, so a half's own prerequisites (the backward half's forward) run earlier;
 2. channels — on every channel (payload, pipeline, src rank, dst rank) the receiver
    consumes messages in the order the sender produces them;
 3. progress — executing the plan with the simulator's dependency rules reaches the end
@@ -48,9 +50,10 @@ def check_structure(plan: SchedulePlan) -> None:
         if not 0 <= p < placement.num_pipelines:
             raise PlanError(f"micro-batch {m} routed to pipeline {p}, placement has {placement.num_pipelines}")
     training = is_training_plan(plan)
-    for rank, actions in enumerate(plan.actions):
-        position: Dict[Action, int] = {}  # every action of the rank, communication included
-        for index, action in enumerate(actions):
+    for rank, entries in enumerate(plan.actions):
+        position: Dict[Action, int] = {}  # every action of the rank (pairs' halves), communication included
+        actions = [(index, part) for index, entry in enumerate(entries) for part in entry.parts]
+        for index, action in actions:
             where = f"rank {rank}, action {action} (position {index})"
             if not 0 <= action.chunk < placement.chunks_per_rank:
                 raise PlanError(f"{where}: rank has chunks 0..{placement.chunks_per_rank - 1}")
@@ -80,7 +83,7 @@ def check_structure(plan: SchedulePlan) -> None:
                     continue
                 last_backward = max(last_backward, _check_backward(rank, forward, position))
             if training:
-                _check_weight_grad_order(rank, chunk, actions)
+                _check_weight_grad_order(rank, chunk, [a for _, a in actions])
                 sync = Action(ActionType.SYNC, chunk)
                 if sync not in position:
                     raise PlanError(f"rank {rank}: missing {sync} for chunk {chunk}")
@@ -118,6 +121,8 @@ def _check_backward(rank: int, forward: Action, position: Dict[Action, int]) -> 
             raise PlanError(f"rank {rank}: missing {step}")
         if position[step] < position[previous]:
             raise PlanError(f"rank {rank}: {step} at position {position[step]} runs before {previous}")
+        if position[step] == position[previous]:
+            raise PlanError(f"rank {rank}: {step} at position {position[step]} runs in one overlapped pair with {previous}")
         previous = step
     return position[previous]
 
@@ -127,9 +132,10 @@ def check_communication(plan: SchedulePlan) -> None:
     placement = plan.placement
     sent: Dict[Tuple, List[Transfer]] = defaultdict(list)
     received: Dict[Tuple, List[Transfer]] = defaultdict(list)
-    for rank, actions in enumerate(plan.actions):
-        computed = {a.comm_key: i for i, a in enumerate(actions) if not a.type.is_communication}
-        posted = {a: i for i, a in enumerate(actions) if a.type.is_communication}
+    for rank, entries in enumerate(plan.actions):
+        computed = {p.comm_key: i for i, a in enumerate(entries) if not a.type.is_communication for p in a.parts}
+        posted = {a: i for i, a in enumerate(entries) if a.type.is_communication}
+        actions = [part for entry in entries for part in entry.parts]
         for action, index in posted.items():
             where = f"rank {rank}, action {action} (position {index})"
             try:
