@@ -13,8 +13,10 @@ need the model dimension:
   ``skip_bias_add`` the bias is returned as a ``[1, B*b, out]`` tensor that broadcasts over the
   fused activation exactly as megatron's ``[out]`` bias broadcasts over ``[s, b, out]``, so the
   bias-dropout-add and bias-activation code of megatron is used unchanged. Under BitPipe's split
-  backward (:mod:`megatron_bitpipe.runtime.weight_grad`) the weight gradient is deferred to
-  ``W`` like megatron's linears';
+  backward it follows megatron-core's weight-gradient deferral contract
+  (:mod:`megatron_bitpipe.runtime.weight_grad`): with ``delay_wgrad_compute`` on its config a
+  backward queues the weight gradient in the linear's FIFO, and ``backward_dw()`` (reached
+  through megatron's attention and MLP roll-up) runs the oldest;
 * :class:`HftaNorm` — LayerNorm / RMSNorm with weight (and bias) ``[B, h]``;
 * :class:`HftaEmbedding` — word and learned position embeddings ``[B, vocab, h]``,
   ``[B, positions, h]``: the same token ids for every model, the fused ``[s, B*b, h]`` out.
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
-from ..runtime.weight_grad import accumulate_weight_grad, active_work
+from ..runtime.weight_grad import WeightGradQueue, accumulate_weight_grad
 
 __all__ = ["HftaLinear", "HftaNorm", "HftaEmbedding", "fused", "unfused"]
 
@@ -74,16 +76,16 @@ class _Sharded(torch.nn.Module):
 
 
 class _DeferredWeightGradBmm(torch.autograd.Function):
-    """The batched GEMM of :class:`HftaLinear` under the split backward
-    (:func:`megatron_bitpipe.runtime.weight_grad.deferring`): the backward returns the input
-    gradient and adds the weight gradient's computation to the active work (``W``), which
-    accumulates it into ``holder.param`` through its gradient accumulator. ``weight`` arrives
-    detached; ``holder`` is a plain object, so the Parameter is no autograd input."""
+    """The batched GEMM of :class:`HftaLinear` under the split backward: the backward returns the
+    input gradient and queues the weight gradient's computation in ``queue`` (run by the linear's
+    ``backward_dw``, in ``W``), which accumulates it into ``holder.param`` through its gradient
+    accumulator. ``weight`` arrives detached; ``holder`` is a plain object, so the Parameter is
+    no autograd input."""
 
     @staticmethod
-    def forward(ctx, input_, weight, holder):
+    def forward(ctx, input_, weight, holder, queue):
         ctx.save_for_backward(input_, weight)
-        ctx.holder, ctx.work = holder, active_work()
+        ctx.holder, ctx.queue = holder, queue
         return fused(torch.bmm(unfused(input_, weight.shape[0]), weight.transpose(1, 2)), input_.shape[0])
 
     @staticmethod
@@ -97,8 +99,8 @@ class _DeferredWeightGradBmm(torch.autograd.Function):
         def weight_grad() -> None:
             accumulate_weight_grad(param, torch.bmm(grad_b.transpose(1, 2), unfused(input_, b)))
 
-        ctx.work.add(param, weight_grad)
-        return grad_input, None, None
+        ctx.queue.push(param, weight_grad)
+        return grad_input, None, None, None
 
 
 class _Holder:
@@ -136,6 +138,9 @@ class HftaLinear(_Sharded):
         self.num_models, self.input_size, self.output_size = num_models, input_size, output_size
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = False
+        self.config = config
+        #: the weight-gradient FIFO of megatron-core's deferral contract (used with ``delay_wgrad_compute``)
+        self.wgrad_queue = WeightGradQueue(type(self).__name__)
         dtype = config.params_dtype
         self.weight = None if skip_weight_param_allocation else _parameter(num_models, output_size, input_size, dtype=dtype)
         self.bias = _parameter(num_models, output_size, dtype=dtype) if bias else None
@@ -153,12 +158,17 @@ class HftaLinear(_Sharded):
     def set_extra_state(self, state) -> None:
         """Nothing to restore (see :meth:`get_extra_state`)."""
 
+    def backward_dw(self) -> None:
+        """Run the oldest queued weight gradient (megatron-core's deferral contract)."""
+        self.wgrad_queue.backward_dw()
+
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
         s, bb = input_.shape[:2]
         batch = bb // self.num_models
-        if active_work() is not None and torch.is_grad_enabled() and weight.requires_grad:
-            out = _DeferredWeightGradBmm.apply(input_, weight.detach(), _Holder(weight))
+        defer = getattr(self.config, "delay_wgrad_compute", False)
+        if defer and torch.is_grad_enabled() and weight.requires_grad:
+            out = _DeferredWeightGradBmm.apply(input_, weight.detach(), _Holder(weight), self.wgrad_queue)
         else:
             out = fused(torch.bmm(unfused(input_, self.num_models), weight.transpose(1, 2)), s)
         if self.bias is None:
