@@ -25,12 +25,13 @@ import json
 import os
 import re
 from dataclasses import asdict, dataclass, fields
-from typing import Dict, List, Optional
-
-import numpy as np
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ..abs_sgd.args import dataset_train_samples
 from ..arguments import data_path_prefixes
+
+if TYPE_CHECKING:  # numpy is imported where a file is read or written: --help and flag errors come without it
+    import numpy as np
 
 __all__ = ["CoresetFile", "CoresetSettings", "DatasetIdentity", "add_coreset_args", "coreset_problems", "read_coreset", "write_coreset"]
 
@@ -124,6 +125,8 @@ class CoresetFile:
 
 def write_coreset(path: str, coreset: CoresetFile) -> None:
     """Write ``coreset`` to ``path`` (``.npz``; numpy appends the suffix if missing)."""
+    import numpy as np
+
     identity = {name: np.asarray(value) for name, value in asdict(coreset.identity).items()}
     np.savez(
         path,
@@ -136,6 +139,8 @@ def write_coreset(path: str, coreset: CoresetFile) -> None:
 
 def read_coreset(path: str) -> CoresetFile:
     """The coreset in ``path``; ValueError saying what is wrong with the file."""
+    import numpy as np
+
     try:
         with np.load(path, allow_pickle=False) as stored:
             values = {name: stored[name] for name in stored.files}
