@@ -3,8 +3,8 @@
 * :func:`transformer_config` — the ``TransformerConfig`` of the model;
 * :func:`placement_for` — which pipeline placement the chosen schedule runs;
 * :func:`ddp_config`, :func:`optimizer_config`, :func:`optimizer_choice`,
-  :func:`lr_scheduler` — DDP, the optimizer (``--optimizer``: Adam or one of
-  :mod:`megatron_bitpipe.optimizers`) and Megatron's learning-rate / weight-decay schedule
+  :func:`lr_scheduler` — DDP, the optimizer (``--optimizer``: megatron's Adam or SGD, or one
+  of :mod:`megatron_bitpipe.optimizers`) and Megatron's learning-rate / weight-decay schedule
   (counted in samples, like Megatron-LM; ``--lr-decay-style rex`` too).
 
 Kernel choices: without a GPU every fused kernel is off (they are CUDA-only); with one, the
@@ -19,6 +19,7 @@ ranks (pipeline size 2 with the interleaved schedule).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +29,9 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
 from ..megatron_args import schedule_choice
-from ..optimizers import OptimizerChoice, ParamScheduler
+from ..optimizers import MEGATRON_OPTIMIZERS, OptimizerChoice, ParamScheduler
 from ..schedules.placement import Placement
+from .decentralized.args import DECENTRALIZED_MODES
 
 __all__ = [
     "transformer_config",
@@ -135,13 +137,14 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     sharded with ``--use-distributed-optimizer``); ``--optimizer`` other than adam reads its
     hyper-parameters from it (:func:`optimizer_choice`)."""
     return OptimizerConfig(
-        optimizer="adam",
+        optimizer=args.optimizer if args.optimizer in MEGATRON_OPTIMIZERS else "adam",
         lr=args.lr,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
         clip_grad=args.clip_grad,
         bf16=args.bf16,
         fp16=args.fp16,
@@ -153,8 +156,9 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 
 
 def optimizer_choice(args: argparse.Namespace) -> OptimizerChoice:
-    """``--optimizer`` and the flags of :mod:`megatron_bitpipe.optimizers`."""
-    return OptimizerChoice.from_args(args)
+    """``--optimizer`` and the flags of :mod:`megatron_bitpipe.optimizers` (decentralized
+    with ``--data-parallel-mode decentlam | dmsgd | lsgd``)."""
+    return dataclasses.replace(OptimizerChoice.from_args(args), decentralized=args.data_parallel_mode in DECENTRALIZED_MODES)
 
 
 def lr_scheduler(args: argparse.Namespace, optimizer) -> ParamScheduler:
