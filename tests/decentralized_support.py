@@ -35,8 +35,8 @@ THIRD = 1.0 / 3.0
 #: W[i][j] by hand: (topology, n) -> rows
 MIXING = {
     ("ring", 4): [[THIRD, THIRD, 0, THIRD], [THIRD, THIRD, THIRD, 0], [0, THIRD, THIRD, THIRD], [THIRD, 0, THIRD, THIRD]],
-    # replica i averages with i + 1 and i + 2
-    ("exponential", 4): [[THIRD, THIRD, THIRD, 0], [0, THIRD, THIRD, THIRD], [THIRD, 0, THIRD, THIRD], [THIRD, THIRD, 0, THIRD]],
+    # symmetric exponential graph: i ± 1 with 1/6 each, i + 2 (= i - 2) with 1/3
+    ("exponential", 4): [[THIRD, 1 / 6, THIRD, 1 / 6], [1 / 6, THIRD, 1 / 6, THIRD], [THIRD, 1 / 6, THIRD, 1 / 6], [1 / 6, THIRD, 1 / 6, THIRD]],
     ("complete", 4): [[0.25] * 4] * 4,
     ("ring", 2): [[0.5, 0.5], [0.5, 0.5]],
 }

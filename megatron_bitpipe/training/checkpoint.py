@@ -55,7 +55,29 @@ from .checkpoint_checks import (
 from .distributed import log
 from .errors import CheckpointError
 
-__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "TrainingState", "checkpoint_dir", "save_checkpoint", "load_checkpoint"]
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "CheckpointError",
+    "TrainingState",
+    "checkpoint_dir",
+    "save_checkpoint",
+    "load_checkpoint",
+    "rank_layout",
+]
+
+
+def rank_layout(args: argparse.Namespace) -> Dict[str, object]:
+    """What fixes which rank holds which part of which replica: per-rank state saved beside a
+    checkpoint (ABS-SGD's gradients in flight, the decentralized modes' replicas) resumes only
+    in the same layout."""
+    return {
+        "world_size": args.world_size,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "schedule": args.schedule,
+        "tensor_parallel_mode": args.tensor_parallel_mode,
+    }
 
 #: ``checkpoint_version`` of Megatron-LM's state dicts (3.0 since megatron-core models)
 CHECKPOINT_VERSION = 3.0

@@ -20,7 +20,7 @@ optimizer's, the same on every data-parallel replica of a rank's chunks). Messag
 the data-parallel group of this rank (same tensor- and pipeline-parallel rank:
 :class:`ReplicaLinks`), each exchange one ``batch_isend_irecv`` call with at most one message
 per ordered pair of ranks, so it is deadlock-free on NCCL. A gossip average sums the
-replicas' vectors in replica order, so on the complete graph every replica computes the same
+weighted vectors in replica order, so on the complete graph every replica computes the same
 bits.
 """
 
@@ -116,10 +116,11 @@ class Gossip:
         received = {r: torch.empty_like(vector) for r in graph.sources(me)}
         self.links.exchange([(r, vector) for r in graph.destinations(me)], list(received.items()))
         received[me] = vector
+        weights = graph.row(me)
         total = torch.zeros_like(vector)
         for r in sorted(received):
-            total += received[r]
-        return total / (graph.degree + 1)
+            total.add_(received[r], alpha=weights[r])
+        return total
 
     @torch.no_grad()
     def __call__(self, optimizer) -> None:

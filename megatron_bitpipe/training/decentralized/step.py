@@ -45,6 +45,7 @@ from megatron.core.utils import unwrap_model
 from ...optimizers import megatron_parts
 from ...optimizers.decentralized_sgd import DecentralizedSGD
 from ..distributed import log
+from ..checkpoint import rank_layout
 from ..errors import CheckpointError
 from .args import GOSSIP_MODES, DecentralizedSettings
 from .methods import Gossip, LeaderPull, ReplicaLinks, consensus_distance, flat_parameters
@@ -183,17 +184,6 @@ class DecentralizedStep:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _layout(self) -> dict:
-        args = self.trainer.args
-        return {
-            "world_size": args.world_size,
-            "tensor_model_parallel_size": args.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-            "data_parallel_size": args.data_parallel_size,
-            "schedule": args.schedule,
-            "tensor_parallel_mode": args.tensor_parallel_mode,
-        }
-
     def _params(self) -> List[torch.Tensor]:
         return [p for group in self.inner.param_groups for p in group["params"]]
 
@@ -209,7 +199,12 @@ class DecentralizedStep:
         }
         torch.save(state, os.path.join(directory, _rank_file(self.trainer.env.rank)))
         if self.trainer.env.rank == 0:
-            common = {"version": VERSION, "mode": self.settings.mode, "settings": dataclasses.asdict(self.settings), "layout": self._layout()}
+            common = {
+                "version": VERSION,
+                "mode": self.settings.mode,
+                "settings": dataclasses.asdict(self.settings),
+                "layout": rank_layout(self.trainer.args),
+            }
             with open(os.path.join(directory, COMMON_FILE), "w", encoding="utf-8") as f:
                 json.dump(common, f, indent=1)
 
@@ -221,7 +216,7 @@ class DecentralizedStep:
             raise CheckpointError(f"{directory}: {COMMON_FILE} is not version {VERSION}")
         if common["mode"] != mode:
             raise CheckpointError(f"{directory} was saved with --data-parallel-mode {common['mode']}: resume it with that mode, not {mode}")
-        if common["layout"] != self._layout():
+        if common["layout"] != rank_layout(self.trainer.args):
             raise CheckpointError(
                 f"{directory} holds the {common['mode']} replicas of another layout ({common['layout']}); resume it with the "
                 "same world size, --tensor-model-parallel-size, --pipeline-model-parallel-size, schedule and --tensor-parallel-mode"
