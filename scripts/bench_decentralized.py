@@ -17,8 +17,8 @@ seed, data, learning-rate schedule and global batch for every method:
   groups, λ 0.1 both, leaders elected every 4 iterations).
 
 Two global batches (``--batches``: large, 32 sequences, and small, 8, each with its learning
-rate: :class:`Settings`), several seeds (the seed draws the initial weights; the data order
-is the same). Measured per run from rank 0's ``--log-json`` records: the
+rate: :class:`Settings`), several seeds (the seed draws the initial weights and megatron's
+shuffle of the documents and samples). Measured per run from rank 0's ``--log-json`` records: the
 validation loss of the evaluated weights (the replicas' average for the gossip modes, the
 global leader for LSGD, the one model for sync) every ``--eval-interval`` iterations, the
 bytes each replica sent for the data-parallel update so far (the decentralized modes log

@@ -121,3 +121,15 @@ def test_decentlam_needs_the_symmetric_graphs(size):
     assert _decentlam_consensus_radius(directed, 0.9) > 1.0
     for name in ("ring", "exponential", "complete"):
         assert _decentlam_consensus_radius(topology(name, size).matrix(), 0.9) < 1.0, name
+
+
+def test_other_modes_refuse_a_decentralized_checkpoint(tmp_path):
+    """What the loop calls after loading a checkpoint (here on the file a decentralized run
+    writes; no ranks): a run of another mode refuses it, naming the flag."""
+    from megatron_bitpipe.training.decentralized.step import COMMON_FILE, resume_decentralized
+    from megatron_bitpipe.training.errors import CheckpointError
+
+    (tmp_path / COMMON_FILE).write_text('{"version": 1, "mode": "lsgd"}')
+    with pytest.raises(CheckpointError, match="resume it with --data-parallel-mode lsgd"):
+        resume_decentralized(str(tmp_path), None)
+    resume_decentralized(str(tmp_path.parent), None)  # no decentralized state: nothing to say
