@@ -20,7 +20,7 @@ before ``torch.distributed`` starts.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .megatron_args import schedule_choice
@@ -28,6 +28,7 @@ from .optimizers import OptimizerChoice
 from .schedules import REGISTRY, ScheduleChoice
 from .schedules.generator import PLAN_RUNNER
 from .schedules.placement import Placement
+from .training.decentralized.args import DECENTRALIZED_MODES
 
 __all__ = ["Batches", "ParallelLayout", "Precision", "RunConfig"]
 
@@ -110,7 +111,8 @@ class RunConfig:
         precision: fp32, bf16 or fp16.
         batches: the batch shape.
         data_parallel_mode: ``--data-parallel-mode`` (``sync`` on Megatron-LM's route).
-        optimizer: ``--optimizer`` and its flags.
+        optimizer: ``--optimizer`` and its flags (``decentralized`` with a decentralized
+            data-parallel mode: its step is the mode's update).
         schedule_costs_path: the ``--schedule-costs`` file the split's plan is made for (logs name it).
     """
 
@@ -165,6 +167,7 @@ class RunConfig:
         interleaved = REGISTRY[schedule.schedule].takes_virtual_size
         tensor, pipeline = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         data = args.data_parallel_size
+        data_parallel_mode = getattr(args, "data_parallel_mode", "sync")  # Megatron-LM's parser has no such flag
         return cls(
             schedule=schedule,
             layout=ParallelLayout(
@@ -182,7 +185,7 @@ class RunConfig:
                 num_microbatches=args.global_batch_size // (args.micro_batch_size * data),
                 global_batch_size_defaulted=getattr(args, "global_batch_size_defaulted", False),
             ),
-            data_parallel_mode=getattr(args, "data_parallel_mode", "sync"),
-            optimizer=OptimizerChoice.from_args(args),
+            data_parallel_mode=data_parallel_mode,
+            optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode in DECENTRALIZED_MODES),
             schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.split_backward else None,
         )

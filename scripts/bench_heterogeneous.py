@@ -140,8 +140,8 @@ def _emulated_task(settings: Settings):
     class EmulatedGPTTask(GPTTask):
         """GPT whose transformer layers are emulated device time."""
 
-        def build_model(self, args, placement):
-            return build_model(args, placement, rotary_base=args.rotary_base, layer_spec=spec)
+        def build_model(self, args, run):
+            return build_model(args, run, rotary_base=args.rotary_base, layer_spec=spec)
 
     return EmulatedGPTTask()
 

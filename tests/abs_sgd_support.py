@@ -12,14 +12,16 @@ seed-initialised model; iteration ``k`` computes the gradient sum ``G^k`` of eve
 micro-batches (the recorded sample indices, split by the logged counts) at the current
 weights, then applies ``G^{k-delay}`` normalised by its micro-batch count with the
 optimizer's rules written out: global-norm clipping, AdamW (no weight decay on biases and
-1-D parameters) and Megatron's learning-rate schedule advanced by the applied samples.
+1-D parameters) and Megatron's learning-rate schedule advanced by the applied samples. Its
+pieces (:func:`reference_gpt`, :func:`microbatch_loss`, :func:`clip_gradients`,
+:func:`decays`) also serve the decentralized modes' replay (``tests/decentralized_support.py``).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -59,9 +61,10 @@ def _full_parameters(model) -> Dict[str, torch.Tensor]:
     return params
 
 
-def train_case(argv: Sequence[str], log_json: str) -> dict:
+def train_case(argv: Sequence[str], log_json: str, probe: Optional[Callable] = None) -> dict:
     """Rank body: train with ``argv`` (plus ``--log-json log_json``); this rank's record, or
-    ``{"error": message}`` if the loop refused a checkpoint."""
+    ``{"error": message}`` if the loop refused a checkpoint. ``probe(trainer)`` (a
+    module-level function) adds its dict to the record after training."""
     import torch.distributed as dist
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
@@ -98,6 +101,7 @@ def train_case(argv: Sequence[str], log_json: str) -> dict:
         "pp_rank": groups.pp_rank,
         "tp_rank": groups.tp_rank,
         "records": records,
+        **(probe(trainer) if probe is not None else {}),
     }
 
 
@@ -122,13 +126,10 @@ def replica_batches(per_rank: List[dict], records: Dict[int, dict], micro_batch_
     return batches
 
 
-def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int, iterations: int) -> Dict[str, torch.Tensor]:
-    """Rank body (one rank): the weights after ``iterations`` ABS-SGD iterations of the model
-    of ``argv`` (its data-parallel flags ignored) in float64; ``batches[j]`` is applied batch
-    ``j``'s micro-batches by replica. With ``delay`` 1, iteration ``k`` (1-based) computes
-    batch ``k - 1`` and applies batch ``k - 2``; with 0 it computes and applies batch ``k - 1``."""
-    import torch.nn.functional as F
-
+def reference_gpt(argv: Sequence[str]):
+    """Rank body helper (one rank): ``(args, net, datasets)`` — the seed-initialised
+    single-process GPT of ``argv`` (its parallelism flags ignored) in float64, and its
+    training, validation and test sets."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.runtime.build import init_megatron_state
     from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
@@ -158,10 +159,50 @@ def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int
     specs = chunk_specs(placement, config.num_layers, 0, not args.untie_embeddings_and_output_weights)
     initialize_from_seed([net], specs, args.seed, groups.tp)
     net.double()
-    train, _, _ = task.build_datasets(args, tokenizer)
+    return args, net, task.build_datasets(args, tokenizer)
+
+
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Whether megatron's default parameter groups apply weight decay (not to biases and
+    1-D parameters)."""
+    return not (param.dim() == 1 or name.endswith(".bias"))
+
+
+def microbatch_loss(net, dataset, samples: Sequence[int]) -> tuple:
+    """``(mean loss, loss sum, token count)`` of one micro-batch (the mean is what a
+    micro-batch contributes to the gradient)."""
+    import torch.nn.functional as F
+
+    from megatron_bitpipe.training.data import collate
+
+    mb = collate([dataset[i] for i in samples])
+    logits = net(mb["tokens"], mb["position_ids"], None)  # [b, s, vocab]
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1), reduction="none")
+    mask = mb["loss_mask"].reshape(-1).double()
+    total = (losses * mask).sum()
+    return total / mask.sum(), total, mask.sum()
+
+
+def clip_gradients(params: Sequence[torch.Tensor], clip: float) -> None:
+    """megatron's global-norm clipping of the parameters' ``.grad``."""
+    norm = torch.sqrt(sum((p.grad**2).sum() for p in params))
+    coefficient = clip / (norm + 1.0e-6)
+    if clip > 0 and coefficient < 1.0:
+        for p in params:
+            p.grad.mul_(coefficient)
+
+
+def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int, iterations: int) -> Dict[str, torch.Tensor]:
+    """Rank body (one rank): the weights after ``iterations`` ABS-SGD iterations of the model
+    of ``argv`` (its data-parallel flags ignored) in float64; ``batches[j]`` is applied batch
+    ``j``'s micro-batches by replica. With ``delay`` 1, iteration ``k`` (1-based) computes
+    batch ``k - 1`` and applies batch ``k - 2``; with 0 it computes and applies batch ``k - 1``."""
+    from megatron_bitpipe.training.config import lr_scheduler
+
+    args, net, (train, _, _) = reference_gpt(argv)
     named = dict(net.named_parameters())
-    decay = [p for n, p in named.items() if not (p.dim() == 1 or n.endswith(".bias"))]
-    no_decay = [p for n, p in named.items() if p.dim() == 1 or n.endswith(".bias")]
+    decay = [p for n, p in named.items() if decays(n, p)]
+    no_decay = [p for n, p in named.items() if not decays(n, p)]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
         lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
@@ -175,22 +216,14 @@ def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int
         count = 0
         for replica in batch:
             for samples in replica:
-                mb = collate([train[i] for i in samples])
-                logits = net(mb["tokens"], mb["position_ids"], None)  # [b, s, vocab]
-                losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1), reduction="none")
-                mask = mb["loss_mask"].reshape(-1).double()
-                ((losses * mask).sum() / mask.sum()).backward()
+                microbatch_loss(net, train, samples)[0].backward()
                 count += 1
         return [p.grad.clone() for p in named.values()], count
 
     def apply(grads: List[torch.Tensor], count: int) -> None:
         for p, g in zip(named.values(), grads):
             p.grad = g / count
-        norm = torch.sqrt(sum((p.grad**2).sum() for p in named.values()))
-        coefficient = args.clip_grad / (norm + 1.0e-6)
-        if args.clip_grad > 0 and coefficient < 1.0:
-            for p in named.values():
-                p.grad.mul_(coefficient)
+        clip_gradients(list(named.values()), args.clip_grad)
         optimizer.step()
         scheduler.step(increment=count * args.micro_batch_size)
 

@@ -49,7 +49,7 @@ import functools
 from typing import Callable
 
 from ..megatron_compat import megatron_lm_functions, with_keyword
-from ..optimizers import OPTIMIZERS, OptimizerChoice, ParamScheduler, averaged_weights, build_megatron_optimizer
+from ..optimizers import OWN_OPTIMIZERS, OptimizerChoice, ParamScheduler, averaged_weights, build_megatron_optimizer
 from ..plugin import register
 from ..megatron_args import resolved_schedule, schedule_choice
 from .args import chain_args_provider, layout_independent_init, validate_megatron_lm_args
@@ -70,7 +70,7 @@ __all__ = [
     "install",
 ]
 
-_OWN = OPTIMIZERS[1:]  # built here; Megatron-LM builds the others
+_OWN = OWN_OPTIMIZERS  # built here; Megatron-LM builds the others (adam, sgd)
 _OPTIMIZER_OF_MODEL = "megatron_bitpipe_optimizer"
 """Attribute of the model chunks naming the optimizer built by :func:`get_megatron_optimizer`
 (Megatron-LM's ``evaluate`` receives the model, not the optimizer)."""

@@ -17,7 +17,7 @@ See ``docs/optimizers.md``.
 
 import importlib
 
-from .flags import OPTIMIZERS, REX, OptimizerChoice, add_optimizer_args, optimizer_problems
+from .flags import MEGATRON_OPTIMIZERS, OPTIMIZERS, OWN_OPTIMIZERS, REX, OptimizerChoice, add_optimizer_args, optimizer_problems
 
 #: name -> submodule, for the names that need torch and megatron-core: imported on first use,
 #: so the flags (:mod:`.flags`) can be parsed and checked without them
@@ -32,6 +32,8 @@ _LAZY = {
 
 __all__ = [
     "OPTIMIZERS",
+    "MEGATRON_OPTIMIZERS",
+    "OWN_OPTIMIZERS",
     "OptimizerChoice",
     "add_optimizer_args",
     "averaged_weights",

@@ -1,7 +1,10 @@
 """Building the optimizers of this package the way megatron-core builds its own.
 
 :func:`build_megatron_optimizer` is ``megatron.core.optimizer.get_megatron_optimizer`` for
-``--optimizer adam`` and, for ``lamb``, ``onebit_lamb`` and ``schedulefree_adamw``, does
+``--optimizer adam`` and ``sgd`` (SGD with a state initialiser, so that a checkpoint's momentum
+loads: megatron-core gives its SGD none) and, for ``lamb``, ``onebit_lamb``,
+``schedulefree_adamw`` and ``sgd`` in a decentralized data-parallel mode
+(:class:`~.decentralized_sgd.DecentralizedSGD`), does
 what megatron-core does for its optimizers outside the factory (Muon): a torch optimizer over
 megatron's parameter groups (``_get_param_groups``: weight-decay and learning-rate overrides,
 the same groups on every rank), wrapped in ``FP32Optimizer`` or, with ``--bf16``/``--fp16``,
@@ -35,7 +38,8 @@ from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradS
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from .flags import OPTIMIZERS, OWN_OPTIMIZERS, OptimizerChoice, add_optimizer_args, optimizer_problems
+from .decentralized_sgd import DecentralizedSGD, init_sgd_state
+from .flags import MEGATRON_OPTIMIZERS, OPTIMIZERS, OWN_OPTIMIZERS, OptimizerChoice, add_optimizer_args, optimizer_problems
 from .lamb import Lamb
 from .onebit_lamb import OnebitLamb
 
@@ -71,6 +75,8 @@ def _grad_scaler(config: OptimizerConfig):
 
 
 def _torch_optimizer(config: OptimizerConfig, choice: OptimizerChoice, param_groups: List[dict], tp_group):
+    if choice.name == "sgd":
+        return DecentralizedSGD(param_groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
     common = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, weight_decay=config.weight_decay)
     if choice.name == "lamb":
         return Lamb(param_groups, min_coeff=choice.lamb_min_coeff, max_coeff=choice.lamb_max_coeff, tp_group=tp_group, **common)
@@ -150,8 +156,8 @@ def build_megatron_optimizer(
     :func:`megatron_bitpipe.runtime.replicas.wrap_ddp`. Collective (parameter groups are
     aligned across ranks, as in megatron).
     """
-    if choice.name == "adam":
-        return get_megatron_optimizer(
+    if choice.name in MEGATRON_OPTIMIZERS and not (choice.name == "sgd" and choice.decentralized):
+        optimizer = get_megatron_optimizer(
             config,
             model_chunks,
             config_overrides=config_overrides,
@@ -159,7 +165,11 @@ def build_megatron_optimizer(
             pg_collection=pg_collection,
             **megatron_kwargs,
         )
-    if choice.name not in OWN_OPTIMIZERS:
+        if choice.name == "sgd":
+            for part in megatron_parts(optimizer):
+                part.init_state_fn = init_sgd_state
+        return optimizer
+    if choice.name not in OWN_OPTIMIZERS + ("sgd",):
         raise ValueError(f"--optimizer {choice.name!r} is not one of {', '.join(OPTIMIZERS)}")
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()

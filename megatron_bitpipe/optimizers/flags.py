@@ -1,10 +1,13 @@
 """The optimizer flags and their rules, in pure Python (no torch, no megatron-core): the
 training scripts parse and check their flags before the heavy imports.
 
-:func:`add_optimizer_args` adds the flags of REX, LAMB, 1-bit LAMB and Schedule-Free AdamW
-(Megatron-style names that neither Megatron-LM core_v0.16.1 nor core_v0.19.0 defines);
-:func:`optimizer_problems` checks them without communication; :class:`OptimizerChoice` is what
-:func:`~.factory.build_megatron_optimizer` needs of them.
+``--optimizer`` takes megatron-core's own ``adam`` and ``sgd`` (:data:`MEGATRON_OPTIMIZERS`,
+with Megatron-LM's ``--sgd-momentum``, which the training scripts define as Megatron-LM does)
+and this package's :data:`OWN_OPTIMIZERS`. :func:`add_optimizer_args` adds the flags of REX,
+LAMB, 1-bit LAMB and Schedule-Free AdamW (Megatron-style names that neither Megatron-LM
+core_v0.16.1 nor core_v0.19.0 defines); :func:`optimizer_problems` checks them without
+communication; :class:`OptimizerChoice` is what :func:`~.factory.build_megatron_optimizer`
+needs of them.
 """
 
 from __future__ import annotations
@@ -14,18 +17,34 @@ import importlib.util
 from dataclasses import dataclass
 from typing import List, Optional
 
-__all__ = ["OPTIMIZERS", "OWN_OPTIMIZERS", "REX", "OptimizerChoice", "add_optimizer_args", "optimizer_problems"]
+__all__ = [
+    "OPTIMIZERS",
+    "MEGATRON_OPTIMIZERS",
+    "OWN_OPTIMIZERS",
+    "REX",
+    "OptimizerChoice",
+    "add_optimizer_args",
+    "optimizer_problems",
+]
 
 #: ``--lr-decay-style`` of the REX schedule
 REX = "rex"
-OPTIMIZERS = ("adam", "lamb", "onebit_lamb", "schedulefree_adamw")
-OWN_OPTIMIZERS = OPTIMIZERS[1:]
+#: built by megatron-core's ``get_megatron_optimizer`` (Megatron-LM builds them itself)
+MEGATRON_OPTIMIZERS = ("adam", "sgd")
+#: built by :func:`~.factory.build_megatron_optimizer` around this package's torch optimizers
+OWN_OPTIMIZERS = ("lamb", "onebit_lamb", "schedulefree_adamw")
+OPTIMIZERS = MEGATRON_OPTIMIZERS + OWN_OPTIMIZERS
 
 
 @dataclass(frozen=True)
 class OptimizerChoice:
     """``--optimizer`` and the flags of this package's optimizers (the rest is megatron's
-    ``OptimizerConfig``: lr, betas, eps, weight decay, clipping, precision)."""
+    ``OptimizerConfig``: lr, betas, eps, SGD's momentum, weight decay, clipping, precision).
+
+    ``decentralized``: a decentralized data-parallel mode runs (``--data-parallel-mode
+    decentlam``, ``dmsgd`` or ``lsgd``; the training scripts set it): ``--optimizer sgd`` is
+    then built as :class:`~.decentralized_sgd.DecentralizedSGD`, whose step is the mode's
+    update (:mod:`megatron_bitpipe.training.decentralized` attaches it)."""
 
     name: str = "adam"
     lamb_min_coeff: float = 0.01
@@ -34,6 +53,7 @@ class OptimizerChoice:
     sf_warmup_iters: int = 0
     sf_weight_lr_power: float = 2.0
     sf_r: float = 0.0
+    decentralized: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "OptimizerChoice":
@@ -76,6 +96,14 @@ def optimizer_problems(args: argparse.Namespace, *, schedule: str, megatron_lm: 
     name = getattr(args, "optimizer", "adam")
     if not 0.0 <= args.rex_beta < 1.0:
         problems.append(f"--rex-beta must lie in [0, 1) (got {args.rex_beta})")
+    if name == "sgd":
+        if not 0.0 <= getattr(args, "sgd_momentum", 0.0) < 1.0:
+            problems.append(f"--sgd-momentum must lie in [0, 1) (got {args.sgd_momentum})")
+        if getattr(args, "use_distributed_optimizer", False) and (not megatron_lm or schedule == "bitpipe"):
+            problems.append(
+                "--optimizer sgd cannot be combined with --use-distributed-optimizer here (its per-chunk "
+                "distributed optimizers and their checkpoints are built and tested for Adam's state only)"
+            )
     if name not in OWN_OPTIMIZERS:
         return problems
     for attribute, flag in (

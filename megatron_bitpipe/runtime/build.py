@@ -80,7 +80,7 @@ def build_pipeline_model(
     ddp_config: Optional[DistributedDataParallelConfig] = None,
     tensor_parallel_mode: str = "1d",
     chunk_builder: Callable[..., List[torch.nn.Module]] = build_gpt_chunks,
-    reduce_gradients: bool = True,
+    gradient_reduction: str = "data-parallel",
     **model_kwargs,
 ) -> PipelineModel:
     """Build, initialise and wrap this rank's model chunks of ``placement`` on ``grid``.
@@ -109,12 +109,13 @@ def build_pipeline_model(
     ``model.groups.mesh``). Its size constraints are checked here, before any communication
     (:func:`megatron_bitpipe.optimus.validation.check_optimus_model_config`); GPT only.
     ``model_kwargs`` go to ``chunk_builder`` (``layer_spec``, ``position_embedding_type``,
-    ``add_binary_head``, ...). ``reduce_gradients=False`` leaves the data-parallel gradient
-    reduction to the caller (:func:`~.replicas.wrap_ddp`).
+    ``add_binary_head``, ...). ``gradient_reduction`` is what the chunks' DDP reduces over
+    (:func:`~.replicas.wrap_ddp`): ``"data-parallel"`` (synchronous), ``"replicas"`` (within
+    each data-parallel replica; builds the replica groups) or ``"none"`` (the caller reduces).
     """
     if tensor_parallel_mode == "optimus2d":
         check_optimus_model_config(config, grid.tp, vocab_size)
-    groups = PipelineGroups.build(grid, placement, tensor_parallel_mode)
+    groups = PipelineGroups.build(grid, placement, tensor_parallel_mode, replica_groups=gradient_reduction == "replicas")
     init_megatron_state(groups.rank_pgs, seed)
     chunks = chunk_builder(
         without_megatron_init(config),
@@ -132,7 +133,7 @@ def build_pipeline_model(
         mark_replica_parameters(chunks, specs)
     if config.bf16 or config.fp16:
         chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
-    return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config, reduce_gradients), groups, specs, config)
+    return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config, gradient_reduction), groups, specs, config)
 
 
 def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, choice: OptimizerChoice = OptimizerChoice()):

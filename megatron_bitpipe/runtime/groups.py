@@ -27,6 +27,8 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
 * p2p channel groups, one per (payload, pipeline, direction, link parity) — see
   :meth:`channel_group`.
 * grad-sync groups, one per stage — see :meth:`grad_sync_group`.
+* on request, replica groups, one per stage and data-parallel rank — see
+  :meth:`replica_group` (decentralized data parallelism).
 
 Every channel and stage group's communicator is created and warmed up in :meth:`PipelineGroups.build`
 (:func:`warm_up`), so no communicator is created inside a step (NCCL creates one on first use,
@@ -158,6 +160,10 @@ def placement_links(placement: Placement) -> Dict[ChannelGroupKey, List[Tuple[in
     return {key: sorted(pairs) for key, pairs in links.items()}
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def warm_up(
     placement: Placement,
     pp_rank: int,
@@ -176,7 +182,7 @@ def warm_up(
     always has all its members: no deadlock. ``global_rank`` maps a pipeline rank of this
     rank's (tp, dp) slice to its global rank.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = _device()
     links = placement_links(placement)
     for key in sorted(channels, key=lambda k: (k[0].value, *k[1:])):
         group = channels[key]
@@ -211,6 +217,7 @@ class PipelineGroups:
     channels: Dict[ChannelGroupKey, dist.ProcessGroup]
     stage_groups: Dict[int, dist.ProcessGroup]
     mesh: Optional[OptimusMesh] = None
+    replica_groups: Optional[Dict[int, dist.ProcessGroup]] = None
 
     @property
     def tp_rank(self) -> int:
@@ -265,13 +272,26 @@ class PipelineGroups:
         """
         return self.stage_groups[self.placement.role(self.pp_rank, chunk).stage]
 
+    def replica_group(self, chunk: int) -> dist.ProcessGroup:
+        """Group over which local chunk ``chunk``'s gradients are averaged *within* this
+        data-parallel replica: the ranks holding a replica of the chunk's stage (one per
+        pipeline) at this rank's tensor- and data-parallel rank; this rank alone for a
+        placement of one pipeline. Built only on request (``build(..., replica_groups=True)``:
+        decentralized data parallelism, whose replicas keep weights of their own)."""
+        if self.replica_groups is None:
+            raise ValueError("the replica groups were not built: PipelineGroups.build(..., replica_groups=True)")
+        return self.replica_groups[self.placement.role(self.pp_rank, chunk).stage]
+
     @classmethod
-    def build(cls, grid: ParallelGrid, placement: Placement, tensor_parallel_mode: str = "1d") -> "PipelineGroups":
+    def build(
+        cls, grid: ParallelGrid, placement: Placement, tensor_parallel_mode: str = "1d", replica_groups: bool = False
+    ) -> "PipelineGroups":
         """Create every group of ``grid`` x ``placement``; a collective call on the default group.
 
         ``tensor_parallel_mode`` is ``--tensor-parallel-mode``: ``"1d"`` (megatron's tensor
         parallelism) or ``"optimus2d"`` (also builds the Optimus mesh over the tp group, whose
-        size must then be q*q). Bad arguments raise ValueError before any communication.
+        size must then be q*q). ``replica_groups``: also build (and warm up) the groups of
+        :meth:`replica_group`. Bad arguments raise ValueError before any communication.
         """
         if tensor_parallel_mode not in TENSOR_PARALLEL_MODES:
             raise ValueError(f"--tensor-parallel-mode {tensor_parallel_mode!r} is not one of {TENSOR_PARALLEL_MODES}")
@@ -311,7 +331,23 @@ class PipelineGroups:
             if pp_rank in holders:
                 stage_groups[stage] = group
 
+        replicas = None
+        if replica_groups:
+            replicas = {}
+            for stage in range(placement.num_stages):
+                holders = sorted({loc.rank for loc in placement.replicas(stage)})
+                if len(holders) == 1:
+                    group = solo
+                else:
+                    slices = [(t, d) for d in range(grid.dp) for t in range(grid.tp)]
+                    group = new_groups([sorted(grid.rank(t, d, p) for p in holders) for t, d in slices], rank)
+                if pp_rank in holders:
+                    replicas[stage] = group
+
         warm_up(placement, pp_rank, lambda p: grid.rank(*grid.coords(rank)[:2], p), channels, stage_groups)
+        for stage in sorted(replicas or {}):  # a mirror pair holds the same stages: one order
+            if placement.num_pipelines > 1:
+                dist.all_reduce(torch.zeros(1, device=_device()), group=replicas[stage])
         mesh = build_optimus_mesh(tp) if tensor_parallel_mode == "optimus2d" else None
         embd = solo
         if placement.head_copies_embedding:
@@ -334,4 +370,5 @@ class PipelineGroups:
             channels=channels,
             stage_groups=stage_groups,
             mesh=mesh,
+            replica_groups=replicas,
         )

@@ -45,6 +45,7 @@ from .layout import ChunkSpec
 from megatron.core.utils import unwrap_model
 
 __all__ = [
+    "GRADIENT_REDUCTIONS",
     "microbatches_per_replica",
     "ChunkDistributedDataParallel",
     "wrap_ddp",
@@ -52,6 +53,10 @@ __all__ = [
     "mark_replica_parameters",
     "max_replica_difference",
 ]
+
+
+#: what :func:`wrap_ddp`'s DDP reduces the gradients over
+GRADIENT_REDUCTIONS = ("data-parallel", "replicas", "none")
 
 
 def microbatches_per_replica(num_microbatches: int, placement: Placement) -> int:
@@ -100,15 +105,22 @@ def wrap_ddp(
     groups: PipelineGroups,
     config: TransformerConfig,
     ddp_config: DistributedDataParallelConfig,
-    reduce_gradients: bool = True,
+    gradient_reduction: str = "data-parallel",
 ) -> List[ChunkDistributedDataParallel]:
     """One megatron DDP (:class:`ChunkDistributedDataParallel`) per chunk, reducing over the
-    chunk's grad-sync group.
+    group :data:`GRADIENT_REDUCTIONS` names:
 
-    ``reduce_gradients=False``: each DDP's data-parallel group is this rank alone, so the
-    gradient buffers keep this rank's own gradients after a step and the caller reduces
-    them over :meth:`~.groups.PipelineGroups.grad_sync_group` itself (ABS-SGD's delayed
-    all-reduce, :mod:`megatron_bitpipe.training.abs_sgd`).
+    * ``"data-parallel"``: the chunk's grad-sync group (its stage's replicas x data parallel;
+      synchronous data parallelism);
+    * ``"replicas"``: :meth:`~.groups.PipelineGroups.replica_group`, the stage's replicas
+      within this data-parallel replica (BitPipe's mirror pair; this rank alone for one
+      pipeline): each data-parallel replica's gradient is its own batch's, and the replica
+      copies of a stage stay equal (decentralized data parallelism,
+      :mod:`megatron_bitpipe.training.decentralized`; ``groups`` built with replica groups);
+    * ``"none"``: this rank alone, so the gradient buffers keep this rank's own gradients
+      after a step and the caller reduces them over
+      :meth:`~.groups.PipelineGroups.grad_sync_group` itself (ABS-SGD's delayed all-reduce,
+      :mod:`megatron_bitpipe.training.abs_sgd`).
 
     ``config`` is the caller's (shared) config: ``get_model_config`` of every wrapped chunk
     returns it. Every chunk is a single bucket: megatron turns bucketing off on pipeline
@@ -119,18 +131,25 @@ def wrap_ddp(
     then needs its own distributed optimizer over that group
     (:func:`megatron_bitpipe.runtime.build.build_optimizer`).
     """
-    collections = groups.model_pgs if reduce_gradients else [_without_data_parallel(pgs) for pgs in groups.model_pgs]
+    if gradient_reduction == "data-parallel":
+        collections = list(groups.model_pgs)
+    elif gradient_reduction == "replicas":
+        collections = [_with_data_parallel(pgs, groups.replica_group(c)) for c, pgs in enumerate(groups.model_pgs)]
+    elif gradient_reduction == "none":
+        collections = [_with_data_parallel(pgs, pgs.cp) for pgs in groups.model_pgs]
+    else:
+        raise ValueError(f"gradient_reduction {gradient_reduction!r} is not one of {GRADIENT_REDUCTIONS}")
     return [
         ChunkDistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
         for chunk, pgs in zip(chunks, collections)
     ]
 
 
-def _without_data_parallel(pgs):
-    """``pgs`` with its data-parallel groups replaced by this rank alone (``pgs.cp``, a
-    group of one: context parallelism is off)."""
+def _with_data_parallel(pgs, group):
+    """``pgs`` with its data-parallel groups replaced by ``group`` (``pgs.cp`` is this rank
+    alone: context parallelism is off)."""
     local = copy.copy(pgs)
-    local.dp = local.dp_cp = local.expt_dp = pgs.cp
+    local.dp = local.dp_cp = local.expt_dp = group
     return local
 
 

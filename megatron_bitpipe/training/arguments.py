@@ -52,6 +52,7 @@ from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 from ..usage import FlagParser
 from .abs_sgd.args import abs_sgd_problems, add_data_parallel_args
+from .decentralized.args import add_decentralized_args, decentralized_problems
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -156,6 +157,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lr-warmup-iters", type=int, default=0)
     group.add_argument("--lr-warmup-init", type=float, default=0.0)
     group.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    group.add_argument("--sgd-momentum", type=float, default=0.9, help="Momentum factor for sgd")
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--clip-grad", type=float, default=1.0)
     group.add_argument("--adam-beta1", type=float, default=0.9)
@@ -234,6 +236,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the data-parallel gradient reduction (always on with bitpipe)")
     add_bitpipe_args(parser)
     add_data_parallel_args(parser)
+    add_decentralized_args(parser)
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -544,6 +547,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
         problems += _pipeline_problems(args)
         problems += _recompute_problems(args)
         problems += abs_sgd_problems(args)
+        problems += decentralized_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
     problems += optimizer_problems(args, schedule=resolved_schedule(args))

@@ -37,6 +37,7 @@ from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
+from ..run_config import RunConfig
 from ..runtime.build import PipelineModel
 from ..runtime.distributed_optimizer import SHARDING_TYPE
 from . import optimizer_state
@@ -55,7 +56,30 @@ from ..checkpoint_checks import (
 from .distributed import log
 from ..checkpoint_rules import CheckpointError
 
-__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "TrainingState", "checkpoint_dir", "save_checkpoint", "load_checkpoint"]
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "CheckpointError",
+    "TrainingState",
+    "checkpoint_dir",
+    "save_checkpoint",
+    "load_checkpoint",
+    "rank_layout",
+]
+
+
+def rank_layout(run: RunConfig) -> Dict[str, object]:
+    """What fixes which rank holds which part of which replica: per-rank state saved beside a
+    checkpoint (ABS-SGD's gradients in flight, the decentralized modes' replicas) resumes only
+    in the same layout."""
+    layout = run.layout
+    return {
+        "world_size": layout.world,
+        "tensor_model_parallel_size": layout.tensor,
+        "pipeline_model_parallel_size": layout.pipeline,
+        "data_parallel_size": layout.data,
+        "schedule": run.schedule_name,
+        "tensor_parallel_mode": layout.tensor_parallel_mode,
+    }
 
 #: ``checkpoint_version`` of Megatron-LM's state dicts (3.0 since megatron-core models)
 CHECKPOINT_VERSION = 3.0

@@ -6,7 +6,7 @@ precision, optimizer choice):
 
 * :func:`transformer_config` — the ``TransformerConfig`` of the model;
 * :func:`ddp_config`, :func:`optimizer_config`, :func:`lr_scheduler` — DDP, the optimizer
-  (``--optimizer``: Adam or one of :mod:`megatron_bitpipe.optimizers`) and Megatron's
+  (``--optimizer``: megatron's Adam or SGD, or one of :mod:`megatron_bitpipe.optimizers`) and Megatron's
   learning-rate / weight-decay schedule (counted in samples, like Megatron-LM; ``--lr-decay-style
   rex`` too).
 
@@ -29,7 +29,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
-from ..optimizers import ParamScheduler
+from ..optimizers import MEGATRON_OPTIMIZERS, ParamScheduler
 from ..run_config import RunConfig
 from ..runtime.kernels import kernel_fields
 
@@ -122,13 +122,14 @@ def optimizer_config(args: argparse.Namespace, run: RunConfig) -> OptimizerConfi
     sharded with ``--use-distributed-optimizer``); ``--optimizer`` other than adam reads its
     hyper-parameters from it (``run.optimizer``)."""
     return OptimizerConfig(
-        optimizer="adam",
+        optimizer=args.optimizer if args.optimizer in MEGATRON_OPTIMIZERS else "adam",
         lr=args.lr,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
         clip_grad=args.clip_grad,
         bf16=run.precision.bf16,
         fp16=run.precision.fp16,

@@ -118,7 +118,9 @@ class IterationRecord:
 def _shown(value) -> str:
     if isinstance(value, (list, tuple)):
         return "/".join(_shown(v) for v in value)
-    return f"{value:.1f}" if isinstance(value, float) else str(value)
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.1f}" if value == 0 or abs(value) >= 0.05 else f"{value:.3e}"  # small values keep their digits
 
 
 class TrainingLogger:

@@ -23,11 +23,16 @@ global-batch loss.
 With ``--data-parallel-mode abs-sgd`` an iteration is ABS-SGD's instead
 (:class:`~.abs_sgd.step.AbsSgdStep`: it applies the previous iteration's gradients while
 this one's all-reduce overlaps the next compute); its state travels with the checkpoints.
+With ``decentlam``, ``dmsgd`` or ``lsgd`` the optimizer's step exchanges parameters between
+the data-parallel replicas, which keep weights of their own
+(:class:`~.decentralized.step.DecentralizedStep`: LSGD's losses, logs, the evaluated weights
+and every replica's state in the checkpoints).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -40,6 +45,8 @@ from ..runtime.build import build_optimizer
 from . import distributed
 from .arguments import padded_vocab_size
 from .abs_sgd.step import AbsSgdStep, resume_data_parallel
+from .decentralized.args import DECENTRALIZED_MODES
+from .decentralized.step import DecentralizedStep, resume_decentralized
 from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import lr_scheduler, optimizer_config, use_global_tp_group
 from .data import build_tokenizer, microbatches
@@ -72,8 +79,11 @@ class Trainer:
             self.state = loaded or self.state
         self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
         self.abs_sgd = AbsSgdStep(self) if run.data_parallel_mode == "abs-sgd" else None
+        self.decentralized = DecentralizedStep(self) if run.data_parallel_mode in DECENTRALIZED_MODES else None
         if loaded is not None:
-            resume_data_parallel(checkpoint_dir(args.load, loaded.iteration), self.abs_sgd)
+            directory = checkpoint_dir(args.load, loaded.iteration)
+            resume_decentralized(directory, self.decentralized)
+            resume_data_parallel(directory, self.abs_sgd)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
         self.flops_per_iteration = args.global_batch_size * model_flops_per_sample(args, task.causal_attention)
         self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration, run.label)
@@ -112,6 +122,8 @@ class Trainer:
         lr = lr_for_logging(self.optimizer)
         batches = microbatches(self.train_data, self.state.consumed_train_samples, args, self.groups.dp_rank)
         reports = self.schedule.run(self.task.forward_step, batches, forward_only=False)
+        if self.decentralized is not None:
+            self.decentralized.observe(reports)
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=args.global_batch_size)
@@ -138,17 +150,19 @@ class Trainer:
             losses=losses,
             max_memory_mib=job_peak_memory_mib(self.env.device),
             tflops_per_device=self.flops_per_iteration / (elapsed * self.env.world_size * 1e12) if on_gpu else None,
-            extra=extra,
+            extra=extra if self.decentralized is None else {**extra, **self.decentralized.fields(self.state.iteration)},
         )
 
     def evaluate(self, dataset=None) -> Dict[str, float]:
         """Mean losses over the first ``--eval-iters`` global batches of ``dataset`` (default:
-        the validation set), of Schedule-Free's averaged weights with that optimizer."""
+        the validation set), of Schedule-Free's averaged weights with that optimizer, of the
+        decentralized modes' evaluated weights (the replicas' average, LSGD's global leader)."""
         dataset = self.valid_data if dataset is None else dataset
         for chunk in self.model.chunks:
             chunk.eval()
         reports: List[dict] = []
-        with torch.no_grad(), averaged_weights(self.optimizer):
+        evaluated = contextlib.nullcontext() if self.decentralized is None else self.decentralized.evaluated_weights()
+        with torch.no_grad(), averaged_weights(self.optimizer), evaluated:
             for batch in range(self.args.eval_iters):
                 first = batch * self.args.global_batch_size
                 batches = microbatches(dataset, first, self.args, self.groups.dp_rank)
@@ -165,6 +179,8 @@ class Trainer:
     def save(self) -> None:
         if self.abs_sgd is not None:
             self.abs_sgd.save(checkpoint_dir(self.args.save, self.state.iteration))
+        if self.decentralized is not None:
+            self.decentralized.save(checkpoint_dir(self.args.save, self.state.iteration))
         with averaged_weights(self.optimizer):  # Schedule-Free saves its averaged weights
             directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
         distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
@@ -205,6 +221,8 @@ class Trainer:
             record = self.train_step()
             if self.valid_data is not None and self._due(args.eval_interval):
                 record.validation = self.evaluate()
+                if self.decentralized is not None:
+                    record.extra["evaluated_weights"] = self.decentralized.evaluated_label()
             self.logger.record(record)
             validation = record.validation
             if args.save and self._due(args.save_interval):

@@ -8,7 +8,9 @@ blocks of the full model drawn from ``--seed`` alone, whatever the layout; with
 ``--bf16``/``--fp16`` the chunks are wrapped for mixed precision. ``--attention-backend sdpa``
 swaps the layers' core attention for torch's SDPA (:mod:`megatron_bitpipe.runtime.sdpa_attention`). With
 ``--data-parallel-mode abs-sgd`` the chunks' DDP does not reduce over data parallelism
-(:mod:`.abs_sgd` does, one iteration later).
+(:mod:`.abs_sgd` does, one iteration later); with a decentralized mode it reduces within each
+data-parallel replica only (BitPipe's weight replicas; :mod:`.decentralized` exchanges
+parameters between the replicas).
 """
 
 from __future__ import annotations
@@ -25,8 +27,17 @@ from ..runtime.sdpa_attention import SdpaDotProductAttention, with_core_attentio
 from ..runtime.groups import ParallelGrid
 from ..run_config import RunConfig
 from .config import ddp_config, transformer_config
+from .decentralized.args import DECENTRALIZED_MODES
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "gradient_reduction"]
+
+
+def gradient_reduction(data_parallel_mode: str) -> str:
+    """What the chunks' DDP reduces gradients over in ``--data-parallel-mode``
+    (:func:`megatron_bitpipe.runtime.replicas.wrap_ddp`)."""
+    if data_parallel_mode == "sync":
+        return "data-parallel"
+    return "replicas" if data_parallel_mode in DECENTRALIZED_MODES else "none"
 
 
 def build_model(
@@ -58,6 +69,6 @@ def build_model(
         ddp_config=ddp_config(args, run),
         tensor_parallel_mode=run.layout.tensor_parallel_mode,
         position_embedding_type=args.position_embedding_type,
-        reduce_gradients=run.data_parallel_mode == "sync",
+        gradient_reduction=gradient_reduction(run.data_parallel_mode),
         **model_kwargs,
     )

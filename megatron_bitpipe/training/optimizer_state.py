@@ -20,7 +20,7 @@ Adam step              ``common_step`` in the state            ``step`` of every
 :class:`OptimizerLoad` then asks for this run's own form under the names the checkpoint uses
 (the main weight from the fp32 weight when the checkpoint has no separate one) and carries
 the step and the loss scale over. Either way, the other plain values (Adam's betas and
-epsilon, each parameter group's learning-rate bounds) are then set from this run's flags and
+epsilon, SGD's momentum, each parameter group's learning-rate bounds) are then set from this run's flags and
 loaded schedule (:func:`use_run_hyperparameters`).
 """
 
@@ -188,7 +188,7 @@ class OptimizerLoad:
 
 
 def use_run_hyperparameters(optimizer, scheduler) -> None:
-    """After loading: Adam's betas and epsilon from this run's flags, and every parameter
+    """After loading: Adam's betas and epsilon (SGD's momentum) from this run's flags, and every parameter
     group's learning-rate bounds from the loaded schedule (``scheduler``, which follows
     ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``), then the
     current learning rate and weight decay recomputed from it. (A loaded megatron optimizer
@@ -202,6 +202,8 @@ def use_run_hyperparameters(optimizer, scheduler) -> None:
                 group["betas"] = (config.adam_beta1, config.adam_beta2)
             if "eps" in group:
                 group["eps"] = config.adam_eps
+            if "momentum" in group:
+                group["momentum"] = config.sgd_momentum
             group["max_lr"], group["min_lr"] = max_lr, scheduler.min_lr
     scheduler.step(increment=0)
 

@@ -1,7 +1,8 @@
 """Flags of the data-parallel mode and their rules (pure Python, before any communication).
 
-``--data-parallel-mode {sync,abs-sgd}`` selects synchronous data parallelism (default) or
-ABS-SGD (:mod:`megatron_bitpipe.training.abs_sgd`). The ``--abs-*`` flags shape ABS-SGD's
+``--data-parallel-mode {sync,abs-sgd,decentlam,dmsgd,lsgd}`` selects synchronous data
+parallelism (default), ABS-SGD (:mod:`megatron_bitpipe.training.abs_sgd`) or a decentralized
+mode (:mod:`megatron_bitpipe.training.decentralized`, whose flags and rules are its own). The ``--abs-*`` flags shape ABS-SGD's
 iterations; ``--emulate-replica-slowdown`` slows data-parallel replicas down in either mode
 (a testing and benchmarking aid). :class:`AbsSgdSettings` holds the parsed values with their
 defaults filled in; :func:`abs_sgd_problems` lists every broken rule, naming the flags.
@@ -18,6 +19,7 @@ from typing import List, Optional, Tuple
 
 from ...megatron_args import BitPipeConfigError, schedule_choice
 from ...schedules import ScheduleChoice
+from ..decentralized.args import DECENTRALIZED_MODES
 
 __all__ = [
     "DATA_PARALLEL_MODES",
@@ -30,7 +32,7 @@ __all__ = [
     "CountRule",
 ]
 
-DATA_PARALLEL_MODES = ("sync", "abs-sgd")
+DATA_PARALLEL_MODES = ("sync", "abs-sgd") + DECENTRALIZED_MODES
 #: how an ABS-SGD iteration decides each replica's micro-batches
 TRIGGERS = ("time", "count", "fixed")
 #: --abs-max-microbatches defaults to this many times the synchronous count per replica
@@ -69,7 +71,11 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argument
         help="sync: every iteration all-reduces and applies its own gradients (Megatron's data parallelism). "
         "abs-sgd: each iteration applies the previous iteration's gradients, Σ gradient sums / Σ samples over "
         "the replicas, while their all-reduce overlaps this iteration's compute, and each replica processes as "
-        "many micro-batches as its speed allows (heterogeneous clusters; see docs/heterogeneous.md)",
+        "many micro-batches as its speed allows (heterogeneous clusters; see docs/heterogeneous.md). "
+        "decentlam, dmsgd, lsgd: decentralized, the replicas' weights differ (--optimizer sgd; see "
+        "docs/decentralized.md): decentlam averages with its --gossip-topology neighbours inside its "
+        "bias-corrected momentum, dmsgd is plain decentralized momentum SGD, lsgd pulls every replica toward "
+        "the replicas of lowest loss (leaders)",
     )
     group.add_argument(
         "--abs-trigger",

@@ -47,6 +47,7 @@ import torch
 
 from ...optimizers import lr_for_logging
 from ...checkpoint_rules import CheckpointError
+from ..checkpoint import rank_layout
 from ..data import collate
 from ..distributed import log
 from ..logs import IterationRecord
@@ -224,17 +225,6 @@ class AbsSgdStep:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _layout(self) -> dict:
-        args = self.trainer.args
-        return {
-            "world_size": args.world_size,
-            "tensor_model_parallel_size": args.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-            "data_parallel_size": args.data_parallel_size,
-            "schedule": self.trainer.run_config.schedule_name,
-            "tensor_parallel_mode": args.tensor_parallel_mode,
-        }
-
     def save(self, directory: str) -> None:
         """Write this rank's ABS-SGD state into checkpoint ``directory`` (before the
         checkpoint itself, which makes it the latest). Waits for the exchange in flight."""
@@ -246,7 +236,7 @@ class AbsSgdStep:
         if rank == 0:
             common = {
                 "version": VERSION,
-                "layout": self._layout(),
+                "layout": rank_layout(self.trainer.run_config),
                 "positions": self.positions,
                 "speeds": self.speeds.state_dict(),
                 "last_wait_s": self.last_wait_s,
@@ -262,7 +252,7 @@ class AbsSgdStep:
             raise CheckpointError(f"{directory}: {COMMON_FILE} is not version {VERSION}")
         pending = common["in_flight_iteration"]
         if pending is not None:
-            if common["layout"] != self._layout():
+            if common["layout"] != rank_layout(self.trainer.run_config):
                 raise CheckpointError(
                     f"{directory} holds abs-sgd gradients in flight for another layout ({common['layout']}); resume it with "
                     "the same world size, --tensor-model-parallel-size, --pipeline-model-parallel-size, schedule and "
