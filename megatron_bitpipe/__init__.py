@@ -5,7 +5,9 @@
 * ``add_bitpipe_args`` / ``validate_bitpipe_args`` — the command-line flags
   (:mod:`.megatron_args`);
 * :mod:`.schedules` — schedules as data, simulator, command line (no torch needed);
-* :mod:`.runtime` — building chunks and running plans on megatron-core;
+* :mod:`.model` — model chunks for any placement (built, initialised from the seed);
+  :mod:`.execution` — running plans on them;
+* :mod:`.run_config` — a run's decisions, made once from the flags;
 * :mod:`.optimus` — Optimus 2D (SUMMA) tensor parallelism;
 * :mod:`.megatron_lm` and ``python -m megatron_bitpipe.run`` (:mod:`.run`) — the plugin inside
   Megatron-LM's own training scripts (docs/megatron_lm.md).

@@ -22,7 +22,7 @@ patch release in the range behaves like its neighbours:
   with ``overlap_moe_expert_parallel_comm`` (its MoE overlap schedule), so the flag is set on
   the constructed config; where a release has no such field it becomes a plain attribute,
   read by this package's deferrable local linears only (megatron's TE linears of such a
-  release would not defer, and :func:`~megatron_bitpipe.runtime.weight_grad.enable_split_backward`
+  release would not defer, and :func:`~megatron_bitpipe.execution.weight_grad.enable_split_backward`
   refuses them).
 * :func:`reads_common_state_in_index` — megatron-core 0.19 saves a distributed checkpoint's
   plain values as an object of its index instead of ``common.pt``; its reader reads both,
@@ -32,7 +32,7 @@ patch release in the range behaves like its neighbours:
   attention_type, cp_comm_type, softmax_scale, pg_collection``); 0.19's selective recompute
   passes extra keyword arguments to the core attention (``_run_core_attention(...,
   **extra_kwargs)``, empty for self-attention), which
-  :class:`~megatron_bitpipe.runtime.sdpa_attention.SdpaDotProductAttention` accepts and
+  :class:`~megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention` accepts and
   refuses when not empty. Nothing to adapt here.
 * :func:`megatron_lm_functions` — where Megatron-LM's training code looks up what the runtime
   route wraps (argument parsing, batch broadcast, model builders), and :func:`with_keyword`

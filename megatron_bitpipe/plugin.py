@@ -4,7 +4,7 @@ megatron-core's ``get_forward_backward_func`` is a fixed choice between its own 
 (its arguments: ``pp_size, vp_size``, and since 0.19 ``schedule_pg_collection``), and Megatron-LM's ``training.py`` imports it by name. :func:`register`
 replaces that function — in ``megatron.core.pipeline_parallel``, its ``schedules`` module
 and, when imported, ``megatron.training.training`` — with one that returns
-:func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe` while the
+:func:`~megatron_bitpipe.execution.forward_backward.forward_backward_bitpipe` while the
 selected schedule is ``bitpipe`` (or the function given to :func:`register`, e.g. Megatron-LM's
 variant that hands the loss reports to the last pipeline stage) and defers to the original
 otherwise. :func:`unregister` restores the original everywhere.
@@ -27,7 +27,7 @@ def _get_forward_backward_func(*args, **kwargs) -> Callable:
     if _state["schedule"] == "bitpipe":
         if _state["bitpipe"] is not None:
             return _state["bitpipe"]
-        from .runtime.forward_backward import forward_backward_bitpipe
+        from .execution.forward_backward import forward_backward_bitpipe
 
         return forward_backward_bitpipe
     return _state["original"](*args, **kwargs)
@@ -39,7 +39,7 @@ def register(schedule: str = "bitpipe", *, bitpipe_func: Optional[Callable] = No
     ``schedule`` is a ``--pipeline-schedule`` value; ``default``, ``1f1b`` and
     ``interleaved`` keep megatron-core's own functions (chosen by the vp size as usual).
     ``bitpipe_func`` replaces the function returned for ``bitpipe`` (default
-    :func:`~megatron_bitpipe.runtime.forward_backward.forward_backward_bitpipe`).
+    :func:`~megatron_bitpipe.execution.forward_backward.forward_backward_bitpipe`).
     Idempotent; call again to switch schedules.
     """
     if schedule not in PIPELINE_SCHEDULES:

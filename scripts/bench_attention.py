@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Core attention race: megatron-core's unfused ``DotProductAttention`` vs SDPA
-(:class:`megatron_bitpipe.runtime.sdpa_attention.SdpaDotProductAttention`, ``--attention-backend sdpa``).
+(:class:`megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention`, ``--attention-backend sdpa``).
 
 For each sequence length, both modules run forward + backward on the same causal GPT
 attention inputs (``[s, b, heads, head_dim]``, megatron's layout, dropout 0), alternately, round
@@ -78,7 +78,7 @@ def _modules(args, dtype):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_bitpipe.runtime.sdpa_attention import SdpaDotProductAttention
+    from megatron_bitpipe.model.sdpa_attention import SdpaDotProductAttention
 
     config = TransformerConfig(
         num_layers=1,

@@ -176,8 +176,8 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
     )
 
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
-    from megatron_bitpipe.runtime.groups import ParallelGrid
-    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.model.build import init_megatron_state
 
     interleaved = schedule == "interleaved"
     # Megatron-LM's defaults: overlapped p2p with interleaving, batched p2p without.
@@ -219,9 +219,9 @@ def _megatron_runner(schedule: str, settings: Settings, pipeline_size: int) -> _
 
 def _plan_runner(schedule: str, settings: Settings, pipeline_size: int) -> _Runner:
     """A plan on this package's executor and chunks (build_pipeline_model)."""
-    from megatron_bitpipe.runtime.build import build_pipeline_model
-    from megatron_bitpipe.runtime.forward_backward import make_forward_backward_func
-    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.model.build import build_pipeline_model
+    from megatron_bitpipe.execution.forward_backward import make_forward_backward_func
+    from megatron_bitpipe.execution.groups import ParallelGrid
     from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
 
     choice = plan_choice(schedule, settings)

@@ -7,12 +7,12 @@ For a GPT (default: 7B-shaped — 32 layers, hidden 4096, 32 heads, SwiGLU FFN 1
 chunks of one pipeline rank (``--pipeline-rank``, default 0: an edge rank, which holds an
 embedding and a head besides its four stages) exactly as the pretrain scripts do —
 ``training.config.transformer_config`` from the scripts' flags, then
-``runtime.build.build_pipeline_model`` (groups, megatron-core chunks, seed initialisation,
+``model.build.build_pipeline_model`` (groups, megatron-core chunks, seed initialisation,
 replica marking), without the DDP wrapper — and reports:
 
 * **build s**: wall time of ``build_pipeline_model`` (megatron's construction, including its
   own initialisation where it runs, plus the seed initialisation);
-* **seed init s**: the part spent in ``runtime.init.initialize_from_seed``;
+* **seed init s**: the part spent in ``model.init.initialize_from_seed``;
 * **peak RSS GiB**: the child's peak resident memory (``ru_maxrss``) at the end, and
   **weights GiB** the bytes of the rank's own parameters, for scale.
 
@@ -57,8 +57,8 @@ def _child(options: argparse.Namespace) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.runtime import build
-    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.model import build
+    from megatron_bitpipe.execution.groups import ParallelGrid
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import transformer_config

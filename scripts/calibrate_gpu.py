@@ -12,14 +12,14 @@ built and run **as a middle pipeline stage of training runs it** — for one mic
   Transformer Engine or local layers) is the one training would use;
 * the share is a ``GPTModel`` chunk without embedding and head (``pre_process`` and
   ``post_process`` false), made by the project's chunk factory
-  (:func:`megatron_bitpipe.runtime.model.gpt_chunk_factory` through
-  :func:`~megatron_bitpipe.runtime.model.build_chunks`), wrapped for mixed precision in
-  :class:`~megatron_bitpipe.runtime.precision.ChunkFloat16Module` (megatron's
+  (:func:`megatron_bitpipe.model.chunks.gpt_chunk_factory` through
+  :func:`~megatron_bitpipe.model.chunks.build_chunks`), wrapped for mixed precision in
+  :class:`~megatron_bitpipe.model.precision.ChunkFloat16Module` (megatron's
   ``Float16Module``: every parameter, layer norms included, in bf16/fp16) and in the project's
-  megatron DDP (:func:`~megatron_bitpipe.runtime.replicas.wrap_ddp`, fp32 gradient buffers);
+  megatron DDP (:func:`~megatron_bitpipe.execution.replicas.wrap_ddp`, fp32 gradient buffers);
 * its input is the activation a middle stage receives: ``config.pipeline_dtype``; the
   forward and the backward are megatron's ``forward_step`` / ``backward_step`` as
-  :class:`~megatron_bitpipe.runtime.executor.PlanExecutor` calls them (output deallocated
+  :class:`~megatron_bitpipe.execution.executor.PlanExecutor` calls them (output deallocated
   before the backward when the config says so), inside the chunk's ``no_sync``.
 
 Measured (median of ``--iters`` after ``--warmup``; CUDA events on a GPU):
@@ -27,9 +27,9 @@ Measured (median of ``--iters`` after ``--warmup``; CUDA events on a GPU):
 * ``F``, ``B``: forward and whole backward;
 * with megatron-core's local layers (``--transformer-impl local``; the split backward
   defers only those), the split backward with the project's own deferral
-  (:mod:`megatron_bitpipe.runtime.weight_grad`, as the executor runs ``I`` and ``W``): ``I``,
+  (:mod:`megatron_bitpipe.execution.weight_grad`, as the executor runs ``I`` and ``W``): ``I``,
   the backward with the weight gradients deferred (``F`` runs inside ``deferring`` too), and
-  ``W``, running the deferred :class:`~megatron_bitpipe.runtime.weight_grad.WeightGradWork`.
+  ``W``, running the deferred :class:`~megatron_bitpipe.execution.weight_grad.WeightGradWork`.
   With Transformer Engine layers ``I`` and ``W`` are not measured (said in the output).
 
 Communication:
@@ -167,11 +167,11 @@ def build_share(train_args: argparse.Namespace, device):
     without embedding or head (``ChunkFloat16Module`` inside with bf16/fp16), on ``device``.
     Needs an initialised default process group of one rank (collective over it).
     """
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
-    from megatron_bitpipe.runtime.model import build_chunks, gpt_chunk_factory
-    from megatron_bitpipe.runtime.precision import ChunkFloat16Module
-    from megatron_bitpipe.runtime.replicas import wrap_ddp
+    from megatron_bitpipe.model.build import init_megatron_state
+    from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
+    from megatron_bitpipe.model.chunks import build_chunks, gpt_chunk_factory
+    from megatron_bitpipe.model.precision import ChunkFloat16Module
+    from megatron_bitpipe.execution.replicas import wrap_ddp
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import ddp_config, transformer_config, use_global_tp_group
 
@@ -221,7 +221,7 @@ def measure_share(model, config, shape, timer: Callable, warmup: int, iters: int
     Each iteration runs a whole step (``F``, ``B``) and, when the share's linears defer
     (megatron-core local layers), a split one: ``F`` and ``I`` (``backward_step``) with
     ``delay_wgrad_compute`` set on the linears' config, as the executor runs them, and ``W``
-    (the chunk's :meth:`~megatron_bitpipe.runtime.weight_grad.ChunkWeightGrad.backward_dw`). ``timer(fn)`` runs
+    (the chunk's :meth:`~megatron_bitpipe.execution.weight_grad.ChunkWeightGrad.backward_dw`). ``timer(fn)`` runs
     ``fn`` and returns its duration in ms. Returns ``t_forward``, ``t_backward``,
     ``t_forward_deferring``, ``t_input``, ``t_weight`` (the last three None without the split),
     ``parameters``, ``layer_impl``, ``dtype``, ``output_dtypes`` (what the next stage would
@@ -232,8 +232,8 @@ def measure_share(model, config, shape, timer: Callable, warmup: int, iters: int
     from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
 
     from megatron_bitpipe.megatron_compat import backward_step
-    from megatron_bitpipe.runtime.model import transformer_block_of
-    from megatron_bitpipe.runtime.weight_grad import ChunkWeightGrad, SplitBackwardError, enable_split_backward
+    from megatron_bitpipe.model.chunks import transformer_block_of
+    from megatron_bitpipe.execution.weight_grad import ChunkWeightGrad, SplitBackwardError, enable_split_backward
 
     s, b, h = shape
     generator = torch.Generator(device="cpu").manual_seed(1234)
@@ -523,7 +523,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"F {f:.3f} ms, B {costs.t_backward:.3f} ms ({costs.t_backward / f:.2f} F) (median of {args.iters})")
     if compute["split_note"] is None:
         print(
-            f"split backward (runtime.weight_grad deferral): F while deferring {compute['t_forward_deferring']:.3f} ms, "
+            f"split backward (execution.weight_grad deferral): F while deferring {compute['t_forward_deferring']:.3f} ms, "
             f"I {costs.t_input:.3f} ms ({costs.t_input / f:.2f} F), W {costs.t_weight:.3f} ms ({costs.t_weight / f:.2f} F), "
             f"I + W = {(costs.t_input + costs.t_weight) / costs.t_backward:.2f} B"
         )

@@ -52,7 +52,7 @@ class RecordingGPTTask(GPTTask):
 def _full_parameters(model) -> Dict[str, torch.Tensor]:
     from megatron.core.utils import unwrap_model
 
-    from megatron_bitpipe.runtime.layout import to_global_name
+    from megatron_bitpipe.model.layout import to_global_name
 
     params = {}
     for chunk, spec in zip(model.chunks, model.specs):
@@ -131,11 +131,11 @@ def reference_gpt(argv: Sequence[str]):
     single-process GPT of ``argv`` (its parallelism flags ignored) in float64, and its
     training, validation and test sets."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
-    from megatron_bitpipe.runtime.init import initialize_from_seed
-    from megatron_bitpipe.runtime.layout import chunk_specs
-    from megatron_bitpipe.runtime.model import build_gpt_chunks
+    from megatron_bitpipe.model.build import init_megatron_state
+    from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
+    from megatron_bitpipe.model.init import initialize_from_seed
+    from megatron_bitpipe.model.layout import chunk_specs
+    from megatron_bitpipe.model.chunks import build_gpt_chunks
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import lr_scheduler, transformer_config, use_global_tp_group

@@ -1,6 +1,6 @@
 """Rank-side code of the BERT equivalence tests.
 
-:class:`BertCase` runs BERT chunks (:func:`megatron_bitpipe.runtime.bert.build_bert_chunks`)
+:class:`BertCase` runs BERT chunks (:func:`megatron_bitpipe.model.bert_model.build_bert_chunks`)
 through :func:`runtime_support.pipeline` with :func:`megatron_bitpipe.training.bert.bert_forward_step`
 on mock MLM + next-sentence micro-batches with padding. :func:`reference` trains megatron-core's
 stock ``BertModel`` (built from megatron's global parallel state) in one process, with the loss
@@ -38,7 +38,7 @@ class BertCase(Case):
         return (self.tied, self.binary_head, self.global_microbatches, self.clip_grad)
 
     def model_kwargs(self) -> dict:
-        from megatron_bitpipe.runtime.bert import build_bert_chunks
+        from megatron_bitpipe.model.bert_model import build_bert_chunks
 
         return dict(
             chunk_builder=build_bert_chunks,
@@ -93,9 +93,9 @@ def reference(tied: bool, binary_head: bool, global_microbatches: int, clip_grad
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.init import initialize_from_seed
-    from megatron_bitpipe.runtime.layout import ChunkLayers
+    from megatron_bitpipe.model.build import init_megatron_state
+    from megatron_bitpipe.model.init import initialize_from_seed
+    from megatron_bitpipe.model.layout import ChunkLayers
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()

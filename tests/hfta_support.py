@@ -31,7 +31,7 @@ def hfta_flags(lrs=LRS, seeds=SEEDS) -> List[str]:
 def _named_tensors(trainer, of) -> Dict[str, torch.Tensor]:
     from megatron.core.utils import unwrap_model
 
-    from megatron_bitpipe.runtime.layout import to_global_name
+    from megatron_bitpipe.model.layout import to_global_name
 
     out = {}
     for chunk, spec in zip(trainer.model.chunks, trainer.model.specs):
@@ -59,7 +59,7 @@ def train_records(argv: List[str], steps: int, num_models: Optional[int], init_s
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
     if init_seed is not None:  # fp32 Adam holds the parameters themselves: overwrite them in place
-        from megatron_bitpipe.runtime.init import initialize_from_seed
+        from megatron_bitpipe.model.init import initialize_from_seed
 
         initialize_from_seed(trainer.model.chunks, trainer.model.specs, init_seed, trainer.groups.tp)
     records = []

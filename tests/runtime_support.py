@@ -162,11 +162,11 @@ def _loss(model, tokens, labels, fp32_cross_entropy: bool) -> torch.Tensor:
 
 def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross_entropy: bool = False) -> dict:
     """Single-process training of the stock megatron-core GPTModel."""
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.init import initialize_from_seed
-    from megatron_bitpipe.runtime.layout import ChunkLayers
+    from megatron_bitpipe.model.build import init_megatron_state
+    from megatron_bitpipe.model.init import initialize_from_seed
+    from megatron_bitpipe.model.layout import ChunkLayers
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
-    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.execution.groups import ParallelGrid
 
     pg = baseline.build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, SEED)
@@ -195,10 +195,10 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_bitpipe import megatron_compat, schedules
-    from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
-    from megatron_bitpipe.runtime.forward_backward import make_step_func
-    from megatron_bitpipe.runtime.groups import ParallelGrid
-    from megatron_bitpipe.runtime.replicas import max_replica_difference
+    from megatron_bitpipe.model.build import build_optimizer, build_pipeline_model
+    from megatron_bitpipe.execution.forward_backward import make_step_func
+    from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.execution.replicas import max_replica_difference
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
     choice = schedules.ScheduleChoice(case.schedule, case.split_backward, schedules.CostModel(t_p2p=case.t_p2p))
@@ -340,7 +340,7 @@ def assert_equals_reference(case: Case, records: List[dict], ref: dict) -> None:
 def _instrument(chunks, events: list):
     """Log, in call order, every executed backward ``("B", chunk, microbatch)`` and every
     gradient-sync start ``("S", chunk, all_reduce_outstanding)``; returns an undo function."""
-    from megatron_bitpipe.runtime.executor import PlanExecutor
+    from megatron_bitpipe.execution.executor import PlanExecutor
 
     original_backward = PlanExecutor._backward
 
@@ -376,10 +376,10 @@ def bf16_losses(case: Case, steps: int = 2) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_bitpipe.runtime.build import build_optimizer, build_pipeline_model
-    from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
-    from megatron_bitpipe.runtime.groups import ParallelGrid
-    from megatron_bitpipe.runtime.replicas import max_replica_difference
+    from megatron_bitpipe.model.build import build_optimizer, build_pipeline_model
+    from megatron_bitpipe.execution.forward_backward import forward_backward_bitpipe
+    from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.execution.replicas import max_replica_difference
     from megatron_bitpipe.schedules.placement import bidirectional_v
 
     pp, n = case.pp, case.n

@@ -127,7 +127,7 @@ class DoubleRowLinear(_DeferringContract, RowParallelLinear):
 def te_double_layer_spec(config):
     """The runtime's GPT layer spec with the four linears (QKV, output projection, fc1, fc2)
     replaced by the doubles, where megatron-core's TE spec puts TE linears."""
-    from megatron_bitpipe.runtime.model import default_gpt_layer_spec
+    from megatron_bitpipe.model.chunks import default_gpt_layer_spec
 
     spec = default_gpt_layer_spec(config)
     layer = spec.submodules

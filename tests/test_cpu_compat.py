@@ -99,8 +99,8 @@ def _train(case: Case, initial: Optional[Dict[str, torch.Tensor]]) -> dict:
     )
 
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
-    from megatron_bitpipe.runtime.groups import ParallelGrid
-    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.testing.weights import chunk_layers_of, collect_full, load_full, looped_chunk_layers
 
     grid = ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp)

@@ -263,7 +263,7 @@ CASES = CASES_2 + CASES_4
 
 def run_cases(cases: List[EarlyCase]) -> dict:
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.runtime import forward_backward
+    from megatron_bitpipe.execution import forward_backward
 
     enable_cpu_megatron()
     generated = forward_backward._plan

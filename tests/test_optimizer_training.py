@@ -49,7 +49,7 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     """Rank body: train as the script does, then the largest difference between any weight
     and its copies on the other ranks of its gradient-sync group (replicas x data parallel)."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.runtime.replicas import max_replica_difference
+    from megatron_bitpipe.execution.replicas import max_replica_difference
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
     from megatron_bitpipe.training.data import build_tokenizer

@@ -289,8 +289,8 @@ def _onebit_setup(freeze: int):
     from megatron.core.transformer import TransformerConfig
 
     from megatron_bitpipe.optimizers import OptimizerChoice, build_megatron_optimizer
-    from megatron_bitpipe.runtime.groups import new_groups, process_group_collection
-    from megatron_bitpipe.runtime.replicas import ChunkDistributedDataParallel
+    from megatron_bitpipe.execution.groups import new_groups, process_group_collection
+    from megatron_bitpipe.execution.replicas import ChunkDistributedDataParallel
 
     world, rank = dist.get_world_size(), dist.get_rank()
     solo = new_groups([[r] for r in range(world)], rank)

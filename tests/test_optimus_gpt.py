@@ -113,7 +113,7 @@ class _SerialTwin:
 
     def __init__(self, case: Case):
         from megatron_bitpipe.benchmarking import megatron_baseline as baseline
-        from megatron_bitpipe.runtime.build import init_megatron_state
+        from megatron_bitpipe.model.build import init_megatron_state
 
         self.pg = _solo_process_groups()
         init_megatron_state(self.pg, SEED)
@@ -157,8 +157,8 @@ def _train_and_compare(case: Case) -> None:
     from megatron_bitpipe.optimus.layout import load_serial_state_dict, shard_serial_tensor
     from megatron_bitpipe.optimus.mesh import build_optimus_mesh
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
-    from megatron_bitpipe.runtime.groups import ParallelGrid
-    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.testing.weights import chunk_layers_of, to_global_name
 

@@ -12,8 +12,8 @@ import torch
 
 from megatron_bitpipe.optimus.gpt_model import optimus_p2p_tensor_shapes
 from megatron_bitpipe.optimus.layout import LayoutKind, ParamLayout
-from megatron_bitpipe.runtime.forward_backward import p2p_tensor_shape
-from megatron_bitpipe.runtime.layout import full_shape, tp_block
+from megatron_bitpipe.execution.forward_backward import p2p_tensor_shape
+from megatron_bitpipe.model.layout import full_shape, tp_block
 
 # (layout, serial shape for mesh side q)
 LAYOUTS = [
@@ -86,8 +86,8 @@ def test_p2p_shape_is_the_mesh_block():
 
 def test_bad_optimus_pipeline_fails_before_communication():
     """No process group exists here: each error must come from the argument checks."""
-    from megatron_bitpipe.runtime.build import build_pipeline_model
-    from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
+    from megatron_bitpipe.model.build import build_pipeline_model
+    from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
     from megatron_bitpipe.schedules.placement import bidirectional_v
     from megatron_bitpipe.benchmarking.megatron_baseline import tiny_gpt_config
 

@@ -151,7 +151,7 @@ def _measure_share_on_cpu(argv) -> dict:
     (a bare TransformerBlock of params_dtype, no Float16Module) does under the same rule."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_bitpipe.runtime.model import default_gpt_layer_spec, transformer_block_of
+    from megatron_bitpipe.model.chunks import default_gpt_layer_spec, transformer_block_of
 
     args = calibrate._parser().parse_args([*argv, "--device", "cpu"])
     train_args = calibrate.training_args(args)

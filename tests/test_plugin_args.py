@@ -65,7 +65,7 @@ def test_register_installs_and_restores(monkeypatch):
     import megatron.core.pipeline_parallel as core_pp
     from megatron.core.pipeline_parallel import schedules as core_schedules
 
-    from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
+    from megatron_bitpipe.execution.forward_backward import forward_backward_bitpipe
 
     training = types.ModuleType("megatron.training.training")
     training.get_forward_backward_func = core_pp.get_forward_backward_func  # imported by name
@@ -88,7 +88,7 @@ def test_register_installs_and_restores(monkeypatch):
 def test_register_installs_a_given_bitpipe_function():
     import megatron.core.pipeline_parallel as core_pp
 
-    from megatron_bitpipe.runtime.forward_backward import forward_backward_bitpipe
+    from megatron_bitpipe.execution.forward_backward import forward_backward_bitpipe
 
     def variant(**kwargs):
         return []

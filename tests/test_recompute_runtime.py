@@ -85,8 +85,8 @@ def run_cases(cases: List[RecomputeCase]) -> dict:
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.runtime import weight_grad
-    from megatron_bitpipe.runtime.weight_grad import ChunkWeightGrad, queued_weight_work
+    from megatron_bitpipe.execution import weight_grad
+    from megatron_bitpipe.execution.weight_grad import ChunkWeightGrad, queued_weight_work
 
     enable_cpu_megatron()
     deferred, recomputed, calls, deferring_calls = [], [], [], []

@@ -20,7 +20,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from megatron_bitpipe.runtime.layout import chunk_specs
+from megatron_bitpipe.model.layout import chunk_specs
 from megatron_bitpipe.schedules.placement import bidirectional, bidirectional_v, looped
 
 from .runtime_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
@@ -108,7 +108,7 @@ def test_num_layers_must_divide_into_stages():
 
 
 def test_microbatches_per_replica():
-    from megatron_bitpipe.runtime.replicas import microbatches_per_replica
+    from megatron_bitpipe.execution.replicas import microbatches_per_replica
 
     assert microbatches_per_replica(8, bidirectional_v(4)) == 4
     assert microbatches_per_replica(3, looped(4)) == 3
@@ -121,7 +121,7 @@ def test_init_rules_cover_transformer_engine_names():
     """The Transformer Engine spec fuses norms into linears (untestable here without TE)."""
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_bitpipe.runtime.init import init_method_for
+    from megatron_bitpipe.model.init import init_method_for
 
     config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2)
     layer = "decoder.layers.1."
@@ -173,11 +173,11 @@ def _reference(tied: bool) -> dict:
     """
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_bitpipe.runtime.init import initialize_from_seed
-    from megatron_bitpipe.runtime.layout import ChunkLayers
+    from megatron_bitpipe.model.init import initialize_from_seed
+    from megatron_bitpipe.model.layout import ChunkLayers
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
-    from megatron_bitpipe.runtime.groups import ParallelGrid
-    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.testing.weights import collect_full
 
     pg = baseline.build_looped_process_groups(ParallelGrid())
@@ -291,10 +291,10 @@ def _bitpipe(case: Case) -> dict:
     """Build, check and train one step of ``case`` on this rank; see the module docstring."""
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
-    from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
-    from megatron_bitpipe.runtime.init import initialize_from_seed
-    from megatron_bitpipe.runtime.model import build_gpt_chunks
-    from megatron_bitpipe.runtime.replicas import (
+    from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
+    from megatron_bitpipe.model.init import initialize_from_seed
+    from megatron_bitpipe.model.chunks import build_gpt_chunks
+    from megatron_bitpipe.execution.replicas import (
         mark_replica_parameters,
         max_replica_difference,
         microbatches_per_replica,
@@ -302,7 +302,7 @@ def _bitpipe(case: Case) -> dict:
         wrap_ddp,
     )
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
-    from megatron_bitpipe.runtime.build import init_megatron_state
+    from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
     grid = ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp)
@@ -372,7 +372,7 @@ def _p2p_order(shared: bool) -> list:
     """
     import torch.distributed as dist
 
-    from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
+    from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
     from megatron_bitpipe.schedules.comm import Payload, Transfer
     from megatron_bitpipe.schedules.placement import StageLocation
 
@@ -431,8 +431,8 @@ def _looped_specs_match_megatron() -> bool:
 
 def _errors() -> List[str]:
     """Messages of the configuration errors the builders raise."""
-    from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
-    from megatron_bitpipe.runtime.model import build_gpt_chunks
+    from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
+    from megatron_bitpipe.model.chunks import build_gpt_chunks
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
 
     messages = []

@@ -1,5 +1,5 @@
 """SDPA core attention (``--attention-backend sdpa``,
-:class:`megatron_bitpipe.runtime.sdpa_attention.SdpaDotProductAttention`) against megatron-core's
+:class:`megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention`) against megatron-core's
 unfused ``DotProductAttention``.
 
 * The flag: its values, refused with Transformer Engine layers and Optimus 2D, one error naming
@@ -109,7 +109,7 @@ def _pair(config, mask_type, layer_number=1, softmax_scale=None, attention_dropo
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_bitpipe.runtime.sdpa_attention import SdpaDotProductAttention
+    from megatron_bitpipe.model.sdpa_attention import SdpaDotProductAttention
 
     pgs = SimpleNamespace(tp=_OneRank())
     kwargs = dict(softmax_scale=softmax_scale, attention_dropout=attention_dropout, pg_collection=pgs)
@@ -161,8 +161,8 @@ def _module_checks() -> dict:
 
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.model.build import init_megatron_state
+    from megatron_bitpipe.execution.groups import ParallelGrid
 
     enable_cpu_megatron()
     pg = baseline.build_looped_process_groups(ParallelGrid())
@@ -223,8 +223,8 @@ def _gpt_model_difference(pg, **overrides) -> dict:
     """One GPT (4 layers) built with each core attention from the same weights: the loss and
     the largest gradient difference over all parameters."""
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
-    from megatron_bitpipe.runtime.model import default_gpt_layer_spec
-    from megatron_bitpipe.runtime.sdpa_attention import SdpaDotProductAttention, with_core_attention
+    from megatron_bitpipe.model.chunks import default_gpt_layer_spec
+    from megatron_bitpipe.model.sdpa_attention import SdpaDotProductAttention, with_core_attention
 
     config = _config(**overrides)
     spec = default_gpt_layer_spec(config)
@@ -284,14 +284,14 @@ def test_dropout_train_eval_and_replay(module_checks):
 
 
 def test_megatron_lm_spec_object():
-    """``--spec megatron_bitpipe.runtime.sdpa_attention gpt_local_sdpa_layer_spec`` (Megatron-LM)
+    """``--spec megatron_bitpipe.model.sdpa_attention gpt_local_sdpa_layer_spec`` (Megatron-LM)
     imports a GPT layer spec with SDPA core attention."""
     import importlib
 
     from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 
-    from megatron_bitpipe.runtime.sdpa_attention import SdpaDotProductAttention, uses_core_attention
+    from megatron_bitpipe.model.sdpa_attention import SdpaDotProductAttention, uses_core_attention
 
-    spec = import_module(["megatron_bitpipe.runtime.sdpa_attention", "gpt_local_sdpa_layer_spec"])
+    spec = import_module(["megatron_bitpipe.model.sdpa_attention", "gpt_local_sdpa_layer_spec"])
     assert isinstance(spec, ModuleSpec) and uses_core_attention(spec, SdpaDotProductAttention)
-    assert importlib.import_module("megatron_bitpipe.runtime.sdpa_attention").gpt_local_sdpa_layer_spec is spec
+    assert importlib.import_module("megatron_bitpipe.model.sdpa_attention").gpt_local_sdpa_layer_spec is spec

@@ -36,7 +36,7 @@ LAUNCH_TIMEOUT = 600
 
 
 def _sdpa_spec(default_spec):
-    from megatron_bitpipe.runtime.sdpa_attention import SdpaDotProductAttention, with_core_attention
+    from megatron_bitpipe.model.sdpa_attention import SdpaDotProductAttention, with_core_attention
 
     return with_core_attention(default_spec(model_config()), SdpaDotProductAttention)
 
@@ -44,7 +44,7 @@ def _sdpa_spec(default_spec):
 @dataclass(frozen=True)
 class SdpaCase(Case):
     def model_kwargs(self) -> dict:
-        from megatron_bitpipe.runtime.model import default_gpt_layer_spec
+        from megatron_bitpipe.model.chunks import default_gpt_layer_spec
 
         return dict(super().model_kwargs(), layer_spec=_sdpa_spec(default_gpt_layer_spec))
 
@@ -52,7 +52,7 @@ class SdpaCase(Case):
 @dataclass(frozen=True)
 class SdpaBertCase(BertCase):
     def model_kwargs(self) -> dict:
-        from megatron_bitpipe.runtime.bert import default_bert_layer_spec
+        from megatron_bitpipe.model.bert_model import default_bert_layer_spec
 
         return dict(super().model_kwargs(), layer_spec=_sdpa_spec(default_bert_layer_spec))
 

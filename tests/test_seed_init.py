@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from megatron_bitpipe.optimus.layout import LayoutKind, ParamLayout
-from megatron_bitpipe.runtime import seeded_random
-from megatron_bitpipe.runtime.init import initialize_parameter
-from megatron_bitpipe.runtime.layout import tp_block
+from megatron_bitpipe.model import seeded_random
+from megatron_bitpipe.model.init import initialize_parameter
+from megatron_bitpipe.model.layout import tp_block
 
 REPO = Path(__file__).resolve().parents[1]
 NORMAL = functools.partial(torch.nn.init.normal_, mean=0.0, std=0.02)
@@ -181,8 +181,8 @@ def test_another_init_callable_gives_the_block_of_its_full_tensor():
 
 _PEAK = """
 import resource, torch
-from megatron_bitpipe.runtime.init import initialize_parameter
-from megatron_bitpipe.runtime.layout import full_shape
+from megatron_bitpipe.model.init import initialize_parameter
+from megatron_bitpipe.model.layout import full_shape
 local = torch.nn.Parameter(torch.empty(64, 16384), requires_grad=False)
 local.tensor_model_parallel, local.partition_dim, local.partition_stride = True, 0, 1
 assert full_shape(local, 512) == (32768, 16384)  # 2 GiB in fp32
@@ -211,9 +211,9 @@ def _tensor_parallel_attributes() -> dict:
 
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.groups import ParallelGrid
-    from megatron_bitpipe.runtime.model import mark_tensor_parallel_weights
+    from megatron_bitpipe.model.build import init_megatron_state
+    from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.model.chunks import mark_tensor_parallel_weights
 
     enable_cpu_megatron()
     pg = baseline.build_looped_process_groups(ParallelGrid())

@@ -83,8 +83,8 @@ def late_split_plan(plan):
 
 
 def run_cases(cases: List[SplitCase]) -> dict:
-    from megatron_bitpipe.runtime import forward_backward
-    from megatron_bitpipe.runtime.weight_grad import ChunkWeightGrad, queued_weight_work
+    from megatron_bitpipe.execution import forward_backward
+    from megatron_bitpipe.execution.weight_grad import ChunkWeightGrad, queued_weight_work
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     from .te_double import _DeferringContract
@@ -182,10 +182,10 @@ def test_late_plans_are_valid_and_defer_weight_gradients_past_later_backwards():
 def _linear_checks() -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_bitpipe.runtime.build import init_megatron_state
-    from megatron_bitpipe.runtime.weight_grad import SplitBackwardError, enable_split_backward
+    from megatron_bitpipe.model.build import init_megatron_state
+    from megatron_bitpipe.execution.weight_grad import SplitBackwardError, enable_split_backward
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
-    from megatron_bitpipe.runtime.groups import ParallelGrid
+    from megatron_bitpipe.execution.groups import ParallelGrid
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
@@ -351,7 +351,7 @@ def test_emulated_layer_splits_time_and_holds_its_input_until_w(single_process):
 
 def test_layers_that_cannot_defer_are_refused_naming_the_flag():
     from megatron_bitpipe.optimus.layers import OptimusLinear
-    from megatron_bitpipe.runtime.weight_grad import SplitBackwardError, enable_split_backward
+    from megatron_bitpipe.execution.weight_grad import SplitBackwardError, enable_split_backward
 
     optimus = OptimusLinear.__new__(OptimusLinear)
     torch.nn.Module.__init__(optimus)

@@ -365,7 +365,7 @@ def _replay_bitpipe(batched: bool, patient_ends: bool = False) -> dict:
     import torch.distributed as dist
 
     from megatron_bitpipe.cpu import strict_p2p
-    from megatron_bitpipe.runtime.groups import ParallelGrid, PipelineGroups
+    from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
     from megatron_bitpipe.schedules.actions import Action, ActionType
     from megatron_bitpipe.schedules.comm import Payload, transfer_of
 

@@ -3,7 +3,7 @@
 megatron-core's contract for Transformer Engine (``delay_wgrad_compute``): every deferring
 linear queues one entry of weight work per backward (FIFO), ``backward_dw()`` runs the
 oldest, megatron-core's ``SelfAttention.backward_dw`` / ``MLP.backward_dw`` roll it up per
-layer and :class:`~megatron_bitpipe.runtime.weight_grad.ChunkWeightGrad` per chunk. Checked
+layer and :class:`~megatron_bitpipe.execution.weight_grad.ChunkWeightGrad` per chunk. Checked
 here on the Transformer Engine test double (:mod:`tests.te_double`) inside megatron-core's
 real attention / MLP / layer classes, and through the executor on a one-rank plan:
 
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_bitpipe.runtime.weight_grad import (
+from megatron_bitpipe.execution.weight_grad import (
     ChunkWeightGrad,
     SplitBackwardError,
     WeightGradQueue,
@@ -154,7 +154,7 @@ def _execute(actions: str, chunk: torch.nn.Module):
     """Run ``actions`` (one rank, one chunk, 2 micro-batches of :func:`_inputs`) on ``chunk``."""
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_bitpipe.runtime.executor import MicrobatchSource, PlanExecutor
+    from megatron_bitpipe.execution.executor import MicrobatchSource, PlanExecutor
     from megatron_bitpipe.schedules.actions import Action, make_plan
     from megatron_bitpipe.schedules.placement import looped
 

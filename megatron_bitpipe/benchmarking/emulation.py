@@ -39,7 +39,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
-from ..runtime.weight_grad import WeightGradQueue, accumulate_weight_grad
+from ..execution.weight_grad import WeightGradQueue, accumulate_weight_grad
 from .meters import LiveActivationMeter
 
 __all__ = ["EmulatedDevice", "EmulatedTransformerLayer", "ReplicaSlowdown", "emulated_layer_spec", "sleep_until"]
@@ -233,7 +233,7 @@ class _TimedLayer(torch.autograd.Function):
     emulated device time (:class:`EmulatedDevice`; a blocking sleep when none is active).
 
     Split backward (``deferral`` = (the Parameter ``w``, the layer's
-    :class:`~megatron_bitpipe.runtime.weight_grad.WeightGradQueue`), ``weight`` then arrives
+    :class:`~megatron_bitpipe.execution.weight_grad.WeightGradQueue`), ``weight`` then arrives
     detached, as for megatron's linears): the backward (``I``) takes ``input_s`` and
     queues a closure that takes ``weight_s`` and adds ``w``'s gradient; it holds ``x`` (and
     the layer activation the meter counts) until the layer's ``backward_dw`` runs it.
@@ -312,7 +312,7 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype, device=device))
         #: the split backward's FIFO (megatron-core's ``delay_wgrad_compute`` contract, as the
-        #: local linears of :mod:`megatron_bitpipe.runtime.weight_grad` follow it)
+        #: local linears of :mod:`megatron_bitpipe.execution.weight_grad` follow it)
         self.wgrad_queue = WeightGradQueue(f"emulated layer {self.layer_number}")
 
     def backward_dw(self) -> None:

@@ -6,7 +6,7 @@ initialisation or executor, so a test comparing the two compares independent cod
 megatron-core usage with no CPU-specific code (models move to the current CUDA device when
 there is one); on a CPU-only torch call :func:`megatron_bitpipe.cpu.enable_cpu_megatron` first.
 
-* :func:`build_looped_process_groups` — for a :class:`~megatron_bitpipe.runtime.groups.ParallelGrid`,
+* :func:`build_looped_process_groups` — for a :class:`~megatron_bitpipe.execution.groups.ParallelGrid`,
   a ``ProcessGroupCollection`` holding every group that megatron-core's GPTModel, DDP,
   optimizer, ``finalize_model_grads`` and megatron's looped pipeline schedules read, built
   with ``torch.distributed.new_group`` and no ``initialize_model_parallel``.
@@ -40,8 +40,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..runtime.groups import ParallelGrid, new_groups, process_group_collection
-from ..runtime.kernels import kernel_fields
+from ..execution.groups import ParallelGrid, new_groups, process_group_collection
+from ..model.kernels import kernel_fields
 
 __all__ = [
     "build_looped_process_groups",
@@ -95,7 +95,7 @@ def tiny_gpt_config(
     """An fp32 GPT ``TransformerConfig`` that runs anywhere megatron-core runs.
 
     Choices (each avoids a CUDA-only path or a source of run-to-run differences): the kernels
-    of a run without a GPU (:func:`~megatron_bitpipe.runtime.kernels.kernel_fields`: no
+    of a run without a GPU (:func:`~megatron_bitpipe.model.kernels.kernel_fields`: no
     fusions, weights created on the CPU, unbatched p2p, outputs kept after their send);
     dropout 0 (deterministic comparisons); ``cross_entropy_loss_fusion=True,
     cross_entropy_fusion_impl='native'`` (the unfused cross entropy reads the *global* TP

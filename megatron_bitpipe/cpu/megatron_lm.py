@@ -20,7 +20,7 @@ Megatron-LM's start-up (tags core_v0.16.1 and core_v0.19.0), each needed on a CP
 * ``set_jit_fusion_options`` warms up fused kernels on the GPU: skipped;
 * megatron-core's torch norm (``WrappedTorchNorm``: the local layer spec's LayerNorm / RMSNorm
   without apex, which a CPU machine never has) refuses ``--sequence-parallel``; with it, the
-  norm is :class:`~megatron_bitpipe.runtime.norms.SequenceParallelTorchNorm`, the same torch
+  norm is :class:`~megatron_bitpipe.model.norms.SequenceParallelTorchNorm`, the same torch
   norm with its weights marked ``sequence_parallel`` (a norm acts on each token alone, so it
   runs on a sequence shard unchanged; megatron's ``finalize_model_grads`` sums the marked
   weights' gradients over the tensor-parallel group), as in megatron-bitpipe's own scripts;
@@ -84,7 +84,7 @@ def _compile_dataset_helpers() -> None:
 def _norm_with_sequence_parallel(torch_norm_new):
     """``WrappedTorchNorm.__new__`` that builds a ``SequenceParallelTorchNorm`` under
     ``config.sequence_parallel`` (megatron's own norm otherwise)."""
-    from ..runtime.norms import SequenceParallelTorchNorm
+    from ..model.norms import SequenceParallelTorchNorm
 
     def new(cls, config, *args, **kwargs):
         if config.sequence_parallel:

@@ -14,7 +14,7 @@ need the model dimension:
   fused activation exactly as megatron's ``[out]`` bias broadcasts over ``[s, b, out]``, so the
   bias-dropout-add and bias-activation code of megatron is used unchanged. Under BitPipe's split
   backward it follows megatron-core's weight-gradient deferral contract
-  (:mod:`megatron_bitpipe.runtime.weight_grad`): with ``delay_wgrad_compute`` on its config a
+  (:mod:`megatron_bitpipe.execution.weight_grad`): with ``delay_wgrad_compute`` on its config a
   backward queues the weight gradient in the linear's FIFO, and ``backward_dw()`` (reached
   through megatron's attention and MLP roll-up) runs the oldest;
 * :class:`HftaNorm` — LayerNorm / RMSNorm with weight (and bias) ``[B, h]``;
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
-from ..runtime.weight_grad import WeightGradQueue, accumulate_weight_grad
+from ..execution.weight_grad import WeightGradQueue, accumulate_weight_grad
 
 __all__ = ["HftaLinear", "HftaNorm", "HftaEmbedding", "fused", "unfused"]
 

@@ -62,7 +62,7 @@ def hfta_gpt_layer_spec(num_models: int, normalization: str = "LayerNorm", core_
     ``core_attention`` replaces megatron's ``DotProductAttention`` (e.g. SDPA)."""
     spec = _fused(get_gpt_layer_local_spec(normalization=normalization), num_models)
     if core_attention is not None:
-        from ..runtime.sdpa_attention import with_core_attention
+        from ..model.sdpa_attention import with_core_attention
 
         spec = with_core_attention(spec, core_attention)
     return spec
@@ -71,7 +71,7 @@ def hfta_gpt_layer_spec(num_models: int, normalization: str = "LayerNorm", core_
 class HftaGPTModel(GPTModel):
     """``GPTModel`` of B fused models (see the module docstring); ``hfta`` gives B, the
     learning rates and seeds (every parameter carries ``model_seeds``: slice ``k`` is drawn
-    from ``hfta.seeds[k]`` by :func:`megatron_bitpipe.runtime.init.initialize_from_seed`).
+    from ``hfta.seeds[k]`` by :func:`megatron_bitpipe.model.init.initialize_from_seed`).
     ``transformer_layer_spec`` is a block spec of :func:`hfta_gpt_layer_spec` layers; its final
     norm becomes batched."""
 

@@ -24,7 +24,7 @@ Megatron-LM needs six things from the plugin; both routes call the same function
    Schedule-Free's averaged weights in the model (:func:`~megatron_bitpipe.optimizers.averaged_weights`).
    With BitPipe and ``--use-distributed-optimizer``, :func:`get_megatron_optimizer` builds one
    distributed optimizer per chunk, over the chunk's grad-sync group
-   (:mod:`megatron_bitpipe.runtime.distributed_optimizer`).
+   (:mod:`megatron_bitpipe.execution.distributed_optimizer`).
 6. **Checkpoints**: :func:`load_checkpoint` runs the checks of :mod:`.checkpointing` first (any
    schedule: a checkpoint that cannot be loaded completely stops every rank before training).
 
@@ -188,7 +188,7 @@ def get_megatron_optimizer(megatron_fn: Callable, config, model_chunks, *args, *
     from megatron.core.utils import unwrap_model
     from megatron.training import get_args
 
-    from ..runtime.distributed_optimizer import build_distributed_optimizer
+    from ..execution.distributed_optimizer import build_distributed_optimizer
 
     megatron_args = get_args()
     if resolved_schedule(megatron_args) == "bitpipe" and config.use_distributed_optimizer:

@@ -5,7 +5,7 @@ Megatron-LM's ``train_step`` and ``evaluate`` average the list returned by the
 report per micro-batch of the step. BitPipe computes the losses on both edge ranks: pipeline
 rank 0 those of pipeline A (its micro-batches), pipeline rank D-1 those of pipeline B.
 :func:`make_megatron_lm_forward_backward_func` runs a step
-(:func:`~megatron_bitpipe.runtime.forward_backward.make_step_func`) and then sends pipeline
+(:func:`~megatron_bitpipe.execution.forward_backward.make_step_func`) and then sends pipeline
 rank 0's reports to pipeline rank D-1 of the same (tensor, data) slice, which returns all of
 them in micro-batch order; every other rank returns ``[]``, as with megatron's own schedules.
 
@@ -21,8 +21,8 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from ..runtime.forward_backward import make_step_func, pipeline_groups_of
-from ..runtime.groups import PipelineGroups
+from ..execution.forward_backward import make_step_func, pipeline_groups_of
+from ..execution.groups import PipelineGroups
 from ..schedules import ScheduleChoice
 
 __all__ = ["gather_losses_on_last_stage", "make_megatron_lm_forward_backward_func"]

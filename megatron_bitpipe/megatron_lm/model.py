@@ -7,26 +7,26 @@
 
 * ``config``: Megatron-LM's config from the command line
   (``core_transformer_config_from_args``) with the chunk's explicit global layer range
-  (:func:`~megatron_bitpipe.runtime.model.chunk_config`), so the V's layer offsets hold;
+  (:func:`~megatron_bitpipe.model.chunks.chunk_config`), so the V's layer offsets hold;
 * ``pre_process`` / ``post_process``: whether the chunk holds its pipeline's first / last
   stage (embedding on stage 1, final norm + head + loss on stage 2D: both on the edge ranks);
 * ``pg_collection``: the rank's process groups
-  (:class:`~megatron_bitpipe.runtime.groups.PipelineGroups` ``rank_pgs``, plain data
+  (:class:`~megatron_bitpipe.execution.groups.PipelineGroups` ``rank_pgs``, plain data
   parallelism, which Megatron-LM's loop reads off the model for its loss average and
   checkpoints); each chunk's DDP reduces over its grad-sync group, the mirror pair x data
   parallel.
 
-The chunk flow is the runtime's :func:`~megatron_bitpipe.runtime.model.build_chunks` (config
+The chunk flow is the runtime's :func:`~megatron_bitpipe.model.chunks.build_chunks` (config
 and placement checks, per-chunk configs and groups, tying) with the ``model_provider`` as the
-chunk factory. Then, like :func:`~megatron_bitpipe.runtime.build.build_pipeline_model`: a tied
+chunk factory. Then, like :func:`~megatron_bitpipe.model.build.build_pipeline_model`: a tied
 head is made the embedding chunk's word-embedding Parameter (one weight per rank, gradient
 counted once), every weight is initialised from ``--seed`` and its full-model name (both
 replicas identical, equal to any other layout's; megatron's own initialisation is skipped, each
 rank draws only its shards), each chunk gets the placement-aware
 ``sharded_state_dict`` of distributed checkpoints
-(:mod:`~megatron_bitpipe.runtime.sharded_state`), the second replica's parameters are marked
+(:mod:`~megatron_bitpipe.model.sharded_state`), the second replica's parameters are marked
 for the non-distributed optimizer's grad norm, fp16/bf16 chunks are wrapped in the runtime's
-:class:`~megatron_bitpipe.runtime.precision.ChunkFloat16Module` (inputs cast where the chunk
+:class:`~megatron_bitpipe.model.precision.ChunkFloat16Module` (inputs cast where the chunk
 embeds, outputs upcast where it computes the loss) and each chunk gets its own megatron DDP
 over its grad-sync group, always with ``overlap_grad_reduce`` (BitPipe's eager per-chunk
 all-reduce; with ``--use-distributed-optimizer`` a reduce-scatter, and each chunk then has its
@@ -54,13 +54,13 @@ from megatron.core.utils import unwrap_model
 
 from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
-from ..runtime.groups import ParallelGrid, PipelineGroups
-from ..runtime.init import initialize_from_seed, without_megatron_init
-from ..runtime.layout import ChunkSpec, chunk_layers_of, chunk_specs
-from ..runtime.model import build_chunks, transformer_block_of
-from ..runtime.precision import ChunkFloat16Module
-from ..runtime.replicas import mark_replica_parameters, wrap_ddp
-from ..runtime.sharded_state import attach_sharded_state_dicts
+from ..execution.groups import ParallelGrid, PipelineGroups
+from ..model.init import initialize_from_seed, without_megatron_init
+from ..model.layout import ChunkSpec, chunk_layers_of, chunk_specs
+from ..model.chunks import build_chunks, transformer_block_of
+from ..model.precision import ChunkFloat16Module
+from ..execution.replicas import mark_replica_parameters, wrap_ddp
+from ..model.sharded_state import attach_sharded_state_dicts
 from ..schedules.placement import bidirectional_v
 
 __all__ = ["get_bitpipe_model", "initialize_chunks_from_seed"]

@@ -153,7 +153,7 @@ def build_megatron_optimizer(
     ``pg_collection`` supplies the tensor-parallel group (LAMB's norms) and the model-parallel
     group (grad norm); None means megatron's global groups (Megatron-LM's loop).
     ``--optimizer onebit_lamb`` needs chunks wrapped by
-    :func:`megatron_bitpipe.runtime.replicas.wrap_ddp`. Collective (parameter groups are
+    :func:`megatron_bitpipe.execution.replicas.wrap_ddp`. Collective (parameter groups are
     aligned across ranks, as in megatron).
     """
     if choice.name in MEGATRON_OPTIMIZERS and not (choice.name == "sgd" and choice.decentralized):

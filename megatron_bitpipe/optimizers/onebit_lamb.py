@@ -12,7 +12,7 @@ parameter), so that one compression scale per chunk fits every parameter of the 
 
 **Compression stage**: gradients are no longer all-reduced. The optimizer takes over every
 model chunk's gradient synchronisation (``gradient_exchange`` of
-:class:`~megatron_bitpipe.runtime.replicas.ChunkDistributedDataParallel`): when the chunk's
+:class:`~megatron_bitpipe.execution.replicas.ChunkDistributedDataParallel`): when the chunk's
 gradients are ready (BitPipe's eager ``SYNC``, or megatron's ``finish_grad_sync``), each rank
 updates its momentum with its *local* gradient, ``m = beta1 m + (1 - beta1) g``, scales it,
 and the chunk's momenta are averaged with 1-bit compression and error feedback over the
@@ -167,7 +167,7 @@ class OnebitLamb(Lamb):
             if not hasattr(ddp, "gradient_exchange"):
                 raise TypeError(
                     "--optimizer onebit_lamb takes over the chunks' gradient synchronisation: wrap them with "
-                    "megatron_bitpipe.runtime.replicas.wrap_ddp"
+                    "megatron_bitpipe.execution.replicas.wrap_ddp"
                 )
             pairs = [(p, optimizer_param_of[id(p)]) for p in unwrap_model(ddp).parameters() if p.requires_grad]
             covered.update(id(main) for _, main in pairs)

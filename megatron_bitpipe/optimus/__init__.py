@@ -12,7 +12,7 @@ blocks. See ``docs/optimus.md``. Main entry points:
 * :func:`load_serial_state_dict` — load single-process weights into a 2-D model.
 
 Pipelines built by this package (BitPipe and every other plan) take Optimus through
-``megatron_bitpipe.runtime.build.build_pipeline_model(..., tensor_parallel_mode="optimus2d")``.
+``megatron_bitpipe.model.build.build_pipeline_model(..., tensor_parallel_mode="optimus2d")``.
 """
 
 import importlib

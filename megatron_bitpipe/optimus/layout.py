@@ -9,7 +9,7 @@ it holds. That one description drives:
 * :func:`set_param_layout` — megatron-core's ``tensor_model_parallel`` flag, so that grad-norm
   clipping and parameter counts see every element exactly once across the TP group;
 * whether the gradient needs summing over the column group (column-replicated kinds);
-* layout-independent initialisation and weight collection in :mod:`megatron_bitpipe.runtime`
+* layout-independent initialisation and weight collection in :mod:`megatron_bitpipe.model`
   (:meth:`ParamLayout.tp_block`, :meth:`ParamLayout.from_tp_blocks`), which find the layout
   on the parameter and need no import of this package.
 
@@ -52,7 +52,7 @@ class ParamLayout:
 
     The block geometry needs only the mesh position ``(row, column)`` and side ``q``, not
     process groups, so code that knows a parameter only by its TP rank and size (seed
-    initialisation, weight collection in :mod:`megatron_bitpipe.runtime.layout`) uses
+    initialisation, weight collection in :mod:`megatron_bitpipe.model.layout`) uses
     :meth:`tp_block` / :meth:`serial_shape` / :meth:`from_tp_blocks` through the
     parameter's ``optimus_layout`` attribute; the mesh invariant ``(row, column) =
     divmod(tp_rank, q)`` (:class:`~megatron_bitpipe.optimus.mesh.OptimusMesh`) links the two.

@@ -66,7 +66,7 @@ class IssueRules:
     pair_communicators: bool = False
 
 
-#: The runtime (:mod:`megatron_bitpipe.runtime.executor`): every p2p operation in a
+#: The runtime (:mod:`megatron_bitpipe.execution.executor`): every p2p operation in a
 #: ``batch_isend_irecv`` of its own on its channel's process group, whose communicator (and
 #: every stage group's) was created and warmed up at set-up.
 RUNTIME_RULES = IssueRules("runtime: per-channel groups, batched, created at set-up", channel_group_key)

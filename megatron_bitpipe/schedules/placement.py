@@ -177,7 +177,7 @@ class Placement:
 
         True for a single pipeline whose first and last stage sit on different ranks (the
         looped placement with more than one rank). Placements whose pipelines start and end
-        on the same rank tie one Parameter instead (:mod:`megatron_bitpipe.runtime.model`);
+        on the same rank tie one Parameter instead (:mod:`megatron_bitpipe.model.chunks`);
         several pipelines with ends on different ranks (Chimera) are not supported with tied
         embeddings.
         """

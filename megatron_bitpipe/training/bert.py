@@ -1,7 +1,7 @@
 """BERT pretraining on megatron-core: :class:`BertTask` for the training loop.
 
 * **Model.** megatron-core ``BertModel`` chunks of the schedule's placement
-  (:func:`megatron_bitpipe.runtime.bert.build_bert_chunks`: BitPipe's V, megatron's looped
+  (:func:`megatron_bitpipe.model.bert_model.build_bert_chunks`: BitPipe's V, megatron's looped
   1F1B / interleaved placements, a single process), tensor parallelism 1-D only. Megatron-LM's
   BERT: tied embeddings unless ``--untie-embeddings-and-output-weights``, the binary
   (next-sentence) head and two token types unless ``--bert-no-binary-head``. Initial weights
@@ -30,7 +30,7 @@ and :func:`collate_bert` give micro-batches in the format of megatron-core's BER
 megatron ``forward_step_func`` whose loss (:func:`bert_loss`) is returned in megatron-core's
 three-value form (loss times masked-token count, the count, sum/count reports): megatron's
 ``forward_step`` divides by the count and by the number of micro-batches (the BitPipe runtime
-by the number per replica, :func:`megatron_bitpipe.runtime.replicas.microbatches_per_replica`),
+by the number per replica, :func:`megatron_bitpipe.execution.replicas.microbatches_per_replica`),
 so the gradient is that of the mean micro-batch loss over the global batch, whatever the
 layout. Per-token loss (``calculate_per_token_loss``) is not supported: the next-sentence loss
 is per sequence.
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.utils import get_model_config, unwrap_model
 
-from ..runtime.bert import build_bert_chunks, default_bert_layer_spec
+from ..model.bert_model import build_bert_chunks, default_bert_layer_spec
 from ..run_config import RunConfig
 from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments
 from .data import indexed_datasets

@@ -5,7 +5,7 @@ A checkpoint is what Megatron-LM's ``pretrain_gpt.py`` writes with ``--ckpt-form
 keys (``args``, ``checkpoint_version``, ``iteration``, ``model`` / ``model0``..., ``optimizer``,
 ``opt_param_scheduler``, ``rng_state``) in Megatron-LM's directory layout
 (``iter_0000010/``, ``latest_checkpointed_iteration.txt``). Every tensor is saved under the
-name of the single-process model, once (:mod:`megatron_bitpipe.runtime.sharded_state`: weight
+name of the single-process model, once (:mod:`megatron_bitpipe.model.sharded_state`: weight
 replicas and tied copies are replicas), so any layout loads it — another schedule (BitPipe,
 split backward, 1F1B, interleaved, none), pipeline, tensor (1-D or Optimus 2D) or
 data-parallel size, with or without the distributed optimizer (:mod:`.optimizer_state`) —
@@ -38,8 +38,8 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
 from ..run_config import RunConfig
-from ..runtime.build import PipelineModel
-from ..runtime.distributed_optimizer import SHARDING_TYPE
+from ..model.build import PipelineModel
+from ..execution.distributed_optimizer import SHARDING_TYPE
 from . import optimizer_state
 from ..checkpoint_checks import (
     TRACKER,

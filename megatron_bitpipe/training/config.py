@@ -10,7 +10,7 @@ precision, optimizer choice):
   learning-rate / weight-decay schedule (counted in samples, like Megatron-LM; ``--lr-decay-style
   rex`` too).
 
-Kernel choices: :func:`~megatron_bitpipe.runtime.kernels.kernel_fields` (without a GPU every
+Kernel choices: :func:`~megatron_bitpipe.model.kernels.kernel_fields` (without a GPU every
 fused kernel is off; with one, the bias-activation and bias-dropout fusions are on and
 gradient-accumulation fusion follows Transformer Engine; p2p is never batched). The cross
 entropy is megatron-core's unfused, exact one unless
@@ -31,7 +31,7 @@ from megatron.core.transformer import TransformerConfig
 
 from ..optimizers import MEGATRON_OPTIMIZERS, ParamScheduler
 from ..run_config import RunConfig
-from ..runtime.kernels import kernel_fields
+from ..model.kernels import kernel_fields
 
 __all__ = [
     "transformer_config",

@@ -76,7 +76,7 @@ def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Non
             raise BitPipeConfigError(f"torch.distributed has {dist.get_world_size()} ranks, the job {world_size}")
     else:
         # NCCL: bind the device, so every communicator is created eagerly, when its group is
-        # (megatron_bitpipe.runtime.groups also warms up the pipeline's groups at set-up).
+        # (megatron_bitpipe.execution.groups also warms up the pipeline's groups at set-up).
         eager = {"device_id": device} if args.distributed_backend == "nccl" else {}
         if "MASTER_ADDR" in os.environ or world_size > 1:
             init = {"init_method": "env://"}

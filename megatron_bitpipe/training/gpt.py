@@ -23,8 +23,8 @@ import torch
 from ..hfta.model import HftaGPTModel, hfta_gpt_layer_spec, hfta_loss, hfta_loss_names, hfta_p2p_tensor_shapes, iteration_losses
 from ..hfta.settings import HftaSettings, hfta_settings
 from ..optimus.gpt_model import optimus_p2p_tensor_shapes
-from ..runtime.build import PipelineModel
-from ..runtime.sdpa_attention import SdpaDotProductAttention
+from ..model.build import PipelineModel
+from ..model.sdpa_attention import SdpaDotProductAttention
 from ..run_config import RunConfig
 from .data import indexed_datasets
 from .coreset.identity import CoresetSettings

@@ -1,12 +1,12 @@
 """This rank's model chunks from the flags, for any task.
 
-:func:`build_model` calls :func:`megatron_bitpipe.runtime.build.build_pipeline_model` with
+:func:`build_model` calls :func:`megatron_bitpipe.model.build.build_pipeline_model` with
 everything the common flags fix (model config, parallel grid, padded vocabulary, maximum
 sequence length, seed, tied embeddings, DDP config, tensor-parallel mode, position
 embeddings); a task adds its chunk builder and model-specific keywords. Initial weights are
 blocks of the full model drawn from ``--seed`` alone, whatever the layout; with
 ``--bf16``/``--fp16`` the chunks are wrapped for mixed precision. ``--attention-backend sdpa``
-swaps the layers' core attention for torch's SDPA (:mod:`megatron_bitpipe.runtime.sdpa_attention`). With
+swaps the layers' core attention for torch's SDPA (:mod:`megatron_bitpipe.model.sdpa_attention`). With
 ``--data-parallel-mode abs-sgd`` the chunks' DDP does not reduce over data parallelism
 (:mod:`.abs_sgd` does, one iteration later); with a decentralized mode it reduces within each
 data-parallel replica only (BitPipe's weight replicas; :mod:`.decentralized` exchanges
@@ -21,10 +21,10 @@ from typing import Callable
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..runtime.build import PipelineModel, build_pipeline_model
-from ..runtime.model import default_gpt_layer_spec
-from ..runtime.sdpa_attention import SdpaDotProductAttention, with_core_attention
-from ..runtime.groups import ParallelGrid
+from ..model.build import PipelineModel, build_pipeline_model
+from ..model.chunks import default_gpt_layer_spec
+from ..model.sdpa_attention import SdpaDotProductAttention, with_core_attention
+from ..execution.groups import ParallelGrid
 from ..run_config import RunConfig
 from .config import ddp_config, transformer_config
 from .decentralized.args import DECENTRALIZED_MODES
@@ -34,7 +34,7 @@ __all__ = ["build_model", "gradient_reduction"]
 
 def gradient_reduction(data_parallel_mode: str) -> str:
     """What the chunks' DDP reduces gradients over in ``--data-parallel-mode``
-    (:func:`megatron_bitpipe.runtime.replicas.wrap_ddp`)."""
+    (:func:`megatron_bitpipe.execution.replicas.wrap_ddp`)."""
     if data_parallel_mode == "sync":
         return "data-parallel"
     return "replicas" if data_parallel_mode in DECENTRALIZED_MODES else "none"
@@ -52,7 +52,7 @@ def build_model(
     ``model_kwargs`` go to ``build_pipeline_model`` and from there to the chunk builder
     (``chunk_builder``, ``rotary_base``, ``add_binary_head``...). With ``--attention-backend
     sdpa`` the chunks' layer spec is ``default_layer_spec`` of the config (the task's local
-    spec: GPT's by default) with :class:`~megatron_bitpipe.runtime.sdpa_attention.SdpaDotProductAttention`
+    spec: GPT's by default) with :class:`~megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention`
     as core attention, unless ``model_kwargs`` give a ``layer_spec``.
     """
     config = transformer_config(args, run)

@@ -4,7 +4,7 @@ megatron-core's optimizers describe their state for distributed checkpoints them
 (``optimizer.sharded_state_dict``): tensors keyed by the model's global tensor names
 (``optimizer.state.exp_avg.<name>``...), plus plain values (parameter groups, step, loss
 scale). A checkpoint written by the same kind of optimizer (both non-distributed, or both
-distributed: :class:`~megatron_bitpipe.runtime.distributed_optimizer.ChunkDistributedOptimizer`
+distributed: :class:`~megatron_bitpipe.execution.distributed_optimizer.ChunkDistributedOptimizer`
 writes one optimizer's form whatever the number of chunks) loads the way Megatron-LM loads it.
 
 Across kinds the tensors are the same but named and grouped differently:

@@ -3,7 +3,7 @@
 ==========================  ======================================================  ==================
 ``RunConfig.schedule_name``  forward_backward function                              placement
 ==========================  ======================================================  ==================
-bitpipe                     :func:`~megatron_bitpipe.runtime.forward_backward.make_forward_backward_func`  bidirectional V
+bitpipe                     :func:`~megatron_bitpipe.execution.forward_backward.make_forward_backward_func`  bidirectional V
                             of the run's :class:`~megatron_bitpipe.schedules.ScheduleChoice` (``--split-backward``,
                             ``--schedule-costs``)
 no_pipelining               megatron-core ``forward_backward_no_pipelining``         looped, 1 rank
@@ -32,8 +32,8 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ..run_config import RunConfig
-from ..runtime.build import PipelineModel
-from ..runtime.forward_backward import make_forward_backward_func
+from ..model.build import PipelineModel
+from ..execution.forward_backward import make_forward_backward_func
 
 __all__ = ["Schedule"]
 

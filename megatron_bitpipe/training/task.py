@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 from ..checkpoint_rules import MODEL_SHAPE_FLAGS
 
 if TYPE_CHECKING:  # the flags are parsed before torch and megatron-core are imported
-    from ..runtime.build import PipelineModel
+    from ..model.build import PipelineModel
     from ..run_config import RunConfig
 
 __all__ = ["PretrainTask", "TaskArguments"]

@@ -61,7 +61,7 @@ class ReplicaLinks:
     """Point-to-point messages between this rank and its copies in the other data-parallel
     replicas (same tensor- and pipeline-parallel rank), over the data-parallel group.
 
-    ``groups`` is the model's :class:`~megatron_bitpipe.runtime.groups.PipelineGroups`.
+    ``groups`` is the model's :class:`~megatron_bitpipe.execution.groups.PipelineGroups`.
     :attr:`bytes_sent` counts every byte this rank sent.
     """
 

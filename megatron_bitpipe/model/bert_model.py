@@ -10,20 +10,20 @@ and run from its ``pg_collection`` and its ``pre_process``/``post_process`` only
 structure, parameter names, initialisers and math are BertModel's, so state dicts and
 megatron's checkpoint code see a BertModel.
 
-A chunk holds (:class:`~megatron_bitpipe.runtime.layout.ChunkSpec`):
+A chunk holds (:class:`~megatron_bitpipe.model.layout.ChunkSpec`):
 
 * ``pre_process``: word, position and (``num_tokentypes > 0``) token-type embeddings;
-* its encoder layers, numbered globally (:func:`~megatron_bitpipe.runtime.model.chunk_config`);
+* its encoder layers, numbered globally (:func:`~megatron_bitpipe.model.chunks.chunk_config`);
 * ``post_process``: the encoder's final norm, the masked-LM head (``lm_head``: dense, GeLU,
   norm), the output layer (vocab logits, bias; its weight is the word embeddings with tied
-  embeddings, see :mod:`megatron_bitpipe.runtime.model`), the pooler and binary (next-sentence)
+  embeddings, see :mod:`megatron_bitpipe.model.chunks`), the pooler and binary (next-sentence)
   head (``add_binary_head``) and the per-token MLM loss.
 
 Every chunk needs the attention (padding) mask of the micro-batch, not only the first and last.
 
 **Sequence parallelism.** The pooler's input is gathered over the chunk's tp group (megatron's
 pooler would use the global group); without apex, the layers', final and MLM-head norms are
-:class:`~megatron_bitpipe.runtime.norms.SequenceParallelTorchNorm` (as for GPT chunks).
+:class:`~megatron_bitpipe.model.norms.SequenceParallelTorchNorm` (as for GPT chunks).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from megatron.core.transformer.transformer_block import TransformerBlock, get_nu
 from megatron.core.transformer.utils import get_linear_layer
 from megatron.core.utils import deprecate_inference_params
 
-from .groups import PipelineGroups
+from ..execution.groups import PipelineGroups
 from .layout import ChunkSpec
-from .model import build_chunks, chunk_block_spec, is_layer_spec, with_sequence_parallel_norms
+from .chunks import build_chunks, chunk_block_spec, is_layer_spec, with_sequence_parallel_norms
 from .norms import SequenceParallelTorchNorm
 from .sdpa_attention import SdpaDotProductAttention, uses_core_attention
 
@@ -62,7 +62,7 @@ def default_bert_layer_spec(config: TransformerConfig) -> ModuleSpec:
     """megatron-core's Transformer Engine BERT layer spec if TE is importable and
     ``config.transformer_impl`` asks for it (megatron's default), else its local spec — with
     norms that support sequence parallelism where megatron would use ``WrappedTorchNorm``
-    (no apex; :class:`~megatron_bitpipe.runtime.norms.SequenceParallelTorchNorm`)."""
+    (no apex; :class:`~megatron_bitpipe.model.norms.SequenceParallelTorchNorm`)."""
     if bert_layer_specs.HAVE_TE and config.transformer_impl == "transformer_engine":
         return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
     return with_sequence_parallel_norms(bert_layer_specs.bert_layer_local_spec)
@@ -70,7 +70,7 @@ def default_bert_layer_spec(config: TransformerConfig) -> ModuleSpec:
 
 def _lm_head(config: TransformerConfig) -> BertLMHead:
     """megatron's masked-LM head; with sequence parallelism and no apex its norm is a
-    :class:`~megatron_bitpipe.runtime.norms.SequenceParallelTorchNorm` (``WrappedTorchNorm``
+    :class:`~megatron_bitpipe.model.norms.SequenceParallelTorchNorm` (``WrappedTorchNorm``
     refuses sequence parallelism)."""
     if not (config.sequence_parallel and bert_lm_head.LNImpl is WrappedTorchNorm):
         return BertLMHead(config.hidden_size, config)
@@ -89,7 +89,7 @@ class BertChunk(BertModel):
 
     Arguments are ``BertModel``'s, with ``pg_collection`` required; ``return_embeddings`` and
     ``vp_stage`` do not exist (inference-only, and the looped virtual stage). ``config``
-    should be the chunk's own (:func:`~megatron_bitpipe.runtime.model.chunk_config`) so its
+    should be the chunk's own (:func:`~megatron_bitpipe.model.chunks.chunk_config`) so its
     layers carry global numbers. ``BertModel.__init__`` is not called (it builds from the
     global parallel state); this constructor builds the same modules, each with the chunk's
     tensor-parallel group, and the block with the whole ``pg_collection``.
@@ -259,7 +259,7 @@ def build_bert_chunks(
 ) -> List[BertChunk]:
     """This rank's :class:`BertChunk` s of ``groups.placement``, indexed by local chunk id.
 
-    Same contract as :func:`~megatron_bitpipe.runtime.model.build_gpt_chunks` (layers,
+    Same contract as :func:`~megatron_bitpipe.model.chunks.build_gpt_chunks` (layers,
     process groups, tied embeddings on one rank, megatron's own initialisation). Megatron-LM's
     BERT defaults: tied embeddings, the binary (next-sentence) head, and two token types with
     it (``num_tokentypes`` defaults to 2 with ``add_binary_head``, else 0). ``bert_kwargs``

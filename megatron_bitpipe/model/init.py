@@ -209,11 +209,11 @@ def initialize_from_seed(
     """Overwrite every registered parameter of ``chunks`` with its seed-determined value.
 
     ``layers[i]`` says which part of the full model ``chunks[i]`` holds (e.g. the
-    :func:`~megatron_bitpipe.runtime.layout.chunk_specs`); chunks may be wrapped (DDP,
+    :func:`~megatron_bitpipe.model.layout.chunk_specs`); chunks may be wrapped (DDP,
     Float16Module). Copies are in place, so views held by DDP buffers stay valid; call it
     before the optimizer copies fp32 main weights. Local, no communication: ``tp_group`` only
     gives the tp rank and size. A tied head built by
-    :func:`~megatron_bitpipe.runtime.model.build_gpt_chunks` is the embedding's Parameter and
+    :func:`~megatron_bitpipe.model.chunks.build_gpt_chunks` is the embedding's Parameter and
     changes with it. A parameter with ``model_seeds`` (a fused array's, :mod:`megatron_bitpipe.hfta`)
     has a leading model dimension: slice ``k`` gets the value its parameter has in the unfused
     model of seed ``model_seeds[k]``. Expert-parallel parameters are not supported (NotImplementedError).

@@ -4,7 +4,7 @@ megatron-core's ``dist_checkpointing`` saves and loads ``ShardedTensor``\\ s: a 
 global (single-process) tensor, this rank's block of it, and a ``replica_id`` that is all
 zeros on exactly one copy of each block in the job (the copy that is written). A chunk's own
 ``sharded_state_dict`` already uses global keys, whatever the placement: layer keys come from
-the layers' global numbers (:func:`megatron_bitpipe.runtime.model.chunk_config`), tensor
+the layers' global numbers (:func:`megatron_bitpipe.model.chunks.chunk_config`), tensor
 parallel blocks carry their offsets, and data-parallel copies their data-parallel rank. Two
 things are the placement's and are added here, by :func:`attach_sharded_state_dicts`:
 
@@ -14,7 +14,7 @@ things are the placement's and are added here, by :func:`attach_sharded_state_di
   loading fills both replicas with the same values.
 * **Tied output layer.** A head chunk whose ``output_layer.weight`` is the word embedding of
   another chunk (BitPipe's V: the embedding chunk on the same rank, see
-  :mod:`megatron_bitpipe.runtime.model`) has no entry of its own: the embedding chunk's
+  :mod:`megatron_bitpipe.model.chunks`) has no entry of its own: the embedding chunk's
   entry covers that one Parameter. A head chunk holding megatron's copy of the embedding
   (looped placements, last stage) maps it to ``embedding.word_embeddings.weight`` as a
   replica, as megatron-core does, with the chunk's own groups rather than megatron's
@@ -37,7 +37,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedStateDict
 from megatron.core.utils import unwrap_model
 
-from .groups import PipelineGroups
+from ..execution.groups import PipelineGroups
 from .layout import ChunkSpec
 
 __all__ = ["attach_sharded_state_dicts", "chunk_sharded_state_dict"]

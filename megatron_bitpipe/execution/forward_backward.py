@@ -6,8 +6,8 @@ megatron-core's keyword signature and return value — :func:`make_forward_backw
 :func:`forward_backward_bitpipe` — are thin wrappers over it (the loss reports of the
 micro-batches whose loss this rank computes, in micro-batch order; ``[]`` elsewhere), so
 Megatron-LM's training loop and evaluation call them like megatron's own schedules. The model chunks must come from
-:func:`megatron_bitpipe.runtime.model.build_chunks` (GPT or BERT), which records their
-:class:`~megatron_bitpipe.runtime.groups.PipelineGroups` (``chunk.pipeline_groups``):
+:func:`megatron_bitpipe.model.chunks.build_chunks` (GPT or BERT), which records their
+:class:`~megatron_bitpipe.execution.groups.PipelineGroups` (``chunk.pipeline_groups``):
 placement, p2p channels and gradient-sync groups.
 
 One step:
@@ -58,7 +58,7 @@ def pipeline_groups_of(model: List[torch.nn.Module]) -> PipelineGroups:
     groups = get_attr_wrapped_model(model[0], "pipeline_groups", allow_none=True)
     if groups is None:
         raise ValueError(
-            "model chunks carry no pipeline_groups: build them with megatron_bitpipe.runtime.model.build_chunks "
+            "model chunks carry no pipeline_groups: build them with megatron_bitpipe.model.chunks.build_chunks "
             "(build_gpt_chunks, build_bert_chunks)"
         )
     return groups

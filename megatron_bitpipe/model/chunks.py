@@ -11,7 +11,7 @@ number (attention scaling, per-layer configs, fp8 contexts use it), the sharded 
 checkpoint) state dict uses global layer offsets, and the MoE block spec's
 ``get_layer_id_list`` picks the chunk's layer specs. Module names stay local
 (``decoder.layers.{l}``), as in megatron's own pipeline chunks;
-:func:`megatron_bitpipe.runtime.layout.to_global_name` maps them.
+:func:`megatron_bitpipe.model.layout.to_global_name` maps them.
 
 The per-chunk config copies differ from the caller's config only in that field; attributes
 set later on the caller's config (``no_sync_func``, ``finalize_model_grads_func``, ...) are
@@ -27,9 +27,9 @@ the head's backward accumulates into that parameter like any other use of it. me
 tying machinery (zeroed copy + all-reduce over the embedding group at construction and
 after every backward) is not used; megatron's ``sharded_state_dict`` of such a head chunk
 expects its own ``output_layer.weight`` entry, which
-:mod:`megatron_bitpipe.runtime.sharded_state` handles. A single pipeline whose ends are on different ranks (the looped
+:mod:`megatron_bitpipe.model.sharded_state` handles. A single pipeline whose ends are on different ranks (the looped
 placement, :attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`) uses megatron's
-own tying over the embedding group of :class:`~megatron_bitpipe.runtime.groups.PipelineGroups`;
+own tying over the embedding group of :class:`~megatron_bitpipe.execution.groups.PipelineGroups`;
 several such pipelines (Chimera) are rejected.
 
 **Virtual pipeline.** A looped placement with ``v`` chunks per rank may set
@@ -37,7 +37,7 @@ several such pipelines (Chimera) are rejected.
 schedule reads it there); each chunk's own config leaves it unset (:func:`chunk_config`).
 
 **Layer spec.** :func:`default_gpt_layer_spec` (BERT:
-:func:`megatron_bitpipe.runtime.bert.default_bert_layer_spec`) is the single place choosing
+:func:`megatron_bitpipe.model.bert_model.default_bert_layer_spec`) is the single place choosing
 between Transformer Engine and megatron-core's local modules.
 
 **Optimus 2D.** When the groups carry an Optimus mesh (``tensor_parallel_mode="optimus2d"``),
@@ -47,7 +47,7 @@ the embedding chunk's 2-D ``[v/q, h/q]`` vocabulary block, and every parameter c
 ``optimus_layout``, which :mod:`.init` uses for seed-only initialisation.
 
 **Weights.** megatron-core's own initialisation runs unless the config says
-``perform_initialization=False`` (:func:`~megatron_bitpipe.runtime.build.build_pipeline_model`
+``perform_initialization=False`` (:func:`~megatron_bitpipe.model.build.build_pipeline_model`
 does: :mod:`.init` draws every weight from the seed instead). Either way every weight of
 megatron's tensor-parallel layers carries megatron's ``tensor_model_parallel`` /
 ``partition_dim`` / ``partition_stride`` attributes (:func:`mark_tensor_parallel_weights`:
@@ -56,7 +56,7 @@ megatron-core before 0.19 sets them only while initialising).
 **Other models.** :func:`build_chunks` does the placement work (per-chunk configs, process
 groups, tying) for any megatron-core language model whose block is a ``TransformerBlock``;
 :func:`build_gpt_chunks` gives it GPTModel chunks (:func:`gpt_chunk_factory` makes one) and
-:func:`megatron_bitpipe.runtime.bert.build_bert_chunks` BERT chunks.
+:func:`megatron_bitpipe.model.bert_model.build_bert_chunks` BERT chunks.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ from megatron.core.utils import unwrap_model
 
 from ..optimus.gpt_model import OptimusGPTModel
 from ..optimus.spec import get_optimus_gpt_block_spec
-from .groups import PipelineGroups
+from ..execution.groups import PipelineGroups
 from .layout import ChunkLayers, ChunkSpec, chunk_specs
 from .norms import SequenceParallelTorchNorm
 
@@ -376,7 +376,7 @@ def build_gpt_chunks(
 ) -> List[GPTModel]:
     """This rank's GPTModel chunks of ``groups.placement``, indexed by local chunk id.
 
-    Chunk ``c`` holds :func:`~megatron_bitpipe.runtime.layout.chunk_specs`\\ ``[c]`` (its
+    Chunk ``c`` holds :func:`~megatron_bitpipe.model.layout.chunk_specs`\\ ``[c]`` (its
     layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
     :func:`chunk_config`; see :func:`build_chunks` for the checks and tied embeddings.
     ``gpt_kwargs`` go to ``GPTModel`` (rotary settings, ``parallel_output``...). With
@@ -384,7 +384,7 @@ def build_gpt_chunks(
     Optimus *layer* spec (:func:`~megatron_bitpipe.optimus.get_optimus_gpt_layer_spec`, e.g.
     with another core attention). Weights get megatron's own (layout-dependent)
     initialisation unless ``config.perform_initialization`` is false; call
-    :func:`megatron_bitpipe.runtime.init.initialize_from_seed` for layout-independent ones.
+    :func:`megatron_bitpipe.model.init.initialize_from_seed` for layout-independent ones.
     The chunks come from :func:`gpt_chunk_factory`.
     """
     make_chunk = gpt_chunk_factory(

@@ -1,8 +1,8 @@
 """One call from a config to a trainable pipeline model: groups, chunks, weights, DDP.
 
 :func:`build_pipeline_model` is what the pretrain scripts and the tests use; every step
-is also available on its own (:mod:`.groups`, :mod:`.model`, :mod:`.init`,
-:mod:`.replicas`).
+is also available on its own (:mod:`megatron_bitpipe.execution.groups`, :mod:`.chunks`, :mod:`.init`,
+:mod:`megatron_bitpipe.execution.replicas`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from ..hfta.optimizer import build_hfta_optimizer
 from ..optimizers import OptimizerChoice, build_megatron_optimizer
 from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
-from .groups import ParallelGrid, PipelineGroups
+from ..execution.groups import ParallelGrid, PipelineGroups
 from .init import initialize_from_seed, without_megatron_init
 from .layout import ChunkSpec, chunk_specs
-from .model import build_gpt_chunks
+from .chunks import build_gpt_chunks
 from .precision import ChunkFloat16Module
-from .distributed_optimizer import build_distributed_optimizer
-from .replicas import mark_replica_parameters, wrap_ddp
+from ..execution.distributed_optimizer import build_distributed_optimizer
+from ..execution.replicas import mark_replica_parameters, wrap_ddp
 from .sharded_state import attach_sharded_state_dicts
 
 __all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "build_optimizer"]
@@ -85,8 +85,8 @@ def build_pipeline_model(
 ) -> PipelineModel:
     """Build, initialise and wrap this rank's model chunks of ``placement`` on ``grid``.
 
-    ``chunk_builder`` makes the chunks: :func:`~.model.build_gpt_chunks` (GPT, the default),
-    :func:`~.bert.build_bert_chunks` (BERT) or any function with their signature
+    ``chunk_builder`` makes the chunks: :func:`~.chunks.build_gpt_chunks` (GPT, the default),
+    :func:`~.bert_model.build_bert_chunks` (BERT) or any function with their signature
     (``config, groups, *, vocab_size, max_sequence_length,
     share_embeddings_and_output_weights, **model_kwargs``). Collective over all ranks. The
     initial weights depend only on ``seed`` and the model shape
@@ -110,7 +110,7 @@ def build_pipeline_model(
     (:func:`megatron_bitpipe.optimus.validation.check_optimus_model_config`); GPT only.
     ``model_kwargs`` go to ``chunk_builder`` (``layer_spec``, ``position_embedding_type``,
     ``add_binary_head``, ...). ``gradient_reduction`` is what the chunks' DDP reduces over
-    (:func:`~.replicas.wrap_ddp`): ``"data-parallel"`` (synchronous), ``"replicas"`` (within
+    (:func:`~megatron_bitpipe.execution.replicas.wrap_ddp`): ``"data-parallel"`` (synchronous), ``"replicas"`` (within
     each data-parallel replica; builds the replica groups) or ``"none"`` (the caller reduces).
     """
     if tensor_parallel_mode == "optimus2d":
@@ -142,14 +142,14 @@ def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, cho
 
     Non-distributed (``optimizer_config.use_distributed_optimizer`` false): one optimizer over
     all chunks, grad norm over the model-parallel group; the second replica's parameters are
-    marked ``shared`` (:mod:`.replicas`), so the norm and clipping count every logical
+    marked ``shared`` (:mod:`megatron_bitpipe.execution.replicas`), so the norm and clipping count every logical
     parameter once.
 
     Distributed: one megatron ``DistributedOptimizer`` per chunk, each sharding its chunk's
     state over the chunk's grad-sync group (the replicas of its stage x data parallel: the
     group its gradients are reduce-scattered over), so every element has one owner in the
     job; the grad norm sums every rank's shards once (``intra_dist_opt``, all ranks); see
-    :mod:`.distributed_optimizer`. ValueError if the model's DDP and ``optimizer_config``
+    :mod:`megatron_bitpipe.execution.distributed_optimizer`. ValueError if the model's DDP and ``optimizer_config``
     disagree about the distributed optimizer.
 
     A fused array (:mod:`megatron_bitpipe.hfta`): one Adam per model over its slices, each with

@@ -4,7 +4,7 @@ One statement for every config this package builds (the pretrain scripts' and th
 suite's reference models): without a GPU every fusion is off (the kernels are CUDA-only);
 with one, bias-activation (where a bias or SwiGLU exists) and bias-dropout fusions are on and
 gradient-accumulation fusion follows Transformer Engine. Always: weights created on the CPU
-(``runtime.init`` draws each rank's shards), no masked-softmax, RoPE or persistent-layer-norm
+(:mod:`.init` draws each rank's shards), no masked-softmax, RoPE or persistent-layer-norm
 kernels (apex/TE), unbatched p2p (batched p2p mixes up the two directions between one pair of
 ranks: pipeline size 2 with the interleaved schedule), and pipeline outputs deallocated after
 their send only on GPUs (on gloo an asynchronous send can read an output after it was freed).

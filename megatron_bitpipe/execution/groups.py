@@ -15,7 +15,7 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
   ``DistributedDataParallel``. Same as ``rank_pgs`` except ``dp = dp_cp = expt_dp`` is the
   chunk's grad-sync group (:meth:`PipelineGroups.grad_sync_group`).
   ``embd = pos_embd`` is this rank alone in both: tied embeddings live on one rank
-  (:mod:`megatron_bitpipe.runtime.model`), so megatron's embedding all-reduces are skipped
+  (:mod:`megatron_bitpipe.model.chunks`), so megatron's embedding all-reduces are skipped
   (a group of one, not None: ``finalize_model_grads`` looks a None embedding group up in the
   global parallel state, which Megatron-LM's training loop has initialised) — unless the
   placement ties embeddings megatron's way
@@ -268,7 +268,7 @@ class PipelineGroups:
         ranks (BitPipe's mirror pair holds four) never share a group: their collectives may
         be issued in different orders on the two ranks when they are asynchronous.
         *Blocking* collectives over these groups must still be issued in the same order on
-        every rank: by stage (:func:`megatron_bitpipe.runtime.replicas.stage_order`).
+        every rank: by stage (:func:`megatron_bitpipe.execution.replicas.stage_order`).
         """
         return self.stage_groups[self.placement.role(self.pp_rank, chunk).stage]
 

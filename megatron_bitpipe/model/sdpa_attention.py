@@ -185,5 +185,5 @@ def with_core_attention(spec: ModuleSpec, core_attention) -> ModuleSpec:
 
 
 #: megatron-core's local GPT layer spec (LayerNorm, no QK norm) with SDPA core attention, for
-#: Megatron-LM's ``--spec megatron_bitpipe.runtime.sdpa_attention gpt_local_sdpa_layer_spec``
+#: Megatron-LM's ``--spec megatron_bitpipe.model.sdpa_attention gpt_local_sdpa_layer_spec``
 gpt_local_sdpa_layer_spec = with_core_attention(get_gpt_layer_local_spec(), SdpaDotProductAttention)

@@ -132,7 +132,7 @@ def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
 
     The offset comes from the first layer's global ``layer_number`` (1-based), so the chunk
     must have been built with correct layer numbers (megatron's own chunks, or
-    :func:`megatron_bitpipe.runtime.model.chunk_config`). A chunk without layers gets
+    :func:`megatron_bitpipe.model.chunks.chunk_config`). A chunk without layers gets
     ``first_layer`` 0, which no parameter name depends on.
     """
     from megatron.core.utils import unwrap_model

@@ -3,7 +3,7 @@
 megatron's ``DistributedOptimizer`` shards the state of its model chunks' gradient buffers
 over *one* data-parallel group. A chunk of a multi-pipeline placement (BitPipe) reduces its
 gradients over its own grad-sync group (its stage's replicas x data parallel,
-:meth:`megatron_bitpipe.runtime.groups.PipelineGroups.grad_sync_group`), so each chunk gets
+:meth:`megatron_bitpipe.execution.groups.PipelineGroups.grad_sync_group`), so each chunk gets
 its own ``DistributedOptimizer`` over that group (:func:`build_distributed_optimizer`) and
 :class:`ChunkDistributedOptimizer` chains them.
 
@@ -115,7 +115,7 @@ def build_distributed_optimizer(
     ``chunks`` are the DDP-wrapped chunks (local chunk order), each reducing over its
     grad-sync group (``groups.model_pgs[c]``). After the step each chunk all-gathers its
     parameters over that group, a blocking collective that must come in the same order on
-    every rank, hence the stage order (:func:`~megatron_bitpipe.runtime.replicas.stage_order`).
+    every rank, hence the stage order (:func:`~megatron_bitpipe.execution.replicas.stage_order`).
     ``megatron_kwargs`` go to ``get_megatron_optimizer`` (``config_overrides``...).
     Collective over all ranks.
     """

@@ -52,7 +52,7 @@ only once its receive is posted, one communicator runs a rank's operations in is
 and creating a communicator blocks until every member arrives. So:
 
 1. each message travels on its channel's process group
-   (:meth:`~megatron_bitpipe.runtime.groups.PipelineGroups.channel_group`, keyed by
+   (:meth:`~megatron_bitpipe.execution.groups.PipelineGroups.channel_group`, keyed by
    :func:`~megatron_bitpipe.schedules.comm.channel_group_key`): in one group a rank only sends
    to one neighbour or only receives from one, and messages are matched in plan order, which
    the validator checks per channel;
@@ -92,7 +92,7 @@ from ..megatron_compat import backward_step
 from ..schedules.actions import Action, ActionType, SchedulePlan
 from ..schedules.comm import Payload, transfer_of
 from .groups import PipelineGroups
-from .layout import ChunkSpec, chunk_specs
+from ..model.layout import ChunkSpec, chunk_specs
 from .weight_grad import ChunkWeightGrad
 
 __all__ = ["MicrobatchSource", "PlanExecutor"]
