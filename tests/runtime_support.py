@@ -344,9 +344,9 @@ def _instrument(chunks, events: list):
 
     original_backward = PlanExecutor._backward
 
-    def logged_backward(self, action):
+    def logged_backward(self, action, *inputs):
         events.append(("B", action.chunk, action.microbatch))
-        return original_backward(self, action)
+        return original_backward(self, action, *inputs)
 
     def logged_sync(chunk_id, chunk, start):
         def start_grad_sync(*args):
