@@ -197,6 +197,7 @@ def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int
     of ``argv`` (its data-parallel flags ignored) in float64; ``batches[j]`` is applied batch
     ``j``'s micro-batches by replica. With ``delay`` 1, iteration ``k`` (1-based) computes
     batch ``k - 1`` and applies batch ``k - 2``; with 0 it computes and applies batch ``k - 1``."""
+    from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import lr_scheduler
 
     args, net, (train, _, _) = reference_gpt(argv)
@@ -207,7 +208,7 @@ def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int
         [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
         lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
     )  # fmt: skip
-    scheduler = lr_scheduler(args, run, optimizer)
+    scheduler = lr_scheduler(args, RunConfig.from_args(args), optimizer)
 
     def gradient_sum(batch) -> List[torch.Tensor]:
         """Sum over the micro-batches of every replica of each micro-batch's mean-loss gradient."""
