@@ -192,6 +192,17 @@ def megatron_lm_functions() -> MegatronLMFunctions:
     return MegatronLMFunctions(argument_modules, training, batch_modules, builders, gpt_builder)
 
 
+def standard_param_group_overrides(config):
+    """The ``config_overrides`` megatron-core's ``get_megatron_optimizer`` uses when none are
+    given (0.19: ``get_standard_config_overrides(config)``, the rule "no weight decay for biases
+    and 1-D tensors"; 0.16 applies that rule itself for ``None``), for callers of
+    ``_get_param_groups`` that must group parameters as it does."""
+    from megatron.core import optimizer
+
+    standard = getattr(optimizer, "get_standard_config_overrides", None)
+    return None if standard is None else standard(config)
+
+
 def reads_common_state_in_index() -> bool:
     """Whether megatron-core's ``load_common_state_dict`` reads plain values stored in the
     checkpoint's index (0.19's layout) besides a ``common.pt``."""

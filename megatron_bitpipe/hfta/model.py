@@ -15,6 +15,7 @@ Pipeline stages pass ``[s, B*b, h]`` tensors (:func:`hfta_p2p_tensor_shapes`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -51,10 +52,18 @@ def _fused(spec, num_models: int):
     }
     if isinstance(spec, type):
         return swaps.get(spec, spec)
+    if isinstance(spec, functools.partial) and dataclasses.is_dataclass(spec.keywords.get("submodules")):
+        # megatron-core 0.19: a module factory with its submodules (MLP.as_mlp_submodule)
+        return functools.partial(spec.func, *spec.args, **dict(spec.keywords, submodules=_fused_submodules(spec.keywords["submodules"], num_models)))
     if not isinstance(spec, ModuleSpec) or not dataclasses.is_dataclass(spec.submodules):
         return spec
-    updates = {f.name: _fused(getattr(spec.submodules, f.name), num_models) for f in dataclasses.fields(spec.submodules)}
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **updates))
+    return dataclasses.replace(spec, submodules=_fused_submodules(spec.submodules, num_models))
+
+
+def _fused_submodules(submodules, num_models: int):
+    """A submodules dataclass with every field :func:`_fused`."""
+    updates = {f.name: _fused(getattr(submodules, f.name), num_models) for f in dataclasses.fields(submodules)}
+    return dataclasses.replace(submodules, **updates)
 
 
 def hfta_gpt_layer_spec(num_models: int, normalization: str = "LayerNorm", core_attention=None) -> ModuleSpec:

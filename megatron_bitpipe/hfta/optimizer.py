@@ -35,6 +35,7 @@ from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, _get_mega
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from .. import megatron_compat
 from .settings import HftaSettings
 
 __all__ = ["HftaOptimizer", "build_hfta_optimizer", "model_views"]
@@ -153,7 +154,7 @@ def build_hfta_optimizer(
     parts, views = [], []
     for k, lr in enumerate(hfta.lrs):
         views.append(model_views(chunks, k))
-        groups = _get_param_groups([_ModelSlice(views[k])], config, None)
+        groups = _get_param_groups([_ModelSlice(views[k])], config, megatron_compat.standard_param_group_overrides(config))
         for group in groups:
             group["max_lr"] = lr
         parts.append(
