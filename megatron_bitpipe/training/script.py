@@ -36,7 +36,7 @@ from ..checkpoint_rules import CheckpointError
 from .task import TaskArguments
 
 __all__ = [
-    "PEER_REPORT_WAIT_S", "ignore_dependency_warnings", "ignore_missing_kernel_warnings", "main", "pretrain",
+    "PEER_REPORT_WAIT_S", "exit_status", "ignore_dependency_warnings", "ignore_missing_kernel_warnings", "main", "pretrain",
     "report_user_error", "run_script",
 ]  # fmt: skip
 
@@ -115,13 +115,25 @@ def run_script(
     propagate, so torchrun reports the traceback and ends the job. ``prog`` names the script
     in messages (default: ``sys.argv[0]``'s file name)."""
     prog = prog or os.path.basename(sys.argv[0])
-    try:
+
+    def train() -> None:
         quiet = contextlib.redirect_stdout(io.StringIO()) if _rank() != 0 else contextlib.nullcontext()
         with quiet:  # --help: rank 0 prints it
             args = parse_args(arguments, argv, prog=prog)
         from .loop import run_training  # torch.distributed and megatron-core
 
         run_training(load_task(), args, cpu_fallback=cpu_fallback)
+
+    return exit_status(prog, train)
+
+
+def exit_status(prog: str, work: Callable[[], None]) -> int:
+    """Run ``work`` and return the scripts' exit status: 0 done, 2 bad flags or input
+    (UsageError, BitPipeConfigError), 1 a checkpoint that does not fit (CheckpointError), each
+    reported as one line on stderr (:func:`report_user_error`, ``prog`` naming the script);
+    other failures propagate, so torchrun reports the traceback and ends the job."""
+    try:
+        work()
     except (UsageError, BitPipeConfigError) as error:
         report_user_error(prog, error)
         return USAGE_EXIT_STATUS

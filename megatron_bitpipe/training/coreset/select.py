@@ -40,7 +40,6 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from ...megatron_args import BitPipeConfigError
-from ...usage import USAGE_EXIT_STATUS, UsageError
 from ..arguments import parse_args
 from ..task import TaskArguments
 from .facility import Selection, select_shard, shard_bounds, shard_size_of
@@ -268,16 +267,6 @@ def _select_with_model(args, settings: SelectionSettings, n: int, cpu_fallback, 
 def main(argv: Optional[Sequence[str]] = None, cpu_fallback: Optional[Callable[[], None]] = None, prog: str = "select_coreset.py") -> int:
     """The script: 0 done, 2 bad flags or data (one message on stderr, before any work), 1 a
     ``--load`` checkpoint that does not fit (the pretrain scripts' statuses)."""
-    from ...checkpoint_rules import CheckpointError
-    from ..script import CHECKPOINT_EXIT_STATUS, report_user_error
+    from ..script import exit_status
 
-    try:
-        args = parse_args(SelectionArguments(), argv, prog=prog)
-        select(args, cpu_fallback)
-    except (UsageError, BitPipeConfigError) as error:
-        report_user_error(prog, error)
-        return USAGE_EXIT_STATUS
-    except CheckpointError as error:
-        report_user_error(prog, error)
-        return CHECKPOINT_EXIT_STATUS
-    return 0
+    return exit_status(prog, lambda: select(parse_args(SelectionArguments(), argv, prog=prog), cpu_fallback))
