@@ -91,14 +91,11 @@ class Batches:
         micro_batch_size: samples per micro-batch.
         global_batch_size: samples per iteration over the job.
         num_microbatches: micro-batches per data-parallel rank and iteration (the schedule's N).
-        global_batch_size_defaulted: ``--global-batch-size`` was left out (its default is
-            ``micro_batch_size * data-parallel size``; error messages say so).
     """
 
     micro_batch_size: int
     global_batch_size: int
     num_microbatches: int
-    global_batch_size_defaulted: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,7 +180,6 @@ class RunConfig:
                 micro_batch_size=args.micro_batch_size,
                 global_batch_size=args.global_batch_size,
                 num_microbatches=args.global_batch_size // (args.micro_batch_size * data),
-                global_batch_size_defaulted=getattr(args, "global_batch_size_defaulted", False),
             ),
             data_parallel_mode=data_parallel_mode,
             optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode in DECENTRALIZED_MODES),

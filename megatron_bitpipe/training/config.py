@@ -29,9 +29,10 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
+from .. import megatron_compat
+from ..model.kernels import kernel_fields
 from ..optimizers import MEGATRON_OPTIMIZERS, ParamScheduler
 from ..run_config import RunConfig
-from ..model.kernels import kernel_fields
 
 __all__ = [
     "transformer_config",
@@ -94,8 +95,6 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
     fields.update(overrides)
     config = TransformerConfig(**fields)
     if run.schedule.split_backward:  # the weight-gradient deferral contract, before the model is built
-        from .. import megatron_compat
-
         megatron_compat.enable_delay_wgrad_compute(config)
     return config
 
