@@ -13,6 +13,9 @@ iteration 2:
 * through the runtime route, with BitPipe: ``--no-load-optim`` loads the weights (iteration 3's
   loss is the uninterrupted one), ``--no-load-rng`` continues the curve, ``--finetune`` at learning
   rate 0 computes the loss our script computes with ``--finetune`` from the same checkpoint;
+* model 1 of a fused array (``--hfta-models 2``) extracted by ``scripts/hfta_extract.py``
+  loads into Megatron-LM's script (pipeline 2, ``--no-load-optim --no-load-rng``), whose
+  iteration-3 loss is the array's model-1 loss at iteration 3;
 * a ``--load`` without a checkpoint starts from scratch with Megatron-LM's one warning; a
   checkpoint that exists but cannot be loaded (another model, a missing shard, an unknown
   format, another model family, legacy per-rank files of another layout or with bitpipe, no
@@ -164,6 +167,25 @@ def test_finetune_loads_the_weights_at_iteration_zero(curves, load_options):
     assert sorted(megatron_lm.losses) == [1] and sorted(ours) == [1]
     assert megatron_lm.losses[1] == pytest.approx(ours[1]["lm_loss"], rel=RTOL)
     assert ours[1]["lm_loss"] != pytest.approx(curves["ours"][1]["lm_loss"], rel=1e-3)  # not the initial weights
+
+
+# -- a model extracted from a fused array (HFTA) ------------------------------------------------------
+
+
+def test_megatron_lm_loads_a_model_extracted_from_a_fused_array(checkout, workdir):
+    import subprocess
+    import sys
+
+    from .megatron_lm_support import REPO
+
+    array = _ours(workdir, "hfta", 1, ["--hfta-models", "2", "--hfta-lr", "1e-3,5e-4", "--save", str(workdir / "H"), "--save-interval", "2"])
+    extract = [sys.executable, str(REPO / "scripts" / "hfta_extract.py"), "--load", str(workdir / "H"), "--model", "1", "--ckpt-step", "2"]
+    done = subprocess.run([*extract, "--save", str(workdir / "H1")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = _ok(_megatron_lm(checkout, workdir, "from_hfta", 2, ["--pipeline-model-parallel-size", "2", "--load", str(workdir / "H1"), "--no-load-optim", "--no-load-rng"]))
+    assert sorted(run.losses) == [3, 4]
+    assert run.losses[3] == pytest.approx(array[3]["lm_losses"][1], rel=RTOL)
+    assert array[3]["lm_losses"][1] != pytest.approx(array[3]["lm_losses"][0], rel=1e-3)  # the two models differ
 
 
 # -- checkpoints that cannot be loaded -----------------------------------------------------------------
