@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """HFTA throughput: B GPTs trained as one fused array vs the same B trained one after another.
 
-For each B in ``--models`` the training loop of ``scripts/pretrain_gpt.py`` (one process, fp32,
-Adam, CPU with gloo unless a GPU is present) runs ``--iters`` timed iterations after
-``--warmup`` untimed ones of
+For each B in ``--models`` the training loop of ``scripts/pretrain_gpt.py`` (one process each,
+fp32, Adam; on the GPU when there is one, else on the CPU) runs ``--iters`` timed iterations
+after ``--warmup`` untimed ones of
 
 * the fused array ``--hfta-models B`` (every model sees the global batch), and
 * one unfused model (B models one after another take B times its time),
 
 and reports samples per second over all B models: fused ``B * batch / t_fused``, sequential
-``batch / t_single`` (the same for every B), and the ratio. One torch thread (``--threads``).
+``batch / t_single`` (the same for every B), and the ratio. ``--size tiny`` (default) is a GPT
+for a CPU with ``--threads`` torch threads (default 1), ``--size small`` one for a GPU
+(``scripts/gpu_check.py``'s ``hfta-bench`` item).
 
 Usage: ``python scripts/bench_hfta.py --models 1 2 4 8 --json docs/images/bench_hfta.json --plot docs/images/bench_hfta.png``.
 """
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,23 +32,30 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-    "--micro-batch-size", "4", "--global-batch-size", "4", "--vocab-size", "512", "--lr", "1e-3",
-    "--clip-grad", "1.0", "--train-iters", "1000", "--eval-iters", "0", "--log-interval", "1000",
-]  # fmt: skip
+#: the model sizes: ``tiny`` for a CPU, ``small`` for a GPU (scripts/gpu_check.py's ``hfta-bench``)
+SIZES = {
+    "tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--micro-batch-size", "4", "--global-batch-size", "4", "--vocab-size", "512"],
+    "small": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+              "--micro-batch-size", "8", "--global-batch-size", "8", "--vocab-size", "8192"],
+}  # fmt: skip
+#: the training flags of every run besides the size
+TRAINING = ["--lr", "1e-3", "--clip-grad", "1.0", "--train-iters", "1000", "--eval-iters", "0", "--log-interval", "1000"]
+#: the line a timing process prints: its median seconds per iteration
+SECONDS_MARKER = "BENCH_HFTA_SECONDS "
 
 
-def _time_steps(argv: List[str], warmup: int, iters: int) -> float:
-    """Rank body: median seconds per training iteration of the loop with ``argv``."""
+def time_steps(argv: List[str], warmup: int, iters: int) -> float:
+    """Median seconds per training iteration of the loop with ``argv`` in this process (one
+    rank; the GPU when there is one, else the CPU)."""
     import torch
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.gpt import GPTTask
-    from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.loop import Trainer
 
     task = GPTTask()
@@ -66,15 +76,25 @@ def _time_steps(argv: List[str], warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def measure(models: List[int], warmup: int, iters: int, model_args: List[str]) -> List[dict]:
-    """One row per B: seconds per iteration fused and single, samples/s both ways, speed-up."""
-    from megatron_bitpipe.cpu.launcher import launch
+def _timed(argv: List[str], warmup: int, iters: int, threads: int) -> float:
+    """:func:`time_steps` in a fresh process (each run has the process, the device and
+    megatron's global state to itself)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--time-one", json.dumps(argv), "--warmup", str(warmup), "--iters", str(iters)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(SECONDS_MARKER)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"timing {' '.join(argv)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return float(lines[-1][len(SECONDS_MARKER):])
 
+
+def measure(models: List[int], warmup: int, iters: int, model_args: List[str], threads: int = 1) -> List[dict]:
+    """One row per B: seconds per iteration fused and single, samples/s both ways, speed-up."""
     batch = int(model_args[model_args.index("--global-batch-size") + 1])
-    single = launch(_time_steps, 1, model_args, warmup, iters, timeout=600)[0]
+    single = _timed(model_args, warmup, iters, threads)
     rows = []
     for b in models:
-        fused = launch(_time_steps, 1, [*model_args, "--hfta-models", str(b)], warmup, iters, timeout=600)[0]
+        fused = _timed([*model_args, "--hfta-models", str(b)], warmup, iters, threads)
         rows.append(
             dict(
                 models=b,
@@ -122,27 +142,38 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _device(threads: int) -> str:
+    """What the timing processes ran on: the GPU's name, or the CPU and its thread count."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {threads} thread(s)"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=int, nargs="+", default=[1, 2, 4, 8], help="array sizes B (default 1 2 4 8)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the GPT's size: tiny (CPU, default) or small (GPU)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations (default 2)")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations; the median counts (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (OMP_NUM_THREADS, default 1)")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--plot", default=None, help="write the plot here (PNG)")
+    parser.add_argument("--time-one", default=None, metavar="ARGV_JSON", help=argparse.SUPPRESS)  # one timing process
     args = parser.parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    rows = measure(args.models, args.warmup, args.iters, MODEL)
+    if args.time_one is not None:
+        print(f"{SECONDS_MARKER}{time_steps(json.loads(args.time_one), args.warmup, args.iters)}", flush=True)
+        return 0
+    model = [*SIZES[args.size], *TRAINING]
+    rows = measure(args.models, args.warmup, args.iters, model, args.threads)
     load = os.getloadavg()
     print(table(rows))
     print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(rows=rows, load_average=load, model=MODEL), indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(dict(rows=rows, load_average=load, device=_device(args.threads), model=model), indent=1) + "\n")
     if args.plot:
-        import torch
-
-        device = "GPU" if torch.cuda.is_available() else f"CPU, {args.threads} thread(s)"
-        plot(rows, args.plot, f"HFTA, tiny GPT (2 layers, h 64, s 64, batch 4), {device}")
+        sizes = dict(zip(model[::2], model[1::2]))
+        shape = f"{sizes['--num-layers']} layers, h {sizes['--hidden-size']}, s {sizes['--seq-length']}, batch {sizes['--global-batch-size']}"
+        plot(rows, args.plot, f"HFTA, {args.size} GPT ({shape}), {_device(args.threads)}")
     return 0
 
 

@@ -11,6 +11,9 @@ reported and the next one runs):
 2. ``gpt-small-bf16``, ``gpt-0.5b-bf16``: ``scripts/pretrain_gpt.py --bf16`` on the GPU with
    mock data (4 layers h1024 s1024; DESIGN §12's 8 layers h2048 s2048, ~0.5B): tokens/s,
    TFLOP/s per GPU, peak memory and ms/iteration, read from its ``--log-json``.
+   ``attention-sdpa`` (``scripts/bench_attention.py``) and ``hfta-bench``
+   (``scripts/bench_hfta.py --size small``: HFTA's fused arrays of B = 1, 2, 4, 8 small GPTs
+   against B runs one after another, fp32).
 3. ``calibrate-fp32``, ``calibrate-bf16``: ``scripts/calibrate_gpu.py`` on BitPipe's GPT share
    (12 layers h3072 s1024 b1); the cost files are written to ``--out``.
 4. Several ranks sharing the one GPU over NCCL (NCCL >= 2.30: ``NCCL_MULTI_RANK_GPU_ENABLE=1``;
@@ -31,10 +34,12 @@ group killed, and is reported as ``hung (timeout N s)``. ``--budget-s`` bounds t
 an item gets at most the time left, and one that would get less than ``MIN_ITEM_S`` is
 ``skipped (budget)``.
 
-Output under ``--out`` (6 files): ``gpu_check.log`` (every item's command and output, each after
+Output under ``--out`` (7 files): ``gpu_check.log`` (every item's command and output, each after
 a header line), ``gpu_check.json`` (results, rewritten after every item), ``gpu_check.md`` (the
 table), ``calibration_fp32.json`` and ``calibration_bf16.json`` (cost files), ``attention.json``
-(``scripts/bench_attention.py``: unfused vs SDPA core attention). The console gets a
+(``scripts/bench_attention.py``: unfused vs SDPA core attention) and ``hfta.json``
+(``scripts/bench_hfta.py --size small``: B = 1, 2, 4, 8 fused models against B runs one after
+another, item ``hfta-bench``). The console gets a
 line per item, an item's last log lines only when it fails, and the table last.
 
 Without a CUDA GPU it prints one line and exits 2 before doing anything, unless ``--dry-run``:
@@ -76,6 +81,7 @@ ENV_MARKER = "GPU_CHECK_ENVIRONMENT "
 
 LOG_FILE, RESULTS_FILE, TABLE_FILE = "gpu_check.log", "gpu_check.json", "gpu_check.md"
 ATTENTION_FILE = "attention.json"  # scripts/bench_attention.py's results
+HFTA_FILE = "hfta.json"  # scripts/bench_hfta.py's results
 DEFAULT_BUDGET_S = 450.0
 #: the dry run's budget: 2 busy CPU cores start 4 ranks of megatron-core slowly
 DRY_RUN_BUDGET_S = 900.0
@@ -253,6 +259,20 @@ def summarize_attention(rows: Sequence[dict]) -> str:
     )
 
 
+def summarize_hfta(rows: Sequence[dict]) -> str:
+    """scripts/bench_hfta.py's rows in one line: each B's speed-up of the fused array over B
+    runs one after another, and the largest array's samples/s."""
+    if not rows:
+        return "no rows"
+    last = rows[-1]
+    speedups = ", ".join(f"B {r['models']}: {r['speedup']:.2f}x" for r in rows)
+    return f"fused vs one after another: {speedups}; B {last['models']} {last['fused_samples_per_s']:.0f} samples/s"
+
+
+#: a benchmark's results file: its top-level key -> the one-line summary of its value
+BENCHMARK_SUMMARIES = {"attention": summarize_attention, "rows": summarize_hfta}
+
+
 def summarize_environment(env: dict) -> str:
     """The environment item's numbers in one line."""
     keys = (("gpu", "{}"), ("driver", "driver {}"), ("torch", "torch {}"), ("cuda", "CUDA {}"), ("nccl", "NCCL {}"),
@@ -345,6 +365,7 @@ COMMON = ["--seed", "1234", "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-gr
 
 #: per-item timeouts (seconds) on the GPU
 TIMEOUTS = {"environment": 60, "gpt-small-bf16": 90, "gpt-0.5b-bf16": 120, "gpt-0.5b-bf16-sdpa": 120, "attention-sdpa": 60,
+            "hfta-bench": 150,
             "calibrate-fp32": 90, "calibrate-bf16": 90,
             "reference": 60, "multirank": 50, "1f1b-control": 75}  # fmt: skip
 #: the control run of several ranks; the later ones get at least CONTROL_FACTOR x its time
@@ -381,6 +402,11 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
     items.append(Item("attention-sdpa", "benchmark", [py, str(SCRIPTS / "bench_attention.py"), "--device", "cuda", "--json", attention],
                       timeout("attention-sdpa", "benchmark"), "core attention fwd+bwd, unfused vs SDPA, bf16, s 2048 and 4096",
                       needs_gpu=True, output=attention))  # fmt: skip
+    hfta = str(out / HFTA_FILE)
+    items.append(Item("hfta-bench", "benchmark", [py, str(SCRIPTS / "bench_hfta.py"), "--size", "small", "--models", "1", "2", "4", "8",
+                                                  "--warmup", "3", "--iters", "10", "--json", hfta],
+                      timeout("hfta-bench", "benchmark"), "HFTA: B = 1, 2, 4, 8 small GPTs fused vs one after another, fp32",
+                      needs_gpu=True, output=hfta))  # fmt: skip
     for precision in ("fp32", "bf16"):
         name, output = f"calibrate-{precision}", str(out / f"calibration_{precision}.json")
         command = [py, str(SCRIPTS / "calibrate_gpu.py"), *sizes.calibrate, *(["--bf16"] if precision == "bf16" else []), "--output", output]
@@ -667,11 +693,13 @@ def evaluate(item: Item, ran: Ran, logs: Dict[str, dict], cut: bool = False) -> 
                 status = "failed (no --log-json)"
     if item.kind == "benchmark" and status == OK:
         try:
-            details["attention"] = json.loads(Path(item.output).read_text(encoding="utf-8"))["attention"]
-        except (OSError, ValueError, KeyError):
+            results = json.loads(Path(item.output).read_text(encoding="utf-8"))
+            key = next(key for key in BENCHMARK_SUMMARIES if key in results)
+        except (OSError, ValueError, StopIteration):
             status = "failed (no results file)"
         else:
-            numbers = summarize_attention(details["attention"])
+            details[key] = results[key]
+            numbers = BENCHMARK_SUMMARIES[key](results[key])
     if item.kind == "calibrate":
         try:
             costs = json.loads(Path(item.output).read_text(encoding="utf-8")) if status == OK else None
@@ -716,7 +744,7 @@ def _cuda_available() -> Tuple[bool, Optional[Tuple[int, int, int]]]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="directory for the log, results and cost files (created; at most 6 files)")
+    parser.add_argument("--out", help="directory for the log, results and cost files (created; at most 7 files)")
     parser.add_argument("--dry-run", action="store_true", help="no GPU needed: print every command, run the CPU-runnable parts")
     parser.add_argument("--budget-s", type=float, default=None,
                         help=f"seconds for all items together (default {DEFAULT_BUDGET_S:.0f}; dry run {DRY_RUN_BUDGET_S:.0f})")

@@ -145,6 +145,8 @@ def test_summaries():
         "F 70.0 ms, B 140.0 ms (2.00 F), W 56.0 ms (0.80 F), I 91.0 ms (1.30 F)"
     )
     assert gpu_check.summarize_costs({"t_forward": 70.0, "t_backward": 140.0}).endswith("t_weight missing")
+    rows = [dict(models=1, speedup=0.98, fused_samples_per_s=100.0), dict(models=8, speedup=6.5, fused_samples_per_s=650.0)]
+    assert gpu_check.summarize_hfta(rows) == "fused vs one after another: B 1: 0.98x, B 8: 6.50x; B 8 650 samples/s"
     line = gpu_check.summarize_environment({"gpu": "NVIDIA H100", "torch": "2.11", "nccl": "2.27.7", "transformer_engine": "no"})
     assert line == "NVIDIA H100, torch 2.11, NCCL 2.27.7, TE no"
 
@@ -165,7 +167,7 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
     items = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 27, 7))
     names = [i.name for i in items]
-    assert names[0] == "environment" and len(names) == len(set(names)) == 19
+    assert names[0] == "environment" and len(names) == len(set(names)) == 20
     multirank = [i for i in items if i.kind == "multirank"]
     assert multirank[0].name == gpu_check.CONTROL and "--pipeline-schedule" not in multirank[0].command
     assert {i.reference for i in multirank} <= {i.name for i in items if i.kind == "reference"}
