@@ -46,6 +46,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
+from megatron_bitpipe.benchmarking.tables import mean_and_range
+
 REPLICAS = 4
 METHODS = {
     "sync": [],
@@ -192,13 +194,7 @@ def run_all(settings: Settings, batches: Sequence[str], seeds: Sequence[int], me
 
 
 def _stats(values: Sequence[Optional[float]], digits: int = 3) -> str:
-    present = [v for v in values if v is not None]
-    if not present:
-        return "—"
-    text = f"{statistics.mean(present):.{digits}f}"
-    if len(present) > 1:
-        text += f" ({min(present):.{digits}f}–{max(present):.{digits}f})"
-    return text
+    return mean_and_range(values, digits)
 
 
 def markdown_table(rows: List[dict]) -> str:

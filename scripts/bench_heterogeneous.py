@@ -46,12 +46,13 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
+
+from megatron_bitpipe.benchmarking.tables import mean_and_range
 
 DATASETS = ("synthetic", "stdlib-docs")
 METHODS = ("sync", "static", "abs-sgd")
@@ -241,15 +242,7 @@ def run_all(
 
 
 def _stats(values: Sequence[Optional[float]], digits: int = 1) -> str:
-    present = [v for v in values if v is not None]
-    if not present:
-        return "not reached"
-    text = f"{statistics.mean(present):.{digits}f}"
-    if len(present) > 1:
-        text += f" ({min(present):.{digits}f}–{max(present):.{digits}f})"
-    if len(present) < len(values):
-        text += f", {len(values) - len(present)} not reached"
-    return text
+    return mean_and_range(values, digits, absent="not reached", count_absent="not reached")
 
 
 def markdown_table(rows: List[dict], targets: Dict[str, float]) -> str:
