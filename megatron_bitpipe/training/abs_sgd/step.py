@@ -38,8 +38,6 @@ in the same layout continues the exact trajectory. See ``docs/heterogeneous.md``
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import List, Optional
 
@@ -51,18 +49,16 @@ from ..checkpoint import rank_layout
 from ..data import collate
 from ..distributed import log
 from ..logs import IterationRecord
+from ..rank_state import RankStateFiles
 from .args import AbsSgdSettings
 from .counts import SpeedEstimate, plan_counts, stream_samples
 from .exchange import GradientExchange, StatsLayout
 
 __all__ = ["AbsSgdStep", "resume_data_parallel", "COMMON_FILE"]
 
-COMMON_FILE = "abs_sgd.json"
-VERSION = 1
-
-
-def _rank_file(rank: int) -> str:
-    return f"abs_sgd_rank{rank:05d}.pt"
+#: ABS-SGD's state next to a checkpoint: the streams' positions and speeds, the gradients in flight
+STATE_FILES = RankStateFiles("abs_sgd", version=1)
+COMMON_FILE = STATE_FILES.common_file
 
 
 class AbsSgdStep:
@@ -228,28 +224,18 @@ class AbsSgdStep:
     def save(self, directory: str) -> None:
         """Write this rank's ABS-SGD state into checkpoint ``directory`` (before the
         checkpoint itself, which makes it the latest). Waits for the exchange in flight."""
-        os.makedirs(directory, exist_ok=True)
-        rank = self.trainer.env.rank
         in_flight = self.in_flight.state_dict() if self.in_flight is not None else None
-        if in_flight is not None:
-            torch.save(in_flight, os.path.join(directory, _rank_file(rank)))
-        if rank == 0:
-            common = {
-                "version": VERSION,
-                "layout": rank_layout(self.trainer.run_config),
-                "positions": self.positions,
-                "speeds": self.speeds.state_dict(),
-                "last_wait_s": self.last_wait_s,
-                "in_flight_iteration": None if in_flight is None else in_flight["iteration"],
-            }
-            with open(os.path.join(directory, COMMON_FILE), "w", encoding="utf-8") as f:
-                json.dump(common, f, indent=1)
+        common = {
+            "positions": self.positions,
+            "speeds": self.speeds.state_dict(),
+            "last_wait_s": self.last_wait_s,
+            "in_flight_iteration": None if in_flight is None else in_flight["iteration"],
+        }
+        STATE_FILES.save(directory, self.trainer.env.rank, rank_layout(self.trainer.run_config), common, in_flight)
 
     def load(self, directory: str, common: dict) -> None:
         """Restore the state :meth:`save` wrote (``common``: its ``abs_sgd.json``);
         CheckpointError naming the flags when this run cannot continue it."""
-        if common.get("version") != VERSION:
-            raise CheckpointError(f"{directory}: {COMMON_FILE} is not version {VERSION}")
         pending = common["in_flight_iteration"]
         if pending is not None:
             if common["layout"] != rank_layout(self.trainer.run_config):
@@ -270,7 +256,7 @@ class AbsSgdStep:
         self.last_wait_s = common["last_wait_s"]
         self.next_position = self.positions[self.replica]
         if pending is not None:
-            state = torch.load(os.path.join(directory, _rank_file(self.trainer.env.rank)), weights_only=False)
+            state = STATE_FILES.load_rank(directory, self.trainer.env.rank)
             try:
                 self.in_flight = GradientExchange.from_state_dict(state, self.trainer.model.chunks)
             except ValueError as error:
@@ -284,13 +270,11 @@ def resume_data_parallel(directory: str, abs_sgd: Optional[AbsSgdStep]) -> None:
     synchronous mode). A synchronous run refuses an ABS-SGD checkpoint (its replicas read
     their own streams, and gradients may be in flight); an ABS-SGD run starting from a
     synchronous checkpoint starts every stream where the synchronous run stopped."""
-    path = os.path.join(directory, COMMON_FILE)
-    if not os.path.isfile(path):
+    common = STATE_FILES.read_common(directory)
+    if common is None:
         if abs_sgd is not None:
             log(f"abs-sgd: {directory} is a synchronous checkpoint; every replica's stream starts at micro-batch {abs_sgd.positions[0]}")
         return
-    with open(path, encoding="utf-8") as f:
-        common = json.load(f)
     if abs_sgd is None:
         raise CheckpointError(
             f"{directory} was saved with --data-parallel-mode abs-sgd (each replica reads its own sample stream"

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -47,18 +45,16 @@ from ...optimizers.decentralized_sgd import DecentralizedSGD
 from ..distributed import log
 from ..checkpoint import rank_layout
 from ...checkpoint_rules import CheckpointError
+from ..rank_state import RankStateFiles
 from .args import GOSSIP_MODES, DecentralizedSettings
 from .methods import Gossip, LeaderPull, ReplicaLinks, consensus_distance, flat_parameters
 from .topology import topology
 
 __all__ = ["DecentralizedStep", "resume_decentralized", "COMMON_FILE"]
 
-COMMON_FILE = "decentralized.json"
-VERSION = 1
-
-
-def _rank_file(rank: int) -> str:
-    return f"decentralized_rank{rank:05d}.pt"
+#: a decentralized mode's state next to a checkpoint: every replica's weights, momentum and method state
+STATE_FILES = RankStateFiles("decentralized", version=1)
+COMMON_FILE = STATE_FILES.common_file
 
 
 class DecentralizedStep:
@@ -190,30 +186,19 @@ class DecentralizedStep:
     def save(self, directory: str) -> None:
         """Write this rank's replica state into checkpoint ``directory`` (before the
         checkpoint itself, which makes it the latest)."""
-        os.makedirs(directory, exist_ok=True)
         params = self._params()
         state = {
             "params": [p.detach().cpu().clone() for p in params],
             "momentum": [self.inner.state[p]["momentum_buffer"].detach().cpu().clone() for p in params],
             "method": self.method.state_dict(),
         }
-        torch.save(state, os.path.join(directory, _rank_file(self.trainer.env.rank)))
-        if self.trainer.env.rank == 0:
-            common = {
-                "version": VERSION,
-                "mode": self.settings.mode,
-                "settings": dataclasses.asdict(self.settings),
-                "layout": rank_layout(self.trainer.run_config),
-            }
-            with open(os.path.join(directory, COMMON_FILE), "w", encoding="utf-8") as f:
-                json.dump(common, f, indent=1)
+        common = {"mode": self.settings.mode, "settings": dataclasses.asdict(self.settings)}
+        STATE_FILES.save(directory, self.trainer.env.rank, rank_layout(self.trainer.run_config), common, state)
 
     def load(self, directory: str, common: dict) -> None:
         """Restore the state :meth:`save` wrote (``common``: its ``decentralized.json``);
         CheckpointError naming the flags when this run cannot continue it."""
         mode = self.settings.mode
-        if common.get("version") != VERSION:
-            raise CheckpointError(f"{directory}: {COMMON_FILE} is not version {VERSION}")
         if common["mode"] != mode:
             raise CheckpointError(f"{directory} was saved with --data-parallel-mode {common['mode']}: resume it with that mode, not {mode}")
         if common["layout"] != rank_layout(self.trainer.run_config):
@@ -221,7 +206,7 @@ class DecentralizedStep:
                 f"{directory} holds the {common['mode']} replicas of another layout ({common['layout']}); resume it with the "
                 "same world size, --tensor-model-parallel-size, --pipeline-model-parallel-size, schedule and --tensor-parallel-mode"
             )
-        state = torch.load(os.path.join(directory, _rank_file(self.trainer.env.rank)), weights_only=False)
+        state = STATE_FILES.load_rank(directory, self.trainer.env.rank)
         params = self._params()
         shapes = [tuple(p.shape) for p in params]
         if [tuple(t.shape) for t in state["params"]] != shapes:
@@ -244,13 +229,11 @@ class DecentralizedStep:
 def resume_decentralized(directory: str, step: Optional[DecentralizedStep]) -> None:
     """After loading checkpoint ``directory``: restore every replica (``step`` None in the
     other modes, which refuse a decentralized checkpoint: it holds replica 0's model only)."""
-    path = os.path.join(directory, COMMON_FILE)
-    if not os.path.isfile(path):
+    common = STATE_FILES.read_common(directory)
+    if common is None:
         if step is not None:
             log(f"{step.settings.mode}: {directory} holds one model; every replica starts from it")
         return
-    with open(path, encoding="utf-8") as f:
-        common = json.load(f)
     if step is None:
         raise CheckpointError(
             f"{directory} was saved with --data-parallel-mode {common['mode']} (every data-parallel replica has weights of "
