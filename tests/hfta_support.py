@@ -4,13 +4,14 @@ model's losses, gradients (after clipping, as the optimizer used them) and weigh
 
 A fused parameter ``[B, ...]`` is recorded as model ``k``'s slices under the unfused names, so
 the two records compare key by key. Pipeline layouts record this rank's chunks under global
-layer names; the test merges the ranks.
+layer names (tensor-parallel blocks gathered into full tensors); the test merges the ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -29,22 +30,19 @@ def hfta_flags(lrs=LRS, seeds=SEEDS) -> List[str]:
 
 
 def _named_tensors(trainer, of) -> Dict[str, torch.Tensor]:
-    from megatron.core.utils import unwrap_model
+    """``of(param)`` of this rank's chunks under global names, tensor-parallel blocks
+    all-gathered into the full ``[B, ...]`` tensors (collective over the tensor-parallel group)."""
+    from megatron_bitpipe.testing.weights import collect_full, merge_full
 
-    from megatron_bitpipe.model.layout import to_global_name
-
-    out = {}
-    for chunk, spec in zip(trainer.model.chunks, trainer.model.specs):
-        for name, param in unwrap_model(chunk).named_parameters():
-            out[to_global_name(name, spec)] = of(param).detach().clone()
-    return out
+    return merge_full(collect_full(c, of, chunk=s, tp_group=trainer.groups.tp) for c, s in zip(trainer.model.chunks, trainer.model.specs))
 
 
-def train_records(argv: List[str], steps: int, num_models: Optional[int], init_seed: Optional[int] = None) -> dict:
+def train_records(argv: List[str], steps: int, num_models: Optional[int], init_seed: Optional[int] = None, save_after=()) -> dict:
     """Rank body: ``steps`` iterations of the training loop with ``argv``; per step the logged
     losses and extra fields, and (fused: per model, ``models[k]``) gradients and weights.
     ``init_seed``: an unfused model starts from that seed's weights (the data still follows
-    ``--seed``, as the fused array's does)."""
+    ``--seed``, as the fused array's does). ``save_after``: the iterations after which a
+    checkpoint is saved under ``--save``."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
@@ -73,6 +71,8 @@ def train_records(argv: List[str], steps: int, num_models: Optional[int], init_s
             for k in range(num_models or 1)
         ]
         records.append(dict(losses=record.losses, extra=record.extra, grad_norm=record.grad_norm, lr=record.lr, models=models))
+        if record.iteration in save_after:
+            trainer.save()
     validation = trainer.evaluate()
     return dict(steps=records, validation=validation)
 
@@ -125,3 +125,32 @@ def checkpoint_records(root: str) -> dict:
     array = _trainer([*fused, "--load", f"{root}/fused"]).evaluate()
     model1 = _trainer([*MODEL, "--lr", str(LRS[1]), "--load", f"{root}/model1", "--no-load-optim"]).evaluate()
     return dict(logs=logs, array=array, model1=model1)
+
+
+@contextlib.contextmanager
+def shared_directory() -> Iterator[str]:
+    """Rank body: a temporary directory that every rank of the launch names (rank 0 creates it
+    and removes it at the end; collective over the launch's default group)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    names = [tempfile.mkdtemp(prefix="hfta-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    try:
+        yield names[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(names[0], ignore_errors=True)
+
+
+def extracted_validation(load: str, k: int, save: str, argv: List[str]) -> dict:
+    """Rank body: model ``k`` of the fused checkpoint under ``load`` extracted
+    (``scripts/hfta_extract.py``'s function) to ``save`` and evaluated as an ordinary GPT loaded
+    by the training loop with the model flags ``argv``: its validation losses."""
+    from megatron_bitpipe.hfta.extract import extract_model
+
+    extract_model(load, k, save)
+    return _trainer([*argv, "--lr", str(LRS[k]), "--load", save, "--no-load-optim"]).evaluate()

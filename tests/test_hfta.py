@@ -9,12 +9,17 @@
   weights, on the same batches (rtol 1e-5).
 * BitPipe over 4 pipeline ranks, with and without the split backward (the batched linears'
   weight gradients deferred to ``W``), and BitPipe over 2
-  pipeline ranks x data parallelism 2 with full activation recompute: the fused array's
-  losses, gradients and weights equal the single-process fused run.
+  pipeline ranks x data parallelism 2 with full activation recompute, and tensor parallelism:
+  TP2, TP2 with sequence parallelism (one launch of 2 ranks) and BitPipe TP2 x PP2 with the
+  split backward: the fused array's losses, gradients, weights (tensor-parallel blocks
+  gathered) and validation losses equal the single-process fused run.
 * Checkpoints (``torch_dist``): a fused array resumed from its iteration-2 checkpoint logs
   iteration 3 bit for bit as the uninterrupted run (weights and per-model Adam state restored);
   model 1 extracted from the iteration-3 checkpoint (``scripts/hfta_extract.py``) and loaded by
-  the training loop as an ordinary GPT has the fused array's model-1 validation loss.
+  the training loop as an ordinary GPT has the fused array's model-1 validation loss. Across
+  tensor-parallel sizes: the TP2 run's iteration-2 checkpoint resumed at TP1 (x DP2) trains
+  iteration 3 as the single process does, and model 1 extracted from its iteration-3
+  checkpoint has the array's model-1 validation loss.
 * Logs: iteration events carry ``lm_losses`` (one per model), ``lm_loss`` (their mean),
   ``best_lm_loss`` and ``best_model``.
 """
@@ -22,7 +27,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -30,19 +35,26 @@ import torch
 from megatron_bitpipe.megatron_args import BitPipeConfigError
 from megatron_bitpipe.training.arguments import parse_args
 
-from .hfta_support import LRS, MODEL, checkpoint_records, hfta_flags, reference_records, train_records
+from .hfta_support import LRS, MODEL, checkpoint_records, extracted_validation, hfta_flags, reference_records, shared_directory, train_records
 
 STEPS = 3
+RESUME_AT = 2
 RTOL, ATOL = 1e-5, 1e-6
 LAUNCH_TIMEOUT = 600
 
 
 @dataclass(frozen=True)
 class HftaCase:
+    """``save_after``: iterations after which the case saves a checkpoint; ``load``: the case
+    resumes from ``load``'s iteration-:data:`RESUME_AT` checkpoint (same launch) and trains the
+    remaining steps."""
+
     name: str
     flags: tuple
     world_size: int = 4
     reference_key: str = "single"
+    save_after: tuple = ()
+    load: Optional[str] = None
 
 
 CASES = [
@@ -53,7 +65,15 @@ CASES = [
         ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
          "--recompute-method", "uniform", "--recompute-num-layers", "1"),
     ),  # fmt: skip
+    HftaCase("tp2", ("--tensor-model-parallel-size", "2"), world_size=2, save_after=(RESUME_AT, STEPS)),
+    HftaCase("tp2_sp", ("--tensor-model-parallel-size", "2", "--sequence-parallel"), world_size=2),
+    HftaCase("tp1_dp2_from_tp2", (), world_size=2, load="tp2"),
+    HftaCase(
+        "bitpipe_tp2_pp2_split",
+        ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--split-backward"),
+    ),
 ]
+TRAINED = [case for case in CASES if case.load is None]
 
 
 def run_cases(cases: List[HftaCase]) -> dict:
@@ -69,10 +89,18 @@ def run_cases(cases: List[HftaCase]) -> dict:
 
     layers._DeferredWeightGradBmm.apply = counted
     out = {}
-    for case in cases:
-        before = deferred[0]
-        out[case.name] = train_records([*MODEL, *hfta_flags(), *case.flags], STEPS, len(LRS))
-        out[case.name]["deferred"] = deferred[0] - before
+    with shared_directory() as root:
+        for case in cases:
+            before = deferred[0]
+            argv = [*MODEL, *hfta_flags(), *case.flags]
+            if case.save_after:
+                argv += ["--save", f"{root}/{case.name}"]
+            if case.load:
+                argv += ["--load", f"{root}/{case.load}", "--ckpt-step", str(RESUME_AT)]
+            out[case.name] = train_records(argv, STEPS - (RESUME_AT if case.load else 0), len(LRS), save_after=case.save_after)
+            out[case.name]["deferred"] = deferred[0] - before
+            if case.load:  # model 1 of the loaded run's final checkpoint, as an ordinary GPT
+                out[case.name]["model1"] = extracted_validation(f"{root}/{case.load}", 1, f"{root}/model1", [*MODEL, *case.flags])
     return out
 
 
@@ -117,8 +145,12 @@ def test_flags_parse_into_settings():
         (["--hfta-models", "2", "--hfta-lr", "1e-3,1e-6"], "--hfta-lr 1e-06 is below --min-lr 1e-05"),
         (["--hfta-models", "0"], "--hfta-models must be >= 1"),
         (
-            ["--hfta-models", "2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
-            "--hfta-models does not compose yet with: --tensor-model-parallel-size > 1; --use-distributed-optimizer",
+            ["--hfta-models", "2", "--tensor-model-parallel-size", "2", "--swiglu", "--use-distributed-optimizer"],
+            "--hfta-models does not compose yet with: --use-distributed-optimizer; --swiglu with --tensor-model-parallel-size > 1",
+        ),
+        (
+            ["--hfta-models", "2", "--tensor-model-parallel-size", "4", "--tensor-parallel-mode", "optimus2d"],
+            "--hfta-models does not compose yet with: --tensor-parallel-mode optimus2d",
         ),
         (["--hfta-models", "2", "--optimizer", "lamb"], "--hfta-models does not compose yet with: --optimizer other than adam"),
     ],
@@ -164,21 +196,43 @@ def _merged(ranks: List[dict], step: int, what: str) -> dict:
     return out
 
 
+def _equal_steps(ranks: List[dict], single: dict, first: int, what_case: str) -> None:
+    """The ranks' steps ``0, 1, ..`` equal the single-process steps ``first, first + 1, ..``:
+    every model's loss, gradients and weights; then the validation losses."""
+    for step, expected in enumerate(single["steps"][first:]):
+        assert ranks[0]["steps"][step]["extra"]["lm_losses"] == pytest.approx(expected["extra"]["lm_losses"], rel=RTOL)
+        for what in ("grads", "weights"):
+            merged = _merged(ranks, step, what)
+            for k in range(len(LRS)):
+                _close(merged[k], expected["models"][k][what], f"{what_case} step {first + step} model {k} {what}")
+    for k in range(len(LRS)):
+        assert ranks[0]["validation"][f"lm loss {k}"] == pytest.approx(single["validation"][f"lm loss {k}"], rel=RTOL)
+
+
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
 def test_bitpipe_pipeline_equals_single_process(case, references, launched):
     single, ranks = references["single"]["fused"], launched[case]
     if "--split-backward" in case.flags:
         assert all(rank["deferred"] > 0 for rank in ranks), "the batched linears must defer their weight gradients"
     else:
         assert all(rank["deferred"] == 0 for rank in ranks)
-    for step in range(STEPS):
-        assert ranks[0]["steps"][step]["extra"]["lm_losses"] == pytest.approx(single["steps"][step]["extra"]["lm_losses"], rel=RTOL)
-        for what in ("grads", "weights"):
-            merged = _merged(ranks, step, what)
-            for k in range(len(LRS)):
-                _close(merged[k], single["steps"][step]["models"][k][what], f"{case.name} step {step} model {k} {what}")
+    _equal_steps(ranks, single, 0, case.name)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_tp2_checkpoint_resumes_at_tp1_and_model_extracts(references, launched):
+    """The TP2 array's iteration-2 checkpoint resumed at TP1 (x DP2) trains iteration 3 as the
+    single process does (weights and Adam moments resharded); model 1 extracted from its
+    iteration-3 checkpoint has the array's model-1 validation loss."""
+    (case,) = [c for c in CASES if c.load]
+    single, ranks = references["single"]["fused"], launched[case]
+    assert len(ranks[0]["steps"]) == STEPS - RESUME_AT
+    _equal_steps(ranks, single, RESUME_AT, case.name)
+    for rank in ranks:
+        assert rank["model1"]["lm loss"] == pytest.approx(single["validation"]["lm loss 1"], rel=RTOL)
 
 
 @pytest.mark.multirank

@@ -8,7 +8,9 @@ unfused model: the same tensor names (and the linears' empty ``_extra_state`` en
 optimizer state, learning-rate schedule or random state): ``pretrain_gpt.py --load DIR`` needs
 ``--no-load-optim`` (continue training model ``k`` with a fresh optimizer) or ``--finetune``.
 
-Collective over the default process group (one rank is enough: every tensor is read whole).
+Collective over the default process group (one rank is enough: every tensor is read whole; with
+several, each reads them all and rank 0 writes). Checkpoints of any tensor-parallel size: the
+tensors are read whole.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def extract_model(load: str, k: int, save: str, step: Optional[int] = None) -> s
     args.lr = lrs[k]  # --seed stays: it orders the data (model k's initial weights were seed hfta_seeds[k]'s)
     args.no_save_optim, args.no_save_rng = True, True
     tensors = dist_checkpointing.load_plain_tensors(source)
+    replica = dist.get_rank()  # every rank holds every tensor whole: rank 0's copies are written
     model = {}
     for key, tensor in tensors.items():
         if not torch.is_tensor(tensor) or key.startswith(("optimizer.", "rng_state")) or key.endswith("_extra_state"):
@@ -65,13 +68,13 @@ def extract_model(load: str, k: int, save: str, step: Optional[int] = None) -> s
         if key.startswith(_LAYERS):  # one shard per layer, as megatron's block writes them
             for layer in range(piece.shape[0]):
                 model[f"{key}.{layer}"] = ShardedTensor.from_rank_offsets(
-                    key, piece[layer].clone(), (0, layer, piece.shape[0]), replica_id=0, prepend_axis_num=1
+                    key, piece[layer].clone(), (0, layer, piece.shape[0]), replica_id=replica, prepend_axis_num=1
                 )
         else:
-            model[key] = ShardedTensor.from_rank_offsets(key, piece, replica_id=0)
+            model[key] = ShardedTensor.from_rank_offsets(key, piece, replica_id=replica)
     for key, entry in load_sharded_metadata(source).items():  # the linears' (empty) extra states
         if isinstance(entry, ShardedObject) and entry.key.endswith("_extra_state"):
-            model[key] = ShardedObject(entry.key, None, entry.global_shape, entry.global_offset, replica_id=0)
+            model[key] = ShardedObject(entry.key, None, entry.global_shape, entry.global_offset, replica_id=replica)
     iteration = int(common["iteration"])
     directory = checkpoint_dir(save, iteration)
     if dist.get_rank() == 0:

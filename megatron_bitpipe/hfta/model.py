@@ -7,9 +7,19 @@ word/position embeddings and output layer. Attention, rotary embeddings, dropout
 the cross entropy are megatron's own, run on the fused ``[s, B*b, h]`` activations (model-major
 batch; :mod:`.layers`). ``forward(tokens, position_ids, mask, labels=labels)`` takes one
 micro-batch ``[b, s]`` that every model sees and returns the per-token losses ``[B*b, s]``
-(model ``k``'s in rows ``k*b ..``) or, without labels, the logits ``[B*b, s, vocab]``.
+(model ``k``'s in rows ``k*b ..``) or, without labels, the logits ``[B*b, s, vocab]``
+(``vocab/tp`` under tensor parallelism with ``parallel_output``).
 
-Pipeline stages pass ``[s, B*b, h]`` tensors (:func:`hfta_p2p_tensor_shapes`).
+Pipeline stages pass ``[s, B*b, h]`` tensors (:func:`hfta_p2p_tensor_shapes`; ``[s/tp, B*b,
+h]`` with sequence parallelism, megatron's own shape rule along ``s``).
+
+**Tensor parallelism** (``tp`` ranks, megatron's layout with the model dimension in front;
+:mod:`.layers`): the attention's ``linear_qkv`` and the MLP's ``linear_fc1`` are
+column-parallel (weights ``[B, out/tp, h]``), ``linear_proj`` and ``linear_fc2`` row-parallel
+(``[B, h, in/tp]``), the word embeddings vocabulary-parallel ``[B, vocab/tp, h]`` and the
+output layer (tied to them or not) column-parallel ``[B, vocab/tp, h]``: its logits ``[s,
+B*b, vocab/tp]`` go to megatron's vocabulary-parallel cross entropy (``parallel_output``).
+Norms and position embeddings are whole on every rank.
 """
 
 from __future__ import annotations
@@ -46,8 +56,8 @@ MODEL_LOSS = "lm loss {}"
 def _fused(spec, num_models: int):
     """``spec`` with megatron's linears and torch norms swapped for the batched ones."""
     swaps = {
-        ColumnParallelLinear: ModuleSpec(module=HftaLinear, params={"num_models": num_models}),
-        RowParallelLinear: ModuleSpec(module=HftaLinear, params={"num_models": num_models}),
+        ColumnParallelLinear: ModuleSpec(module=HftaLinear, params={"num_models": num_models, "parallel_mode": "column"}),
+        RowParallelLinear: ModuleSpec(module=HftaLinear, params={"num_models": num_models, "parallel_mode": "row"}),
         WrappedTorchNorm: ModuleSpec(module=HftaNorm, params={"num_models": num_models}),
     }
     if isinstance(spec, type):
@@ -96,13 +106,18 @@ class HftaGPTModel(GPTModel):
         self.hfta = hfta
         if kwargs.get("position_embedding_type", "learned_absolute") not in ("learned_absolute", "rope"):
             raise ValueError("HFTA supports learned absolute and rotary position embeddings")
+        tp_group = self.pg_collection.tp
         if self.pre_process:
-            self.embedding = HftaEmbedding(config, vocab_size, max_sequence_length, self.position_embedding_type, b)
+            self.embedding = HftaEmbedding(
+                config, vocab_size, max_sequence_length, self.position_embedding_type, b, tp_group=tp_group,
+                scatter_to_sequence_parallel=kwargs.get("scatter_embedding_sequence_parallel", True),
+            )  # fmt: skip
         if self.post_process:
             tied_here = self.pre_process and self.share_embeddings_and_output_weights
             self.output_layer = HftaLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
-                skip_weight_param_allocation=tied_here, num_models=b,
+                skip_weight_param_allocation=tied_here, num_models=b, parallel_mode="column",
+                gather_output=not self.parallel_output, tp_group=tp_group,
             )  # fmt: skip
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()

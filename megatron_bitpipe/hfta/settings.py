@@ -80,7 +80,6 @@ def hfta_settings(args: argparse.Namespace) -> Optional[HftaSettings]:
 #: argument -> (the values that compose with HFTA, the flag it refuses): what a fused array
 #: does not support yet
 _NOT_YET = {
-    "tensor_model_parallel_size": ((1,), "--tensor-model-parallel-size > 1"),
     "tensor_parallel_mode": (("1d",), "--tensor-parallel-mode optimus2d"),
     "transformer_impl": ((None, "local"), "--transformer-impl transformer_engine (HFTA's batched layers are local ones)"),
     "bf16": ((False,), "--bf16"),
@@ -113,6 +112,10 @@ def hfta_problems(args: argparse.Namespace) -> List[str]:
         elif lr < args.lr_warmup_init:
             problems.append(f"--hfta-lr {lr} is below --lr-warmup-init {args.lr_warmup_init}")
     refused = [flag for dest, (allowed, flag) in _NOT_YET.items() if getattr(args, dest, allowed[0]) not in allowed]
+    if getattr(args, "swiglu", False) and getattr(args, "tensor_model_parallel_size", 1) > 1:
+        # megatron's MLP checkpoints the strided [gate; up] blocks of linear_fc1 split along
+        # its first axis, which is the model dimension of a fused weight
+        refused.append("--swiglu with --tensor-model-parallel-size > 1")
     if hasattr(args, "bert_binary_head"):
         refused.append("pretrain_bert.py (HFTA fuses GPT models)")
     if refused:

@@ -54,7 +54,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import unwrap_model
 
 from . import seeded_random
-from .layout import ChunkLayers, full_shape, holds_full_tensor, to_global_name, tp_block
+from .layout import ChunkLayers, full_shape, holds_full_tensor, is_tensor_parallel, to_global_name, tp_block
 
 __all__ = ["init_method_for", "initialize_from_seed", "initialize_parameter", "without_megatron_init"]
 
@@ -236,13 +236,21 @@ def initialize_from_seed(
 
 def _model_slices(param: torch.Tensor, seed: int):
     """``[(param, seed)]``, or for a parameter with a leading model dimension (``model_seeds``)
-    ``[(param[k], model_seeds[k]) ...]``."""
+    ``[(param[k], model_seeds[k]) ...]``: views carrying the parameter's tensor-parallel
+    attributes with ``partition_dim`` one less (the unfused tensor's), so each is drawn as the
+    tensor-parallel block of model ``k``'s full tensor."""
     seeds = getattr(param, "model_seeds", None)
     if seeds is None:
         return [(param, seed)]
     if len(seeds) != param.shape[0]:
         raise ValueError(f"{len(seeds)} model seeds for a parameter of {param.shape[0]} models")
-    return list(zip(param.unbind(0), seeds))
+    slices = param.unbind(0)
+    if is_tensor_parallel(param):
+        for tensor in slices:
+            tensor.tensor_model_parallel = True
+            tensor.partition_dim = param.partition_dim - 1
+            tensor.partition_stride = getattr(param, "partition_stride", 1)
+    return list(zip(slices, seeds))
 
 
 def without_megatron_init(config: TransformerConfig) -> TransformerConfig:
