@@ -38,6 +38,7 @@ from megatron_bitpipe.training.arguments import parse_args
 from .hfta_support import LRS, MODEL, checkpoint_records, extracted_validation, hfta_flags, reference_records, shared_directory, train_records
 
 STEPS = 3
+SWIGLU = ("--swiglu",)
 RESUME_AT = 2
 RTOL, ATOL = 1e-5, 1e-6
 LAUNCH_TIMEOUT = 600
@@ -72,6 +73,9 @@ CASES = [
         "bitpipe_tp2_pp2_split",
         ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--split-backward"),
     ),
+    # a gated MLP: linear_fc1's [gate; up] blocks per tensor-parallel rank (hfta/mlp.py)
+    HftaCase("tp2_swiglu", ("--tensor-model-parallel-size", "2", *SWIGLU), world_size=2, reference_key="swiglu", save_after=(RESUME_AT, STEPS)),
+    HftaCase("tp1_dp2_from_tp2_swiglu", SWIGLU, world_size=2, reference_key="swiglu", load="tp2_swiglu"),
 ]
 TRAINED = [case for case in CASES if case.load is None]
 
@@ -100,16 +104,23 @@ def run_cases(cases: List[HftaCase]) -> dict:
             out[case.name] = train_records(argv, STEPS - (RESUME_AT if case.load else 0), len(LRS), save_after=case.save_after)
             out[case.name]["deferred"] = deferred[0] - before
             if case.load:  # model 1 of the loaded run's final checkpoint, as an ordinary GPT
-                out[case.name]["model1"] = extracted_validation(f"{root}/{case.load}", 1, f"{root}/model1", [*MODEL, *case.flags])
+                out[case.name]["model1"] = extracted_validation(f"{root}/{case.load}", 1, f"{root}/{case.name}_model1", [*MODEL, *case.flags])
     return out
 
 
 def run_references(keys) -> dict:
+    """``single``: the fused array and each model's unfused run in one process, and the
+    checkpoint records; ``swiglu``: the fused array with a gated MLP in one process."""
     import tempfile
 
-    with tempfile.TemporaryDirectory() as root:
-        checkpoints = checkpoint_records(root)
-    return {key: dict(reference_records(STEPS), checkpoints=checkpoints) for key in keys}
+    out = {}
+    if "single" in keys:
+        with tempfile.TemporaryDirectory() as root:
+            checkpoints = checkpoint_records(root)
+        out["single"] = dict(reference_records(STEPS), checkpoints=checkpoints)
+    if "swiglu" in keys:
+        out["swiglu"] = dict(fused=train_records([*MODEL, *hfta_flags(), *SWIGLU], STEPS, len(LRS)))
+    return out
 
 
 def _close(actual: dict, expected: dict, what: str) -> None:
@@ -146,7 +157,7 @@ def test_flags_parse_into_settings():
         (["--hfta-models", "0"], "--hfta-models must be >= 1"),
         (
             ["--hfta-models", "2", "--tensor-model-parallel-size", "2", "--swiglu", "--use-distributed-optimizer"],
-            "--hfta-models does not compose yet with: --use-distributed-optimizer; --swiglu with --tensor-model-parallel-size > 1",
+            "--hfta-models does not compose yet with: --use-distributed-optimizer",
         ),
         (
             ["--hfta-models", "2", "--tensor-model-parallel-size", "4", "--tensor-parallel-mode", "optimus2d"],
@@ -213,7 +224,7 @@ def _equal_steps(ranks: List[dict], single: dict, first: int, what_case: str) ->
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
 def test_bitpipe_pipeline_equals_single_process(case, references, launched):
-    single, ranks = references["single"]["fused"], launched[case]
+    single, ranks = references[case.reference_key]["fused"], launched[case]
     if "--split-backward" in case.flags:
         assert all(rank["deferred"] > 0 for rank in ranks), "the batched linears must defer their weight gradients"
     else:
@@ -227,8 +238,20 @@ def test_tp2_checkpoint_resumes_at_tp1_and_model_extracts(references, launched):
     """The TP2 array's iteration-2 checkpoint resumed at TP1 (x DP2) trains iteration 3 as the
     single process does (weights and Adam moments resharded); model 1 extracted from its
     iteration-3 checkpoint has the array's model-1 validation loss."""
-    (case,) = [c for c in CASES if c.load]
-    single, ranks = references["single"]["fused"], launched[case]
+    _resumed_at_tp1_equals_single_process("tp1_dp2_from_tp2", references, launched)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_swiglu_checkpoint_moves_between_tensor_parallel_sizes(references, launched):
+    """The gated MLP's fused linear_fc1 is stored as every model's unfused [gate; up] weight:
+    the TP2 checkpoint resumes at TP1 and its model 1 loads as an ordinary SwiGLU GPT."""
+    _resumed_at_tp1_equals_single_process("tp1_dp2_from_tp2_swiglu", references, launched)
+
+
+def _resumed_at_tp1_equals_single_process(name: str, references: dict, launched) -> None:
+    (case,) = [c for c in CASES if c.name == name]
+    single, ranks = references[case.reference_key]["fused"], launched[case]
     assert len(ranks[0]["steps"]) == STEPS - RESUME_AT
     _equal_steps(ranks, single, RESUME_AT, case.name)
     for rank in ranks:

@@ -37,6 +37,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.utils import unwrap_model
 
 from .layers import HftaEmbedding, HftaLinear, HftaNorm
+from .mlp import fuse_gated_mlps
 from .settings import HftaSettings
 
 __all__ = [
@@ -121,6 +122,7 @@ class HftaGPTModel(GPTModel):
             )  # fmt: skip
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
+        fuse_gated_mlps(self)
         for param in self.parameters():
             param.model_seeds = hfta.seeds
 

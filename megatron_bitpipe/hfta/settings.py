@@ -112,10 +112,6 @@ def hfta_problems(args: argparse.Namespace) -> List[str]:
         elif lr < args.lr_warmup_init:
             problems.append(f"--hfta-lr {lr} is below --lr-warmup-init {args.lr_warmup_init}")
     refused = [flag for dest, (allowed, flag) in _NOT_YET.items() if getattr(args, dest, allowed[0]) not in allowed]
-    if getattr(args, "swiglu", False) and getattr(args, "tensor_model_parallel_size", 1) > 1:
-        # megatron's MLP checkpoints the strided [gate; up] blocks of linear_fc1 split along
-        # its first axis, which is the model dimension of a fused weight
-        refused.append("--swiglu with --tensor-model-parallel-size > 1")
     if hasattr(args, "bert_binary_head"):
         refused.append("pretrain_bert.py (HFTA fuses GPT models)")
     if refused:
