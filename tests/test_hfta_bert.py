@@ -15,8 +15,10 @@ exactly as its own run.
   iteration 3 bit for bit as the uninterrupted run; model 1 extracted from the iteration-3
   checkpoint (``scripts/hfta_extract.py``'s function) and loaded by the training loop as an
   ordinary BERT (``--no-load-optim``) has the array's model-1 validation losses.
-* Logs: ``lm_losses`` / ``sop_losses`` (one per model), ``lm loss`` / ``sop loss`` their means,
-  ``best_model`` the model with the lowest training loss (lm + sop).
+* Loss and logs: each model's rows of the fused output get the gradient of its own BERT loss
+  (in-process); ``lm_losses`` / ``sop_losses`` (one per model), ``lm loss`` / ``sop loss``
+  their means, ``best_model`` the model with the lowest training loss (lm + sop); with one
+  loss the fields are GPT's.
 
 One single-process launch (references, checkpoints) and one launch of 4 ranks.
 """
@@ -113,6 +115,49 @@ def test_flags_parse_into_settings_and_refuse_tensor_parallelism():
     assert "--hfta-models does not compose yet with: --tensor-model-parallel-size > 1 for BERT" in message
     assert message.count("--tensor-model-parallel-size") == 1
     assert hfta_settings(_parse(["--lr", "1e-3"])) is None
+
+
+# ------------------------------------------------------------------------------ loss and reports
+
+
+def test_loss_gives_each_model_its_own_bert_loss():
+    """Model k's rows of the fused output get exactly the gradient of its own ``bert_loss``
+    (after megatron's division by the masked-token count); reports: means and per model."""
+    from megatron_bitpipe.training.bert import bert_loss, hfta_bert_loss
+
+    b, s, num_models = 2, 5, 3
+    generator = torch.Generator().manual_seed(0)
+    per_token = torch.rand(num_models * b, s, generator=generator, requires_grad=True)
+    logits = torch.randn(num_models * b, 2, generator=generator, requires_grad=True)
+    loss_mask, is_random = torch.tensor([[1, 0, 1, 1, 0], [0, 1, 0, 0, 0]]), torch.tensor([1, 0])
+    loss, count, reports = hfta_bert_loss(num_models, loss_mask, is_random, (per_token, logits))
+    (loss / count).backward()
+    sops = []
+    for k in range(num_models):
+        rows = slice(k * b, (k + 1) * b)
+        own_tokens, own_logits = per_token.detach()[rows].requires_grad_(), logits.detach()[rows].requires_grad_()
+        own, own_count, own_reports = bert_loss(loss_mask, is_random, (own_tokens, own_logits))
+        (own / own_count).backward()
+        torch.testing.assert_close(per_token.grad[rows], own_tokens.grad, rtol=0, atol=0)
+        torch.testing.assert_close(logits.grad[rows], own_logits.grad, rtol=0, atol=0)
+        for name in NAMES:
+            assert torch.equal(reports[f"{name} {k}"], own_reports[name])
+        sops.append(own_reports["sop loss"][0].item())
+    assert count == own_count == 4
+    assert reports["sop loss"].tolist() == pytest.approx([sum(sops) / num_models, 2.0])
+
+
+def test_iteration_losses_of_one_loss_are_gpts():
+    from megatron_bitpipe.hfta.model import hfta_loss_names as gpt_names, iteration_losses
+    from megatron_bitpipe.hfta.reports import hfta_iteration_losses, hfta_loss_names
+
+    assert hfta_loss_names(("lm loss",), 3) == gpt_names(3)
+    losses = {"lm loss": 2.0, "lm loss 0": 2.5, "lm loss 1": 1.5, "lm loss 2": 2.0}
+    assert hfta_iteration_losses(losses, ("lm loss",), 3) == iteration_losses(losses, 3)
+    bert = {"lm loss": 2.0, "sop loss": 0.5, "lm loss 0": 1.9, "sop loss 0": 0.7, "lm loss 1": 2.1, "sop loss 1": 0.3}
+    logged, extra = hfta_iteration_losses(bert, NAMES, 2)
+    assert extra == {"lm_losses": [1.9, 2.1], "sop_losses": [0.7, 0.3], "best_model": 1}  # lowest lm + sop
+    assert logged == {"lm loss": 2.0, "sop loss": 0.5, "best lm loss": 2.1, "best sop loss": 0.3}
 
 
 # ------------------------------------------------------------------------------ equivalence

@@ -8,7 +8,8 @@ own. docs/hfta.md describes it.
 * :mod:`.settings` — the flags and their rules (pure Python), :class:`HftaSettings`;
 * :mod:`.layers` — the batched linear, norm and embedding, and the fused activation layout;
 * :mod:`.model` — :class:`~.model.HftaGPTModel`, the layer spec, the loss;
-* :mod:`.bert` — :class:`~.bert.HftaBertChunk` (BERT), its layer spec and loss reports;
+* :mod:`.bert` — :class:`~.bert.HftaBertChunk` (BERT) and its layer spec;
+* :mod:`.reports` — the per-model loss reports and log fields of models with several losses;
 * :mod:`.optimizer` — one megatron optimizer per model over its slices;
 * :mod:`.extract` — model ``k`` of a fused checkpoint as an ordinary one.
 

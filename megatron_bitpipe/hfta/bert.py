@@ -1,5 +1,6 @@
 """The fused BERT of HFTA: a :class:`~megatron_bitpipe.model.bert_model.BertChunk` whose every
-weight has a leading model dimension B (:mod:`.layers`), and the loss reports of a fused BERT.
+weight has a leading model dimension B (:mod:`.layers`). Its loss is
+:func:`megatron_bitpipe.training.bert.hfta_bert_loss`, its loss reports :mod:`.reports`'s.
 
 :func:`hfta_bert_layer_spec` is megatron-core's local BERT layer spec with the batched linears
 and norms (the swap of :mod:`.model`); :class:`HftaBertChunk` builds a chunk from it with a
@@ -20,7 +21,7 @@ unsplit linears; :mod:`.settings` refuses more).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..model.bert_model import BertChunk
+from ..model.sdpa_attention import SdpaDotProductAttention, with_core_attention
 from .layers import HftaEmbedding, HftaLinear, HftaNorm, _Table
 from .model import _fused
 from .settings import HftaSettings
@@ -43,8 +45,6 @@ __all__ = [
     "HftaPooler",
     "hfta_bert_chunk_kwargs",
     "hfta_bert_layer_spec",
-    "hfta_iteration_losses",
-    "hfta_loss_names",
 ]
 
 
@@ -52,11 +52,7 @@ def hfta_bert_layer_spec(num_models: int, core_attention=None) -> ModuleSpec:
     """megatron-core's local BERT layer spec (padding mask) for B = ``num_models`` fused models;
     ``core_attention`` replaces megatron's ``DotProductAttention`` (e.g. SDPA)."""
     spec = _fused(bert_layer_specs.bert_layer_local_spec, num_models)
-    if core_attention is not None:
-        from ..model.sdpa_attention import with_core_attention
-
-        spec = with_core_attention(spec, core_attention)
-    return spec
+    return spec if core_attention is None else with_core_attention(spec, core_attention)
 
 
 def _linear(input_size: int, output_size: int, config: TransformerConfig, num_models: int, tp_group, cls=HftaLinear, **kwargs) -> HftaLinear:
@@ -178,28 +174,5 @@ def hfta_bert_chunk_kwargs(hfta: HftaSettings, attention_backend: str) -> dict:
     """:func:`~megatron_bitpipe.model.bert_model.build_bert_chunks` keywords of a fused array:
     the batched layer spec (SDPA core attention with ``--attention-backend sdpa``) and
     :class:`HftaBertChunk`."""
-    from ..model.sdpa_attention import SdpaDotProductAttention
-
     core_attention = SdpaDotProductAttention if attention_backend == "sdpa" else None
     return dict(layer_spec=hfta_bert_layer_spec(hfta.num_models, core_attention), model_class=HftaBertChunk, hfta=hfta)
-
-
-def hfta_loss_names(names: Sequence[str], num_models: int) -> Tuple[str, ...]:
-    """The loss reports of a fused array of models reporting ``names``: each name (the models'
-    mean), then ``"<name> k"`` per model ``k``, model-major (``lm loss 0``, ``sop loss 0``, ...)."""
-    return tuple(names) + tuple(f"{name} {k}" for k in range(num_models) for name in names)
-
-
-def hfta_iteration_losses(losses: Dict[str, float], names: Sequence[str], num_models: int) -> Tuple[Dict[str, float], Dict[str, object]]:
-    """A training iteration's reduced losses of a fused array for the logs: each name's mean
-    and ``best <name>``, the best model's, and the JSON/line fields ``<name>_losses`` with
-    ``_`` for spaces (``lm_losses``, ``sop_losses``: model k's at index k) and ``best_model``,
-    the model whose summed losses (its training loss) are lowest. With ``names = ("lm loss",)``
-    this is GPT's :func:`~.model.iteration_losses`."""
-    per_model = {name: [losses[f"{name} {k}"] for k in range(num_models)] for name in names}
-    best = min(range(num_models), key=lambda k: sum(per_model[name][k] for name in names))
-    logged = {name: losses[name] for name in names}
-    logged.update({f"best {name}": per_model[name][best] for name in names})
-    extra: Dict[str, object] = {f"{name.replace(' ', '_')}es": values for name, values in per_model.items()}
-    extra["best_model"] = best
-    return logged, extra

@@ -50,8 +50,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.utils import get_model_config, unwrap_model
 
-from ..hfta.bert import hfta_bert_chunk_kwargs, hfta_iteration_losses, hfta_loss_names
+from ..hfta.bert import hfta_bert_chunk_kwargs
 from ..hfta.model import hfta_p2p_tensor_shapes
+from ..hfta.reports import hfta_iteration_losses, hfta_loss_names, model_loss
 from ..hfta.settings import HftaSettings, hfta_settings
 from ..model.bert_model import build_bert_chunks, default_bert_layer_spec
 from ..run_config import RunConfig
@@ -213,9 +214,9 @@ def hfta_bert_loss(
     for k in range(num_models):
         loss_k, num_masked, reports_k = bert_loss(loss_mask, is_random, (per_token[k], binary[k]))
         losses.append(loss_k)
-        reports.update({f"{name} {k}": report for name, report in reports_k.items()})
+        reports.update({model_loss(name, k): report for name, report in reports_k.items()})
     for name, report in reports_k.items():
-        mean = torch.stack([reports[f"{name} {k}"][0] for k in range(num_models)]).mean()
+        mean = torch.stack([reports[model_loss(name, k)][0] for k in range(num_models)]).mean()
         reports[name] = torch.stack([mean, report[1]])
     return torch.stack(losses).sum(), num_masked, reports
 
