@@ -99,9 +99,9 @@ def _close(actual: dict, expected: dict, what: str) -> None:
 
 
 def _parse(argv, world_size: int = 1):
-    from megatron_bitpipe.training.bert import BertTask
+    from megatron_bitpipe.training.bert_args import BertArguments  # BertTask's flags, without torch
 
-    return parse_args(BertTask(), [*MODEL, *argv], world_size=world_size, cuda_available=False)
+    return parse_args(BertArguments(), [*MODEL, *argv], world_size=world_size, cuda_available=False)
 
 
 def test_flags_parse_into_settings_and_refuse_tensor_parallelism():
