@@ -1,8 +1,8 @@
-"""Extract model K of a fused-array (``--hfta-models``) checkpoint as an ordinary GPT checkpoint.
+"""Extract model K of a fused-array (``--hfta-models``) checkpoint as an ordinary GPT or BERT checkpoint.
 
     python scripts/hfta_extract.py --load CKPT_DIR --model 2 --save MODEL2_DIR [--ckpt-step N]
 
-The result loads into ``scripts/pretrain_gpt.py`` like any checkpoint of the unfused model
+The result loads into ``scripts/pretrain_gpt.py`` (``pretrain_bert.py``) like any checkpoint of the unfused model
 (weights only: pass ``--no-load-optim`` to continue training it, or ``--finetune``); its saved
 arguments have ``--lr`` model K's rate. docs/hfta.md. Exit status 2 for a bad request.
 """

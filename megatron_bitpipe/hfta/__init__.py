@@ -1,4 +1,4 @@
-"""HFTA: a horizontally fused array of B GPT models trained in one job (``--hfta-models``).
+"""HFTA: a horizontally fused array of B GPT (or BERT) models trained in one job (``--hfta-models``).
 
 Every weight carries a leading model dimension, linears are batched GEMMs, and one step trains
 all B models on the same batches, each with its own learning rate, initial weights, gradient
@@ -8,6 +8,8 @@ own. docs/hfta.md describes it.
 * :mod:`.settings` — the flags and their rules (pure Python), :class:`HftaSettings`;
 * :mod:`.layers` — the batched linear, norm and embedding, and the fused activation layout;
 * :mod:`.model` — :class:`~.model.HftaGPTModel`, the layer spec, the loss;
+* :mod:`.bert` — :class:`~.bert.HftaBertChunk` (BERT) and its layer spec;
+* :mod:`.reports` — the per-model loss reports and log fields of models with several losses;
 * :mod:`.optimizer` — one megatron optimizer per model over its slices;
 * :mod:`.extract` — model ``k`` of a fused checkpoint as an ordinary one.
 

@@ -1,11 +1,11 @@
-"""Model ``k`` of a fused-array checkpoint as an ordinary GPT checkpoint (``scripts/hfta_extract.py``).
+"""Model ``k`` of a fused-array checkpoint as an ordinary GPT or BERT checkpoint (``scripts/hfta_extract.py``).
 
 A fused ``torch_dist`` checkpoint stores every weight with the model dimension: ``[B, ...]``,
-or ``[layers, B, ...]`` for the decoder layers' weights (megatron stacks a block's layers along a
+or ``[layers, B, ...]`` for the decoder (BERT: encoder) layers' weights (megatron stacks a block's layers along a
 leading axis). :func:`extract_model` takes slice ``k`` of each and writes a checkpoint of the
 unfused model: the same tensor names (and the linears' empty ``_extra_state`` entries), and the saving run's arguments with ``--lr`` model
 ``k``'s rate and no HFTA flags, iteration and sample counters kept. It holds the weights only (no
-optimizer state, learning-rate schedule or random state): ``pretrain_gpt.py --load DIR`` needs
+optimizer state, learning-rate schedule or random state): ``pretrain_gpt.py --load DIR`` (``pretrain_bert.py``) needs
 ``--no-load-optim`` (continue training model ``k`` with a fresh optimizer) or ``--finetune``.
 
 Collective over the default process group (one rank is enough: every tensor is read whole; with
@@ -27,12 +27,12 @@ from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 __all__ = ["extract_model", "model_axis"]
 
-_LAYERS = "decoder.layers."
+_LAYERS = ("decoder.layers.", "encoder.layers.")  # GPT's, BERT's
 
 
 def model_axis(key: str) -> int:
     """The model dimension of checkpoint tensor ``key``: 1 behind the layer axis of the decoder
-    layers' weights, else 0."""
+    (encoder) layers' weights, else 0."""
     return 1 if key.startswith(_LAYERS) else 0
 
 

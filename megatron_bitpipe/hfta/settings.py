@@ -1,5 +1,5 @@
 """``--hfta-models``, ``--hfta-lr``, ``--hfta-seeds``: the flags of a horizontally fused array
-of GPT models, their rules and :class:`HftaSettings`, the one place they are read.
+of GPT or BERT models, their rules and :class:`HftaSettings`, the one place they are read.
 
 Pure Python (no torch): the scripts check the flags before anything heavy is imported.
 """
@@ -35,7 +35,7 @@ def add_hfta_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="B",
-        help="train B GPT models of the same shape at once as one horizontally fused array (every weight "
+        help="train B GPT (or BERT) models of the same shape at once as one horizontally fused array (every weight "
         "gets a leading model dimension, linears become batched GEMMs; docs/hfta.md). Default: off",
     )
     group.add_argument(
@@ -91,6 +91,11 @@ _NOT_YET = {
     "apply_layernorm_1p": ((False,), "--apply-layernorm-1p"),
 }
 
+#: what a fused BERT array does not support yet, besides :data:`_NOT_YET`
+_NOT_YET_BERT = {
+    "tensor_model_parallel_size": ((1,), "--tensor-model-parallel-size > 1 for BERT (its heads are megatron's unsplit linears)"),
+}
+
 
 def hfta_problems(args: argparse.Namespace) -> List[str]:
     """Problems with the HFTA flags, each naming its flag (no communication)."""
@@ -111,9 +116,8 @@ def hfta_problems(args: argparse.Namespace) -> List[str]:
             problems.append(f"--hfta-lr {lr} is below --min-lr {args.min_lr}")
         elif lr < args.lr_warmup_init:
             problems.append(f"--hfta-lr {lr} is below --lr-warmup-init {args.lr_warmup_init}")
-    refused = [flag for dest, (allowed, flag) in _NOT_YET.items() if getattr(args, dest, allowed[0]) not in allowed]
-    if hasattr(args, "bert_binary_head"):
-        refused.append("pretrain_bert.py (HFTA fuses GPT models)")
+    rules = {**_NOT_YET, **_NOT_YET_BERT} if hasattr(args, "bert_binary_head") else _NOT_YET  # pretrain_bert.py
+    refused = [flag for dest, (allowed, flag) in rules.items() if getattr(args, dest, allowed[0]) not in allowed]
     if refused:
         problems.append("--hfta-models does not compose yet with: " + "; ".join(refused))
     return problems

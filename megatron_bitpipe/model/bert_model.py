@@ -92,7 +92,9 @@ class BertChunk(BertModel):
     should be the chunk's own (:func:`~megatron_bitpipe.model.chunks.chunk_config`) so its
     layers carry global numbers. ``BertModel.__init__`` is not called (it builds from the
     global parallel state); this constructor builds the same modules, each with the chunk's
-    tensor-parallel group, and the block with the whole ``pg_collection``.
+    tensor-parallel group, and the block with the whole ``pg_collection``. It builds them
+    through :meth:`_build_embedding`, :meth:`_encoder_spec` and :meth:`_build_heads`, which a
+    subclass may replace (:class:`~megatron_bitpipe.hfta.bert.HftaBertChunk`, a fused array).
 
     ``forward`` is ``BertModel.forward`` with the chunk's ``pre_process`` deciding whether
     ``input_ids`` are embedded; returns the hidden states ``[s, b, h]`` unless
@@ -136,14 +138,7 @@ class BertChunk(BertModel):
         self.attn_mask_dimensions = self._sanity_check_attention_and_get_attn_mask_dimension()
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(
-                config=config,
-                vocab_size=vocab_size,
-                max_sequence_length=max_sequence_length,
-                position_embedding_type=position_embedding_type,
-                num_tokentypes=num_tokentypes,
-                tp_group=self.tp_group,
-            )
+            self.embedding = self._build_embedding()
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
@@ -152,39 +147,60 @@ class BertChunk(BertModel):
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
                 use_cpu_initialization=config.use_cpu_initialization,
             )
-        block_spec = transformer_layer_spec
-        if is_layer_spec(transformer_layer_spec):  # final norm as the layers' (sequence parallelism)
-            num_layers = get_num_layers_to_build(config, pp_rank=pg_collection.pp.rank())
-            block_spec = chunk_block_spec(transformer_layer_spec, num_layers)
         self.encoder = TransformerBlock(
             config=config,
-            spec=block_spec,
+            spec=self._encoder_spec(),
             pre_process=pre_process,
             post_process=post_process,
             pg_collection=pg_collection,
         )
         if post_process:
-            self.lm_head = _lm_head(config)
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                config=config,
-                init_method=config.init_method,
-                bias=True,
-                skip_bias_add=False,
-                gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                tp_group=self.tp_group,
-            )
-            self.binary_head = None
-            if add_binary_head:
-                self.binary_head = get_linear_layer(
-                    config.hidden_size, 2, config.init_method, config.perform_initialization
-                )
-                # Sequence-parallel input is gathered in forward, over this chunk's tp group.
-                self.pooler = Pooler(config.hidden_size, config.init_method, config, sequence_parallel=False)
+            self._build_heads()
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
+
+    def _build_embedding(self) -> torch.nn.Module:
+        """The word, position and (``num_tokentypes > 0``) token-type embeddings of a
+        ``pre_process`` chunk: megatron's ``LanguageModelEmbedding``."""
+        return LanguageModelEmbedding(
+            config=self.config,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            position_embedding_type=self.position_embedding_type,
+            num_tokentypes=self.num_tokentypes,
+            tp_group=self.tp_group,
+        )
+
+    def _encoder_spec(self) -> ModuleSpec:
+        """The encoder's block spec: a block spec as given; a layer spec as this chunk's layers
+        with a final norm like the layers' (sequence parallelism)."""
+        spec = self.transformer_layer_spec
+        if not is_layer_spec(spec):
+            return spec
+        return chunk_block_spec(spec, get_num_layers_to_build(self.config, pp_rank=self.pg_collection.pp.rank()))
+
+    def _build_heads(self) -> None:
+        """The ``post_process`` modules: ``lm_head``, ``output_layer`` (weight-less when tied
+        within the chunk) and, with ``add_binary_head``, ``pooler`` and ``binary_head``
+        (``binary_head`` None without)."""
+        config = self.config
+        self.lm_head = _lm_head(config)
+        self.output_layer = ColumnParallelLinear(
+            config.hidden_size,
+            self.vocab_size,
+            config=config,
+            init_method=config.init_method,
+            bias=True,
+            skip_bias_add=False,
+            gather_output=not self.parallel_output,
+            skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
+            tp_group=self.tp_group,
+        )
+        self.binary_head = None
+        if self.add_binary_head:
+            self.binary_head = get_linear_layer(config.hidden_size, 2, config.init_method, config.perform_initialization)
+            # Sequence-parallel input is gathered in forward, over this chunk's tp group.
+            self.pooler = Pooler(config.hidden_size, config.init_method, config, sequence_parallel=False)
 
     def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
         """megatron's choice of the mask's shape; with SDPA core attention ``b11s`` (padded keys
@@ -255,6 +271,7 @@ def build_bert_chunks(
     add_binary_head: bool = True,
     num_tokentypes: Optional[int] = None,
     layer_spec: Optional[ModuleSpec] = None,
+    model_class: type = BertChunk,
     **bert_kwargs,
 ) -> List[BertChunk]:
     """This rank's :class:`BertChunk` s of ``groups.placement``, indexed by local chunk id.
@@ -263,7 +280,9 @@ def build_bert_chunks(
     process groups, tied embeddings on one rank, megatron's own initialisation). Megatron-LM's
     BERT defaults: tied embeddings, the binary (next-sentence) head, and two token types with
     it (``num_tokentypes`` defaults to 2 with ``add_binary_head``, else 0). ``bert_kwargs``
-    go to :class:`BertChunk` (``position_embedding_type``, ``parallel_output``...).
+    go to the chunks' class, ``model_class`` (default :class:`BertChunk`; a subclass such as
+    :class:`~megatron_bitpipe.hfta.bert.HftaBertChunk`), e.g. ``position_embedding_type``,
+    ``parallel_output``.
     ValueError naming ``--tensor-parallel-mode`` if the groups carry an Optimus 2D mesh.
     """
     if groups.mesh is not None:
@@ -273,7 +292,7 @@ def build_bert_chunks(
         num_tokentypes = 2 if add_binary_head else 0
 
     def make_chunk(chunk_config: TransformerConfig, chunk: ChunkSpec, pgs: ProcessGroupCollection, tie: bool):
-        return BertChunk(
+        return model_class(
             chunk_config,
             num_tokentypes,
             spec,

@@ -20,6 +20,9 @@
   next-sentence cross entropy averaged over its sequences; reported as ``lm loss`` and
   ``sop loss`` (``lm loss`` only without the binary head), each averaged over the global
   batch's masked tokens / sequences.
+* **HFTA** (``--hfta-models B``): a fused array of B BERTs
+  (:class:`~megatron_bitpipe.hfta.bert.HftaBertChunk`) on the same micro-batches, loss
+  :func:`hfta_bert_loss` (each model's :func:`bert_loss`, summed), reports per model.
 
 The pieces work with megatron's own schedules and any training loop too: :class:`MockBERTDataset`
 and :func:`collate_bert` give micro-batches in the format of megatron-core's BERT dataset
@@ -40,13 +43,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy
 import torch
 import torch.nn.functional as F
 from megatron.core.utils import get_model_config, unwrap_model
 
+from ..hfta.bert import hfta_bert_chunk_kwargs
+from ..hfta.model import hfta_p2p_tensor_shapes
+from ..hfta.reports import hfta_iteration_losses, hfta_loss_names, model_loss
+from ..hfta.settings import HftaSettings, hfta_settings
 from ..model.bert_model import build_bert_chunks, default_bert_layer_spec
 from ..run_config import RunConfig
 from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments
@@ -64,6 +71,7 @@ __all__ = [
     "bert_loss",
     "bert_microbatches",
     "collate_bert",
+    "hfta_bert_loss",
 ]
 
 BERT_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mask")
@@ -189,14 +197,39 @@ def bert_loss(
     return loss_sum, num_masked.to(torch.int), reports
 
 
-def bert_forward_step(data_iterator: Iterator, model: torch.nn.Module):
+def hfta_bert_loss(
+    num_models: int, loss_mask: torch.Tensor, is_random: Optional[torch.Tensor], output: Tuple[torch.Tensor, Optional[torch.Tensor]]
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    """:func:`bert_loss` of a fused array of ``num_models`` BERTs
+    (:class:`~megatron_bitpipe.hfta.bert.HftaBertChunk`: per-token MLM loss ``[B*b, s]``, binary
+    logits ``[B*b, 2]`` or None, model ``k``'s in rows ``k*b ..``), every model on the same
+    micro-batch: ``(Σ_k loss_sum_k, n, reports)`` with model ``k``'s ``loss_sum_k`` and reports
+    its :func:`bert_loss`, so megatron's division by the one masked-token count ``n`` gives each
+    model its own gradient. Reports: ``lm loss`` / ``sop loss`` the models' mean (sums averaged
+    over the models, the counts one model's), ``lm loss k`` / ``sop loss k`` model ``k``'s."""
+    per_token, binary_logits = output
+    per_token = per_token.reshape(num_models, -1, per_token.shape[-1])
+    binary = [None] * num_models if binary_logits is None else binary_logits.reshape(num_models, -1, 2)
+    losses, reports = [], {}
+    for k in range(num_models):
+        loss_k, num_masked, reports_k = bert_loss(loss_mask, is_random, (per_token[k], binary[k]))
+        losses.append(loss_k)
+        reports.update({model_loss(name, k): report for name, report in reports_k.items()})
+    for name, report in reports_k.items():
+        mean = torch.stack([reports[model_loss(name, k)][0] for k in range(num_models)]).mean()
+        reports[name] = torch.stack([mean, report[1]])
+    return torch.stack(losses).sum(), num_masked, reports
+
+
+def bert_forward_step(data_iterator: Iterator, model: torch.nn.Module, loss_func: Callable = bert_loss):
     """megatron ``forward_step_func`` for BERT on :func:`collate_bert` micro-batches.
 
     Every chunk reads the next micro-batch from its iterator: every pipeline rank needs data,
     since every chunk needs the padding mask (first chunks also the tokens and types, loss
     chunks the labels, loss mask and ``is_random``). Token types are passed iff the model has
-    token-type embeddings. ValueError naming ``--calculate-per-token-loss`` if the config
-    asks for per-token loss.
+    token-type embeddings. ``loss_func(loss_mask, is_random, output)`` is the loss
+    (:func:`bert_loss`; a fused array's :func:`hfta_bert_loss` with its B bound). ValueError
+    naming ``--calculate-per-token-loss`` if the config asks for per-token loss.
     """
     if get_model_config(model).calculate_per_token_loss:
         raise ValueError(
@@ -213,7 +246,7 @@ def bert_forward_step(data_iterator: Iterator, model: torch.nn.Module):
         tokentype_ids=batch["types"] if with_types else None,
         lm_labels=batch["labels"],
     )
-    return output, functools.partial(bert_loss, batch["loss_mask"], batch["is_random"])
+    return output, functools.partial(loss_func, batch["loss_mask"], batch["is_random"])
 
 
 #: mock validation samples are samples MOCK_VALID_OFFSET... of the generator, far from training's
@@ -224,28 +257,48 @@ class BertTask(BertArguments, PretrainTask):
     """BERT with megatron-core; see the module docstring.
 
     :attr:`loss_names` follows ``--bert-no-binary-head`` once :meth:`build_model` has seen the
-    flags (the loop builds the model before it reports any loss).
+    flags (the loop builds the model before it reports any loss). With ``--hfta-models B`` the
+    model is a fused array of B BERTs (:mod:`megatron_bitpipe.hfta.bert`): :meth:`build_model`
+    fixes the task's :class:`~megatron_bitpipe.hfta.HftaSettings`, its loss names (the models'
+    means and ``lm loss k`` / ``sop loss k`` per model) and its loss (:func:`hfta_bert_loss`).
     """
 
     name = "bert"
     loss_names = ("lm loss", "sop loss")
+    #: the losses one BERT reports (``loss_names`` without a fused array)
+    model_losses = ("lm loss", "sop loss")
     causal_attention = False
+    hfta: Optional[HftaSettings] = None
 
     def model_flags(self):
         return {**super().model_flags(), "--bert-no-binary-head": lambda a: not getattr(a, "bert_binary_head", True)}
 
     def build_model(self, args: argparse.Namespace, run: RunConfig):
-        self.loss_names = ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
+        self.model_losses = ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
+        self.hfta = hfta_settings(args)
+        fused = {} if self.hfta is None else hfta_bert_chunk_kwargs(self.hfta, args.attention_backend)
+        self.loss_names = self.model_losses if self.hfta is None else hfta_loss_names(self.model_losses, self.hfta.num_models)
         return build_model(
             args,
             run,
             chunk_builder=build_bert_chunks,
             default_layer_spec=default_bert_layer_spec,
             add_binary_head=args.bert_binary_head,
+            **fused,
         )
 
     def forward_step(self, data_iterator, model):
-        return bert_forward_step(data_iterator, model)
+        if self.hfta is None:
+            return bert_forward_step(data_iterator, model)
+        return bert_forward_step(data_iterator, model, functools.partial(hfta_bert_loss, self.hfta.num_models))
+
+    def iteration_losses(self, losses):
+        if self.hfta is None:
+            return losses, {}
+        return hfta_iteration_losses(losses, self.model_losses, self.hfta.num_models)
+
+    def adjust_tensor_shapes_fn(self, model):
+        return None if self.hfta is None else hfta_p2p_tensor_shapes(self.hfta.num_models)
 
     def build_datasets(self, args: argparse.Namespace, tokenizer):
         train_samples = args.train_iters * args.global_batch_size
