@@ -147,13 +147,13 @@ def test_loss_gives_each_model_its_own_bert_loss():
     assert reports["sop loss"].tolist() == pytest.approx([sum(sops) / num_models, 2.0])
 
 
-def test_iteration_losses_of_one_loss_are_gpts():
-    from megatron_bitpipe.hfta.model import hfta_loss_names as gpt_names, iteration_losses
+def test_iteration_losses_of_one_loss_and_of_two():
     from megatron_bitpipe.hfta.reports import hfta_iteration_losses, hfta_loss_names
 
-    assert hfta_loss_names(("lm loss",), 3) == gpt_names(3)
+    assert hfta_loss_names(("lm loss",), 3) == ("lm loss", "lm loss 0", "lm loss 1", "lm loss 2")  # GPT's
+    assert hfta_loss_names(NAMES, 2) == ("lm loss", "sop loss", "lm loss 0", "sop loss 0", "lm loss 1", "sop loss 1")
     losses = {"lm loss": 2.0, "lm loss 0": 2.5, "lm loss 1": 1.5, "lm loss 2": 2.0}
-    assert hfta_iteration_losses(losses, ("lm loss",), 3) == iteration_losses(losses, 3)
+    assert hfta_iteration_losses(losses, ("lm loss",), 3) == ({"lm loss": 2.0, "best lm loss": 1.5}, {"lm_losses": [2.5, 1.5, 2.0], "best_model": 1})
     bert = {"lm loss": 2.0, "sop loss": 0.5, "lm loss 0": 1.9, "sop loss 0": 0.7, "lm loss 1": 2.1, "sop loss 1": 0.3}
     logged, extra = hfta_iteration_losses(bert, NAMES, 2)
     assert extra == {"lm_losses": [1.9, 2.1], "sop_losses": [0.7, 0.3], "best_model": 1}  # lowest lm + sop

@@ -30,10 +30,12 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_pg_size
 
 from ..model.bert_model import BertChunk
 from ..model.sdpa_attention import SdpaDotProductAttention, with_core_attention
 from .layers import HftaEmbedding, HftaLinear, HftaNorm, _Table
+from .mlp import fuse_gated_mlps
 from .model import _fused
 from .settings import HftaSettings
 
@@ -82,8 +84,13 @@ class HftaBertEmbedding(HftaEmbedding):
     ``[s, B*b, h]``: (word + position) + token type, then dropout, as megatron sums them.
     Token types are needed exactly when the embedding has them (ValueError otherwise)."""
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, position_embedding_type: str, num_models: int, num_tokentypes: int):
-        super().__init__(config, vocab_size, max_sequence_length, position_embedding_type, num_models)
+    def __init__(
+        self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, position_embedding_type: str, num_models: int,
+        num_tokentypes: int, tp_group,
+    ):  # fmt: skip
+        super().__init__(config, vocab_size, max_sequence_length, position_embedding_type, num_models, tp_group=tp_group)
+        if get_pg_size(self.tp_group) > 1:
+            raise ValueError("HFTA's BERT embeddings support tensor-parallel size 1 only")
         self.tokentype_embeddings = _Table(num_models, num_tokentypes, config.hidden_size, config.params_dtype) if num_tokentypes > 0 else None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -134,13 +141,15 @@ class HftaBertChunk(BertChunk):
     def __init__(self, *args, hfta: HftaSettings, **kwargs):
         self.hfta = hfta  # first: BertChunk's constructor calls the builders below
         super().__init__(*args, **kwargs)
+        fuse_gated_mlps(self)
         for param in self.parameters():
             param.model_seeds = hfta.seeds
 
     def _build_embedding(self) -> HftaBertEmbedding:
         return HftaBertEmbedding(
-            self.config, self.vocab_size, self.max_sequence_length, self.position_embedding_type, self.hfta.num_models, self.num_tokentypes
-        )
+            self.config, self.vocab_size, self.max_sequence_length, self.position_embedding_type, self.hfta.num_models, self.num_tokentypes,
+            self.tp_group,
+        )  # fmt: skip
 
     def _encoder_spec(self) -> ModuleSpec:
         spec = super()._encoder_spec()

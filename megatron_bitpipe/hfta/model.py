@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -38,21 +38,16 @@ from megatron.core.utils import unwrap_model
 
 from .layers import HftaEmbedding, HftaLinear, HftaNorm
 from .mlp import fuse_gated_mlps
+from .reports import model_loss
 from .settings import HftaSettings
 
 __all__ = [
     "HftaGPTModel",
     "hfta_gpt_layer_spec",
     "hfta_loss",
-    "hfta_loss_names",
     "hfta_p2p_tensor_shapes",
     "fused_array_settings",
-    "MODEL_LOSS",
 ]
-
-#: the loss report of model k: ``MODEL_LOSS.format(k)``
-MODEL_LOSS = "lm loss {}"
-
 
 def _fused(spec, num_models: int):
     """``spec`` with megatron's linears and torch norms swapped for the batched ones."""
@@ -132,11 +127,6 @@ class HftaGPTModel(GPTModel):
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels, **kwargs)
 
 
-def hfta_loss_names(num_models: int) -> Tuple[str, ...]:
-    """The loss reports of a fused array: ``lm loss`` (the models' mean) and one per model."""
-    return ("lm loss",) + tuple(MODEL_LOSS.format(k) for k in range(num_models))
-
-
 def hfta_loss(num_models: int, loss_mask: torch.Tensor, output: torch.Tensor):
     """Megatron-LM's GPT loss for a fused array: ``(Σ_k masked loss sum of model k, one model's
     token count, reports)``. megatron divides by the token count, so each model's gradient is
@@ -150,7 +140,7 @@ def hfta_loss(num_models: int, loss_mask: torch.Tensor, output: torch.Tensor):
     detached = per_model.clone().detach()
     reports = {"lm loss": torch.cat([(detached.sum() / num_models).view(1), count])}
     for k in range(num_models):
-        reports[MODEL_LOSS.format(k)] = torch.cat([detached[k].view(1), count])
+        reports[model_loss("lm loss", k)] = torch.cat([detached[k].view(1), count])
     return loss, num_tokens, reports
 
 
@@ -170,12 +160,3 @@ def fused_array_settings(chunks: Sequence[torch.nn.Module]) -> Optional[HftaSett
     if len(settings) != 1:
         raise ValueError("chunks of a fused array and of other models cannot be mixed")
     return settings.pop()
-
-
-def iteration_losses(losses: Dict[str, float], num_models: int) -> Tuple[Dict[str, float], Dict[str, object]]:
-    """A training iteration's reduced losses for the logs: ``{"lm loss": mean, "best lm loss":
-    the lowest model's}`` and the JSON/line fields ``lm_losses`` (model k's at index k) and
-    ``best_model``."""
-    per_model = [losses[MODEL_LOSS.format(k)] for k in range(num_models)]
-    best = min(range(num_models), key=per_model.__getitem__)
-    return {"lm loss": losses["lm loss"], "best lm loss": per_model[best]}, {"lm_losses": per_model, "best_model": best}

@@ -26,8 +26,7 @@ def hfta_iteration_losses(losses: Dict[str, float], names: Sequence[str], num_mo
     """A training iteration's reduced losses of a fused array for the logs: each name's mean
     and ``best <name>``, the best model's, and the JSON/line fields ``<name>_losses`` with
     ``_`` for spaces (``lm_losses``, ``sop_losses``: model k's at index k) and ``best_model``,
-    the model whose summed losses (its training loss) are lowest. With ``names = ("lm loss",)``
-    this is GPT's :func:`~.model.iteration_losses`."""
+    the model whose summed losses (its training loss) are lowest (GPT: ``names = ("lm loss",)``)."""
     per_model = {name: [losses[model_loss(name, k)] for k in range(num_models)] for name in names}
     best = min(range(num_models), key=lambda k: sum(per_model[name][k] for name in names))
     logged = {name: losses[name] for name in names}

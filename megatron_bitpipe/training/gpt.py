@@ -20,7 +20,8 @@ from typing import Callable, Dict, Optional
 import numpy as np
 import torch
 
-from ..hfta.model import HftaGPTModel, hfta_gpt_layer_spec, hfta_loss, hfta_loss_names, hfta_p2p_tensor_shapes, iteration_losses
+from ..hfta.model import HftaGPTModel, hfta_gpt_layer_spec, hfta_loss, hfta_p2p_tensor_shapes
+from ..hfta.reports import hfta_iteration_losses, hfta_loss_names
 from ..hfta.settings import HftaSettings, hfta_settings
 from ..optimus.gpt_model import optimus_p2p_tensor_shapes
 from ..model.build import PipelineModel
@@ -140,7 +141,7 @@ class GPTTask(GPTArguments, PretrainTask):
     def build_model(self, args: argparse.Namespace, run: RunConfig):
         self.hfta = hfta_settings(args)
         if self.hfta is not None:
-            self.loss_names = hfta_loss_names(self.hfta.num_models)
+            self.loss_names = hfta_loss_names(("lm loss",), self.hfta.num_models)
         return build_gpt_model(args, run, self.hfta)
 
     def forward_step(self, data_iterator, model):
@@ -151,7 +152,7 @@ class GPTTask(GPTArguments, PretrainTask):
     def iteration_losses(self, losses):
         if self.hfta is None:
             return losses, {}
-        return iteration_losses(losses, self.hfta.num_models)
+        return hfta_iteration_losses(losses, ("lm loss",), self.hfta.num_models)
 
     def build_datasets(self, args: argparse.Namespace, tokenizer):
         train, valid, test = self._datasets(args, tokenizer)
