@@ -8,7 +8,8 @@ own. docs/hfta.md describes it.
 * :mod:`.settings` — the flags and their rules (pure Python), :class:`HftaSettings`;
 * :mod:`.layers` — the batched linear, norm and embedding, and the fused activation layout;
 * :mod:`.model` — :class:`~.model.HftaGPTModel`, the layer spec, the loss;
-* :mod:`.optimizer` — one megatron optimizer per model over its slices;
+* :mod:`.optimizer` — one megatron optimizer per model over its slices (with
+  ``--use-distributed-optimizer``: over this rank's shares of them);
 * :mod:`.extract` — model ``k`` of a fused checkpoint as an ordinary one.
 
 Only :mod:`.settings` is imported here (the scripts check flags before importing torch).
