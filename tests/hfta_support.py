@@ -68,10 +68,53 @@ def state_elements(optimizer) -> int:
     return count
 
 
-def trainer(argv: List[str]):
+def train_records(argv: List[str], steps: int, num_models: Optional[int], init_seed: Optional[int] = None) -> dict:
+    """Rank body: ``steps`` iterations of the training loop with ``argv`` (after the checkpoint
+    ``--load`` names, if any; saving the ``--save-interval`` ones under ``--save``); per step
+    the logged losses and extra fields, and (fused: per model, ``models[k]``) gradients and
+    weights. With a sharded optimizer the gradients are this rank's shares (``shares``: their
+    ``(start, stop)`` in each model's flattened tensor; clipping touches only those), the
+    weights whole. ``state_elements``: the optimizer state this rank holds at the end.
+    ``init_seed``: an unfused model starts from that seed's weights (the data still follows
+    ``--seed``, as the fused array's does)."""
+    trainer = _trainer(argv)
+    if init_seed is not None:  # overwrite the weights in place, then the fp32 main weights of bf16 from them
+        from megatron_bitpipe.model.init import initialize_from_seed
+
+        initialize_from_seed(trainer.model.chunks, trainer.model.specs, init_seed, trainer.groups.tp)
+        trainer.optimizer.reload_model_params()
+    shares = _shares(trainer)
+    records = []
+    for _ in range(steps):
+        record = trainer.train_step()
+        if trainer.args.save and trainer.state.iteration % trainer.args.save_interval == 0:
+            trainer.save()
+        grads = _named_tensors(trainer, lambda p: p.main_grad)
+        weights = _named_tensors(trainer, lambda p: p)
+        split = (lambda t: [t]) if num_models is None else (lambda t: list(t.unbind(0)))
+        mine = lambda name, t: t.reshape(-1)[slice(*shares[name])] if name in shares else t  # noqa: E731
+        models = [
+            {"grads": {n: mine(n, split(g)[k]) for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
+            for k in range(num_models or 1)
+        ]
+        records.append(dict(losses=record.losses, extra=record.extra, grad_norm=record.grad_norm, lr=record.lr, models=models))
+    validation = trainer.evaluate()
+    return dict(steps=records, validation=validation, shares=shares, state_elements=state_elements(trainer.optimizer))
+
+
+def reference_records(steps: int, flags=()) -> dict:
+    """Rank body (one rank): the fused array of :data:`LRS`/:data:`SEEDS` in one process
+    (``fused``) and each model's unfused run with ``--lr`` its rate, starting from its seed's
+    weights (``unfused[k]``); ``flags`` added to all (``--bf16``)."""
+    fused = train_records([*MODEL, *hfta_flags(), *flags], steps, len(LRS))
+    unfused = [train_records([*MODEL, "--lr", str(lr), *flags], steps, None, init_seed=seed) for lr, seed in zip(LRS, SEEDS)]
+    return dict(fused=fused, unfused=unfused)
+
+
+def _trainer(argv: List[str]):
     """A :class:`~megatron_bitpipe.training.loop.Trainer` of ``argv`` (the GPT task). With
     ``--bf16`` the flags are checked as on a GPU (the rule "--bf16 needs a CUDA GPU" is the
-    scripts'; megatron-core trains bf16 on the CPU) with gloo."""
+    scripts'; megatron-core trains bf16 on the CPU), with gloo."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
@@ -88,49 +131,6 @@ def trainer(argv: List[str]):
     return Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
 
 
-def train_records(argv: List[str], steps: int, num_models: Optional[int], init_seed: Optional[int] = None) -> dict:
-    """Rank body: ``steps`` iterations of the training loop with ``argv`` (after the checkpoint
-    ``--load`` names, if any; saving the ``--save-interval`` ones under ``--save``); per step
-    the logged losses and extra fields, and (fused: per model, ``models[k]``) gradients and
-    weights. With a sharded optimizer the gradients are this rank's shares (``shares``: their
-    ``(start, stop)`` in each model's flattened tensor; clipping touches only those), the
-    weights whole. ``state_elements``: the optimizer state this rank holds at the end.
-    ``init_seed``: an unfused model starts from that seed's weights (the data still follows
-    ``--seed``, as the fused array's does)."""
-    run = trainer(argv)
-    if init_seed is not None:  # overwrite the weights in place, then the fp32 main weights of bf16 from them
-        from megatron_bitpipe.model.init import initialize_from_seed
-
-        initialize_from_seed(run.model.chunks, run.model.specs, init_seed, run.groups.tp)
-        run.optimizer.reload_model_params()
-    shares = _shares(run)
-    records = []
-    for _ in range(steps):
-        record = run.train_step()
-        if run.args.save and run.state.iteration % run.args.save_interval == 0:
-            run.save()
-        grads = _named_tensors(run, lambda p: p.main_grad)
-        weights = _named_tensors(run, lambda p: p)
-        split = (lambda t: [t]) if num_models is None else (lambda t: list(t.unbind(0)))
-        mine = lambda name, t: t.reshape(-1)[slice(*shares[name])] if name in shares else t  # noqa: E731
-        models = [
-            {"grads": {n: mine(n, split(g)[k]) for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
-            for k in range(num_models or 1)
-        ]
-        records.append(dict(losses=record.losses, extra=record.extra, grad_norm=record.grad_norm, lr=record.lr, models=models))
-    validation = run.evaluate()
-    return dict(steps=records, validation=validation, shares=shares, state_elements=state_elements(run.optimizer))
-
-
-def reference_records(steps: int, flags=()) -> dict:
-    """Rank body (one rank): the fused array of :data:`LRS`/:data:`SEEDS` in one process
-    (``fused``) and each model's unfused run with ``--lr`` its rate, starting from its seed's
-    weights (``unfused[k]``); ``flags`` added to all (``--bf16``)."""
-    fused = train_records([*MODEL, *hfta_flags(), *flags], steps, len(LRS))
-    unfused = [train_records([*MODEL, "--lr", str(lr), *flags], steps, None, init_seed=seed) for lr, seed in zip(LRS, SEEDS)]
-    return dict(fused=fused, unfused=unfused)
-
-
 def checkpoint_records(root: str) -> dict:
     """Rank body (one rank): a fused array trains 3 iterations saving at 2 and 3; a second run
     resumes from iteration 2; model 1 of the iteration-3 checkpoint is extracted
@@ -145,12 +145,12 @@ def checkpoint_records(root: str) -> dict:
     runs = {"full": [*fused, "--save", f"{root}/fused", "--save-interval", "2"], "resumed": [*fused, "--load", f"{root}/fused", "--ckpt-step", "2"]}
     logs = {}
     for name, argv in runs.items():
-        run = trainer([*argv, "--log-json", f"{root}/{name}.jsonl"])
-        with ExitConditions(run.args, time.time()) as exits:
-            run.train(exits)
+        trainer = _trainer([*argv, "--log-json", f"{root}/{name}.jsonl"])
+        with ExitConditions(trainer.args, time.time()) as exits:
+            trainer.train(exits)
         with open(f"{root}/{name}.jsonl", encoding="utf-8") as lines:
             logs[name] = {r["iteration"]: r for r in map(json.loads, lines) if r["event"] == "iteration"}
     extract_model(f"{root}/fused", 1, f"{root}/model1")
-    array = trainer([*fused, "--load", f"{root}/fused"]).evaluate()
-    model1 = trainer([*MODEL, "--lr", str(LRS[1]), "--load", f"{root}/model1", "--no-load-optim"]).evaluate()
+    array = _trainer([*fused, "--load", f"{root}/fused"]).evaluate()
+    model1 = _trainer([*MODEL, "--lr", str(LRS[1]), "--load", f"{root}/model1", "--no-load-optim"]).evaluate()
     return dict(logs=logs, array=array, model1=model1)

@@ -192,10 +192,11 @@ def test_model_k_equals_its_unfused_run(references, k):
 #: over the flattened tokens) happen to agree bit for bit on the CPU, their backward kernels
 #: round the bf16 products differently: one bf16 rounding (2^-9 relative) here and there, which
 #: every layer's backward carries down. So the gradients agree to bf16 precision in norm
-#: (observed <= 2.2% per tensor), Adam's first step (about lr * sign(g)) bit for bit, the later
-#: updates to a few per cent of their size (observed <= 3.6%), the losses to 3e-5 (observed).
-#: A wrong learning rate (the rates differ by 2x or more) or updates not written through into
-#: the fused bf16 weights would miss these by an order of magnitude.
+#: (observed <= 2.2% per tensor), the weights after the first step (learning rate 0, the
+#: warm-up's start) bit for bit, the later updates to a few per cent of their size (observed
+#: <= 3.6%), the losses to 3e-5 (observed). A wrong learning rate (the rates differ by 2x or
+#: more: model 0's rate for all misses by 20x) or updates not written through into the fused
+#: bf16 weights would fail these by an order of magnitude.
 BF16_LOSS_RTOL, BF16_GRAD_NORM_RTOL, BF16_UPDATE_RTOL = 2e-4, 0.05, 0.1
 
 
