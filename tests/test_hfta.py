@@ -18,7 +18,7 @@
   covering every element) and weights equal the single-process fused run (rtol 1e-5), and the
   ranks' Adam states add up to the single process's, each rank holding only its shares. A bf16
   run with it resumed from its iteration-2 checkpoint at DP 2 repeats iteration 3 bit for bit;
-  its fp32 checkpoint resumes without it (rtol 1e-5).
+  its fp32 checkpoint at DP 2 resumes without it with BitPipe at PP 2, DP 1 (rtol 1e-5).
 * Checkpoints (``torch_dist``): a fused array resumed from its iteration-2 checkpoint logs
   iteration 3 bit for bit as the uninterrupted run (weights and per-model Adam state restored);
   model 1 extracted from the iteration-3 checkpoint (``scripts/hfta_extract.py``) and loaded by
@@ -60,6 +60,7 @@ class HftaCase:
 
 
 DISTOPT = ("--use-distributed-optimizer",)
+BITPIPE_PP2 = ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2")
 CASES = [
     HftaCase("bitpipe_pp4", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4")),
     HftaCase("bitpipe_split_pp4", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--split-backward")),
@@ -68,9 +69,9 @@ CASES = [
         ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
          "--recompute-method", "uniform", "--recompute-num-layers", "1"),
     ),  # fmt: skip
-    HftaCase("bitpipe_pp2_dp2_distopt", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", *DISTOPT)),
+    HftaCase("bitpipe_pp2_dp2_distopt", (*BITPIPE_PP2, *DISTOPT)),
     HftaCase("dp2_distopt", DISTOPT, world_size=2, saves=True),
-    HftaCase("dp2_resumed_without_distopt", (), world_size=2, resumes="dp2_distopt"),
+    HftaCase("bitpipe_pp2_resumed_without_distopt", BITPIPE_PP2, world_size=2, resumes="dp2_distopt"),
     HftaCase("dp2_distopt_bf16", (*DISTOPT, "--bf16"), world_size=2, saves=True),
     HftaCase("dp2_distopt_bf16_resumed", (*DISTOPT, "--bf16"), world_size=2, resumes="dp2_distopt_bf16"),
 ]
@@ -314,8 +315,9 @@ def _case(name: str) -> HftaCase:
 def test_distributed_optimizer_resumes_exactly_and_into_the_other_form(launched):
     """bf16 with the distributed optimizer, resumed from its iteration-2 checkpoint at DP 2:
     iteration 3 bit for bit (weights, fp32 main weights and shares of the Adam moments
-    restored). fp32: the distributed optimizer's checkpoint resumed without it: iteration 3 as
-    the uninterrupted run's up to the order of the grad norm's sum (rtol 1e-5)."""
+    restored). fp32: the distributed optimizer's checkpoint (DP 2) resumed without it in another
+    layout and data-parallel size (BitPipe over 2 pipeline ranks, DP 1): iteration 3 as the
+    uninterrupted run's, up to the order of the sums (rtol 1e-5)."""
     full, resumed = launched[_case("dp2_distopt_bf16")], launched[_case("dp2_distopt_bf16_resumed")]
     for f, r in zip(full, resumed):
         f, r = f["steps"][2], r["steps"][0]
@@ -325,10 +327,9 @@ def test_distributed_optimizer_resumes_exactly_and_into_the_other_form(launched)
                 for name, tensor in fm[what].items():
                     assert torch.equal(rm[what][name], tensor), f"model {k} {what} {name}"
         assert f["models"][0]["weights"]["embedding.word_embeddings.weight"].dtype == torch.bfloat16
-    full, resumed = launched[_case("dp2_distopt")], launched[_case("dp2_resumed_without_distopt")]
+    full, resumed = launched[_case("dp2_distopt")], launched[_case("bitpipe_pp2_resumed_without_distopt")]
     assert all(rank["shares"] for rank in full) and not any(rank["shares"] for rank in resumed)
-    for f, r in zip(full, resumed):
-        f, r = f["steps"][2], r["steps"][0]
-        assert r["extra"]["lm_losses"] == pytest.approx(f["extra"]["lm_losses"], rel=RTOL)
-        for k, (fm, rm) in enumerate(zip(f["models"], r["models"])):
-            _close(rm["weights"], fm["weights"], f"model {k} weights")
+    assert resumed[0]["steps"][0]["extra"]["lm_losses"] == pytest.approx(full[0]["steps"][2]["extra"]["lm_losses"], rel=RTOL)
+    weights = _merged(resumed, 0, "weights")
+    for k, model in enumerate(full[0]["steps"][2]["models"]):
+        _close(weights[k], model["weights"], f"model {k} weights")
