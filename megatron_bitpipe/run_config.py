@@ -23,6 +23,7 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from .hfta.settings import HftaSettings, hfta_settings
 from .megatron_args import schedule_choice
 from .optimizers import OptimizerChoice
 from .schedules import REGISTRY, ScheduleChoice
@@ -111,6 +112,7 @@ class RunConfig:
         optimizer: ``--optimizer`` and its flags (``decentralized`` with a decentralized
             data-parallel mode: its step is the mode's update).
         schedule_costs_path: the ``--schedule-costs`` file the split's plan is made for (logs name it).
+        hfta: the fused array of ``--hfta-models`` (None: one model).
     """
 
     schedule: ScheduleChoice
@@ -120,6 +122,7 @@ class RunConfig:
     data_parallel_mode: str
     optimizer: OptimizerChoice
     schedule_costs_path: Optional[str] = None
+    hfta: Optional[HftaSettings] = None
 
     @property
     def executes_plan(self) -> bool:
@@ -184,4 +187,5 @@ class RunConfig:
             data_parallel_mode=data_parallel_mode,
             optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode in DECENTRALIZED_MODES),
             schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.split_backward else None,
+            hfta=hfta_settings(args),
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -37,56 +37,83 @@ def _named_tensors(trainer, of) -> Dict[str, torch.Tensor]:
     return merge_full(collect_full(c, of, chunk=s, tp_group=trainer.groups.tp) for c, s in zip(trainer.model.chunks, trainer.model.specs))
 
 
-def train_records(argv: List[str], steps: int, num_models: Optional[int], init_seed: Optional[int] = None, save_after=()) -> dict:
-    """Rank body: ``steps`` iterations of the training loop with ``argv``; per step the logged
-    losses and extra fields, and (fused: per model, ``models[k]``) gradients and weights.
-    ``init_seed``: an unfused model starts from that seed's weights (the data still follows
-    ``--seed``, as the fused array's does). ``save_after``: the iterations after which a
-    checkpoint is saved under ``--save``."""
-    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.training import distributed
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
-    from megatron_bitpipe.training.data import build_tokenizer
-    from megatron_bitpipe.training.gpt import GPTTask
-    from megatron_bitpipe.run_config import RunConfig
-    from megatron_bitpipe.training.loop import Trainer
+def _shares(trainer) -> Dict[str, Tuple[int, int]]:
+    """``name -> (start, stop)``: the elements of each model's flattened slice whose optimizer
+    state this rank holds (a sharded fused-array optimizer; empty otherwise)."""
+    from megatron.core.utils import unwrap_model
 
-    task = GPTTask()
-    args = parse_args(task, argv)
-    tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
-    if init_seed is not None:  # fp32 Adam holds the parameters themselves: overwrite them in place
+    from megatron_bitpipe.model.layout import to_global_name
+
+    optimizer = trainer.optimizer
+    if not getattr(optimizer, "sharded", False):
+        return {}
+    share_of = {id(fused.param): fused.share for fused in optimizer.fused}
+    return {
+        to_global_name(name, spec): (share_of[id(param)].start, share_of[id(param)].stop)
+        for chunk, spec in zip(trainer.model.chunks, trainer.model.specs)
+        for name, param in unwrap_model(chunk).named_parameters()
+    }
+
+
+def state_elements(optimizer) -> int:
+    """Elements of the Adam moments and fp32 main weights this rank's optimizer holds."""
+    count = 0
+    for part in optimizer.chained_optimizers:
+        for state in part.optimizer.state.values():
+            count += sum(state[key].numel() for key in ("exp_avg", "exp_avg_sq") if key in state)
+        count += sum(main.numel() for group in getattr(part, "fp32_from_float16_groups", []) for main in group)
+    return count
+
+
+def train_records(argv: List[str], steps: int, num_models: Optional[int], init_seed: Optional[int] = None, save_after=()) -> dict:
+    """Rank body: ``steps`` iterations of the training loop with ``argv`` (after the checkpoint
+    ``--load`` names, if any; saving after the iterations ``save_after`` under ``--save``); per step
+    the logged losses and extra fields, and (fused: per model, ``models[k]``) gradients and
+    weights. With a sharded optimizer the gradients are this rank's shares (``shares``: their
+    ``(start, stop)`` in each model's flattened tensor; clipping touches only those), the
+    weights whole (the shares are those of this rank's tensor-parallel block: tensor
+    parallelism 1 with a sharded optimizer). ``state_elements``: the optimizer state this rank
+    holds at the end.
+    ``init_seed``: an unfused model starts from that seed's weights (the data still follows
+    ``--seed``, as the fused array's does)."""
+    trainer = _trainer(argv)
+    if init_seed is not None:  # overwrite the weights in place, then the fp32 main weights of bf16 from them
         from megatron_bitpipe.model.init import initialize_from_seed
 
         initialize_from_seed(trainer.model.chunks, trainer.model.specs, init_seed, trainer.groups.tp)
+        trainer.optimizer.reload_model_params()
+    shares = _shares(trainer)
     records = []
     for _ in range(steps):
         record = trainer.train_step()
+        if record.iteration in save_after:
+            trainer.save()
         grads = _named_tensors(trainer, lambda p: p.main_grad)
         weights = _named_tensors(trainer, lambda p: p)
         split = (lambda t: [t]) if num_models is None else (lambda t: list(t.unbind(0)))
+        mine = lambda name, t: t.reshape(-1)[slice(*shares[name])] if name in shares else t  # noqa: E731
         models = [
-            {"grads": {n: split(g)[k] for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
+            {"grads": {n: mine(n, split(g)[k]) for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
             for k in range(num_models or 1)
         ]
         records.append(dict(losses=record.losses, extra=record.extra, grad_norm=record.grad_norm, lr=record.lr, models=models))
-        if record.iteration in save_after:
-            trainer.save()
     validation = trainer.evaluate()
-    return dict(steps=records, validation=validation)
+    return dict(steps=records, validation=validation, shares=shares, state_elements=state_elements(trainer.optimizer))
 
 
-def reference_records(steps: int) -> dict:
+def reference_records(steps: int, flags=()) -> dict:
     """Rank body (one rank): the fused array of :data:`LRS`/:data:`SEEDS` in one process
     (``fused``) and each model's unfused run with ``--lr`` its rate, starting from its seed's
-    weights (``unfused[k]``)."""
-    fused = train_records([*MODEL, *hfta_flags()], steps, len(LRS))
-    unfused = [train_records([*MODEL, "--lr", str(lr)], steps, None, init_seed=seed) for lr, seed in zip(LRS, SEEDS)]
+    weights (``unfused[k]``); ``flags`` added to all (``--bf16``)."""
+    fused = train_records([*MODEL, *hfta_flags(), *flags], steps, len(LRS))
+    unfused = [train_records([*MODEL, "--lr", str(lr), *flags], steps, None, init_seed=seed) for lr, seed in zip(LRS, SEEDS)]
     return dict(fused=fused, unfused=unfused)
 
 
 def _trainer(argv: List[str]):
+    """A :class:`~megatron_bitpipe.training.loop.Trainer` of ``argv`` (the GPT task). With
+    ``--bf16`` the flags are checked as on a GPU (the rule "--bf16 needs a CUDA GPU" is the
+    scripts'; megatron-core trains bf16 on the CPU), with gloo."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
@@ -96,7 +123,8 @@ def _trainer(argv: List[str]):
     from megatron_bitpipe.training.loop import Trainer
 
     task = GPTTask()
-    args = parse_args(task, argv)
+    bf16 = "--bf16" in argv
+    args = parse_args(task, [*argv, "--distributed-backend", "gloo"] if bf16 else argv, cuda_available=bf16)
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     return Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))

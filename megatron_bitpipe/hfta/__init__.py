@@ -10,7 +10,8 @@ own. docs/hfta.md describes it.
 * :mod:`.model` — :class:`~.model.HftaGPTModel`, the layer spec, the loss;
 * :mod:`.bert` — :class:`~.bert.HftaBertChunk` (BERT) and its layer spec;
 * :mod:`.reports` — the per-model loss reports and log fields of models with several losses;
-* :mod:`.optimizer` — one megatron optimizer per model over its slices;
+* :mod:`.optimizer` — one megatron optimizer per model over its slices (with
+  ``--use-distributed-optimizer``: over this rank's shares of them);
 * :mod:`.extract` — model ``k`` of a fused checkpoint as an ordinary one.
 
 Only :mod:`.settings` is imported here (the scripts check flags before importing torch).

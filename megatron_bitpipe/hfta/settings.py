@@ -82,9 +82,7 @@ def hfta_settings(args: argparse.Namespace) -> Optional[HftaSettings]:
 _NOT_YET = {
     "tensor_parallel_mode": (("1d",), "--tensor-parallel-mode optimus2d"),
     "transformer_impl": ((None, "local"), "--transformer-impl transformer_engine (HFTA's batched layers are local ones)"),
-    "bf16": ((False,), "--bf16"),
-    "fp16": ((False,), "--fp16"),
-    "use_distributed_optimizer": ((False,), "--use-distributed-optimizer"),
+    "fp16": ((False,), "--fp16 (the B models would need one dynamic loss scale; --bf16 composes)"),
     "optimizer": (("adam",), "--optimizer other than adam"),
     "data_parallel_mode": (("sync",), "--data-parallel-mode other than sync"),
     "qk_layernorm": ((False,), "--qk-layernorm"),

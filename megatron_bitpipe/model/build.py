@@ -153,17 +153,19 @@ def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, cho
     disagree about the distributed optimizer.
 
     A fused array (:mod:`megatron_bitpipe.hfta`): one Adam per model over its slices, each with
-    its own learning rate, grad norm and clipping (:mod:`megatron_bitpipe.hfta.optimizer`).
+    its own learning rate, grad norm and clipping (:mod:`megatron_bitpipe.hfta.optimizer`); its
+    DDP all-reduces, and with ``optimizer_config.use_distributed_optimizer`` each model's
+    optimizer holds this rank's shares of its state.
     """
+    hfta = fused_array_settings(model.chunks)
+    if hfta is not None:
+        return build_hfta_optimizer(optimizer_config, model, hfta)
     distributed = optimizer_config.use_distributed_optimizer
     if distributed != model.chunks[0].ddp_config.use_distributed_optimizer:
         raise ValueError(
             "the optimizer and the model's DDP must agree on use_distributed_optimizer "
             f"(optimizer {distributed}, DDP {not distributed})"
         )
-    hfta = fused_array_settings(model.chunks)
-    if hfta is not None:
-        return build_hfta_optimizer(optimizer_config, model.chunks, hfta, model.groups.rank_pgs)
     if not distributed:
         return build_megatron_optimizer(
             optimizer_config, choice, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs

@@ -53,7 +53,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from ..hfta.bert import hfta_bert_chunk_kwargs
 from ..hfta.model import hfta_p2p_tensor_shapes
 from ..hfta.reports import hfta_iteration_losses, hfta_loss_names, model_loss
-from ..hfta.settings import HftaSettings, hfta_settings
+from ..hfta.settings import HftaSettings
 from ..model.bert_model import build_bert_chunks, default_bert_layer_spec
 from ..run_config import RunConfig
 from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments
@@ -275,7 +275,7 @@ class BertTask(BertArguments, PretrainTask):
 
     def build_model(self, args: argparse.Namespace, run: RunConfig):
         self.model_losses = ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
-        self.hfta = hfta_settings(args)
+        self.hfta = run.hfta
         fused = {} if self.hfta is None else hfta_bert_chunk_kwargs(self.hfta, args.attention_backend)
         self.loss_names = self.model_losses if self.hfta is None else hfta_loss_names(self.model_losses, self.hfta.num_models)
         return build_model(

@@ -93,10 +93,11 @@ class TrainingState:
     consumed_train_samples: int = 0
 
 
-def content_metadata(args: argparse.Namespace) -> Dict[str, object]:
-    """How the state dict is laid out (stored in the checkpoint; Megatron-LM's keys and values)."""
+def content_metadata(optimizer) -> Dict[str, object]:
+    """How the state dict is laid out (stored in the checkpoint; Megatron-LM's keys and values):
+    the distributed optimizer's form where ``optimizer`` is megatron's distributed one."""
     metadata: Dict[str, object] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if args.use_distributed_optimizer:
+    if optimizer_state.is_distributed(optimizer):
         metadata["distrib_optim_sharding_type"] = SHARDING_TYPE
         metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     return metadata
@@ -176,7 +177,7 @@ def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optim
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
-    metadata = content_metadata(args)
+    metadata = content_metadata(optimizer)
     sharded = {**metadata, "dp_cp_group": model.groups.rank_pgs.dp}
     state_dict = {
         "args": _saved_args(args, state, task),
@@ -333,7 +334,7 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
     optimizer_load = None
     if load_optimizer:
         optimizer_load = optimizer_state.OptimizerLoad(
-            optimizer, dict(request), common, saved_metadata, {**content_metadata(args), **groups_metadata}, saved
+            optimizer, dict(request), common, saved_metadata, {**content_metadata(optimizer), **groups_metadata}, saved
         )
         request.update(optimizer_load.request)
     if load_rng:

@@ -107,11 +107,14 @@ def use_global_tp_group(tp_group) -> None:
 
 def ddp_config(args: argparse.Namespace, run: RunConfig) -> DistributedDataParallelConfig:
     """Gradients reduced in fp32; overlapped with the plan executor's schedules (BitPipe's eager
-    per-chunk sync) or with ``--overlap-grad-reduce``."""
+    per-chunk sync) or with ``--overlap-grad-reduce``. Reduce-scattered for megatron's
+    distributed optimizer (``--use-distributed-optimizer``), except for a fused array
+    (``run.hfta``), whose DDP all-reduces while its optimizer shards the state itself
+    (:mod:`megatron_bitpipe.hfta.optimizer`)."""
     return DistributedDataParallelConfig(
         overlap_grad_reduce=run.executes_plan or args.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        use_distributed_optimizer=args.use_distributed_optimizer and run.hfta is None,
         delay_wgrad_compute=run.schedule.split_backward,  # TE's deferred weights: DDP's hook after backward_dw
     )
 

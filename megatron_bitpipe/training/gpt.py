@@ -22,7 +22,7 @@ import torch
 
 from ..hfta.model import HftaGPTModel, hfta_gpt_layer_spec, hfta_loss, hfta_p2p_tensor_shapes
 from ..hfta.reports import hfta_iteration_losses, hfta_loss_names
-from ..hfta.settings import HftaSettings, hfta_settings
+from ..hfta.settings import HftaSettings
 from ..optimus.gpt_model import optimus_p2p_tensor_shapes
 from ..model.build import PipelineModel
 from ..model.sdpa_attention import SdpaDotProductAttention
@@ -139,7 +139,7 @@ class GPTTask(GPTArguments, PretrainTask):
     hfta: Optional[HftaSettings] = None
 
     def build_model(self, args: argparse.Namespace, run: RunConfig):
-        self.hfta = hfta_settings(args)
+        self.hfta = run.hfta
         if self.hfta is not None:
             self.loss_names = hfta_loss_names(("lm loss",), self.hfta.num_models)
         return build_gpt_model(args, run, self.hfta)

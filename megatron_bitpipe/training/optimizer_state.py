@@ -35,13 +35,16 @@ from megatron.core.optimizer import DistributedOptimizer
 
 from ..checkpoint_rules import CheckpointError
 
-__all__ = ["OptimizerLoad", "use_run_hyperparameters"]
+__all__ = ["OptimizerLoad", "is_distributed", "use_run_hyperparameters"]
 
 _MAIN_WEIGHT = ("optimizer.state.param.", "optimizer.state.fp32_param.")
 _REQUEST = "optimizer (this run's form)"
 
 
-def _distributed(optimizer) -> bool:
+def is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` is (or chains) megatron's ``DistributedOptimizer``, whose state
+    checkpoints in the ``fully_reshardable`` form (a fused array's sharded optimizer is not one:
+    it saves the non-distributed form, :mod:`megatron_bitpipe.hfta.optimizer`)."""
     return any(isinstance(part, DistributedOptimizer) for part in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
@@ -146,7 +149,7 @@ class OptimizerLoad:
                 f"its distributed-optimizer state is in the {saved_sharding!r} form, which only the saving layout reads "
                 "(save with --dist-ckpt-optim-fully-reshardable, or load the weights with --no-load-optim)"
             )
-        self.same_kind = (saved_sharding is not None) == _distributed(optimizer)
+        self.same_kind = (saved_sharding is not None) == is_distributed(optimizer)
         metadata = {**saved_metadata, "dp_cp_group": own_metadata["dp_cp_group"]} if self.same_kind else own_metadata
         state = optimizer.sharded_state_dict(model_request, is_loading=True, metadata=metadata)
         if not self.same_kind:
@@ -213,9 +216,9 @@ def _set_step(optimizer, state, step: Optional[int]) -> None:
     if step is None:
         return
     for group in _param_groups(state):
-        if _distributed(optimizer) or "step" in group:
+        if is_distributed(optimizer) or "step" in group:
             group["step"] = step
-    if not _distributed(optimizer):
+    if not is_distributed(optimizer):
         inner = state["optimizer"] if "optimizer" in state and isinstance(state["optimizer"], dict) and "state" in state["optimizer"] else state
         inner["state"]["common_step"] = torch.tensor(float(step))
 
