@@ -56,15 +56,21 @@ def _model(data: Path) -> List[str]:
 
 
 @pytest.fixture(scope="module")
-def checkout():
-    root = find_checkout(checkout_or_skip()).root
-    if checkpoint_writer_problem(root):
-        pytest.skip(checkpoint_writer_problem(root))
-    return root
+def loading_checkout() -> Path:
+    """The checkout, for tests where Megatron-LM only loads checkpoints."""
+    return find_checkout(checkout_or_skip()).root
 
 
 @pytest.fixture(scope="module")
-def workdir(checkout, tmp_path_factory) -> Path:
+def checkout(loading_checkout):
+    """The checkout, for tests where Megatron-LM saves checkpoints too."""
+    if checkpoint_writer_problem(loading_checkout):
+        pytest.skip(checkpoint_writer_problem(loading_checkout))
+    return loading_checkout
+
+
+@pytest.fixture(scope="module")
+def workdir(loading_checkout, tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("megatron_lm_checkpoints")
     write_indexed_dataset(directory / "text_document")
     return directory
@@ -172,7 +178,7 @@ def test_finetune_loads_the_weights_at_iteration_zero(curves, load_options):
 # -- a model extracted from a fused array (HFTA) ------------------------------------------------------
 
 
-def test_megatron_lm_loads_a_model_extracted_from_a_fused_array(checkout, workdir):
+def test_megatron_lm_loads_a_model_extracted_from_a_fused_array(loading_checkout, workdir):
     import subprocess
     import sys
 
@@ -182,7 +188,7 @@ def test_megatron_lm_loads_a_model_extracted_from_a_fused_array(checkout, workdi
     extract = [sys.executable, str(REPO / "scripts" / "hfta_extract.py"), "--load", str(workdir / "H"), "--model", "1", "--ckpt-step", "2"]
     done = subprocess.run([*extract, "--save", str(workdir / "H1")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    run = _ok(_megatron_lm(checkout, workdir, "from_hfta", 2, ["--pipeline-model-parallel-size", "2", "--load", str(workdir / "H1"), "--no-load-optim", "--no-load-rng"]))
+    run = _ok(_megatron_lm(loading_checkout, workdir, "from_hfta", 2, ["--pipeline-model-parallel-size", "2", "--load", str(workdir / "H1"), "--no-load-optim", "--no-load-rng"]))
     assert sorted(run.losses) == [3, 4]
     assert run.losses[3] == pytest.approx(array[3]["lm_losses"][1], rel=RTOL)
     assert array[3]["lm_losses"][1] != pytest.approx(array[3]["lm_losses"][0], rel=1e-3)  # the two models differ
