@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,6 +48,8 @@ __all__ = [
     "holds_full_tensor",
     "full_shape",
     "tp_block",
+    "from_tp_blocks",
+    "join_strided_blocks",
 ]
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
@@ -227,3 +229,20 @@ def tp_block(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int
     if stride == 1:
         return parts[tp_rank]
     return torch.cat(parts[tp_rank::tp_size], dim=param.partition_dim)
+
+
+def join_strided_blocks(blocks: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """The tensor whose ``len(blocks)`` blocks along ``dim`` are ``blocks`` (in order), each
+    block made of parts ``j, j + n, ...`` of the tensor cut into ``n x stride`` parts (``n =
+    len(blocks)``): the inverse of that cut (:func:`tp_block`'s with ``stride`` > 1)."""
+    pieces = [block.chunk(stride, dim=dim) for block in blocks]
+    return torch.cat([piece[s] for s in range(stride) for piece in pieces], dim=dim)
+
+
+def from_tp_blocks(blocks: Sequence[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
+    """The full tensor of tensor-parallel ``param`` from every tp rank's block (rank order): the
+    inverse of :func:`tp_block` (an Optimus 2D parameter by its ``optimus_layout``)."""
+    layout = getattr(param, "optimus_layout", None)
+    if layout is not None:
+        return layout.from_tp_blocks(blocks)
+    return join_strided_blocks(blocks, param.partition_dim, getattr(param, "partition_stride", 1))

@@ -26,6 +26,7 @@ from typing import Callable, Mapping, Sequence, Tuple
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from megatron_bitpipe.model.layout import join_strided_blocks
 from megatron_bitpipe.optimus.mesh import OptimusMesh, mesh_side
 
 
@@ -111,13 +112,13 @@ class ParamLayout:
                     )
         if self.kind is LayoutKind.LINEAR_WEIGHT:
             columns = [torch.cat([at(i, j).t() for i in range(side)], dim=1) for j in range(side)]
-            return _from_feature_blocks(columns, 0, self.stride)
+            return join_strided_blocks(columns, 0, self.stride)
         if self.kind is LayoutKind.VOCAB_TABLE:
             return torch.cat(
                 [torch.cat([at(i, j) for j in range(side)], dim=1) for i in range(side)], dim=0
             )
         if self.kind is LayoutKind.FEATURE_VECTOR:
-            return _from_feature_blocks([at(0, j) for j in range(side)], 0, self.stride)
+            return join_strided_blocks([at(0, j) for j in range(side)], 0, self.stride)
         return torch.cat([at(0, j) for j in range(side)], dim=1)
 
 
@@ -129,12 +130,6 @@ def _feature_block(
     if stride == 1:
         return parts[0].chunk(side, dim=dim)[block]
     return torch.cat([part.chunk(side, dim=dim)[block] for part in parts], dim=dim)
-
-
-def _from_feature_blocks(blocks: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
-    """Inverse of :func:`_feature_block` over all blocks (``blocks[j]`` = block ``j``)."""
-    parts = [block.chunk(stride, dim=dim) for block in blocks]
-    return torch.cat([p[s] for s in range(stride) for p in parts], dim=dim)
 
 
 def shard_serial_tensor(

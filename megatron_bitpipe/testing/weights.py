@@ -24,7 +24,7 @@ that read a model or a config.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Callable, Dict, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..model.layout import (
     ChunkLayers,
     chunk_layers_of,
+    from_tp_blocks,
     is_tensor_parallel,
     to_global_name,
     to_local_name,
@@ -108,15 +109,6 @@ def load_full(
             param.copy_(value)
 
 
-def _from_tp_blocks(blocks: List[torch.Tensor], param: torch.nn.Parameter) -> torch.Tensor:
-    """The full tensor of ``param`` from its tensor-parallel ``blocks`` (rank order): the
-    inverse of :func:`~megatron_bitpipe.model.layout.tp_block`, whose rank ``r`` holds parts
-    ``r, r + tp, ...`` of the full tensor cut into ``tp x stride`` parts."""
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    pieces = [block.chunk(stride, dim=dim) for block in blocks]
-    return torch.cat([piece[s] for s in range(stride) for piece in pieces], dim=dim)
-
-
 def collect_full(
     model: torch.nn.Module,
     tensor_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = lambda p: p,
@@ -145,7 +137,7 @@ def collect_full(
         if tp_group is not None and tp_group.size() > 1 and (layout or is_tensor_parallel(param)):
             blocks = [torch.empty_like(value) for _ in range(tp_group.size())]
             dist.all_gather(blocks, value.contiguous(), group=tp_group)
-            value = layout.from_tp_blocks(blocks) if layout else _from_tp_blocks(blocks, param)
+            value = from_tp_blocks(blocks, param)
         out[to_global_name(name, chunk)] = value.to("cpu", copy=True)
     return out
 
