@@ -101,9 +101,7 @@ class HftaBertEmbedding(HftaEmbedding):
             embeddings = embeddings + self.position_embeddings(position_ids)
         if tokentype_ids is not None:
             embeddings = embeddings + self.tokentype_embeddings(tokentype_ids)
-        b, s = input_ids.shape
-        embeddings = embeddings.permute(2, 0, 1, 3).reshape(s, self.num_models * b, -1).contiguous()
-        return self.embedding_dropout(embeddings)
+        return self.embedding_dropout(self._fused(embeddings))
 
 
 class HftaBertLMHead(MegatronModule):
