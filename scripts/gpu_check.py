@@ -517,6 +517,8 @@ def _on_signal(signum, frame):
 #: environment variable that marks every process of an item (torchrun starts its ranks in
 #: sessions of their own, so the launcher's process group does not hold them)
 TAG_VARIABLE = "GPU_CHECK_ITEM"
+#: gpu_rank.py's ``STACKS_VARIABLE``: the directory where each rank writes its SIGUSR1 stack dump
+STACKS_VARIABLE = "GPU_RANK_STACKS_DIR"
 
 
 def _tagged(tag: str) -> List[int]:
@@ -595,6 +597,8 @@ class Runner:
             env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is the CPU run, on any machine
         tag = f"{os.getpid()}-{index}"
         env[TAG_VARIABLE] = tag
+        stacks = Path(tempfile.mkdtemp(prefix="gpu_check_stacks-"))
+        env[STACKS_VARIABLE] = str(stacks)
         start = time.monotonic()
         timed_out = False
         proc = subprocess.Popen(item.command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
@@ -610,8 +614,10 @@ class Runner:
                 time.sleep(DUMP_GRACE_S)
             _kill_all(proc.pid, tag)
             returncode = proc.wait()
+            self._copy_stacks(item.name, stacks)
         finally:
             _kill_all(proc.pid, tag)  # stragglers of a run that ended (e.g. ranks of a dead launcher)
+            shutil.rmtree(stacks, ignore_errors=True)
             self.current = None
         seconds = time.monotonic() - start
         self.log.flush()
@@ -619,6 +625,13 @@ class Runner:
             handle.seek(start_offset)
             output = handle.read().decode(errors="replace")
         return Ran(None if timed_out else returncode, seconds, timed_out, output, timeout)
+
+    def _copy_stacks(self, name: str, stacks: Path) -> None:
+        """Each rank's stack dump (``rank-<RANK>.txt`` under ``stacks``), one after another."""
+        for path in sorted(stacks.glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1])):
+            text = path.read_text(errors="replace").rstrip()
+            if text:
+                self.note(f"----- {name}: {path.stem.replace('-', ' ')} stacks\n{text}")
 
     def stop(self) -> None:
         if self.current is not None:

@@ -14,6 +14,9 @@ the target and its arguments, after two things that must happen before torch or 
   ranks) lets several ranks of one host share a GPU.
 * registers :mod:`faulthandler` on ``SIGUSR1``: gpu_check.py sends it to every rank of a run
   that ran past its timeout, so the log shows where each rank waited, before it kills them.
+  With ``GPU_RANK_STACKS_DIR`` set, each rank writes its stacks to ``rank-<RANK>.txt`` there
+  (gpu_check.py copies them into its log one rank after another; ranks that wrote to one shared
+  stream would interleave their lines); otherwise to standard error.
 
 The target's exit status is this process's exit status.
 """
@@ -28,12 +31,19 @@ import sys
 from typing import List
 
 HOSTID_FLAG = "--nccl-hostid-per-rank"
+#: environment variable: the directory for each rank's SIGUSR1 stack dump (``rank-<RANK>.txt``)
+STACKS_VARIABLE = "GPU_RANK_STACKS_DIR"
 USAGE = f"usage: gpu_rank.py [{HOSTID_FLAG}] SCRIPT [ARGS ...]"
 
 
 def nccl_hostid(local_rank: int) -> str:
     """The ``NCCL_HOSTID`` of a local rank: distinct per rank."""
     return f"gpu-check-rank-{local_rank}"
+
+
+def stacks_file(directory: str, rank: int) -> str:
+    """Where rank ``rank`` dumps its stacks under ``directory``."""
+    return os.path.join(directory, f"rank-{rank}.txt")
 
 
 def main(argv: List[str]) -> None:
@@ -44,8 +54,12 @@ def main(argv: List[str]) -> None:
         sys.exit(f"gpu_rank.py: error: no target script\n{USAGE}")
     if hostid:
         os.environ["NCCL_HOSTID"] = nccl_hostid(int(os.environ.get("LOCAL_RANK", "0")))
+    stacks = sys.stderr
+    if os.environ.get(STACKS_VARIABLE):
+        # kept open (referenced here) for as long as the target runs: faulthandler writes to its fd
+        stacks = open(stacks_file(os.environ[STACKS_VARIABLE], int(os.environ.get("RANK", "0"))), "w")
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     target = argv[0]
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(target)))

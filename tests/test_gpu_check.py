@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -264,8 +265,8 @@ def test_a_hung_run_is_killed_whole_with_its_stacks(tmp_path):
     target = tmp_path / "wait_forever.py"
     target.write_text(textwrap.dedent("""
         import os, sys, time
-        print(f"rank {os.environ['LOCAL_RANK']} hostid {os.environ.get('NCCL_HOSTID')}", flush=True)
         def wait_for_peer():
+            print(f"rank {os.environ['LOCAL_RANK']} hostid {os.environ.get('NCCL_HOSTID')}", flush=True)
             time.sleep(600)
         wait_for_peer()
     """))
@@ -274,13 +275,22 @@ def test_a_hung_run_is_killed_whole_with_its_stacks(tmp_path):
     item = gpu_check.Item("hang", "multirank", command, 60, "a rank that never returns", log_json=str(tmp_path / "never.jsonl"),
                           reference="none", rtol=1e-4)  # fmt: skip
     runner = gpu_check.Runner(tmp_path / "log", dry_run=True)
+    stack_dirs_before = set(Path(tempfile.gettempdir()).glob("gpu_check_stacks-*"))
     try:
         ran = runner.run(item, 1, 1, timeout=60)  # ample for 2 ranks to start on busy cores
     finally:
         runner.close()
     assert ran.timed_out and ran.returncode is None and ran.seconds < 60 + gpu_check.DUMP_GRACE_S + 10
     assert "rank 0 hostid gpu-check-rank-0" in ran.output and "rank 1 hostid gpu-check-rank-1" in ran.output
-    assert ran.output.count("in wait_for_peer") == 2  # faulthandler's dump of each rank
+    # faulthandler's dump of each rank, whole, one after another (not interleaved in the shared log)
+    blocks = ran.output.split("----- hang: ")[1:]
+    assert [b.splitlines()[0] for b in blocks] == ["timeout; SIGUSR1 (Python stacks of every thread) to 2 rank(s)",
+                                                  "rank 0 stacks", "rank 1 stacks"]  # fmt: skip
+    for block in blocks[1:]:
+        frames = [line.strip() for line in block.splitlines()[1:] if line.strip().startswith("File ")]
+        assert "wait_forever.py\", line 5 in wait_for_peer" in frames[0] and frames[-1].endswith("in <module>"), block
+    assert set(Path(tempfile.gettempdir()).glob("gpu_check_stacks-*")) == stack_dirs_before  # removed
+    assert gpu_check.STACKS_VARIABLE == gpu_rank.STACKS_VARIABLE
     assert gpu_check._tagged(f"{os.getpid()}-1") == []  # nothing of the run survives
     status, numbers, _ = gpu_check.evaluate(item, ran, {})
     assert status == "hung (timeout 60 s)" and numbers == "no --log-json written"
