@@ -11,9 +11,9 @@ names (the test merges the ranks).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-import torch
+from .hfta_support import held_masks, named_tensors
 
 MODEL = [
     "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -48,27 +48,18 @@ def trainer(argv: List[str]):
     return Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
 
 
-def _named_tensors(trainer, of) -> Dict[str, torch.Tensor]:
-    from megatron.core.utils import unwrap_model
-
-    from megatron_bitpipe.model.layout import to_global_name
-
-    out = {}
-    for chunk, spec in zip(trainer.model.chunks, trainer.model.specs):
-        for name, param in unwrap_model(chunk).named_parameters():
-            out[to_global_name(name, spec)] = of(param).detach().clone()
-    return out
-
-
 def step_record(trainer, num_models: Optional[int]) -> dict:
     """One training iteration: its logged losses and fields, and per model (``num_models``
-    None: the unfused model) the gradients and weights."""
+    None: the unfused model) the gradients (with a sharded optimizer: NaN outside this rank's
+    shares, :func:`~tests.hfta_support.held_masks`) and weights."""
+    held = held_masks(trainer)
     record = trainer.train_step()
-    grads = _named_tensors(trainer, lambda p: p.main_grad)
-    weights = _named_tensors(trainer, lambda p: p)
+    grads = named_tensors(trainer, lambda p: p.main_grad)
+    weights = named_tensors(trainer, lambda p: p)
     split = (lambda t: [t]) if num_models is None else (lambda t: list(t.unbind(0)))
+    mine = lambda name, k, t: t.masked_fill(~held[name][k], float("nan")) if name in held else t  # noqa: E731
     models = [
-        {"grads": {n: split(g)[k] for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
+        {"grads": {n: mine(n, k, split(g)[k]) for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
         for k in range(num_models or 1)
     ]
     return dict(losses=record.losses, extra=record.extra, grad_norm=record.grad_norm, models=models)

@@ -29,7 +29,7 @@ def hfta_flags(lrs=LRS, seeds=SEEDS) -> List[str]:
     return ["--hfta-models", str(len(lrs)), "--hfta-lr", ",".join(map(str, lrs)), "--hfta-seeds", ",".join(map(str, seeds)), "--lr", str(max(lrs))]
 
 
-def _named_tensors(trainer, of) -> Dict[str, torch.Tensor]:
+def named_tensors(trainer, of) -> Dict[str, torch.Tensor]:
     """``of(param)`` of this rank's chunks under global names, tensor-parallel blocks
     all-gathered into the full ``[B, ...]`` tensors (collective over the tensor-parallel group)."""
     from megatron_bitpipe.testing.weights import collect_full, merge_full
@@ -55,6 +55,24 @@ def _shares(trainer) -> Dict[str, Tuple[int, int]]:
     }
 
 
+def held_masks(trainer) -> Dict[str, torch.Tensor]:
+    """``name -> bool [B, ...]`` (the whole tensor, tensor-parallel blocks gathered): the
+    elements of each model's slice whose optimizer state this rank holds (a sharded fused-array
+    optimizer; empty otherwise). Collective over the tensor-parallel group."""
+    optimizer = trainer.optimizer
+    if not getattr(optimizer, "sharded", False):
+        return {}
+    share_of = {id(fused.param): fused.share for fused in optimizer.fused}
+
+    def held(param):
+        mask = torch.zeros(param.shape)
+        for k in range(param.shape[0]):
+            mask[k].view(-1)[share_of[id(param)].start : share_of[id(param)].stop] = 1
+        return mask
+
+    return {name: mask.bool() for name, mask in named_tensors(trainer, held).items()}
+
+
 def state_elements(optimizer) -> int:
     """Elements of the Adam moments and fp32 main weights this rank's optimizer holds."""
     count = 0
@@ -69,11 +87,10 @@ def train_records(argv: List[str], steps: int, num_models: Optional[int], init_s
     """Rank body: ``steps`` iterations of the training loop with ``argv`` (after the checkpoint
     ``--load`` names, if any; saving after the iterations ``save_after`` under ``--save``); per step
     the logged losses and extra fields, and (fused: per model, ``models[k]``) gradients and
-    weights. With a sharded optimizer the gradients are this rank's shares (``shares``: their
-    ``(start, stop)`` in each model's flattened tensor; clipping touches only those), the
-    weights whole (the shares are those of this rank's tensor-parallel block: tensor
-    parallelism 1 with a sharded optimizer). ``state_elements``: the optimizer state this rank
-    holds at the end.
+    weights. With a sharded optimizer only the gradient elements of this rank's shares are
+    recorded, the others are NaN (clipping touches only the shares; ``shares``: their
+    ``(start, stop)`` in each model's flattened tensor-parallel block); the weights whole.
+    ``state_elements``: the optimizer state this rank holds at the end.
     ``init_seed``: an unfused model starts from that seed's weights (the data still follows
     ``--seed``, as the fused array's does)."""
     trainer = _trainer(argv)
@@ -82,18 +99,18 @@ def train_records(argv: List[str], steps: int, num_models: Optional[int], init_s
 
         initialize_from_seed(trainer.model.chunks, trainer.model.specs, init_seed, trainer.groups.tp)
         trainer.optimizer.reload_model_params()
-    shares = _shares(trainer)
+    shares, held = _shares(trainer), held_masks(trainer)
     records = []
     for _ in range(steps):
         record = trainer.train_step()
         if record.iteration in save_after:
             trainer.save()
-        grads = _named_tensors(trainer, lambda p: p.main_grad)
-        weights = _named_tensors(trainer, lambda p: p)
+        grads = named_tensors(trainer, lambda p: p.main_grad)
+        weights = named_tensors(trainer, lambda p: p)
         split = (lambda t: [t]) if num_models is None else (lambda t: list(t.unbind(0)))
-        mine = lambda name, t: t.reshape(-1)[slice(*shares[name])] if name in shares else t  # noqa: E731
+        mine = lambda name, k, t: t.masked_fill(~held[name][k], float("nan")) if name in held else t  # noqa: E731
         models = [
-            {"grads": {n: mine(n, split(g)[k]) for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
+            {"grads": {n: mine(n, k, split(g)[k]) for n, g in grads.items()}, "weights": {n: split(w)[k] for n, w in weights.items()}}
             for k in range(num_models or 1)
         ]
         records.append(dict(losses=record.losses, extra=record.extra, grad_norm=record.grad_norm, lr=record.lr, models=models))
@@ -182,3 +199,21 @@ def extracted_validation(load: str, k: int, save: str, argv: List[str]) -> dict:
 
     extract_model(load, k, save)
     return _trainer([*argv, "--lr", str(LRS[k]), "--load", save, "--no-load-optim"]).evaluate()
+
+
+def merged_ranks(ranks: List[dict], step: int, what: str) -> dict:
+    """``model k -> name -> tensor`` over every rank's records of ``step``. A sharded optimizer's
+    gradients are recorded where the rank holds them (NaN elsewhere): assembled into the whole
+    tensor, every element of which must come from some rank, equal where two ranks hold it."""
+    out: dict = {}
+    for rank in ranks:
+        for k, model in enumerate(rank["steps"][step]["models"]):
+            for name, tensor in model[what].items():
+                whole = out.setdefault(k, {}).setdefault(name, tensor.clone())
+                held = ~tensor.isnan()
+                assert torch.equal(whole[held & ~whole.isnan()], tensor[held & ~whole.isnan()]), f"{what} {name}: copies disagree"
+                whole[held] = tensor[held]
+    for model in out.values():
+        for name, tensor in model.items():
+            assert not tensor.isnan().any(), f"{what} {name}: elements no rank holds"
+    return out

@@ -11,6 +11,8 @@ exactly as its own run.
 * BitPipe over 4 pipeline ranks with ``--split-backward`` (the batched linears, heads included,
   defer their weight gradients to ``W``): losses, gradients and weights equal the
   single-process fused run.
+* BitPipe over 2 pipeline ranks x DP 2 with ``--use-distributed-optimizer`` (each rank holds
+  its shares of every model's Adam state): the same.
 * Checkpoints (``torch_dist``): the array resumed from its iteration-2 checkpoint trains
   iteration 3 bit for bit as the uninterrupted run; model 1 extracted from the iteration-3
   checkpoint (``scripts/hfta_extract.py``'s function) and loaded by the training loop as an
@@ -35,6 +37,7 @@ from megatron_bitpipe.megatron_args import BitPipeConfigError
 from megatron_bitpipe.training.arguments import parse_args
 
 from .hfta_bert_support import EXTRACTED, LRS, MODEL, SEEDS, hfta_flags, reference_records, train_records
+from .hfta_support import merged_ranks
 
 STEPS = 3
 RTOL, ATOL = 1e-5, 1e-6
@@ -51,7 +54,10 @@ class HftaBertCase:
 
 
 SPLIT_PP4 = HftaBertCase("bitpipe_split_pp4", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--split-backward"))
-CASES = [SPLIT_PP4]
+DISTOPT_PP2_DP2 = HftaBertCase(
+    "bitpipe_pp2_dp2_distopt", ("--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer")
+)
+CASES = [SPLIT_PP4, DISTOPT_PP2_DP2]
 
 
 def run_cases(cases: List[HftaBertCase]) -> dict:
@@ -194,13 +200,18 @@ def test_logs_carry_every_models_losses(references):
     assert len({tuple(step["extra"]["lm_losses"]) for step in fused["steps"]}) == STEPS  # the models train
 
 
-def _merged(ranks: List[dict], step: int, what: str) -> dict:
-    out = {}
-    for rank in ranks:
-        for k, model in enumerate(rank["steps"][step]["models"]):
-            for name, tensor in model[what].items():
-                out.setdefault(k, {})[name] = tensor
-    return out
+def _equal_steps(ranks: List[dict], single: dict) -> None:
+    """Every step's losses, gradients and weights of every model, then the validation losses."""
+    for step in range(STEPS):
+        for key in ("lm_losses", "sop_losses"):
+            assert ranks[0]["steps"][step]["extra"][key] == pytest.approx(single["steps"][step]["extra"][key], rel=RTOL)
+        for what in ("grads", "weights"):
+            merged = merged_ranks(ranks, step, what)
+            for k in range(len(LRS)):
+                _close(merged[k], single["steps"][step]["models"][k][what], f"step {step} model {k} {what}")
+    for name in NAMES:
+        for k in range(len(LRS)):
+            assert ranks[0]["validation"][f"{name} {k}"] == pytest.approx(single["validation"][f"{name} {k}"], rel=RTOL)
 
 
 @pytest.mark.multirank
@@ -209,16 +220,18 @@ def test_bitpipe_split_backward_pipeline_equals_single_process(references, launc
     single, ranks = references["single"]["fused"], launched[SPLIT_PP4]
     assert all(rank["deferred"]["layers"] > 0 for rank in ranks), "the batched linears must defer their weight gradients"
     assert sum(rank["deferred"]["heads"] for rank in ranks) > 0, "the heads' batched linears must defer theirs"
-    for step in range(STEPS):
-        for key in ("lm_losses", "sop_losses"):
-            assert ranks[0]["steps"][step]["extra"][key] == pytest.approx(single["steps"][step]["extra"][key], rel=RTOL)
-        for what in ("grads", "weights"):
-            merged = _merged(ranks, step, what)
-            for k in range(len(LRS)):
-                _close(merged[k], single["steps"][step]["models"][k][what], f"step {step} model {k} {what}")
-    for name in NAMES:
-        for k in range(len(LRS)):
-            assert ranks[0]["validation"][f"{name} {k}"] == pytest.approx(single["validation"][f"{name} {k}"], rel=RTOL)
+    _equal_steps(ranks, single)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_distributed_optimizer_pipeline_equals_single_process(references, launched):
+    """BitPipe over 2 pipeline ranks x DP 2 with ``--use-distributed-optimizer``: each rank's
+    gradient shares (clipped by each model's norm over the whole job) and the gathered
+    weights equal the single process's."""
+    ranks = launched[DISTOPT_PP2_DP2]
+    assert all(rank["steps"][0]["models"][0]["grads"]["embedding.word_embeddings.weight"].isnan().any() for rank in ranks)
+    _equal_steps(ranks, references["single"]["fused"])
 
 
 @pytest.mark.multirank
