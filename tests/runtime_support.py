@@ -55,6 +55,7 @@ class Case:
     tensor_parallel_mode: str = "1d"
     split_backward: bool = False
     distributed_optimizer: bool = False
+    swiglu: bool = False  # a gated MLP (--swiglu): linear_fc1 is [gate; up], split with stride 2
     t_p2p: float = 0.0  # the message time (in t_F) the plan is ordered for
 
     @property
@@ -69,7 +70,10 @@ class Case:
     def reference_key(self):
         key = (self.tied, self.global_microbatches, self.clip_grad)
         # Optimus' vocab-parallel cross entropy is exact fp32, megatron's fused one is not.
-        return key + (True,) if self.tensor_parallel_mode == "optimus2d" else key
+        optimus = self.tensor_parallel_mode == "optimus2d"
+        if self.swiglu:
+            return key + (optimus, True)
+        return key + (True,) if optimus else key
 
     def model_kwargs(self) -> dict:
         """Arguments of ``build_pipeline_model`` besides the layout, sizes and seed."""
@@ -77,7 +81,7 @@ class Case:
 
     def config_overrides(self) -> dict:
         """Model config fields besides the layout's (activation recompute, ...)."""
-        return {}
+        return mlp_fields(self.swiglu)
 
     def forward_step(self, data_iterator, model):
         from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
@@ -99,6 +103,13 @@ def gpt_batches(step: Optional[int], count: int) -> list:
 
     seed = SEED + 100 * (STEPS + 7 if step is None else step)
     return synthetic_microbatches(seed, count, MICRO_BATCH, SEQ, VOCAB)
+
+
+def mlp_fields(swiglu: bool) -> dict:
+    """The config fields of ``--swiglu`` (as the scripts' config sets them), or none."""
+    import torch.nn.functional as F
+
+    return dict(gated_linear_unit=True, activation_func=F.silu) if swiglu else {}
 
 
 def model_config(**kw):
@@ -160,8 +171,8 @@ def _loss(model, tokens, labels, fp32_cross_entropy: bool) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross_entropy: bool = False) -> dict:
-    """Single-process training of the stock megatron-core GPTModel."""
+def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross_entropy: bool = False, swiglu: bool = False) -> dict:
+    """Single-process training of the stock megatron-core GPTModel (``swiglu``: with a gated MLP)."""
     from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.model.init import initialize_from_seed
     from megatron_bitpipe.model.layout import ChunkLayers
@@ -170,7 +181,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
 
     pg = baseline.build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, SEED)
-    config = model_config()
+    config = model_config(**mlp_fields(swiglu))
     model = baseline.build_megatron_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
 

@@ -5,7 +5,9 @@ each logical parameter once even though BitPipe holds two replicas) and every we
 each of STEPS optimizer steps equal single-process training of the same model from the
 same seed on the same global batches (fp32, rtol 1e-5); the replicas stay bit-identical;
 the forward-only (evaluation) losses are equal too. Tied embeddings are checked through
-the shared weight's gradient and value.
+the shared weight's gradient and value. A gated MLP (``--swiglu``) under TP 2 with the split
+backward: its ``[gate; up]`` linear_fc1 is split with stride 2, each rank holding its block of
+both halves.
 
 One launch per world size serves all of its cases (``launched``, ``tests/conftest.py``).
 """
@@ -33,6 +35,7 @@ CASES_4 = [
     Case("bitpipe_pp4_n6_untied_blocking_sync", "bitpipe", pp=4, n=6, tied=False, overlap_grad_reduce=False),
     Case("bitpipe_tp2_pp2_n4", "bitpipe", pp=2, n=4, tp=2, clip_grad=0.5),
     Case("bitpipe_tp2_sp_pp2_n4", "bitpipe", pp=2, n=4, tp=2, sequence_parallel=True),
+    Case("bitpipe_tp2_pp2_n4_swiglu_split", "bitpipe", pp=2, n=4, tp=2, swiglu=True, split_backward=True),
     Case("bitpipe_dp2_pp2_n2", "bitpipe", pp=2, n=2, dp=2),
     Case("chimera_pp4_n4_untied", "chimera", pp=4, n=4, tied=False),
     Case("1f1b_pp4_n4_untied", "1f1b", pp=4, n=4, tied=False),
