@@ -37,32 +37,36 @@ def named_tensors(trainer, of) -> Dict[str, torch.Tensor]:
     return merge_full(collect_full(c, of, chunk=s, tp_group=trainer.groups.tp) for c, s in zip(trainer.model.chunks, trainer.model.specs))
 
 
+def _share_of(trainer) -> dict:
+    """``id(fused parameter) -> share`` of a sharded fused-array optimizer (empty otherwise):
+    the elements ``[start, stop)`` of each model's flattened slice whose state this rank holds."""
+    optimizer = trainer.optimizer
+    return {id(fused.param): fused.share for fused in optimizer.fused} if getattr(optimizer, "sharded", False) else {}
+
+
 def _shares(trainer) -> Dict[str, Tuple[int, int]]:
-    """``name -> (start, stop)``: the elements of each model's flattened slice whose optimizer
-    state this rank holds (a sharded fused-array optimizer; empty otherwise)."""
+    """``name -> (start, stop)``: :func:`_share_of` by this rank's parameter names (of its
+    tensor-parallel block)."""
     from megatron.core.utils import unwrap_model
 
     from megatron_bitpipe.model.layout import to_global_name
 
-    optimizer = trainer.optimizer
-    if not getattr(optimizer, "sharded", False):
-        return {}
-    share_of = {id(fused.param): fused.share for fused in optimizer.fused}
+    share_of = _share_of(trainer)
     return {
         to_global_name(name, spec): (share_of[id(param)].start, share_of[id(param)].stop)
         for chunk, spec in zip(trainer.model.chunks, trainer.model.specs)
         for name, param in unwrap_model(chunk).named_parameters()
+        if id(param) in share_of
     }
 
 
 def held_masks(trainer) -> Dict[str, torch.Tensor]:
     """``name -> bool [B, ...]`` (the whole tensor, tensor-parallel blocks gathered): the
-    elements of each model's slice whose optimizer state this rank holds (a sharded fused-array
-    optimizer; empty otherwise). Collective over the tensor-parallel group."""
-    optimizer = trainer.optimizer
-    if not getattr(optimizer, "sharded", False):
+    elements of each model's slice whose optimizer state this rank holds, :func:`_share_of`
+    (empty without a sharded optimizer). Collective over the tensor-parallel group."""
+    share_of = _share_of(trainer)
+    if not share_of:
         return {}
-    share_of = {id(fused.param): fused.share for fused in optimizer.fused}
 
     def held(param):
         mask = torch.zeros(param.shape)
