@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bitpipe.benchmarking.meters import CollectiveMeter
+from megatron_bitpipe.optimus.collectives import DEFERRED, column_replicated, column_replicated_all
 from megatron_bitpipe.optimus.layers import OptimusLayerNorm, OptimusLinear
 from megatron_bitpipe.optimus.layout import shard_serial_tensor
 from megatron_bitpipe.optimus.mesh import build_optimus_mesh, mesh_side
@@ -27,6 +28,19 @@ def test_mesh_side_rejects_non_squares():
     for bad in (1, 2, 6, 8):
         with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
             mesh_side(bad)
+
+
+def test_deferred_column_sums_pass_parameters_through_and_refuse_a_mix():
+    """Parameters marked by ``defer_column_sums`` are used as they are (their column sum is
+    the finaliser's, once per iteration); a norm whose weight is marked and bias is not would
+    sum one of them twice or never: refused (no communication: no mesh is needed)."""
+    weight, bias = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.zeros(2))
+    setattr(weight, DEFERRED, True)
+    assert column_replicated(weight, mesh=None) is weight
+    with pytest.raises(ValueError, match="some of the parameters used together defer"):
+        column_replicated_all((weight, bias), mesh=None)
+    setattr(bias, DEFERRED, True)
+    assert column_replicated_all((weight, None, bias), mesh=None) == (weight, None, bias)
 
 
 def _mesh_coordinates():

@@ -21,7 +21,8 @@ One step:
    asynchronously at its ``SYNC``, as soon as its last backward is done;
 3. the gradients are finalised: megatron's ``finalize_model_grads`` (or
    ``config.finalize_model_grads_func``) waits for the all-reduces, chunks in stage order,
-   and handles sequence-parallel norms; with ``calculate_per_token_loss`` the token count
+   and handles sequence-parallel norms (with Optimus 2D it then sums the column-replicated
+   gradients over the mesh column, :mod:`megatron_bitpipe.optimus.grads`); with ``calculate_per_token_loss`` the token count
    is summed over every loss rank and data-parallel rank and the gradients divided by it.
 """
 
@@ -33,10 +34,10 @@ from typing import Callable, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed import finalize_model_grads
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from .. import schedules
+from ..optimus.grads import finalize_model_grads_func
 from ..schedules.actions import SchedulePlan
 from .executor import MicrobatchSource, PlanExecutor, StepResult, no_sync_all
 from .groups import PipelineGroups
@@ -212,7 +213,7 @@ def finalize_grads(chunks, groups: PipelineGroups, config, num_tokens: torch.Ten
     gradient divided by it.
     """
     ordered = [chunks[c] for c in stage_order(groups)]
-    finalize = config.finalize_model_grads_func or finalize_model_grads
+    finalize = config.finalize_model_grads_func or finalize_model_grads_func(groups.mesh)
     finalize(ordered, None, pg_collection=groups.rank_pgs, force_all_reduce=force_all_reduce)
     if config.calculate_per_token_loss:
         total = num_tokens.to(dtype=torch.float64)

@@ -21,6 +21,7 @@ from megatron.core.transformer import TransformerConfig
 from ..hfta.model import fused_array_settings
 from ..hfta.optimizer import build_hfta_optimizer
 from ..optimizers import OptimizerChoice, build_megatron_optimizer
+from ..optimus.grads import defer_column_sums
 from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
 from ..execution.groups import ParallelGrid, PipelineGroups
@@ -107,7 +108,10 @@ def build_pipeline_model(
     parallelism) or ``"optimus2d"`` (Optimus 2D over a q x q mesh of the ``grid.tp = q*q``
     ranks: ``OptimusGPTModel`` chunks, pipeline p2p of ``[s, b/q, h/q]`` blocks; the mesh is
     ``model.groups.mesh``). Its size constraints are checked here, before any communication
-    (:func:`megatron_bitpipe.optimus.validation.check_optimus_model_config`); GPT only.
+    (:func:`megatron_bitpipe.optimus.validation.check_optimus_model_config`); GPT only. Its
+    column-replicated parameters' gradients are summed over the mesh column once per
+    iteration (:mod:`megatron_bitpipe.optimus.grads`): finalise the gradients with
+    ``finalize_model_grads_func(model.groups.mesh)``, as the executor and the training loop do.
     ``model_kwargs`` go to ``chunk_builder`` (``layer_spec``, ``position_embedding_type``,
     ``add_binary_head``, ...). ``gradient_reduction`` is what the chunks' DDP reduces over
     (:func:`~megatron_bitpipe.execution.replicas.wrap_ddp`): ``"data-parallel"`` (synchronous), ``"replicas"`` (within
@@ -125,6 +129,8 @@ def build_pipeline_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         **model_kwargs,
     )
+    if groups.mesh is not None:  # summed once per iteration by finalize_model_grads_func(groups.mesh)
+        defer_column_sums(chunks)
     specs = chunk_specs(placement, config.num_layers, groups.pp_rank, share_embeddings_and_output_weights)
     initialize_from_seed(chunks, specs, seed, groups.tp)
     attach_sharded_state_dicts(chunks, specs, groups)

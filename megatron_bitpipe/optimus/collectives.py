@@ -16,6 +16,10 @@ import torch.distributed as dist
 
 from megatron_bitpipe.optimus.mesh import OptimusMesh
 
+#: parameter attribute: the column sum of this parameter's gradient is left to the finaliser
+#: (:mod:`megatron_bitpipe.optimus.grads`)
+DEFERRED = "optimus_column_sum_deferred"
+
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """In-place sum over ``group``; returns the (contiguous) reduced tensor."""
@@ -154,15 +158,23 @@ def reduce_scatter_batch(tensor: torch.Tensor, dim: int, mesh: OptimusMesh) -> t
 
 
 def column_replicated(parameter: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:
-    """Use of a column-replicated parameter whose gradient must be summed over batch blocks."""
-    (used,) = _SumGradsOverColumn.apply(mesh, parameter)
+    """Use of a column-replicated parameter whose gradient must be summed over batch blocks:
+    in this use's backward, or (the parameter marked by
+    :func:`megatron_bitpipe.optimus.grads.defer_column_sums`) once per iteration by the
+    finaliser, the parameter itself."""
+    (used,) = column_replicated_all((parameter,), mesh)
     return used
 
 
 def column_replicated_all(parameters, mesh: OptimusMesh) -> tuple:
     """:func:`column_replicated` for several parameters used together (e.g. a norm's weight
     and bias): one all-reduce of their concatenated gradients instead of one each.
-    ``None`` entries pass through as ``None``."""
+    ``None`` entries pass through as ``None``; so do deferred ones (all of them or none)."""
     present = [p for p in parameters if p is not None]
+    deferred = [getattr(p, DEFERRED, False) for p in present]
+    if all(deferred):
+        return tuple(parameters)
+    if any(deferred):
+        raise ValueError("column_replicated_all: some of the parameters used together defer their column sum, some do not")
     used = iter(_SumGradsOverColumn.apply(mesh, *present))
     return tuple(None if p is None else next(used) for p in parameters)

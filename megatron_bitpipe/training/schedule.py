@@ -14,7 +14,7 @@ interleaved                 megatron-core ``forward_backward_pipelining_with_int
 megatron-core's schedules get the model's explicit process groups (``pg_collection`` and a
 ``P2PCommunicator`` over the pipeline group) and read the hooks Megatron-LM installs on the
 model config: ``finalize_model_grads_func`` (data-parallel reduction, tied-embedding
-all-reduce), ``grad_scale_func`` (fp16 loss scaling) and, with ``--overlap-grad-reduce``,
+all-reduce; with Optimus 2D also the column sums of :mod:`megatron_bitpipe.optimus.grads`), ``grad_scale_func`` (fp16 loss scaling) and, with ``--overlap-grad-reduce``,
 ``no_sync_func``. BitPipe's function needs none of them (its chunks carry their groups).
 
 With ``--emulate-replica-slowdown`` every training call on a rank of data-parallel replica
@@ -27,10 +27,10 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, List
 
-from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from ..optimus.grads import finalize_model_grads_func
 from ..run_config import RunConfig
 from ..model.build import PipelineModel
 from ..execution.forward_backward import make_forward_backward_func
@@ -61,7 +61,7 @@ class Schedule:
         else:
             self.function = _MEGATRON_FUNCTIONS[megatron_schedule]
         config = model.config
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = finalize_model_grads_func(model.groups.mesh)
         config.grad_scale_func = optimizer.scale_loss
         if args.overlap_grad_reduce and megatron_schedule is not None:
             no_sync = [chunk.no_sync for chunk in model.chunks]
