@@ -81,6 +81,8 @@ class Case:
 
     def config_overrides(self) -> dict:
         """Model config fields besides the layout's (activation recompute, ...)."""
+        from megatron_bitpipe.training.config import mlp_fields
+
         return mlp_fields(self.swiglu)
 
     def forward_step(self, data_iterator, model):
@@ -103,13 +105,6 @@ def gpt_batches(step: Optional[int], count: int) -> list:
 
     seed = SEED + 100 * (STEPS + 7 if step is None else step)
     return synthetic_microbatches(seed, count, MICRO_BATCH, SEQ, VOCAB)
-
-
-def mlp_fields(swiglu: bool) -> dict:
-    """The config fields of ``--swiglu`` (as the scripts' config sets them), or none."""
-    import torch.nn.functional as F
-
-    return dict(gated_linear_unit=True, activation_func=F.silu) if swiglu else {}
 
 
 def model_config(**kw):
@@ -178,6 +173,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
     from megatron_bitpipe.model.layout import ChunkLayers
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.training.config import mlp_fields
 
     pg = baseline.build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, SEED)

@@ -207,13 +207,12 @@ def _tensor_parallel_attributes() -> dict:
     """Rank body: per (gated, bias) of :data:`GATED_BIAS` and with / without megatron's
     initialisation: {parameter: (tensor_model_parallel, partition_dim, partition_stride)} of a
     tiny GPT, marked by ``mark_tensor_parallel_weights``."""
-    import torch.nn.functional as F
-
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.execution.groups import ParallelGrid
     from megatron_bitpipe.model.chunks import mark_tensor_parallel_weights
+    from megatron_bitpipe.training.config import mlp_fields
 
     enable_cpu_megatron()
     pg = baseline.build_looped_process_groups(ParallelGrid())
@@ -221,8 +220,8 @@ def _tensor_parallel_attributes() -> dict:
     out = {}
     for (gated, bias), initialise in ((case, initialise) for case in GATED_BIAS for initialise in (True, False)):
         config = baseline.tiny_gpt_config(
-            num_layers=2, hidden_size=16, num_attention_heads=2, gated_linear_unit=gated,
-            activation_func=F.silu if gated else F.gelu, add_bias_linear=bias, perform_initialization=initialise,
+            num_layers=2, hidden_size=16, num_attention_heads=2, **mlp_fields(gated), add_bias_linear=bias,
+            perform_initialization=initialise,
         )  # fmt: skip
         model = baseline.build_megatron_gpt_model(config, pg, vocab_size=64, max_sequence_length=8)
         mark_tensor_parallel_weights(model)

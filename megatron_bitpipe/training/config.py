@@ -36,11 +36,18 @@ from ..run_config import RunConfig
 
 __all__ = [
     "transformer_config",
+    "mlp_fields",
     "use_global_tp_group",
     "ddp_config",
     "optimizer_config",
     "lr_scheduler",
 ]
+
+
+def mlp_fields(swiglu: bool) -> dict:
+    """The ``TransformerConfig`` fields of the MLP's activation: ``--swiglu`` gives a gated
+    linear unit with SiLU (megatron's ``linear_fc1`` then holds ``[gate; up]``), else GeLU."""
+    return dict(gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu)
 
 
 def _have_transformer_engine() -> bool:
@@ -67,8 +74,7 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
         num_query_groups=args.num_query_groups,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        **mlp_fields(args.swiglu),
         add_bias_linear=args.add_bias_linear,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
