@@ -22,8 +22,9 @@ One step:
 3. the gradients are finalised: megatron's ``finalize_model_grads`` (or
    ``config.finalize_model_grads_func``) waits for the all-reduces, chunks in stage order,
    and handles sequence-parallel norms (with Optimus 2D it then sums the column-replicated
-   gradients over the mesh column, :mod:`megatron_bitpipe.optimus.grads`); with ``calculate_per_token_loss`` the token count
-   is summed over every loss rank and data-parallel rank and the gradients divided by it.
+   gradients over the mesh column, :mod:`megatron_bitpipe.optimus.grads`); with
+   ``calculate_per_token_loss`` the token count is summed over every loss rank and
+   data-parallel rank and the gradients divided by it.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ interleaved                 megatron-core ``forward_backward_pipelining_with_int
 megatron-core's schedules get the model's explicit process groups (``pg_collection`` and a
 ``P2PCommunicator`` over the pipeline group) and read the hooks Megatron-LM installs on the
 model config: ``finalize_model_grads_func`` (data-parallel reduction, tied-embedding
-all-reduce; with Optimus 2D also the column sums of :mod:`megatron_bitpipe.optimus.grads`), ``grad_scale_func`` (fp16 loss scaling) and, with ``--overlap-grad-reduce``,
-``no_sync_func``. BitPipe's function needs none of them (its chunks carry their groups).
+all-reduce; with Optimus 2D also the column sums of :mod:`megatron_bitpipe.optimus.grads`),
+``grad_scale_func`` (fp16 loss scaling) and, with ``--overlap-grad-reduce``, ``no_sync_func``. BitPipe's function needs none of them (its chunks carry their groups).
 
 With ``--emulate-replica-slowdown`` every training call on a rank of data-parallel replica
 ``r`` is followed by ``(F_r - 1)`` times its duration of emulated compute
