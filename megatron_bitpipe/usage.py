@@ -1,4 +1,5 @@
-"""Command-line parsing shared by the scripts: usage errors in one line, naming the closest flag.
+"""Command-line parsing shared by the scripts: usage errors in one line, naming the closest
+flag; a reader that goes away ending a command quietly.
 
 :class:`FlagParser` is an ``argparse.ArgumentParser`` (no prefix abbreviations) whose usage
 errors raise :class:`UsageError` instead of printing the usage block and exiting, so the
@@ -6,6 +7,12 @@ caller decides who prints the message (the pretrain scripts: one rank of the job
 with status 2 (:data:`USAGE_EXIT_STATUS`, argparse's). An unknown flag is reported with the
 closest known one (``--pipeline-schedual`` -> ``--pipeline-schedule``). Pure Python: the
 scripts parse before they import torch or megatron-core.
+
+:func:`quiet_on_broken_pipe` makes a command end quietly when the reader of its output goes
+away (``... | head -2``): the rest of the output goes to ``/dev/null``, no ``BrokenPipeError``
+traceback, exit status 0. :func:`reader_gone` tells a process whether that has happened to its
+standard output without writing to it (the pretrain scripts' ranks other than rank 0, which
+never print, learn so when rank 0 has ended).
 """
 
 from __future__ import annotations
@@ -13,10 +20,17 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
+import functools
+import os
+import select
+import stat
 import sys
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
-__all__ = ["USAGE_EXIT_STATUS", "DefaultsHelpFormatter", "FlagParser", "UsageError", "closest_flag"]
+__all__ = [
+    "USAGE_EXIT_STATUS", "DefaultsHelpFormatter", "FlagParser", "UsageError", "closest_flag", "quiet_on_broken_pipe",
+    "reader_gone",
+]  # fmt: skip
 
 #: exit status of a command line that cannot be parsed or breaks a rule (argparse's)
 USAGE_EXIT_STATUS = 2
@@ -111,3 +125,44 @@ class FlagParser(argparse.ArgumentParser):
         if extras:
             self.error(self._unrecognized(extras))
         return parsed
+
+
+def reader_gone(stream=None) -> bool:
+    """Whether ``stream`` (default ``sys.stdout``) is a pipe whose reading end is closed, asked
+    of the operating system without writing (``poll`` reports an error condition on such a
+    pipe); False for anything else (a terminal, a file, a pipe still read)."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+    except (AttributeError, OSError, ValueError):  # no descriptor (replaced, closed)
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # error and hang-up conditions are always reported
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _silence_stdout() -> None:
+    """Standard output to ``/dev/null``, so that the interpreter's flush at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def quiet_on_broken_pipe(command: Callable[..., int]) -> Callable[..., int]:
+    """``command`` (returning an exit status) ending quietly, with status 0, when its reader
+    goes away, as in ``... | head -1``: the rest of the output goes to ``/dev/null``, no
+    traceback."""
+
+    @functools.wraps(command)
+    def wrapped(*args, **kwargs) -> int:
+        try:
+            status = command(*args, **kwargs)
+            sys.stdout.flush()  # a broken pipe shows here, not at interpreter exit
+            return status
+        except BrokenPipeError:
+            _silence_stdout()
+            return 0
+
+    return wrapped

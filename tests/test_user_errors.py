@@ -132,6 +132,7 @@ def test_misspelled_flag_under_torchrun_is_one_line_before_torchruns_report_and_
     assert sum("error: unrecognized arguments" in line for line in lines) == 2  # ours, and in torchrun's report
     root_cause = result.stdout[result.stdout.index("Root Cause") :]
     assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: 2 ", root_cause), root_cause
+    assert result.returncode == 1  # torchrun's own status for any failed rank (README.md, "Exit status")
     # torchrun's report ends with our line (its error file), not a link to torch's documentation
     assert lines[-2:] == [
         "  traceback : pretrain_gpt.py: error: unrecognized arguments: --pipeline-schedual bitpipe (did you mean --pipeline-schedule?)",

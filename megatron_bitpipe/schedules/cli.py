@@ -19,13 +19,11 @@ the command quietly with status 0.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import os
 import sys
-from typing import Callable, List, Optional
+from typing import List, Optional
 
-from ..usage import USAGE_EXIT_STATUS, FlagParser, UsageError
+from ..usage import USAGE_EXIT_STATUS, FlagParser, UsageError, quiet_on_broken_pipe
 from . import ScheduleChoice
 from .costs import CostModel, read_cost_file
 from .errors import PlanError, ScheduleConfigError
@@ -142,26 +140,7 @@ def _require_matplotlib() -> None:
         raise ScheduleConfigError(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}") from None
 
 
-def _quiet_on_broken_pipe(command: Callable[..., int]) -> Callable[..., int]:
-    """``command`` ending quietly (status 0) when its reader goes away, as in
-    ``... simulate ... | head -1``: the rest of the output goes to /dev/null, no traceback."""
-
-    @functools.wraps(command)
-    def wrapped(*args, **kwargs) -> int:
-        try:
-            status = command(*args, **kwargs)
-            sys.stdout.flush()  # a broken pipe shows here, not at interpreter exit
-            return status
-        except BrokenPipeError:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())  # the exit's flush must not fail again
-            os.close(devnull)
-            return 0
-
-    return wrapped
-
-
-@_quiet_on_broken_pipe
+@quiet_on_broken_pipe
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     """The command line; returns the exit status (2: bad arguments, one line on stderr).
     ``prog`` names the command in messages (default: ``sys.argv[0]``'s file name, e.g.

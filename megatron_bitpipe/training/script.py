@@ -30,7 +30,7 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 from ..megatron_args import BitPipeConfigError
-from ..usage import USAGE_EXIT_STATUS, UsageError
+from ..usage import USAGE_EXIT_STATUS, UsageError, quiet_on_broken_pipe, reader_gone
 from .arguments import parse_args
 from ..checkpoint_rules import CheckpointError
 from .task import TaskArguments
@@ -127,11 +127,17 @@ def run_script(
     return exit_status(prog, train)
 
 
+@quiet_on_broken_pipe
 def exit_status(prog: str, work: Callable[[], None]) -> int:
     """Run ``work`` and return the scripts' exit status: 0 done, 2 bad flags or input
     (UsageError, BitPipeConfigError), 1 a checkpoint that does not fit (CheckpointError), each
     reported as one line on stderr (:func:`report_user_error`, ``prog`` naming the script);
-    other failures propagate, so torchrun reports the traceback and ends the job."""
+    other failures propagate, so torchrun reports the traceback and ends the job.
+
+    A reader of the output that goes away (``| head -2``) ends the job quietly, with status 0
+    on every rank: rank 0, the one that prints, at its next line
+    (:func:`~megatron_bitpipe.usage.quiet_on_broken_pipe`), the other ranks at their next
+    communication with a rank that has ended (:func:`_ended_with_the_reader`)."""
     try:
         work()
     except (UsageError, BitPipeConfigError) as error:
@@ -140,7 +146,18 @@ def exit_status(prog: str, work: Callable[[], None]) -> int:
     except CheckpointError as error:
         report_user_error(prog, error)
         return CHECKPOINT_EXIT_STATUS
+    except Exception as error:
+        if not _ended_with_the_reader(error):
+            raise
     return 0
+
+
+def _ended_with_the_reader(error: Exception) -> bool:
+    """Whether ``error`` ends this rank because the job's output reader has gone away: a
+    RuntimeError (what torch.distributed raises when a peer has closed its connections) while
+    standard output, which torchrun's ranks share, is a pipe with no reader — rank 0 has
+    ended quietly, and the peers with it, not a failure to report."""
+    return isinstance(error, RuntimeError) and reader_gone()
 
 
 def pretrain(task, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> None:
