@@ -14,9 +14,10 @@ the peak memory of each. The outputs and input gradients of the two are compared
 ``--attention-backend local`` and ``sdpa``, alternately (``--gpt-rounds`` runs of each), median
 ``elapsed_ms`` of the iterations after the first from ``--log-json``.
 
-Defaults: on ``--device cuda`` bf16, s = 2048 and 4096, b 2, 16 heads of 128 (the 8-layer h2048
-GPT of DESIGN.md §12); it finishes in well under a minute. On ``--device cpu`` fp32, s = 512
-and 1024, b 1, 8 heads of 64. ``--json PATH`` writes the results (and the load average on
+Defaults: on ``--device cuda`` bf16, s = 2048 and 4096, b 2, 16 heads of 128 (the attention
+of the 8-layer h2048 GPT, ~0.5B parameters, of ``scripts/gpu_check.py``'s ``gpt-0.5b-bf16``);
+it finishes in well under a minute. On ``--device cpu`` fp32, s = 512 and 1024, b 1, 8 heads
+of 64. ``--json PATH`` writes the results (and the load average on
 the CPU) as one JSON object.
 
 Usage::
@@ -242,7 +243,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--gpt-flags",
         default=None,
         help="pretrain_gpt.py model flags (default: 4 layers h 256, 8 heads, s 512, b 2, 4 iterations on cpu; "
-        "8 layers h 2048, 16 heads, s 2048, b 2, global batch 16, vocab 50304 on cuda: DESIGN.md §12's GPT)",
+        "8 layers h 2048, 16 heads, s 2048, b 2, global batch 16, vocab 50304 on cuda: ~0.5B parameters)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as one JSON object")
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ reported and the next one runs):
 
 1. ``environment``: GPU, driver, torch, CUDA, NCCL, megatron-core, Transformer Engine, Python.
 2. ``gpt-small-bf16``, ``gpt-0.5b-bf16``: ``scripts/pretrain_gpt.py --bf16`` on the GPU with
-   mock data (4 layers h1024 s1024; DESIGN §12's 8 layers h2048 s2048, ~0.5B): tokens/s,
+   mock data (4 layers h1024 s1024; 8 layers h2048 s2048, ~0.5B): tokens/s,
    TFLOP/s per GPU, peak memory and ms/iteration, read from its ``--log-json``.
    ``attention-sdpa`` (``scripts/bench_attention.py``) and ``hfta-bench``
    (``scripts/bench_hfta.py --size small``: HFTA's fused arrays of B = 1, 2, 4, 8 small GPTs
@@ -393,7 +393,7 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
     ]  # fmt: skip
     for name, model, what in (
         ("gpt-small-bf16", sizes.small, "GPT 4 layers h1024 s1024, 1 GPU, bf16"),
-        ("gpt-0.5b-bf16", sizes.large, "GPT 8 layers h2048 s2048 (~0.5B, DESIGN §12), 1 GPU, bf16"),
+        ("gpt-0.5b-bf16", sizes.large, "GPT 8 layers h2048 s2048 (~0.5B), 1 GPU, bf16"),
         ("gpt-0.5b-bf16-sdpa", [*sizes.large, "--attention-backend", "sdpa"], "the same, --attention-backend sdpa"),
     ):
         command = [py, gpt, *model, *COMMON, "--train-iters", str(sizes.train_iters), "--bf16", *log_json(name)]

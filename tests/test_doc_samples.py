@@ -74,3 +74,27 @@ def test_fast_samples_match_the_documents():
     result = subprocess.run([sys.executable, "scripts/doc_samples.py", "--check"], cwd=REPO, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def _documents():
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("document", _documents(), ids=lambda path: path.name)
+def test_documents_stand_on_their_own(document):
+    """Every relative link of README.md and docs/ names a file of the checkout, and no page
+    sends the reader to a design document that is not in it."""
+    import re
+
+    text = document.read_text(encoding="utf-8")
+    assert "DESIGN" not in text
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path = (document.parent / target).resolve()
+        assert path.is_relative_to(REPO) and path.exists(), f"{document.name}: link to {target}"
+
+
+def test_scripts_and_package_name_no_outside_design_document():
+    sources = [*(REPO / "scripts").glob("*.py"), *(REPO / "megatron_bitpipe").rglob("*.py")]
+    assert [path.name for path in sources if "DESIGN" in path.read_text(encoding="utf-8")] == []
