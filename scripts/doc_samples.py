@@ -297,6 +297,18 @@ def render_real_text(runs: List[Run], scratch: Path) -> Dict[Tuple[str, str], st
             ("docs/running.md", "real-text-same-math"): same}
 
 
+GPU_DRY_RUN = Command(("python scripts/gpu_check.py --out gpu_check_dry --dry-run",))
+
+
+def render_gpu_dry_run(runs: List[Run], scratch: Path) -> Dict[Tuple[str, str], str]:
+    """docs/gpu.md's dry-run table: the table ``gpu_check.py`` prints last (every item, in order)."""
+    (run,) = runs
+    lines = run.lines
+    start = max(i for i, line in enumerate(lines) if line.startswith("| item |"))
+    table = [line for line in lines[start:] if line.startswith("|")]
+    return {("docs/gpu.md", "gpu-dry-run"): fenced("\n".join(table)) + "\n\n" + stamp("gpu-dry-run", runs)}
+
+
 def produce_schedule_tables(check: bool) -> Dict[Tuple[str, str], str]:
     """docs/schedules.md's tables and pictures (scripts/schedule_tables.py, minutes)."""
     import schedule_tables
@@ -378,6 +390,8 @@ SAMPLES: Dict[str, Sample] = {s.name: s for s in (
     Sample("real-text", False, "README's and docs/running.md's real-text run: preprocessing, 4 ranks and a single "
            "process, 200 iterations each (minutes)", (PREPROCESS, REAL_TEXT, REAL_TEXT_SINGLE), render_real_text,
            extra={1: "--log-json data/bitpipe.jsonl", 2: "--log-json data/single.jsonl"}),
+    Sample("gpu-dry-run", False, "docs/gpu.md's dry run of the GPU check (CPU parts on 4 gloo ranks; minutes)",
+           (GPU_DRY_RUN,), render_gpu_dry_run),
     Sample("schedule-tables", False, "docs/schedules.md's tables and docs/images/ (scripts/schedule_tables.py; "
            "minutes)", produce=produce_schedule_tables),
 )}
