@@ -10,6 +10,10 @@ arguments have ``--lr`` model K's rate. docs/hfta.md. Exit status 2 for a bad re
 import argparse
 import sys
 
+from megatron_bitpipe.training.script import ignore_dependency_warnings
+
+ignore_dependency_warnings()  # megatron-core's notes on the kernels it does not find, as the pretrain scripts
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -22,6 +22,7 @@ def _rendered_blocks():
         ("bert", "docs/running.md", "bert-output"),
         ("real-text", "README.md", "real-text"),
         ("real-text", "docs/running.md", "real-text-output"),
+        ("gpu-dry-run", "docs/gpu.md", "gpu-dry-run"),
     ]
 
 

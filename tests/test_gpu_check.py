@@ -231,6 +231,22 @@ def test_dry_run_items_fit_a_cpu(tmp_path):
         assert parsed.hidden_size == 32 and parsed.train_iters == 2
 
 
+def test_the_documented_dry_run_is_this_versions(tmp_path):
+    """docs/gpu.md's dry-run table (``python scripts/doc_samples.py gpu-dry-run``) has a row for
+    every item the dry run has, in its order, each GPU-only item ``skipped (needs a GPU)`` and
+    every other one run."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import doc_samples
+
+    items = gpu_check.build_items(tmp_path, tmp_path, dry_run=True, nccl_version=None)
+    block = doc_samples.documented_block("docs/gpu.md", "gpu-dry-run")
+    rows = [line.split(" | ") for line in block.splitlines() if line.startswith("| ") and not line.startswith("| item")]
+    assert [row[0].lstrip("| ") for row in rows] == [item.name for item in items]
+    for item, row in zip(items, rows):
+        assert (row[1] == gpu_check.NEEDS_GPU) == item.needs_gpu, row
+    assert doc_samples.GPU_DRY_RUN.one_line() in (REPO / "docs" / "gpu.md").read_text()
+
+
 def test_no_gpu_refuses_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gpu_check, "_cuda_available", lambda: (False, None))
     assert gpu_check.main(["--out", str(tmp_path / "out")]) == 2

@@ -50,3 +50,22 @@ def test_a_cpu_run_with_tp_and_the_distributed_optimizer_writes_nothing_on_stder
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr == "", result.stderr[-3000:]
     assert " iteration        1/       1 |" in result.stdout
+
+
+@pytest.mark.multirank
+def test_extracting_a_model_of_a_fused_array_writes_nothing_on_stderr(tmp_path):
+    """``scripts/hfta_extract.py`` drops megatron-core's notes as the pretrain scripts do (its
+    missing kernels, torch's deprecated checkpoint API): one line on stdout, nothing on stderr."""
+    import subprocess
+    import sys
+
+    from .pretrain_support import REPO
+
+    array = run_script("pretrain_gpt.py", 1, [*TINY, "--hfta-models", "2", "--hfta-lr", "1e-3,5e-4", "--save", str(tmp_path / "array")])
+    assert array.returncode == 0, array.stderr[-3000:]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "hfta_extract.py"), "--load", str(tmp_path / "array"),
+                           "--model", "1", "--save", str(tmp_path / "model1")],
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"model 1 of {tmp_path / 'array'} written to {tmp_path / 'model1' / 'iter_0000001'}\n"

@@ -15,7 +15,7 @@ from megatron_bitpipe.optimizers import OptimizerChoice
 from megatron_bitpipe.run_config import Batches, ParallelLayout, Precision, RunConfig
 from megatron_bitpipe.schedules import ScheduleChoice
 from megatron_bitpipe.training.logs import IterationRecord, TrainingLogger
-from megatron_bitpipe.training.report import RankReport, model_flops_per_sample
+from megatron_bitpipe.training.report import RankReport, model_flops_per_iteration, model_flops_per_sample
 
 TIMESTAMP = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]"
 
@@ -149,6 +149,20 @@ def test_model_flops_agree_with_the_cost_model_and_count_each_variant():
     assert model_flops_per_sample(_shape_args(padded_vocab_size=128), causal=False) - full == 6 * tokens * h * 128  # logits
     assert model_flops_per_sample(_shape_args(swiglu=True), causal=False) - full == 6 * L * tokens * h * 256  # the gate
     assert full - model_flops_per_sample(_shape_args(num_query_groups=2), causal=False) == 6 * L * tokens * h * 2 * (64 - 16)  # GQA: K, V
+
+
+def test_an_hfta_arrays_flops_are_all_its_models(tmp_path, capsys):
+    """An array of B models does B models' work on every sequence: B times one model's FLOPs,
+    and the start-up line says so."""
+    args = _shape_args(global_batch_size=16)
+    one = model_flops_per_iteration(args, causal=True)
+    assert one == 16 * model_flops_per_sample(args, causal=True)
+    assert model_flops_per_iteration(args, causal=True, models=4) == 4 * one
+    logger = TrainingLogger(_args(tmp_path), rank=0, resumed=False)
+    logger.startup([RankReport(0, 0, 0, 0, 1000, 500.0)], "peak resident set size of the process", 4 * one, "1f1b", 4)
+    assert f" > model FLOPs per iteration: {4 * one:.3E} (matrix products, forward and backward, the 4 models of the array)\n" in (
+        capsys.readouterr().out
+    )
 
 
 def _count_megatron_flops(argv):

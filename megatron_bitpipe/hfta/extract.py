@@ -39,7 +39,15 @@ def model_axis(key: str) -> int:
 def extract_model(load: str, k: int, save: str, step: Optional[int] = None) -> str:
     """Write model ``k`` of the fused checkpoint under ``load`` (iteration ``step``, default
     the latest) as an ordinary checkpoint under ``save``; returns its directory. ValueError for
-    a checkpoint without a fused array or a ``k`` out of range."""
+    a checkpoint without a fused array or a ``k`` out of range. megatron-core's calls of
+    deprecated torch checkpoint APIs warn nothing, as in training."""
+    from ..training.checkpoint import without_deprecation_notes
+
+    with without_deprecation_notes():
+        return _extract_model(load, k, save, step)
+
+
+def _extract_model(load: str, k: int, save: str, step: Optional[int]) -> str:
     from ..training.checkpoint import CHECKPOINT_VERSION, TRACKER, checkpoint_dir, find_checkpoint
 
     found = find_checkpoint(load, step)

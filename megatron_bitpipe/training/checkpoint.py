@@ -64,6 +64,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "rank_layout",
+    "without_deprecation_notes",
 ]
 
 
@@ -147,7 +148,7 @@ def _rng_object(model: PipelineModel) -> ShardedObject:
 
 
 @contextlib.contextmanager
-def _without_deprecation_notes():
+def without_deprecation_notes():
     """megatron-core's checkpoint strategies call torch APIs torch has deprecated (FutureWarning
     on every rank, nothing a user can act on)."""
     with warnings.catch_warnings():
@@ -191,7 +192,7 @@ def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optim
         state_dict["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
         state_dict["rng_state"] = _rng_object(model)
-    with _without_deprecation_notes():
+    with without_deprecation_notes():
         dist_checkpointing.save(state_dict, directory, content_metadata=metadata)
     if dist.get_rank() == 0:
         tracker = os.path.join(root, TRACKER)
@@ -341,7 +342,7 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
         request["rng_state"] = _rng_object(model)
     raise_if_any(request_problems(request, saved), directory, "does not fit this model")
 
-    with _without_deprecation_notes():
+    with without_deprecation_notes():
         loaded = dist_checkpointing.load(request, directory)
     for key, chunk in zip(_model_state_keys(model), model.chunks):
         unwrap_model(chunk).load_state_dict(loaded[key], strict=True)

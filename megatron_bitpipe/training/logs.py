@@ -161,11 +161,13 @@ class TrainingLogger:
         if record.validation:
             self._validation(record)
 
-    def startup(self, ranks: Sequence[RankReport], memory: str, flops_per_iteration: float, schedule: str) -> None:
+    def startup(
+        self, ranks: Sequence[RankReport], memory: str, flops_per_iteration: float, schedule: str, models: int = 1
+    ) -> None:
         """The start-up report: parameters per model-parallel rank (data-parallel rank 0, as
         Megatron-LM prints them), memory after setup (``memory`` says what it measures),
-        the model FLOPs of one iteration and the schedule (its
-        :attr:`~megatron_bitpipe.run_config.RunConfig.label`, in the JSON event)."""
+        the model FLOPs of one iteration (of all ``models`` models of an HFTA array) and the
+        schedule (its :attr:`~megatron_bitpipe.run_config.RunConfig.label`, in the JSON event)."""
         if not self.active:
             return
         args = self.args
@@ -179,7 +181,8 @@ class TrainingLogger:
                 f" > memory after setup (MiB, {memory}): max {most.memory_mib:.1f} (rank {most.rank}), "
                 f"min {least.memory_mib:.1f} (rank {least.rank})"
             )
-        log(f" > model FLOPs per iteration: {flops_per_iteration:.3E} (matrix products, forward and backward)")
+        array = f", the {models} models of the array" if models > 1 else ""
+        log(f" > model FLOPs per iteration: {flops_per_iteration:.3E} (matrix products, forward and backward{array})")
         self._json(
             {
                 "event": "startup",

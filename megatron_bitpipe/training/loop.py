@@ -52,7 +52,7 @@ from .config import lr_scheduler, optimizer_config, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .exit_conditions import ExitConditions
 from .logs import IterationRecord, TrainingLogger
-from .report import gather_rank_reports, job_peak_memory_mib, memory_kind, model_flops_per_sample, reset_peak_memory
+from .report import gather_rank_reports, job_peak_memory_mib, memory_kind, model_flops_per_iteration, reset_peak_memory
 from .schedule import Schedule
 from .task import PretrainTask
 
@@ -85,8 +85,9 @@ class Trainer:
             resume_decentralized(directory, self.decentralized)
             resume_data_parallel(directory, self.abs_sgd)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
-        self.flops_per_iteration = args.global_batch_size * model_flops_per_sample(args, task.causal_attention)
-        self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration, run.label)
+        models = 1 if run.hfta is None else run.hfta.num_models
+        self.flops_per_iteration = model_flops_per_iteration(args, task.causal_attention, models)
+        self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration, run.label, models)
 
     # -- one step -------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@
   causal mask (GPT), in full otherwise (BERT). Recomputation, BitPipe's second weight replica
   and the small heads (BERT's pooler and binary head) are not counted: it is the model's work,
   so TFLOP/s per device = model FLOPs of the global batch / (seconds x world size x 10^12)
-  compares layouts and schedules.
+  compares layouts and schedules. An HFTA array of B models does B models' work
+  (:func:`model_flops_per_iteration`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "gather_rank_reports",
     "job_peak_memory_mib",
     "memory_kind",
+    "model_flops_per_iteration",
     "model_flops_per_sample",
     "parameter_count",
     "peak_memory_mib",
@@ -56,6 +58,12 @@ def model_flops_per_sample(args: argparse.Namespace, causal: bool) -> float:
     per_token = args.num_layers * (projections + scores + mlp) + hidden * args.padded_vocab_size
     forward_and_backward = 3 * 2  # the backward is twice the forward; 2 FLOPs per multiply-add
     return forward_and_backward * per_token * seq
+
+
+def model_flops_per_iteration(args: argparse.Namespace, causal: bool, models: int = 1) -> float:
+    """Model FLOPs of one iteration: ``--global-batch-size`` sequences through each of
+    ``models`` models (an HFTA array's B, every model on every sequence; 1 otherwise)."""
+    return models * args.global_batch_size * model_flops_per_sample(args, causal)
 
 
 def parameter_count(chunks) -> int:
