@@ -4,8 +4,8 @@
         --seq-length 64 --micro-batch-size 16 --global-batch-size 16 --train-iters 150 --lr 3e-3 \\
         --data-path data/stdlib_docs_text_document --split 90,10,0 \\
         --tokenizer-type ByteLevelTokenizer --vocab-size 256 \\
-        --fraction 0.25 --coreset-warmup-iters 20 --output coreset.npz
-    python scripts/pretrain_gpt.py [the same flags, without the selection's] --coreset coreset.npz
+        --fraction 0.25 --coreset-warmup-iters 20 --output data/coreset.npz
+    python scripts/pretrain_gpt.py [the same flags, without the selection's] --coreset data/coreset.npz
 
 The pretrain script's flags (``--help`` lists them) plus ``--fraction``, ``--output``,
 ``--coreset-method``, ``--coreset-warmup-iters`` and ``--coreset-shard-size``; one process.

@@ -28,6 +28,7 @@ from ..model.build import PipelineModel
 from ..model.sdpa_attention import SdpaDotProductAttention
 from ..run_config import RunConfig
 from .data import indexed_datasets
+from .distributed import log
 from .coreset.identity import CoresetSettings
 from .coreset.training import CoresetDataset, weighted_gpt_loss
 from .gpt_args import GPTArguments
@@ -157,7 +158,10 @@ class GPTTask(GPTArguments, PretrainTask):
     def build_datasets(self, args: argparse.Namespace, tokenizer):
         train, valid, test = self._datasets(args, tokenizer)
         coreset = CoresetSettings.from_args(args)
-        return (train if coreset is None else CoresetDataset(train, coreset.coreset)), valid, test
+        if coreset is None:
+            return train, valid, test
+        log(coreset.summary())
+        return CoresetDataset(train, coreset.coreset), valid, test
 
     def _datasets(self, args: argparse.Namespace, tokenizer):
         if args.use_mock_data:

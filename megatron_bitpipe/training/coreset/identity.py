@@ -176,6 +176,17 @@ class CoresetSettings:
         path = getattr(args, "coreset", None)
         return None if path is None else cls(path, read_coreset(path))
 
+    def summary(self) -> str:
+        """The start-up log line of a run on this coreset: what it trains on and how."""
+        coreset = self.coreset
+        info = coreset.info
+        made = ", ".join(f"{key} {info[key]}" for key in ("method", "fraction") if info.get(key) is not None)
+        return (
+            f"coreset: training on {len(coreset.indices)} of {coreset.identity.train_samples} training samples"
+            + (f" ({made})" if made else "")
+            + f" from {self.path}, cycled; each sample's loss weighted by the samples it stands for (mean weight 1)"
+        )
+
 
 def add_coreset_args(parser: argparse.ArgumentParser) -> None:
     """The training flag ``--coreset FILE``."""
