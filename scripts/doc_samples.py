@@ -220,7 +220,7 @@ def _validation(i: int) -> str:
 
 def render_quick_start(runs: List[Run], scratch: Path) -> Dict[Tuple[str, str], str]:
     (run,) = runs
-    keep = _HEAD + (_iteration(2), _validation(10), _iteration(20), _validation(20), _SUMMARY)
+    keep = _HEAD + (_iteration(1), _iteration(2), _validation(10), _iteration(20), _validation(20), _SUMMARY)
     return {("docs/running.md", "quick-start-output"): fenced(excerpt(run.lines, keep)) + "\n\n" + stamp("quick-start", runs)}
 
 
@@ -268,21 +268,21 @@ def render_real_text(runs: List[Run], scratch: Path) -> Dict[Tuple[str, str], st
     made = stamp("real-text", runs)
     readme = (
         fenced(f"{PREPROCESS.one_line()}\n{REAL_TEXT.one_line()}", "bash") + "\n\n"
-        f"The loss per byte starts at {start:.2f} (ln 256 = 5.55: untrained) and the validation loss falls\n"
+        f"The first iteration logs a loss per byte of {start:.2f} (ln 256 = 5.55: untrained), and the validation loss falls\n"
         f"{falls} at iterations {at}. It took {pipelined_run.seconds:.0f} s on {cores} CPU cores\n"
         f"(load average {load}), plus {prep.seconds:.0f} s of preprocessing. As a single process\n"
         f"(`python scripts/pretrain_gpt.py` without the two pipeline flags; {single_run.seconds:.0f} s) it logs the same\n"
         f"losses: the largest relative difference over the {len(pipelined)} iterations was {_e(loss)}.\n"
         + made
     )
-    keep = _HEAD + (_iteration(20), _validation(50), _iteration(100), _validation(100), _validation(150),
+    keep = _HEAD + (_iteration(1), _iteration(20), _validation(50), _iteration(100), _validation(100), _validation(150),
                     _iteration(200), _validation(200), _SUMMARY)
     output = (
         fenced(f"{PREPROCESS.multi_line()}\n{REAL_TEXT.multi_line()}", "bash") + "\n\n"
         + fenced(excerpt(pipelined_run.lines, keep)) + "\n\n"
         f"({pipelined_run.seconds:.0f} s for the training run on {cores} CPU cores at a load average of {load}; the\n"
         f"preprocessing took {prep.seconds:.0f} s, nearly all of it Python and megatron-core start-up.)\n"
-        f"Per byte, the loss starts at {start:.2f} (ln 256 = 5.55: untrained) and the validation loss falls\n"
+        f"Per byte, the loss is {start:.2f} at the first iteration (ln 256 = 5.55: untrained), and the validation loss falls\n"
         f"{falls} at iterations {at}.\n" + made
     )
     same = (

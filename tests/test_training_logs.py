@@ -47,7 +47,8 @@ def test_iteration_line_has_megatron_lms_fields(tmp_path, capsys):
     logger = TrainingLogger(_args(tmp_path, fp16=True), rank=0, resumed=False)
     logger.record(_record(1, float("nan"), skipped=True, tflops=100.0, memory=300.0))
     logger.record(_record(2, 4.0, tflops=300.0, memory=200.0))
-    (line,) = capsys.readouterr().out.splitlines()
+    first, line = capsys.readouterr().out.splitlines()
+    assert re.match(rf" {TIMESTAMP} iteration        1/       4 \|", first), first  # a run's first iteration
     assert re.match(rf" {TIMESTAMP} iteration        2/       4 \| consumed samples:           32 \|", line), line
     for field in (
         "| throughput per GPU (TFLOP/s/GPU): 150.0 |",  # two iterations of equal FLOPs at 100 and 300: 150 on average
@@ -62,6 +63,28 @@ def test_iteration_line_has_megatron_lms_fields(tmp_path, capsys):
     assert first["event"] == "iteration" and first["nan"] is True and second["nan"] is False
     assert second["max_memory_mib"] == 200.0 and second["tflops_per_device"] == 300.0
     assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", second["timestamp"])
+
+
+@pytest.mark.parametrize("resumed_at", [0, 10])
+def test_a_runs_first_iteration_is_logged_and_the_interval_goes_on(tmp_path, capsys, resumed_at):
+    """As Megatron-LM: a line after the first iteration of a run (started or resumed), then
+    every ``--log-interval`` iterations, each averaging from the first (the first line does
+    not end the interval)."""
+    logger = TrainingLogger(_args(tmp_path, train_iters=40, log_interval=20), rank=0, resumed=resumed_at > 0)
+    for iteration in range(resumed_at + 1, 41):
+        logger.record(_record(iteration, float(iteration)))
+    lines = capsys.readouterr().out.splitlines()
+    shown = [(int(re.search(r"iteration +(\d+)/", line).group(1)), float(re.search(r"lm loss: (\S+) \|", line).group(1)))
+             for line in lines]  # fmt: skip
+    first = resumed_at + 1
+    if resumed_at == 0:
+        assert shown == [(1, 1.0), (20, 10.5), (40, 30.5)]
+    else:
+        assert shown == [(first, float(first)), (20, (first + 20) / 2), (40, 30.5)]
+    early = TrainingLogger(_args(tmp_path, train_iters=40, log_interval=20), rank=0, resumed=False)
+    early.record(_record(1, 1.0))
+    early.finish_interval()  # a run that stops after its first iteration: its line once
+    assert len(capsys.readouterr().out.splitlines()) == 1
 
 
 def test_without_a_gpu_or_fp16_the_line_leaves_out_tflops_and_loss_scale(tmp_path, capsys):

@@ -9,8 +9,10 @@ output:
   built (see :mod:`.report` for what memory means on a GPU and on the CPU) and the model
   FLOPs of one iteration;
 * **one :class:`IterationRecord` per iteration** (:meth:`TrainingLogger.record`); every
-  ``--log-interval`` iterations Megatron-LM's line (timestamp, throughput, losses averaged
-  over the interval, loss scale with ``--fp16``, grad norm, skipped and NaN iterations) with
+  ``--log-interval`` iterations, and after the first iteration of a run (start or resume),
+  Megatron-LM's line (timestamp, throughput, losses averaged over the interval, loss scale
+  with ``--fp16``, grad norm, skipped and NaN iterations; as in Megatron-LM the line after the
+  first iteration does not end the interval: the next line averages from that iteration) with
   the busiest rank's memory and, with a GPU, TFLOP/s per device; Megatron-LM's validation
   block after an evaluation; a data-parallel mode's own fields (:attr:`IterationRecord.extra`,
   ABS-SGD's ``abs_*``) on the line and in the JSON;
@@ -131,6 +133,8 @@ class TrainingLogger:
         self.args = args
         self.active = rank == 0
         self.interval: List[IterationRecord] = []
+        self.first = True  # no iteration of this run recorded yet
+        self.shown: Optional[IterationRecord] = None  # the record of the last line printed
         self.max_memory_mib: Optional[float] = None  # over the iterations of this run
         self.json = None
         self.tensorboard = None
@@ -158,6 +162,9 @@ class TrainingLogger:
         self.interval.append(record)
         if record.iteration % self.args.log_interval == 0 or record.iteration == self.args.train_iters:
             self._line()
+        elif self.first:  # Megatron-LM's line after a run's first iteration; the interval goes on
+            self._line(keep_interval=True)
+        self.first = False
         if record.validation:
             self._validation(record)
 
@@ -200,9 +207,13 @@ class TrainingLogger:
             }
         )
 
-    def _line(self) -> None:
-        records, self.interval = self.interval, []
-        last = records[-1]
+    def _line(self, keep_interval: bool = False) -> None:
+        """The iteration line of the records since the last one (kept for the next one with
+        ``keep_interval``)."""
+        records = self.interval
+        if not keep_interval:
+            self.interval = []
+        last = self.shown = records[-1]
         done = [r for r in records if not r.skipped]
         fields = [
             f"[{timestamp(last.time)}] iteration {last.iteration:8d}/{self.args.train_iters:8d}",
@@ -311,7 +322,7 @@ class TrainingLogger:
 
     def finish_interval(self) -> None:
         """Print the line of the iterations logged since the last one (a run that stops early)."""
-        if self.active and self.interval:
+        if self.active and self.interval and self.interval[-1] is not self.shown:
             self._line()
 
     def close(self) -> None:
