@@ -3,9 +3,10 @@
 **Markers.** Every test that starts a process — a launch on several gloo ranks
 (:func:`megatron_bitpipe.cpu.launcher.launch`), ``torchrun``, a command-line run in a
 subprocess — carries ``@pytest.mark.multirank`` (or a module-level ``pytestmark``), so
-``python -m pytest -m "not multirank" tests`` is the fast, pure-Python loop. The marker is
-enforced: a test without it that starts a process, directly or through a fixture, fails
-naming the test.
+``python -m pytest -m "not multirank and not plan_sweep" tests`` is the fast, pure-Python
+loop (``plan_sweep``: the pure-Python sweep of every generator's plans under NCCL's rules,
+minutes on its own, run by ``-m plan_sweep``). The marker is enforced: a test without it that
+starts a process, directly or through a fixture, fails naming the test.
 
 **Multi-rank cases.** A test module that trains cases on CPU ranks defines
 

@@ -99,3 +99,19 @@ def test_documents_stand_on_their_own(document):
 def test_scripts_and_package_name_no_outside_design_document():
     sources = [*(REPO / "scripts").glob("*.py"), *(REPO / "megatron_bitpipe").rglob("*.py")]
     assert [path.name for path in sources if "DESIGN" in path.read_text(encoding="utf-8")] == []
+
+
+def test_the_fast_loop_leaves_out_processes_and_the_plan_sweep_which_ci_runs_once():
+    """README's fast loop deselects ``multirank`` and ``plan_sweep``, the sweep has its own
+    command, and CI runs the sweep once: in README's whole-suite command (no marker
+    selection), not again in the megatron-core 0.19 pass."""
+    import re
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert 'python -m pytest -m "not multirank and not plan_sweep" tests' in readme
+    assert "python -m pytest -m plan_sweep tests" in readme
+    whole = readme.split("<!-- ci:test-command -->", 1)[1].split("```", 2)[1]
+    assert "python -m pytest" in whole and " -m " not in whole.split("python -m pytest", 1)[1]
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    pytest_runs = re.findall(r"^python -m pytest .*$", ci, re.M)
+    assert pytest_runs and all("not plan_sweep" in run or "MCORE019_MULTIRANK" in run for run in pytest_runs), pytest_runs
