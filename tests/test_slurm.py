@@ -187,7 +187,7 @@ def test_launcher_follows_the_allocation(jobs):
     assert "torchrun on 1 node(s) x 2 process(es)" in bert  # one per granted GPU
     assert "bitpipe schedule, TP 1 (1d) x PP 2 x DP 1" in bert
     assert "no_pipelining schedule" in jobs.slurm_output("gpt_single")
-    assert " iteration        1/      10 |" in gpt  # --log-interval 1 after the script name beats LOG_INTERVAL=5
+    assert " iteration        2/      10 |" in gpt  # --log-interval 1 after the script name beats LOG_INTERVAL=5 (iteration 1 is always logged)
     command = next(line for line in gpt.splitlines() if line.startswith("+ "))
     assert command.endswith("--exit-signal-handler --exit-signal SIGUSR1 --adam-eps 1e-4 --log-interval 1"), command
     assert str(jobs.workdir) in command and str(REPO) not in command.split("--", 1)[1]  # outputs outside the checkout
