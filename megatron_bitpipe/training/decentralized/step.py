@@ -80,7 +80,7 @@ class DecentralizedStrategy(SyncStrategy):
         me, n = links.replica, links.size
         if s.gossip:
             self.graph = topology(s.topology, n)
-            self.method = Gossip(s.mode, self.graph, links)
+            self.method = Gossip(mode, self.graph, links)
             links.warm_up(self.graph.destinations(me), self.graph.sources(me))
         else:
             self.graph = None
