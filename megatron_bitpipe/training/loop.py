@@ -30,6 +30,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..optimizers import averaged_weights
 from ..run_config import RunConfig
