@@ -23,13 +23,13 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from .data_parallel_modes import DataParallelMode, selected_mode
 from .hfta.settings import HftaSettings, hfta_settings
 from .megatron_args import schedule_choice
 from .optimizers import OptimizerChoice
 from .schedules import REGISTRY, ScheduleChoice
 from .schedules.generator import PLAN_RUNNER
 from .schedules.placement import Placement
-from .training.decentralized.args import DECENTRALIZED_MODES
 
 __all__ = ["Batches", "ParallelLayout", "Precision", "RunConfig"]
 
@@ -108,7 +108,8 @@ class RunConfig:
         layout: the parallel layout.
         precision: fp32, bf16 or fp16.
         batches: the batch shape.
-        data_parallel_mode: ``--data-parallel-mode`` (``sync`` on Megatron-LM's route).
+        data_parallel_mode: ``--data-parallel-mode``, the registered mode
+            (:mod:`~megatron_bitpipe.data_parallel_modes`; ``sync`` on Megatron-LM's route).
         optimizer: ``--optimizer`` and its flags (``decentralized`` with a decentralized
             data-parallel mode: its step is the mode's update).
         schedule_costs_path: the ``--schedule-costs`` file the split's plan is made for (logs name it).
@@ -119,7 +120,7 @@ class RunConfig:
     layout: ParallelLayout
     precision: Precision
     batches: Batches
-    data_parallel_mode: str
+    data_parallel_mode: DataParallelMode
     optimizer: OptimizerChoice
     schedule_costs_path: Optional[str] = None
     hfta: Optional[HftaSettings] = None
@@ -167,7 +168,7 @@ class RunConfig:
         interleaved = REGISTRY[schedule.schedule].takes_virtual_size
         tensor, pipeline = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         data = args.data_parallel_size
-        data_parallel_mode = getattr(args, "data_parallel_mode", "sync")  # Megatron-LM's parser has no such flag
+        data_parallel_mode = selected_mode(args)
         return cls(
             schedule=schedule,
             layout=ParallelLayout(
@@ -185,7 +186,7 @@ class RunConfig:
                 num_microbatches=args.global_batch_size // (args.micro_batch_size * data),
             ),
             data_parallel_mode=data_parallel_mode,
-            optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode in DECENTRALIZED_MODES),
+            optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode.decentralized),
             schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.split_backward else None,
             hfta=hfta_settings(args),
         )

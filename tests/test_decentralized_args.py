@@ -126,10 +126,14 @@ def test_decentlam_needs_the_symmetric_graphs(size):
 def test_other_modes_refuse_a_decentralized_checkpoint(tmp_path):
     """What the loop calls after loading a checkpoint (here on the file a decentralized run
     writes; no ranks): a run of another mode refuses it, naming the flag."""
-    from megatron_bitpipe.training.decentralized.step import COMMON_FILE, resume_decentralized
+    from megatron_bitpipe.training.abs_sgd.step import AbsSgdStrategy
+    from megatron_bitpipe.training.decentralized.step import COMMON_FILE
+    from megatron_bitpipe.training.mode_registry import saved_mode_state
+    from megatron_bitpipe.training.sync import SyncStrategy
     from megatron_bitpipe.checkpoint_rules import CheckpointError
 
     (tmp_path / COMMON_FILE).write_text('{"version": 1, "mode": "lsgd"}')
-    with pytest.raises(CheckpointError, match="resume it with --data-parallel-mode lsgd"):
-        resume_decentralized(str(tmp_path), None)
-    resume_decentralized(str(tmp_path.parent), None)  # no decentralized state: nothing to say
+    for other in (SyncStrategy, AbsSgdStrategy):
+        with pytest.raises(CheckpointError, match="resume it with --data-parallel-mode lsgd"):
+            saved_mode_state(str(tmp_path), other)
+    assert saved_mode_state(str(tmp_path.parent), SyncStrategy) is None  # no decentralized state: nothing to say

@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from megatron_bitpipe.data_parallel_modes import SYNC
 from megatron_bitpipe.schedules.costs import TransformerShape
 from megatron_bitpipe.optimizers import OptimizerChoice
 from megatron_bitpipe.run_config import Batches, ParallelLayout, Precision, RunConfig
@@ -152,7 +153,7 @@ def _run(schedule="bitpipe", split=False, costs=None, virtual_size=None, pipelin
     choice = ScheduleChoice(schedule, split, None, virtual_size)
     virtual = choice.virtual_chunks if schedule == "interleaved" else None
     layout = ParallelLayout(tensor=1, pipeline=pipeline, data=1, virtual=virtual, sequence_parallel=False, tensor_parallel_mode="1d")
-    return RunConfig(choice, layout, Precision(), Batches(1, 8, 8), "sync", OptimizerChoice(), costs)
+    return RunConfig(choice, layout, Precision(), Batches(1, 8, 8), SYNC, OptimizerChoice(), costs)
 
 
 def _shape_args(**overrides) -> argparse.Namespace:

@@ -10,6 +10,8 @@ import argparse
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from ..data_parallel_modes import SYNC
+
 __all__ = ["HftaSettings", "add_hfta_args", "hfta_problems", "hfta_settings"]
 
 
@@ -84,7 +86,7 @@ _NOT_YET = {
     "transformer_impl": ((None, "local"), "--transformer-impl transformer_engine (HFTA's batched layers are local ones)"),
     "fp16": ((False,), "--fp16 (the B models would need one dynamic loss scale; --bf16 composes)"),
     "optimizer": (("adam",), "--optimizer other than adam"),
-    "data_parallel_mode": (("sync",), "--data-parallel-mode other than sync"),
+    "data_parallel_mode": ((SYNC.name,), f"--data-parallel-mode other than {SYNC.name}"),
     "qk_layernorm": ((False,), "--qk-layernorm"),
     "apply_layernorm_1p": ((False,), "--apply-layernorm-1p"),
 }

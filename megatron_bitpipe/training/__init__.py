@@ -8,6 +8,9 @@
 * :mod:`.task` — :class:`~.task.PretrainTask`, what a model brings (provider, forward step,
   datasets); :mod:`.gpt` — :class:`~.gpt.GPTTask`, its model, data and loss;
   :mod:`.bert` — :class:`~.bert.BertTask`, its data and loss; :mod:`.model` — the model from the common flags;
+* :mod:`.mode` — what a data-parallel mode does in the loop (:class:`~.mode.DataParallelStrategy`);
+  :mod:`.sync`, :mod:`.abs_sgd` and :mod:`.decentralized` — the modes; :mod:`.mode_registry` —
+  the strategies by mode name and the resume of a mode's saved state;
 * :mod:`.arguments` — Megatron-LM's flags and their checks;
 * :mod:`.config` — megatron-core configs (model, DDP, optimizer — Adam or one of
   :mod:`megatron_bitpipe.optimizers` —, learning-rate schedule);

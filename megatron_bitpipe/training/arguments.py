@@ -51,7 +51,8 @@ from ..hfta.settings import add_hfta_args, hfta_problems
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 from ..usage import FlagParser
-from .abs_sgd.args import abs_sgd_problems, add_data_parallel_args
+from ..data_parallel_modes import add_data_parallel_mode_arg
+from .abs_sgd.args import abs_sgd_problems, add_abs_sgd_args
 from .decentralized.args import add_decentralized_args, decentralized_problems
 
 __all__ = [
@@ -235,7 +236,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the data-parallel gradient reduction (always on with bitpipe)")
     add_bitpipe_args(parser)
-    add_data_parallel_args(parser)
+    data_parallel = parser.add_argument_group(title="data-parallel mode")
+    add_data_parallel_mode_arg(data_parallel)
+    add_abs_sgd_args(data_parallel)
     add_decentralized_args(parser)
 
 

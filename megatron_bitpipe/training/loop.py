@@ -13,46 +13,38 @@ and a summary. Megatron-LM's early exits (:mod:`.exit_conditions`: ``--exit-sign
 checkpoint when ``--save`` is given and exit status 0; a run resumed from that checkpoint
 continues the same loss curve.
 
-One iteration: zero the gradient buffers, run the forward_backward function on this
-data-parallel rank's micro-batches of the global batch, step the optimizer (grad norm and
-clipping over each logical parameter once) and, if the update happened, the learning-rate
-schedule by ``--global-batch-size`` samples. Loss reports live on the loss ranks (the last
-pipeline stage; BitPipe's edge ranks); they are summed over the job so every rank holds the
-global-batch loss.
-
-With ``--data-parallel-mode abs-sgd`` an iteration is ABS-SGD's instead
-(:class:`~.abs_sgd.step.AbsSgdStep`: it applies the previous iteration's gradients while
-this one's all-reduce overlaps the next compute); its state travels with the checkpoints.
-With ``decentlam``, ``dmsgd`` or ``lsgd`` the optimizer's step exchanges parameters between
-the data-parallel replicas, which keep weights of their own
-(:class:`~.decentralized.step.DecentralizedStep`: LSGD's losses, logs, the evaluated weights
-and every replica's state in the checkpoints).
+An iteration is the ``--data-parallel-mode``'s (:class:`~.mode.DataParallelStrategy`, built
+from :mod:`.mode_registry`): megatron's synchronous one by default (:class:`~.sync.SyncStrategy`),
+ABS-SGD's (:class:`~.abs_sgd.step.AbsSgdStrategy`: it applies the previous iteration's
+gradients while this one's all-reduce overlaps the next compute) or a decentralized mode's
+(:class:`~.decentralized.step.DecentralizedStrategy`: the replicas keep weights of their own).
+The strategy also chooses the weights evaluation uses, adds its log fields and keeps its state
+next to the checkpoints. Loss reports live on the loss ranks (the last pipeline stage;
+BitPipe's edge ranks); they are summed over the job so every rank holds the global-batch loss.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..optimizers import averaged_weights, lr_for_logging
+from ..optimizers import averaged_weights
 from ..run_config import RunConfig
 from ..model.build import build_optimizer
 from . import distributed
 from .arguments import padded_vocab_size
-from .abs_sgd.step import AbsSgdStep, resume_data_parallel
-from .decentralized.args import DECENTRALIZED_MODES
-from .decentralized.step import DecentralizedStep, resume_decentralized
 from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import lr_scheduler, optimizer_config, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .exit_conditions import ExitConditions
 from .logs import IterationRecord, TrainingLogger
-from .report import gather_rank_reports, job_peak_memory_mib, memory_kind, model_flops_per_iteration, reset_peak_memory
+from .mode import TrainingParts, reduce_losses
+from .mode_registry import build_strategy, resume_mode
+from .report import gather_rank_reports, memory_kind, model_flops_per_iteration
 from .schedule import Schedule
 from .task import PretrainTask
 
@@ -78,99 +70,51 @@ class Trainer:
                 loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task)
             self.state = loaded or self.state
         self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
-        self.abs_sgd = AbsSgdStep(self) if run.data_parallel_mode == "abs-sgd" else None
-        self.decentralized = DecentralizedStep(self) if run.data_parallel_mode in DECENTRALIZED_MODES else None
-        if loaded is not None:
-            directory = checkpoint_dir(args.load, loaded.iteration)
-            resume_decentralized(directory, self.decentralized)
-            resume_data_parallel(directory, self.abs_sgd)
-        self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
         models = 1 if run.hfta is None else run.hfta.num_models
         self.flops_per_iteration = model_flops_per_iteration(args, task.causal_attention, models)
+        parts = TrainingParts(
+            args=args,
+            run=run,
+            env=env,
+            task=task,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            schedule=self.schedule,
+            train_data=self.train_data,
+            state=self.state,
+            flops_per_iteration=self.flops_per_iteration,
+        )
+        #: the data-parallel mode's strategy: the iteration, evaluated weights, log fields, saved state
+        self.data_parallel = build_strategy(run.data_parallel_mode, parts)
+        if loaded is not None:
+            resume_mode(checkpoint_dir(args.load, loaded.iteration), self.data_parallel)
+        self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
         self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration, run.label, models)
 
     # -- one step -------------------------------------------------------------------------
 
-    def _reduce_losses(self, reports: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, float]:
-        """``sum / count`` of each loss over the global batch (a collective over the job).
-
-        Each loss rank adds its reports; only TP rank 0 of a stage contributes, as every TP
-        rank of a loss stage holds the same reports.
-        """
-        names = self.task.loss_names
-        totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.env.device)
-        if self.groups.tp_rank == 0:
-            for report in reports:
-                for i, name in enumerate(names):
-                    totals[i] += report[name].detach().to(totals)
-        dist.all_reduce(totals)
-        return {name: (totals[i, 0] / totals[i, 1].clamp(min=1)).item() for i, name in enumerate(names)}
-
-    def _synchronize(self) -> None:
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize()
-
     def train_step(self) -> IterationRecord:
-        if self.abs_sgd is not None:
-            return self.abs_sgd.train_step()
-        args = self.args
-        self._synchronize()
-        reset_peak_memory(self.env.device)
-        start = time.perf_counter()
-        for chunk in self.model.chunks:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        lr = lr_for_logging(self.optimizer)
-        batches = microbatches(self.train_data, self.state.consumed_train_samples, args, self.groups.dp_rank)
-        reports = self.schedule.run(self.task.forward_step, batches, forward_only=False)
-        if self.decentralized is not None:
-            self.decentralized.observe(reports)
-        success, grad_norm, _ = self.optimizer.step()
-        if success:
-            self.scheduler.step(increment=args.global_batch_size)
-        losses, extra = self.task.iteration_losses(self._reduce_losses(reports))
-        self._synchronize()
-        elapsed = time.perf_counter() - start
-        self.state.iteration += 1
-        self.state.consumed_train_samples += args.global_batch_size
-        if args.optimizer == "onebit_lamb" and self.state.iteration == args.onebit_freeze_iters:
-            distributed.log(
-                f"1-bit LAMB: variance frozen after iteration {self.state.iteration}; from now on momenta are averaged "
-                "with 1-bit compression instead of all-reducing gradients (--clip-grad no longer applies)"
-            )
-        on_gpu = self.env.device.type == "cuda"
-        return IterationRecord(
-            iteration=self.state.iteration,
-            consumed_samples=self.state.consumed_train_samples,
-            elapsed_ms=1000.0 * elapsed,
-            tokens_per_second=args.global_batch_size * args.seq_length / elapsed,
-            lr=float(lr),
-            grad_norm=None if grad_norm is None else float(grad_norm),
-            loss_scale=float(self.optimizer.get_loss_scale()),
-            skipped=not success,
-            losses=losses,
-            max_memory_mib=job_peak_memory_mib(self.env.device),
-            tflops_per_device=self.flops_per_iteration / (elapsed * self.env.world_size * 1e12) if on_gpu else None,
-            extra=extra if self.decentralized is None else {**extra, **self.decentralized.fields(self.state.iteration)},
-        )
+        """One iteration of the data-parallel mode (collective)."""
+        return self.data_parallel.train_step()
 
     def evaluate(self, dataset=None) -> Dict[str, float]:
         """Mean losses over the first ``--eval-iters`` global batches of ``dataset`` (default:
         the validation set), of Schedule-Free's averaged weights with that optimizer, of the
-        decentralized modes' evaluated weights (the replicas' average, LSGD's global leader)."""
+        data-parallel mode's evaluated weights (the decentralized modes: the replicas' average,
+        LSGD's global leader)."""
         dataset = self.valid_data if dataset is None else dataset
         for chunk in self.model.chunks:
             chunk.eval()
         reports: List[dict] = []
-        evaluated = contextlib.nullcontext() if self.decentralized is None else self.decentralized.evaluated_weights()
-        with torch.no_grad(), averaged_weights(self.optimizer), evaluated:
+        with torch.no_grad(), averaged_weights(self.optimizer), self.data_parallel.evaluated_weights():
             for batch in range(self.args.eval_iters):
                 first = batch * self.args.global_batch_size
                 batches = microbatches(dataset, first, self.args, self.groups.dp_rank)
                 reports += self.schedule.run(self.task.forward_step, batches, forward_only=True)
         for chunk in self.model.chunks:
             chunk.train()
-        return self._reduce_losses(reports)
+        return reduce_losses(reports, self.task.loss_names, self.groups.tp_rank, self.env.device)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -178,10 +122,7 @@ class Trainer:
         return bool(interval) and self.state.iteration % interval == 0
 
     def save(self) -> None:
-        if self.abs_sgd is not None:
-            self.abs_sgd.save(checkpoint_dir(self.args.save, self.state.iteration))
-        if self.decentralized is not None:
-            self.decentralized.save(checkpoint_dir(self.args.save, self.state.iteration))
+        self.data_parallel.save(checkpoint_dir(self.args.save, self.state.iteration))
         with averaged_weights(self.optimizer):  # Schedule-Free saves its averaged weights
             directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
         distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
@@ -222,8 +163,7 @@ class Trainer:
             record = self.train_step()
             if self.valid_data is not None and self._due(args.eval_interval):
                 record.validation = self.evaluate()
-                if self.decentralized is not None:
-                    record.extra["evaluated_weights"] = self.decentralized.evaluated_label()
+                record.extra.update(self.data_parallel.evaluation_fields())
             self.logger.record(record)
             validation = record.validation
             if args.save and self._due(args.save_interval):
@@ -238,8 +178,7 @@ class Trainer:
                 break
         if args.save and saved != self.state.iteration:
             self.save()
-        if self.abs_sgd is not None:
-            self.abs_sgd.finish()
+        self.data_parallel.finish()
         self.finish(first, started, validation, evaluate=not stopped)
         self.logger.close()
 

@@ -6,11 +6,12 @@ sequence length, seed, tied embeddings, DDP config, tensor-parallel mode, positi
 embeddings); a task adds its chunk builder and model-specific keywords. Initial weights are
 blocks of the full model drawn from ``--seed`` alone, whatever the layout; with
 ``--bf16``/``--fp16`` the chunks are wrapped for mixed precision. ``--attention-backend sdpa``
-swaps the layers' core attention for torch's SDPA (:mod:`megatron_bitpipe.model.sdpa_attention`). With
-``--data-parallel-mode abs-sgd`` the chunks' DDP does not reduce over data parallelism
-(:mod:`.abs_sgd` does, one iteration later); with a decentralized mode it reduces within each
-data-parallel replica only (BitPipe's weight replicas; :mod:`.decentralized` exchanges
-parameters between the replicas).
+swaps the layers' core attention for torch's SDPA (:mod:`megatron_bitpipe.model.sdpa_attention`). The
+chunks' DDP reduces gradients over what the data-parallel mode says
+(:attr:`megatron_bitpipe.data_parallel_modes.DataParallelMode.gradient_reduction`): the
+data-parallel group in sync mode, nothing with ABS-SGD (:mod:`.abs_sgd` reduces, one
+iteration later), each data-parallel replica only in a decentralized mode (BitPipe's weight
+replicas; :mod:`.decentralized` exchanges parameters between the replicas).
 """
 
 from __future__ import annotations
@@ -27,17 +28,8 @@ from ..model.sdpa_attention import SdpaDotProductAttention, with_core_attention
 from ..execution.groups import ParallelGrid
 from ..run_config import RunConfig
 from .config import ddp_config, transformer_config
-from .decentralized.args import DECENTRALIZED_MODES
 
-__all__ = ["build_model", "gradient_reduction"]
-
-
-def gradient_reduction(data_parallel_mode: str) -> str:
-    """What the chunks' DDP reduces gradients over in ``--data-parallel-mode``
-    (:func:`megatron_bitpipe.execution.replicas.wrap_ddp`)."""
-    if data_parallel_mode == "sync":
-        return "data-parallel"
-    return "replicas" if data_parallel_mode in DECENTRALIZED_MODES else "none"
+__all__ = ["build_model"]
 
 
 def build_model(
@@ -69,6 +61,6 @@ def build_model(
         ddp_config=ddp_config(args, run),
         tensor_parallel_mode=run.layout.tensor_parallel_mode,
         position_embedding_type=args.position_embedding_type,
-        gradient_reduction=gradient_reduction(run.data_parallel_mode),
+        gradient_reduction=run.data_parallel_mode.gradient_reduction,
         **model_kwargs,
     )

@@ -8,18 +8,18 @@ runs; the update applies that previous, one-iteration-stale gradient exactly nor
 and the learning-rate schedule see this gradient; the schedule advances by its samples).
 Fast replicas do more micro-batches, nobody waits for the slowest.
 
-* :mod:`.args` — flags (``--data-parallel-mode``, ``--abs-*``, ``--emulate-replica-slowdown``)
+* :mod:`.args` — flags (``--abs-*``, ``--emulate-replica-slowdown``)
   and their rules;
 * :mod:`.counts` — per-replica sample streams and the planned counts (pure Python);
 * :mod:`.exchange` — the asynchronous all-reduce of one iteration's gradient sums and
   statistics;
-* :mod:`.step` — the iteration in the training loop, logs and checkpoints.
+* :mod:`.step` — the mode's strategy in the training loop: the iteration, logs and checkpoints.
 
 See ``docs/heterogeneous.md``.
 """
 
-from .args import AbsSgdSettings, abs_sgd_problems, add_data_parallel_args, dataset_train_samples
+from .args import AbsSgdSettings, abs_sgd_problems, add_abs_sgd_args, dataset_train_samples
 
-# .step (the loop's side) is imported by the loop itself: it needs the data module, which
-# needs .args.
-__all__ = ["AbsSgdSettings", "abs_sgd_problems", "add_data_parallel_args", "dataset_train_samples"]
+# .step (the loop's side) is imported by the strategies' registry (training.mode_registry):
+# it needs the data module, which needs .args.
+__all__ = ["AbsSgdSettings", "abs_sgd_problems", "add_abs_sgd_args", "dataset_train_samples"]

@@ -1,8 +1,7 @@
-"""Flags of the data-parallel mode and their rules (pure Python, before any communication).
+"""ABS-SGD's flags and their rules (pure Python, before any communication).
 
-``--data-parallel-mode {sync,abs-sgd,decentlam,dmsgd,lsgd}`` selects synchronous data
-parallelism (default), ABS-SGD (:mod:`megatron_bitpipe.training.abs_sgd`) or a decentralized
-mode (:mod:`megatron_bitpipe.training.decentralized`, whose flags and rules are its own). The ``--abs-*`` flags shape ABS-SGD's
+``--data-parallel-mode abs-sgd`` (the flag and its modes: :mod:`megatron_bitpipe.data_parallel_modes`)
+selects ABS-SGD (:mod:`megatron_bitpipe.training.abs_sgd`). The ``--abs-*`` flags shape ABS-SGD's
 iterations; ``--emulate-replica-slowdown`` slows data-parallel replicas down in either mode
 (a testing and benchmarking aid). :class:`AbsSgdSettings` holds the parsed values with their
 defaults filled in; :func:`abs_sgd_problems` lists every broken rule, naming the flags.
@@ -19,20 +18,18 @@ from typing import List, Optional, Tuple
 
 from ...megatron_args import BitPipeConfigError, schedule_choice
 from ...schedules import ScheduleChoice
-from ..decentralized.args import DECENTRALIZED_MODES
+from ...data_parallel_modes import ABS_SGD, data_parallel_mode, selected_mode
 
 __all__ = [
-    "DATA_PARALLEL_MODES",
     "TRIGGERS",
     "AbsSgdSettings",
-    "add_data_parallel_args",
+    "add_abs_sgd_args",
     "abs_sgd_problems",
     "dataset_train_samples",
     "count_rule",
     "CountRule",
 ]
 
-DATA_PARALLEL_MODES = ("sync", "abs-sgd") + DECENTRALIZED_MODES
 #: how an ABS-SGD iteration decides each replica's micro-batches
 TRIGGERS = ("time", "count", "fixed")
 #: --abs-max-microbatches defaults to this many times the synchronous count per replica
@@ -61,22 +58,10 @@ def _float_list(text: str) -> Tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def add_data_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the data-parallel mode's flags to ``parser`` (returns it)."""
-    group = parser.add_argument_group(title="data-parallel mode")
-    group.add_argument(
-        "--data-parallel-mode",
-        choices=DATA_PARALLEL_MODES,
-        default="sync",
-        help="sync: every iteration all-reduces and applies its own gradients (Megatron's data parallelism). "
-        "abs-sgd: each iteration applies the previous iteration's gradients, Σ gradient sums / Σ samples over "
-        "the replicas, while their all-reduce overlaps this iteration's compute, and each replica processes as "
-        "many micro-batches as its speed allows (heterogeneous clusters; see docs/heterogeneous.md). "
-        "decentlam, dmsgd, lsgd: decentralized, the replicas' weights differ (--optimizer sgd; see "
-        "docs/decentralized.md): decentlam averages with its --gossip-topology neighbours inside its "
-        "bias-corrected momentum, dmsgd is plain decentralized momentum SGD, lsgd pulls every replica toward "
-        "the replicas of lowest loss (leaders)",
-    )
+def add_abs_sgd_args(group) -> None:
+    """Add ABS-SGD's flags and ``--emulate-replica-slowdown`` to ``group`` (the parser's
+    data-parallel group, which holds ``--data-parallel-mode``:
+    :func:`megatron_bitpipe.data_parallel_modes.add_data_parallel_mode_arg`)."""
     group.add_argument(
         "--abs-trigger",
         choices=TRIGGERS,
@@ -130,7 +115,6 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argument
         "of every training forward-backward it runs), to emulate a heterogeneous cluster; one factor >= 1 per "
         "replica, either data-parallel mode",
     )
-    return parser
 
 
 @dataclass(frozen=True)
@@ -179,7 +163,7 @@ def _schedule_count_problems(args: argparse.Namespace, count: int, flag: str) ->
 
 @dataclass(frozen=True)
 class AbsSgdSettings:
-    """The data-parallel mode's flags with defaults filled in (see :func:`add_data_parallel_args`).
+    """The data-parallel mode's flags with defaults filled in (see :func:`add_abs_sgd_args`).
 
     ``reference_microbatches`` is ``--global-batch-size / --micro-batch-size``: the count
     trigger's global target and the denominator the gradients are pre-scaled by (so that
@@ -199,7 +183,7 @@ class AbsSgdSettings:
 
     @property
     def enabled(self) -> bool:
-        return self.mode == "abs-sgd"
+        return data_parallel_mode(self.mode) is ABS_SGD
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "AbsSgdSettings":
@@ -244,7 +228,7 @@ def dataset_train_samples(args: argparse.Namespace) -> int:
     largest count per replica.
     """
     samples = args.train_iters * args.global_batch_size
-    if getattr(args, "data_parallel_mode", "sync") != "abs-sgd":
+    if selected_mode(args) is not ABS_SGD:
         return samples
     settings = AbsSgdSettings.from_args(args)
     largest = max(settings.replica_microbatches or (settings.rule.highest, args.num_microbatches))
@@ -262,12 +246,12 @@ def abs_sgd_problems(args: argparse.Namespace) -> List[str]:
             problems.append(f"--emulate-replica-slowdown needs one factor per data-parallel replica ({dp}), got {len(slowdown)}")
         if any(not f >= 1.0 for f in slowdown):
             problems.append(f"--emulate-replica-slowdown factors must be >= 1 (a replica can only be slowed down), got {list(slowdown)}")
-    if args.data_parallel_mode != "abs-sgd":
+    if selected_mode(args) is not ABS_SGD:
         given = [flag for dest, flag in _ABS_FLAGS.items() if getattr(args, dest) is not None]
         if given:
-            problems.append(f"{', '.join(given)} need --data-parallel-mode abs-sgd")
+            problems.append(f"{', '.join(given)} need --data-parallel-mode {ABS_SGD.name}")
         return problems
-    mode = "--data-parallel-mode abs-sgd"
+    mode = f"--data-parallel-mode {ABS_SGD.name}"
     if args.fp16:
         problems.append(
             f"{mode} does not support --fp16: dynamic loss scaling would unscale a delayed gradient by a later "

@@ -44,7 +44,7 @@ class IterationStats:
 
     ``counts`` in micro-batches; ``compute_seconds`` the time its ranks computed (mean over
     the replica's ranks); ``wait_seconds`` the time its ranks blocked on a gradient
-    all-reduce (see :class:`~.step.AbsSgdStep`); ``loss_totals`` ``{name: (sum, count)}``
+    all-reduce (see :class:`~.step.AbsSgdStrategy`); ``loss_totals`` ``{name: (sum, count)}``
     over the iteration's micro-batches.
     """
 

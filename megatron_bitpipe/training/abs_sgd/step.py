@@ -1,4 +1,4 @@
-"""ABS-SGD iterations inside the pretraining loop: :class:`AbsSgdStep`.
+"""ABS-SGD inside the pretraining loop: :class:`AbsSgdStrategy`.
 
 Iteration ``k`` on every rank:
 
@@ -43,39 +43,44 @@ from typing import List, Optional
 
 import torch
 
+from ...data_parallel_modes import ABS_SGD, DataParallelMode
 from ...optimizers import lr_for_logging
 from ...checkpoint_rules import CheckpointError
 from ..checkpoint import rank_layout
 from ..data import collate
 from ..distributed import log
 from ..logs import IterationRecord
+from ..mode import DataParallelStrategy, TrainingParts
 from ..rank_state import RankStateFiles
 from .args import AbsSgdSettings
 from .counts import SpeedEstimate, plan_counts, stream_samples
 from .exchange import GradientExchange, StatsLayout
 
-__all__ = ["AbsSgdStep", "resume_data_parallel", "COMMON_FILE"]
+__all__ = ["AbsSgdStrategy", "COMMON_FILE"]
 
 #: ABS-SGD's state next to a checkpoint: the streams' positions and speeds, the gradients in flight
 STATE_FILES = RankStateFiles("abs_sgd", version=1)
 COMMON_FILE = STATE_FILES.common_file
 
 
-class AbsSgdStep:
-    """ABS-SGD's iteration for a :class:`~megatron_bitpipe.training.loop.Trainer` (its model,
-    optimizer, scheduler, schedule, task, data and progress counters)."""
+class AbsSgdStrategy(DataParallelStrategy):
+    """ABS-SGD's iteration, state and checkpoints (see the module docstring)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        args = trainer.args
-        self.settings = AbsSgdSettings.from_args(args)
-        grid = trainer.groups.grid
-        self.dp, self.replica = grid.dp, trainer.groups.dp_rank
-        self.layout = StatsLayout(grid.dp, grid.tp * grid.pp, tuple(trainer.task.loss_names))
+    modes = (ABS_SGD,)
+    state_files = STATE_FILES
+
+    def __init__(self, mode: DataParallelMode, parts: TrainingParts):
+        super().__init__(mode, parts)
+        self.settings = AbsSgdSettings.from_args(parts.args)
+        groups = parts.model.groups
+        grid = groups.grid
+        self.dp, self.replica = grid.dp, groups.dp_rank
+        self.layout = StatsLayout(grid.dp, grid.tp * grid.pp, tuple(parts.task.loss_names))
         self.adaptive = self.settings.trigger == "time" and grid.tp * grid.pp == 1
-        self.pipelines = trainer.groups.placement.num_pipelines
+        self.pipelines = groups.placement.num_pipelines
+        self.micro_batch_size = parts.run.batches.micro_batch_size
         self.speeds = SpeedEstimate()
-        start = trainer.state.consumed_train_samples // (args.micro_batch_size * grid.dp)
+        start = parts.state.consumed_train_samples // (self.micro_batch_size * grid.dp)
         #: every replica's stream position after the last applied batch
         self.positions: List[int] = [start] * grid.dp
         #: this replica's next stream position (the batch in flight included)
@@ -85,18 +90,13 @@ class AbsSgdStep:
 
     # -- one iteration ----------------------------------------------------------------------
 
-    def _synchronize(self) -> None:
-        if self.trainer.env.device.type == "cuda":
-            torch.cuda.synchronize()
-
     def _microbatch(self, position: int) -> dict:
-        args = self.trainer.args
-        samples = stream_samples(self.replica, position, self.dp, args.micro_batch_size)
-        return collate([self.trainer.train_data[i] for i in samples])
+        samples = stream_samples(self.replica, position, self.dp, self.micro_batch_size)
+        return collate([self.parts.train_data[i] for i in samples])
 
     def _run(self, positions: range) -> list:
-        t = self.trainer
-        return t.schedule.run(t.task.forward_step, [self._microbatch(p) for p in positions], forward_only=False)
+        p = self.parts
+        return p.schedule.run(p.task.forward_step, [self._microbatch(i) for i in positions], forward_only=False)
 
     def _compute(self, started: float):
         """Run this replica's micro-batches; ``(count, loss divisor, loss reports)``."""
@@ -134,30 +134,30 @@ class AbsSgdStep:
         rank of a loss stage holds the same reports)."""
         names = self.layout.loss_names
         totals = torch.zeros(len(names), 2, dtype=torch.float64)
-        if self.trainer.groups.tp_rank == 0:
+        if self.parts.model.groups.tp_rank == 0:
             for report in reports:
                 for i, name in enumerate(names):
                     totals[i] += report[name].detach().to(totals)
         return totals
 
     def train_step(self) -> IterationRecord:
-        t, s = self.trainer, self.settings
-        chunks = t.model.chunks
-        iteration = t.state.iteration + 1
-        self._synchronize()
+        p, s = self.parts, self.settings
+        chunks = p.model.chunks
+        iteration = p.state.iteration + 1
+        p.synchronize()
         started = time.perf_counter()
         for chunk in chunks:
             chunk.zero_grad_buffer()
-        t.optimizer.zero_grad()
-        lr = lr_for_logging(t.optimizer)
+        p.optimizer.zero_grad()
+        lr = lr_for_logging(p.optimizer)
         count, divisor, reports = self._compute(started)
-        self._synchronize()
+        p.synchronize()
         compute_s = time.perf_counter() - started
         if self.in_flight is not None:
             self.last_wait_s = self.in_flight.wait()
         stats = self.layout.encode(self.replica, count, compute_s, self.last_wait_s, self._loss_totals(reports))
         scale = divisor / s.reference_microbatches
-        exchange = GradientExchange.launch(chunks, t.groups, [scale] * len(chunks), stats.to(t.env.device), iteration)
+        exchange = GradientExchange.launch(chunks, p.model.groups, [scale] * len(chunks), stats.to(p.env.device), iteration)
         if s.delay == 0:
             self.last_wait_s = exchange.wait()
             applying = exchange
@@ -167,8 +167,8 @@ class AbsSgdStep:
 
     def _apply(self, applying: Optional[GradientExchange], iteration: int, lr: float, started: float) -> IterationRecord:
         """Apply ``applying``'s gradient (None: nothing yet) and describe the iteration."""
-        t, args = self.trainer, self.trainer.args
-        mbs = args.micro_batch_size
+        p = self.parts
+        mbs = self.micro_batch_size
         grad_norm, skipped, losses, samples = None, True, {}, 0
         extra = dict.fromkeys(
             ("abs_applied_iteration", "abs_staleness", "abs_samples_per_replica", "abs_compute_ms_per_replica", "abs_sync_wait_ms_per_replica")
@@ -176,15 +176,15 @@ class AbsSgdStep:
         if applying is not None:
             stats = self.layout.decode(applying.stats)
             total = stats.microbatches
-            applying.write_gradients(t.model.chunks, self.settings.reference_microbatches / total)
-            success, norm, _ = t.optimizer.step()
+            applying.write_gradients(p.model.chunks, self.settings.reference_microbatches / total)
+            success, norm, _ = p.optimizer.step()
             samples = total * mbs
             if success:
-                t.scheduler.step(increment=samples)
+                p.scheduler.step(increment=samples)
             grad_norm, skipped, losses = (None if norm is None else float(norm)), not success, stats.losses()
             self.speeds.update(stats.counts, stats.compute_seconds)
             self.positions = [p + c for p, c in zip(self.positions, stats.counts)]
-            t.state.consumed_train_samples += samples
+            p.state.consumed_train_samples += samples
             extra.update(
                 abs_applied_iteration=applying.iteration,
                 abs_staleness=iteration - applying.iteration,
@@ -192,17 +192,17 @@ class AbsSgdStep:
                 abs_compute_ms_per_replica=[1000.0 * x for x in stats.compute_seconds],
                 abs_sync_wait_ms_per_replica=[1000.0 * x for x in stats.wait_seconds],
             )
-        self._synchronize()
+        p.synchronize()
         elapsed = time.perf_counter() - started
-        t.state.iteration = iteration
+        p.state.iteration = iteration
         return IterationRecord(
             iteration=iteration,
-            consumed_samples=t.state.consumed_train_samples,
+            consumed_samples=p.state.consumed_train_samples,
             elapsed_ms=1000.0 * elapsed,
-            tokens_per_second=samples * args.seq_length / elapsed,
+            tokens_per_second=samples * p.args.seq_length / elapsed,
             lr=float(lr),
             grad_norm=grad_norm,
-            loss_scale=float(t.optimizer.get_loss_scale()),
+            loss_scale=float(p.optimizer.get_loss_scale()),
             skipped=skipped,
             losses=losses,
             extra=extra,
@@ -213,17 +213,19 @@ class AbsSgdStep:
         if self.in_flight is None:
             return
         stats = self.layout.decode(self.in_flight.state_dict()["stats"])
-        where = "it is in the checkpoint; a resume applies it" if self.trainer.args.save else "without --save it is not applied"
+        where = "it is in the checkpoint; a resume applies it" if self.parts.args.save else "without --save it is not applied"
         log(
             f"abs-sgd: the gradients of iteration {self.in_flight.iteration} "
-            f"({stats.microbatches * self.trainer.args.micro_batch_size} samples) were computed and not yet applied; {where}"
+            f"({stats.microbatches * self.micro_batch_size} samples) were computed and not yet applied; {where}"
         )
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def save(self, directory: str) -> None:
         """Write this rank's ABS-SGD state into checkpoint ``directory`` (before the
-        checkpoint itself, which makes it the latest). Waits for the exchange in flight."""
+        checkpoint itself, which makes it the latest). Waits for the exchange in flight
+        (``abs_sgd.json``: the streams' positions and speeds; each rank's file: the reduced
+        gradient sums and statistics in flight)."""
         in_flight = self.in_flight.state_dict() if self.in_flight is not None else None
         common = {
             "positions": self.positions,
@@ -231,14 +233,18 @@ class AbsSgdStep:
             "last_wait_s": self.last_wait_s,
             "in_flight_iteration": None if in_flight is None else in_flight["iteration"],
         }
-        STATE_FILES.save(directory, self.trainer.env.rank, rank_layout(self.trainer.run_config), common, in_flight)
+        STATE_FILES.save(directory, self.parts.env.rank, rank_layout(self.parts.run), common, in_flight)
 
-    def load(self, directory: str, common: dict) -> None:
-        """Restore the state :meth:`save` wrote (``common``: its ``abs_sgd.json``);
+    def resume(self, directory: str, common: Optional[dict]) -> None:
+        """Restore the state :meth:`save` wrote (``common``: its ``abs_sgd.json``); from a
+        checkpoint without it (a synchronous one) every stream starts where that run stopped.
         CheckpointError naming the flags when this run cannot continue it."""
+        if common is None:
+            log(f"abs-sgd: {directory} is a synchronous checkpoint; every replica's stream starts at micro-batch {self.positions[0]}")
+            return
         pending = common["in_flight_iteration"]
         if pending is not None:
-            if common["layout"] != rank_layout(self.trainer.run_config):
+            if common["layout"] != rank_layout(self.parts.run):
                 raise CheckpointError(
                     f"{directory} holds abs-sgd gradients in flight for another layout ({common['layout']}); resume it with "
                     "the same world size, --tensor-model-parallel-size, --pipeline-model-parallel-size, schedule and "
@@ -256,29 +262,22 @@ class AbsSgdStep:
         self.last_wait_s = common["last_wait_s"]
         self.next_position = self.positions[self.replica]
         if pending is not None:
-            state = STATE_FILES.load_rank(directory, self.trainer.env.rank)
+            state = STATE_FILES.load_rank(directory, self.parts.env.rank)
             try:
-                self.in_flight = GradientExchange.from_state_dict(state, self.trainer.model.chunks)
+                self.in_flight = GradientExchange.from_state_dict(state, self.parts.model.chunks)
             except ValueError as error:
                 raise CheckpointError(f"{directory}: {error}") from None
             self.next_position += self.layout.decode(self.in_flight.stats.cpu()).counts[self.replica]
         log(f"abs-sgd: resumed the replicas' streams at micro-batches {self.positions}" + ("" if pending is None else f", gradients of iteration {pending} in flight"))
 
 
-def resume_data_parallel(directory: str, abs_sgd: Optional[AbsSgdStep]) -> None:
-    """After loading checkpoint ``directory``: restore ABS-SGD's state (``abs_sgd`` None in
-    synchronous mode). A synchronous run refuses an ABS-SGD checkpoint (its replicas read
-    their own streams, and gradients may be in flight); an ABS-SGD run starting from a
-    synchronous checkpoint starts every stream where the synchronous run stopped."""
-    common = STATE_FILES.read_common(directory)
-    if common is None:
-        if abs_sgd is not None:
-            log(f"abs-sgd: {directory} is a synchronous checkpoint; every replica's stream starts at micro-batch {abs_sgd.positions[0]}")
-        return
-    if abs_sgd is None:
-        raise CheckpointError(
-            f"{directory} was saved with --data-parallel-mode abs-sgd (each replica reads its own sample stream"
-            + ("" if common.get("in_flight_iteration") is None else f"; the gradients of iteration {common['in_flight_iteration']} are in flight")
-            + "): resume it with --data-parallel-mode abs-sgd"
+    @classmethod
+    def refusal(cls, directory: str, common: dict) -> str:
+        """Another mode cannot load an ABS-SGD checkpoint: its replicas read their own streams,
+        and gradients may be in flight."""
+        pending = common.get("in_flight_iteration")
+        return (
+            f"{directory} was saved with --data-parallel-mode {ABS_SGD.name} (each replica reads its own sample stream"
+            + ("" if pending is None else f"; the gradients of iteration {pending} are in flight")
+            + f"): resume it with --data-parallel-mode {ABS_SGD.name}"
         )
-    abs_sgd.load(directory, common)

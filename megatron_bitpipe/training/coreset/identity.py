@@ -27,6 +27,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Dict, List, Optional
 
+from ...data_parallel_modes import SYNC, selected_mode
 from ..abs_sgd.args import dataset_train_samples
 from ..arguments import data_path_prefixes
 
@@ -205,8 +206,8 @@ def coreset_problems(args: argparse.Namespace) -> List[str]:
     path = getattr(args, "coreset", None)
     if path is None:
         return []
-    if getattr(args, "data_parallel_mode", "sync") != "sync":
-        return [f"--coreset needs --data-parallel-mode sync (got {args.data_parallel_mode})"]
+    if selected_mode(args) is not SYNC:
+        return [f"--coreset needs --data-parallel-mode {SYNC.name} (got {args.data_parallel_mode})"]
     if getattr(args, "hfta_models", None) is not None:
         return ["--coreset cannot be combined with --hfta-models (the fused array's loss does not weight samples)"]
     if not os.path.isfile(path):

@@ -39,6 +39,7 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
+from ...data_parallel_modes import SYNC, selected_mode
 from ...megatron_args import BitPipeConfigError
 from ..arguments import parse_args
 from ..task import TaskArguments
@@ -114,8 +115,8 @@ class SelectionArguments(TaskArguments):
         for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size), ("--tensor-model-parallel-size", args.tensor_model_parallel_size)):
             if value != 1:
                 problems.append(f"{flag} must be 1 for select_coreset.py (got {value}; a checkpoint of any layout loads)")
-        if args.data_parallel_mode != "sync":
-            problems.append(f"--data-parallel-mode must be sync for a coreset (got {args.data_parallel_mode})")
+        if selected_mode(args) is not SYNC:
+            problems.append(f"--data-parallel-mode must be {SYNC.name} for a coreset (got {args.data_parallel_mode})")
         directory = os.path.dirname(os.path.abspath(args.output))
         if not os.path.isdir(directory):
             problems.append(f"--output {args.output}: no directory {directory}")

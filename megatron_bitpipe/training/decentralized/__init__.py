@@ -23,7 +23,7 @@ Python), :mod:`.methods` (the updates and their exchanges), :mod:`.step` (the tr
 loop's side: logs, evaluation weights, checkpoints). See ``docs/decentralized.md``.
 """
 
-from .args import DECENTRALIZED_MODES, DecentralizedSettings, add_decentralized_args, decentralized_problems
+from .args import DecentralizedSettings, add_decentralized_args, decentralized_problems
 from .topology import Topology, topology
 
-__all__ = ["DECENTRALIZED_MODES", "DecentralizedSettings", "add_decentralized_args", "decentralized_problems", "Topology", "topology"]
+__all__ = ["DecentralizedSettings", "add_decentralized_args", "decentralized_problems", "Topology", "topology"]

@@ -1,7 +1,7 @@
 """Flags of the decentralized data-parallel modes and their rules (pure Python, no torch).
 
-``--data-parallel-mode decentlam | dmsgd | lsgd`` (the flag itself is defined with ABS-SGD's,
-:func:`megatron_bitpipe.training.abs_sgd.args.add_data_parallel_args`):
+``--data-parallel-mode decentlam | dmsgd | lsgd`` (the flag and its modes:
+:mod:`megatron_bitpipe.data_parallel_modes`):
 
 * ``--gossip-topology {ring,exponential,complete}`` (default exponential): the graph whose
   neighbours a DecentLaM / DmSGD replica averages with;
@@ -23,8 +23,9 @@ import argparse
 from dataclasses import dataclass
 from typing import List
 
+from ...data_parallel_modes import DECENTLAM, DMSGD, LSGD, data_parallel_mode, decentralized_modes, selected_mode
+
 __all__ = [
-    "DECENTRALIZED_MODES",
     "GOSSIP_MODES",
     "TOPOLOGIES",
     "DecentralizedSettings",
@@ -32,10 +33,8 @@ __all__ = [
     "decentralized_problems",
 ]
 
-#: the decentralized values of ``--data-parallel-mode``
-DECENTRALIZED_MODES = ("decentlam", "dmsgd", "lsgd")
-#: the modes that average with graph neighbours every iteration
-GOSSIP_MODES = ("decentlam", "dmsgd")
+#: the modes that average with graph neighbours every iteration (the others: LSGD's leaders)
+GOSSIP_MODES = (DECENTLAM, DMSGD)
 TOPOLOGIES = ("ring", "exponential", "complete")
 _LSGD_FLAGS = {
     "lsgd_group_size": "--lsgd-group-size",
@@ -85,8 +84,8 @@ def add_decentralized_args(parser: argparse.ArgumentParser) -> argparse.Argument
 
 @dataclass(frozen=True)
 class DecentralizedSettings:
-    """The decentralized flags with defaults filled in (``topology`` None for lsgd, the LSGD
-    values unused by the gossip modes)."""
+    """The decentralized flags with defaults filled in (``mode``: the name; the LSGD values
+    unused by the gossip modes, ``topology`` by lsgd)."""
 
     mode: str
     topology: str
@@ -108,20 +107,25 @@ class DecentralizedSettings:
             momentum=args.sgd_momentum,
         )
 
+    @property
+    def gossip(self) -> bool:
+        """Whether the mode averages with graph neighbours (else it pulls toward LSGD's leaders)."""
+        return data_parallel_mode(self.mode) in GOSSIP_MODES
+
 
 def decentralized_problems(args: argparse.Namespace) -> List[str]:
     """Every rule the decentralized flags break, one message each naming the flags; no
     communication. Needs the derived ``data_parallel_size``."""
     problems: List[str] = []
-    mode = args.data_parallel_mode
+    mode = selected_mode(args)
     if args.gossip_topology is not None and mode not in GOSSIP_MODES:
-        problems.append(f"--gossip-topology needs --data-parallel-mode {' or '.join(GOSSIP_MODES)} (got {mode})")
+        problems.append(f"--gossip-topology needs --data-parallel-mode {' or '.join(m.name for m in GOSSIP_MODES)} (got {mode.name})")
     given = [flag for dest, flag in _LSGD_FLAGS.items() if getattr(args, dest) is not None]
-    if given and mode != "lsgd":
-        problems.append(f"{', '.join(given)} need --data-parallel-mode lsgd (got {mode})")
-    if mode not in DECENTRALIZED_MODES:
+    if given and mode is not LSGD:
+        problems.append(f"{', '.join(given)} need --data-parallel-mode {LSGD.name} (got {mode.name})")
+    if mode not in decentralized_modes():
         return problems
-    flag = f"--data-parallel-mode {mode}"
+    flag = f"--data-parallel-mode {mode.name}"
     if args.optimizer != "sgd":
         problems.append(
             f"{flag} needs --optimizer sgd (got {args.optimizer}): its update is defined on SGD with momentum "
@@ -137,7 +141,7 @@ def decentralized_problems(args: argparse.Namespace) -> List[str]:
             f"{flag} does not support --fp16: a replica whose dynamic loss scale overflows skips its step while the "
             "others wait for its parameters; use --bf16 or fp32"
         )
-    if mode == "lsgd":
+    if mode is LSGD:
         dp = args.data_parallel_size
         size = args.lsgd_group_size
         if size is not None and (size < 1 or dp % size):

@@ -33,6 +33,8 @@ import torch.distributed as dist
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+from ...data_parallel_modes import DMSGD, DataParallelMode
+from .args import GOSSIP_MODES
 from .topology import Topology
 
 __all__ = ["ReplicaLinks", "Gossip", "LeaderPull", "flat_parameters", "consensus_distance", "elect"]
@@ -100,15 +102,16 @@ class ReplicaLinks:
 
 
 class Gossip:
-    """DecentLaM (``method="decentlam"``) or DmSGD (``"dmsgd"``) over ``topology`` (module
+    """DecentLaM (``mode`` :data:`~megatron_bitpipe.data_parallel_modes.DECENTLAM`) or DmSGD
+    (:data:`~megatron_bitpipe.data_parallel_modes.DMSGD`) over ``topology`` (module
     docstring); callable as a :class:`DecentralizedSGD` update."""
 
-    def __init__(self, method: str, topology: Topology, links: ReplicaLinks):
-        if method not in ("decentlam", "dmsgd"):
-            raise ValueError(f"unknown gossip method {method!r}")
+    def __init__(self, mode: DataParallelMode, topology: Topology, links: ReplicaLinks):
+        if mode not in GOSSIP_MODES:
+            raise ValueError(f"{mode.name} is not a gossip mode ({', '.join(m.name for m in GOSSIP_MODES)})")
         if topology.size != links.size:
             raise ValueError(f"a gossip graph of {topology.size} replicas for {links.size} data-parallel replicas")
-        self.method, self.topology, self.links = method, topology, links
+        self.mode, self.topology, self.links = mode, topology, links
 
     def mix(self, vector: torch.Tensor) -> torch.Tensor:
         """``Σ_j W_ij v_j`` for this replica ``i`` (one exchange with the neighbours)."""
@@ -128,7 +131,7 @@ class Gossip:
         params = [p for p, _ in pairs]
         states = [optimizer.state[p]["momentum_buffer"] for p in params]
         updates = [p.grad.float() + group["weight_decay"] * p.float() if group["weight_decay"] else p.grad.float() for p, group in pairs]
-        if self.method == "dmsgd":
+        if self.mode is DMSGD:
             for (p, group), m, u in zip(pairs, states, updates):
                 m.mul_(group["momentum"]).add_(u)
             sent = torch.cat([(p.float() - group["lr"] * m).reshape(-1) for (p, group), m in zip(pairs, states)]) if params else torch.zeros(0)

@@ -1,10 +1,11 @@
-"""The decentralized modes inside the pretraining loop: :class:`DecentralizedStep`.
+"""The decentralized modes inside the pretraining loop: :class:`DecentralizedStrategy`.
 
-An iteration is the synchronous one (:meth:`~megatron_bitpipe.training.loop.Trainer.train_step`)
+An iteration is the synchronous one (:class:`~megatron_bitpipe.training.sync.SyncStrategy`)
 with three differences: the chunks' DDP averages gradients only within a data-parallel replica
 (BitPipe's weight replicas), the optimizer's step is the mode's update
 (:mod:`.methods`, attached to :class:`~megatron_bitpipe.optimizers.decentralized_sgd.DecentralizedSGD`
-here), and LSGD sees each iteration's training losses before the step (:meth:`DecentralizedStep.observe`).
+here), and LSGD sees each iteration's training losses before the step
+(:meth:`DecentralizedStrategy.before_optimizer_step`).
 The logged loss is the mean over all replicas' batches, each at its own weights; the grad norm
 is replica 0's (each replica clips its own gradient).
 
@@ -17,7 +18,7 @@ of the parameters); LSGD also ``lsgd_elected`` (whether the iteration held an el
 ``lsgd_global_leader``, ``lsgd_local_leaders`` (one per group) and, at an election,
 ``lsgd_period_losses`` (each replica's mean training loss over the period).
 
-**Evaluation** (:meth:`DecentralizedStep.evaluated_weights`): decentlam and dmsgd evaluate the
+**Evaluation** (:meth:`DecentralizedStrategy.evaluated_weights`): decentlam and dmsgd evaluate the
 average of the replicas' weights, lsgd the global leader's current weights (replica 0 before the
 first election); the training weights are restored bit for bit afterwards. An iteration with an
 evaluation logs ``evaluated_weights``.
@@ -40,41 +41,46 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
+from ...data_parallel_modes import DECENTLAM, DMSGD, LSGD, DataParallelMode
 from ...optimizers import megatron_parts
 from ...optimizers.decentralized_sgd import DecentralizedSGD
 from ..distributed import log
 from ..checkpoint import rank_layout
 from ...checkpoint_rules import CheckpointError
+from ..mode import TrainingParts
 from ..rank_state import RankStateFiles
-from .args import GOSSIP_MODES, DecentralizedSettings
+from ..sync import SyncStrategy
+from .args import DecentralizedSettings
 from .methods import Gossip, LeaderPull, ReplicaLinks, consensus_distance, flat_parameters
 from .topology import topology
 
-__all__ = ["DecentralizedStep", "resume_decentralized", "COMMON_FILE"]
+__all__ = ["DecentralizedStrategy", "COMMON_FILE"]
 
 #: a decentralized mode's state next to a checkpoint: every replica's weights, momentum and method state
 STATE_FILES = RankStateFiles("decentralized", version=1)
 COMMON_FILE = STATE_FILES.common_file
 
 
-class DecentralizedStep:
-    """A decentralized mode's part of a :class:`~megatron_bitpipe.training.loop.Trainer`
-    (collective construction: warms up the data-parallel links)."""
+class DecentralizedStrategy(SyncStrategy):
+    """A decentralized mode's iteration, evaluated weights and checkpoints (collective
+    construction: warms up the data-parallel links)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        args = trainer.args
-        self.settings = s = DecentralizedSettings.from_args(args)
-        parts = megatron_parts(trainer.optimizer)
-        if len(parts) != 1 or not isinstance(parts[0].optimizer, DecentralizedSGD):
+    modes = (DECENTLAM, DMSGD, LSGD)
+    state_files = STATE_FILES
+
+    def __init__(self, mode: DataParallelMode, parts: TrainingParts):
+        super().__init__(mode, parts)
+        self.settings = s = DecentralizedSettings.from_args(parts.args)
+        optimizer_parts = megatron_parts(parts.optimizer)
+        if len(optimizer_parts) != 1 or not isinstance(optimizer_parts[0].optimizer, DecentralizedSGD):
             raise TypeError(f"--data-parallel-mode {s.mode} needs the optimizer built for it (--optimizer sgd)")
-        self.part, self.inner = parts[0], parts[0].optimizer
-        device = trainer.env.device
-        self.links = links = ReplicaLinks(trainer.groups, device)
+        self.part, self.inner = optimizer_parts[0], optimizer_parts[0].optimizer
+        device = parts.env.device
+        self.links = links = ReplicaLinks(parts.model.groups, device)
         me, n = links.replica, links.size
-        if s.mode in GOSSIP_MODES:
+        if s.gossip:
             self.graph = topology(s.topology, n)
-            self.method = Gossip(s.mode, self.graph, links)
+            self.method = Gossip(mode, self.graph, links)
             links.warm_up(self.graph.destinations(me), self.graph.sources(me))
         else:
             self.graph = None
@@ -86,7 +92,7 @@ class DecentralizedStep:
         dist.all_reduce(total)
         #: bytes of one replica's parameters as they travel (all its ranks, BitPipe's weight replicas included)
         self.replica_bytes = int(total.item()) // n
-        self.loss_name = trainer.task.loss_names[0]
+        self.loss_name = parts.task.loss_names[0]
         log(f"{s.mode}: {self._description()}; evaluation uses {self.evaluated_label()}")
 
     def _description(self) -> str:
@@ -103,13 +109,13 @@ class DecentralizedStep:
 
     # -- one iteration ----------------------------------------------------------------------
 
-    def observe(self, reports: List[Dict[str, torch.Tensor]]) -> None:
-        """Before the optimizer step: this rank's share of the iteration's training losses
-        (``[sum, count]`` of the task's first loss, on tensor-parallel rank 0 of a loss rank)."""
+    def before_optimizer_step(self, reports: List[Dict[str, torch.Tensor]]) -> None:
+        """LSGD observes this rank's share of the iteration's training losses (``[sum, count]``
+        of the task's first loss, on tensor-parallel rank 0 of a loss rank)."""
         if not isinstance(self.method, LeaderPull):
             return
         totals = torch.zeros(2, dtype=torch.float64)
-        if self.trainer.groups.tp_rank == 0:
+        if self.parts.model.groups.tp_rank == 0:
             for report in reports:
                 totals += report[self.loss_name].detach().to(totals)
         self.method.observe(totals)
@@ -126,10 +132,10 @@ class DecentralizedStep:
             messages += sum(size - 1 for leader in m.local_leaders if not (m.pull_global and leader == m.global_leader))
         return messages * self.replica_bytes / n
 
-    def fields(self, iteration: int) -> Dict[str, object]:
+    def iteration_fields(self, iteration: int) -> Dict[str, object]:
         """The iteration record's fields after the step (collective on logging iterations:
         the consensus distance)."""
-        interval = self.trainer.args.log_interval
+        interval = self.parts.args.log_interval
         due = bool(interval) and iteration % interval == 0
         out: Dict[str, object] = {
             "comm_bytes_per_replica": self._comm_bytes(),
@@ -147,6 +153,10 @@ class DecentralizedStep:
 
     # -- evaluation -------------------------------------------------------------------------
 
+    def evaluation_fields(self) -> Dict[str, object]:
+        """``evaluated_weights``: which weights the evaluation used."""
+        return {"evaluated_weights": self.evaluated_label()}
+
     def evaluated_label(self) -> str:
         if self.graph is not None:
             return f"the average of the {self.links.size} replicas' weights"
@@ -157,7 +167,7 @@ class DecentralizedStep:
     def evaluated_weights(self) -> Iterator[None]:
         """Inside: every replica's model holds the evaluated weights (the average, or the
         global leader's); afterwards its own again, bit for bit. Collective."""
-        params = [p for chunk in self.trainer.model.chunks for p in unwrap_model(chunk).parameters()]
+        params = [p for chunk in self.parts.model.chunks for p in unwrap_model(chunk).parameters()]
         saved = [p.detach().clone() for p in params]
         flat = flat_parameters(params).to(self.links.device)
         if self.graph is not None:
@@ -193,25 +203,29 @@ class DecentralizedStep:
             "method": self.method.state_dict(),
         }
         common = {"mode": self.settings.mode, "settings": dataclasses.asdict(self.settings)}
-        STATE_FILES.save(directory, self.trainer.env.rank, rank_layout(self.trainer.run_config), common, state)
+        STATE_FILES.save(directory, self.parts.env.rank, rank_layout(self.parts.run), common, state)
 
-    def load(self, directory: str, common: dict) -> None:
-        """Restore the state :meth:`save` wrote (``common``: its ``decentralized.json``);
+    def resume(self, directory: str, common: Optional[dict]) -> None:
+        """Restore the state :meth:`save` wrote (``common``: its ``decentralized.json``); from
+        a checkpoint without it (one model) every replica starts from that model.
         CheckpointError naming the flags when this run cannot continue it."""
         mode = self.settings.mode
+        if common is None:
+            log(f"{mode}: {directory} holds one model; every replica starts from it")
+            return
         if common["mode"] != mode:
             raise CheckpointError(f"{directory} was saved with --data-parallel-mode {common['mode']}: resume it with that mode, not {mode}")
-        if common["layout"] != rank_layout(self.trainer.run_config):
+        if common["layout"] != rank_layout(self.parts.run):
             raise CheckpointError(
                 f"{directory} holds the {common['mode']} replicas of another layout ({common['layout']}); resume it with the "
                 "same world size, --tensor-model-parallel-size, --pipeline-model-parallel-size, schedule and --tensor-parallel-mode"
             )
-        state = STATE_FILES.load_rank(directory, self.trainer.env.rank)
+        state = STATE_FILES.load_rank(directory, self.parts.env.rank)
         params = self._params()
         shapes = [tuple(p.shape) for p in params]
         if [tuple(t.shape) for t in state["params"]] != shapes:
             raise CheckpointError(f"{directory}: the saved replica parameters do not fit this model's optimizer parameters")
-        args = self.trainer.args
+        args = self.parts.args
         weights_only = args.finetune or args.no_load_optim
         with torch.no_grad():
             for p, value, momentum in zip(params, state["params"], state["momentum"]):
@@ -226,17 +240,10 @@ class DecentralizedStep:
         log(f"{mode}: resumed every replica's weights" + ("" if weights_only else ", momentum and method state") + f" from {directory}")
 
 
-def resume_decentralized(directory: str, step: Optional[DecentralizedStep]) -> None:
-    """After loading checkpoint ``directory``: restore every replica (``step`` None in the
-    other modes, which refuse a decentralized checkpoint: it holds replica 0's model only)."""
-    common = STATE_FILES.read_common(directory)
-    if common is None:
-        if step is not None:
-            log(f"{step.settings.mode}: {directory} holds one model; every replica starts from it")
-        return
-    if step is None:
-        raise CheckpointError(
+    @classmethod
+    def refusal(cls, directory: str, common: dict) -> str:
+        """Another mode cannot load a decentralized checkpoint: it holds replica 0's model only."""
+        return (
             f"{directory} was saved with --data-parallel-mode {common['mode']} (every data-parallel replica has weights of "
             f"its own; the checkpoint's model is replica 0's): resume it with --data-parallel-mode {common['mode']}"
         )
-    step.load(directory, common)
