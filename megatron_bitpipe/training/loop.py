@@ -3,7 +3,8 @@
 :func:`run_training` takes the checked flags (:mod:`.script` parses them on every rank,
 before any communication), makes the run's decisions once
 (:class:`~megatron_bitpipe.run_config.RunConfig`), builds the tokenizer, starts ``torch.distributed`` (:mod:`.distributed`),
-asks the :class:`~.task.PretrainTask` for the model and the datasets, reports them (parameters,
+builds the model of the run's model kind (chosen once, :func:`~.model_registry.model_kind_for`),
+asks the :class:`~.task.PretrainTask` for the datasets, reports them (parameters,
 memory, model FLOPs) and trains ``--train-iters`` iterations with the schedule the flags select
 (:mod:`.schedule`): evaluation every ``--eval-interval`` iterations, logs (:mod:`.logs`),
 checkpoints every ``--save-interval`` and at the end (:mod:`.checkpoint`), resuming from
@@ -52,6 +53,7 @@ from .config import lr_scheduler, optimizer_config, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .exit_conditions import ExitConditions
 from .logs import IterationRecord, TrainingLogger
+from .model_registry import model_kind_for
 from .report import gather_rank_reports, job_peak_memory_mib, memory_kind, model_flops_per_sample, reset_peak_memory
 from .schedule import Schedule
 from .task import PretrainTask
@@ -65,12 +67,15 @@ class Trainer:
     def __init__(self, task: PretrainTask, args: argparse.Namespace, run: RunConfig, tokenizer, env: distributed.Distributed):
         self.started = time.perf_counter()  # the summary's total time: set-up and training
         self.task, self.args, self.run_config, self.env = task, args, run, env
-        self.model = task.build_model(args, run)
+        self.kind = model_kind_for(task.name, run)
+        self.loss_names = self.kind.loss_names(args, run)
+        self.forward_step = self.kind.forward_step(args, run)
+        self.model = self.kind.build_model(args, run)
         self.groups = self.model.groups
         use_global_tp_group(self.groups.tp)
-        self.optimizer = build_optimizer(self.model, optimizer_config(args, run), run.optimizer)
+        self.optimizer = build_optimizer(self.model, optimizer_config(args, run), run.optimizer, run.hfta)
         self.scheduler = lr_scheduler(args, run, self.optimizer)
-        self.schedule = Schedule(args, run, self.model, self.optimizer, task)
+        self.schedule = Schedule(args, run, self.model, self.optimizer, self.kind.p2p_shapes(run, self.model))
         self.state = TrainingState()
         loaded = None
         if args.load:
@@ -85,7 +90,7 @@ class Trainer:
             resume_decentralized(directory, self.decentralized)
             resume_data_parallel(directory, self.abs_sgd)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
-        self.flops_per_iteration = args.global_batch_size * model_flops_per_sample(args, task.causal_attention)
+        self.flops_per_iteration = args.global_batch_size * model_flops_per_sample(args, self.kind.causal_attention)
         self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration, run.label)
 
     # -- one step -------------------------------------------------------------------------
@@ -96,7 +101,7 @@ class Trainer:
         Each loss rank adds its reports; only TP rank 0 of a stage contributes, as every TP
         rank of a loss stage holds the same reports.
         """
-        names = self.task.loss_names
+        names = self.loss_names
         totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.env.device)
         if self.groups.tp_rank == 0:
             for report in reports:
@@ -121,13 +126,13 @@ class Trainer:
         self.optimizer.zero_grad()
         lr = lr_for_logging(self.optimizer)
         batches = microbatches(self.train_data, self.state.consumed_train_samples, args, self.groups.dp_rank)
-        reports = self.schedule.run(self.task.forward_step, batches, forward_only=False)
+        reports = self.schedule.run(self.forward_step, batches, forward_only=False)
         if self.decentralized is not None:
             self.decentralized.observe(reports)
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=args.global_batch_size)
-        losses, extra = self.task.iteration_losses(self._reduce_losses(reports))
+        losses, extra = self.kind.iteration_losses(args, self.run_config, self._reduce_losses(reports))
         self._synchronize()
         elapsed = time.perf_counter() - start
         self.state.iteration += 1
@@ -166,7 +171,7 @@ class Trainer:
             for batch in range(self.args.eval_iters):
                 first = batch * self.args.global_batch_size
                 batches = microbatches(dataset, first, self.args, self.groups.dp_rank)
-                reports += self.schedule.run(self.task.forward_step, batches, forward_only=True)
+                reports += self.schedule.run(self.forward_step, batches, forward_only=True)
         for chunk in self.model.chunks:
             chunk.train()
         return self._reduce_losses(reports)

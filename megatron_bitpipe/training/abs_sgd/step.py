@@ -63,7 +63,7 @@ COMMON_FILE = STATE_FILES.common_file
 
 class AbsSgdStep:
     """ABS-SGD's iteration for a :class:`~megatron_bitpipe.training.loop.Trainer` (its model,
-    optimizer, scheduler, schedule, task, data and progress counters)."""
+    optimizer, scheduler, schedule, model kind, data and progress counters)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -71,7 +71,7 @@ class AbsSgdStep:
         self.settings = AbsSgdSettings.from_args(args)
         grid = trainer.groups.grid
         self.dp, self.replica = grid.dp, trainer.groups.dp_rank
-        self.layout = StatsLayout(grid.dp, grid.tp * grid.pp, tuple(trainer.task.loss_names))
+        self.layout = StatsLayout(grid.dp, grid.tp * grid.pp, tuple(trainer.loss_names))
         self.adaptive = self.settings.trigger == "time" and grid.tp * grid.pp == 1
         self.pipelines = trainer.groups.placement.num_pipelines
         self.speeds = SpeedEstimate()
@@ -96,7 +96,7 @@ class AbsSgdStep:
 
     def _run(self, positions: range) -> list:
         t = self.trainer
-        return t.schedule.run(t.task.forward_step, [self._microbatch(p) for p in positions], forward_only=False)
+        return t.schedule.run(t.forward_step, [self._microbatch(p) for p in positions], forward_only=False)
 
     def _compute(self, started: float):
         """Run this replica's micro-batches; ``(count, loss divisor, loss reports)``."""

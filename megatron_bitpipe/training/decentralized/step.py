@@ -86,7 +86,7 @@ class DecentralizedStep:
         dist.all_reduce(total)
         #: bytes of one replica's parameters as they travel (all its ranks, BitPipe's weight replicas included)
         self.replica_bytes = int(total.item()) // n
-        self.loss_name = trainer.task.loss_names[0]
+        self.loss_name = trainer.loss_names[0]
         log(f"{s.mode}: {self._description()}; evaluation uses {self.evaluated_label()}")
 
     def _description(self) -> str:
@@ -105,7 +105,7 @@ class DecentralizedStep:
 
     def observe(self, reports: List[Dict[str, torch.Tensor]]) -> None:
         """Before the optimizer step: this rank's share of the iteration's training losses
-        (``[sum, count]`` of the task's first loss, on tensor-parallel rank 0 of a loss rank)."""
+        (``[sum, count]`` of the model kind's first loss, on tensor-parallel rank 0 of a loss rank)."""
         if not isinstance(self.method, LeaderPull):
             return
         totals = torch.zeros(2, dtype=torch.float64)
