@@ -258,52 +258,6 @@ def bert_forward_step(data_iterator: Iterator, model: torch.nn.Module, loss_func
 MOCK_VALID_OFFSET = 1 << 40
 
 
-def bert_losses(args: argparse.Namespace) -> Tuple[str, ...]:
-    """The losses one BERT reports: ``lm loss`` and ``sop loss``, ``lm loss`` only without the binary head."""
-    return ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
-
-
-def _binary_head(args: argparse.Namespace, run: RunConfig) -> dict:
-    return dict(add_binary_head=args.bert_binary_head)
-
-
-#: megatron-core ``BertModel`` chunks (:func:`~megatron_bitpipe.model.bert_model.build_bert_chunks`,
-#: the local layer spec, with SDPA's core attention under ``--attention-backend sdpa``),
-#: Megatron-LM's loss (:func:`bert_forward_step`)
-BERT = ModelKind(
-    name="bert",
-    task="bert",
-    chosen_when=None,
-    chunk_builder=build_bert_chunks,
-    layer_spec=local_layer_spec(default_bert_layer_spec),
-    chunk_kwargs=_binary_head,
-    forward_step=lambda args, run: bert_forward_step,
-    loss_names=lambda args, run: bert_losses(args),
-    iteration_losses=own_iteration_losses,
-    p2p_shapes=no_p2p_adjustment,
-    causal_attention=False,
-)
-
-#: a fused array of ``--hfta-models`` BERTs (:class:`~megatron_bitpipe.hfta.bert.HftaBertChunk`),
-#: loss :func:`hfta_bert_loss`: reports the models' means and ``lm loss k`` / ``sop loss k`` per model
-HFTA_BERT = replace(
-    BERT,
-    name="hfta-bert",
-    chosen_when=is_fused_array,
-    layer_spec=lambda args, run, config: hfta_bert_layer_spec(run.hfta.num_models, core_attention(args)),
-    chunk_kwargs=lambda args, run: dict(_binary_head(args, run), model_class=HftaBertChunk, hfta=run.hfta),
-    forward_step=lambda args, run: functools.partial(
-        bert_forward_step, loss_func=functools.partial(hfta_bert_loss, run.hfta.num_models)
-    ),
-    loss_names=lambda args, run: hfta_loss_names(bert_losses(args), run.hfta.num_models),
-    iteration_losses=lambda args, run, losses: hfta_iteration_losses(losses, bert_losses(args), run.hfta.num_models),
-    p2p_shapes=fused_p2p_shapes,
-)
-
-#: the BERT task's kinds, for :mod:`.model_registry`
-KINDS = (BERT, HFTA_BERT)
-
-
 class BertTask(BertArguments, PretrainTask):
     """BERT with megatron-core; see the module docstring. Its kinds: :data:`BERT`,
     :data:`HFTA_BERT` (``--hfta-models``)."""
@@ -338,3 +292,49 @@ class BertTask(BertArguments, PretrainTask):
             masking_use_geometric_distribution=False,
             classification_head=args.bert_binary_head,
         )
+
+
+def bert_losses(args: argparse.Namespace) -> Tuple[str, ...]:
+    """The losses one BERT reports: ``lm loss`` and ``sop loss``, ``lm loss`` only without the binary head."""
+    return ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
+
+
+def _binary_head(args: argparse.Namespace, run: RunConfig) -> dict:
+    return dict(add_binary_head=args.bert_binary_head)
+
+
+#: megatron-core ``BertModel`` chunks (:func:`~megatron_bitpipe.model.bert_model.build_bert_chunks`,
+#: the local layer spec, with SDPA's core attention under ``--attention-backend sdpa``),
+#: Megatron-LM's loss (:func:`bert_forward_step`)
+BERT = ModelKind(
+    name="bert",
+    task=BertTask.name,
+    chosen_when=None,
+    chunk_builder=build_bert_chunks,
+    layer_spec=local_layer_spec(default_bert_layer_spec),
+    chunk_kwargs=_binary_head,
+    forward_step=lambda args, run: bert_forward_step,
+    loss_names=lambda args, run: bert_losses(args),
+    iteration_losses=own_iteration_losses,
+    p2p_shapes=no_p2p_adjustment,
+    causal_attention=False,
+)
+
+#: a fused array of ``--hfta-models`` BERTs (:class:`~megatron_bitpipe.hfta.bert.HftaBertChunk`),
+#: loss :func:`hfta_bert_loss`: reports the models' means and ``lm loss k`` / ``sop loss k`` per model
+HFTA_BERT = replace(
+    BERT,
+    name="hfta-bert",
+    chosen_when=is_fused_array,
+    layer_spec=lambda args, run, config: hfta_bert_layer_spec(run.hfta.num_models, core_attention(args)),
+    chunk_kwargs=lambda args, run: dict(_binary_head(args, run), model_class=HftaBertChunk, hfta=run.hfta),
+    forward_step=lambda args, run: functools.partial(
+        bert_forward_step, loss_func=functools.partial(hfta_bert_loss, run.hfta.num_models)
+    ),
+    loss_names=lambda args, run: hfta_loss_names(bert_losses(args), run.hfta.num_models),
+    iteration_losses=lambda args, run, losses: hfta_iteration_losses(losses, bert_losses(args), run.hfta.num_models),
+    p2p_shapes=fused_p2p_shapes,
+)
+
+#: the BERT task's kinds, for :mod:`.model_registry`
+KINDS = (BERT, HFTA_BERT)

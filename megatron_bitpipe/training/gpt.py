@@ -111,6 +111,36 @@ def hfta_forward_step(num_models: int, data_iterator, model):
     return output, partial(hfta_loss, num_models, batch["loss_mask"])
 
 
+class GPTTask(GPTArguments, PretrainTask):
+    """GPT with megatron-core; see the module docstring. Its kinds: :data:`GPT`,
+    :data:`HFTA_GPT` (``--hfta-models``), :data:`OPTIMUS_GPT` (``--tensor-parallel-mode optimus2d``)."""
+
+    name = "gpt"
+
+    def build_datasets(self, args: argparse.Namespace, tokenizer):
+        train, valid, test = self._datasets(args, tokenizer)
+        coreset = CoresetSettings.from_args(args)
+        return (train if coreset is None else CoresetDataset(train, coreset.coreset)), valid, test
+
+    def _datasets(self, args: argparse.Namespace, tokenizer):
+        if args.use_mock_data:
+            vocab = tokenizer.vocab_size
+            valid = MockGPTDataset(args.seed, "valid", args.seq_length, vocab) if args.eval_iters > 0 else None
+            return MockGPTDataset(args.seed, "train", args.seq_length, vocab), valid, None
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+        return indexed_datasets(
+            args,
+            tokenizer,
+            GPTDataset,
+            GPTDatasetConfig,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=args.eod_mask_loss,
+            create_attention_mask=False,
+        )
+
+
 #: the loss a GPT reports
 GPT_LOSSES = ("lm loss",)
 
@@ -123,7 +153,7 @@ def _rotary_base(args: argparse.Namespace, run: RunConfig) -> dict:
 #: ``--attention-backend sdpa``), Megatron-LM's loss (:func:`gpt_forward_step`)
 GPT = ModelKind(
     name="gpt",
-    task="gpt",
+    task=GPTTask.name,
     chosen_when=None,
     chunk_builder=build_gpt_chunks,
     layer_spec=local_layer_spec(default_gpt_layer_spec),
@@ -161,33 +191,3 @@ HFTA_GPT = replace(
 
 #: the GPT task's kinds, for :mod:`.model_registry`
 KINDS = (GPT, HFTA_GPT, OPTIMUS_GPT)
-
-
-class GPTTask(GPTArguments, PretrainTask):
-    """GPT with megatron-core; see the module docstring. Its kinds: :data:`GPT`,
-    :data:`HFTA_GPT` (``--hfta-models``), :data:`OPTIMUS_GPT` (``--tensor-parallel-mode optimus2d``)."""
-
-    name = "gpt"
-
-    def build_datasets(self, args: argparse.Namespace, tokenizer):
-        train, valid, test = self._datasets(args, tokenizer)
-        coreset = CoresetSettings.from_args(args)
-        return (train if coreset is None else CoresetDataset(train, coreset.coreset)), valid, test
-
-    def _datasets(self, args: argparse.Namespace, tokenizer):
-        if args.use_mock_data:
-            vocab = tokenizer.vocab_size
-            valid = MockGPTDataset(args.seed, "valid", args.seq_length, vocab) if args.eval_iters > 0 else None
-            return MockGPTDataset(args.seed, "train", args.seq_length, vocab), valid, None
-        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-        return indexed_datasets(
-            args,
-            tokenizer,
-            GPTDataset,
-            GPTDatasetConfig,
-            reset_position_ids=False,
-            reset_attention_mask=False,
-            eod_mask_loss=args.eod_mask_loss,
-            create_attention_mask=False,
-        )
