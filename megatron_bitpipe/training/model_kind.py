@@ -9,8 +9,8 @@ also states which task offers it and when the run's decisions
 (:func:`~.model_registry.model_kind_for`). The modules defining a task's kinds end with their
 ``KINDS``; :mod:`.model_registry` lists them.
 
-Every callable takes the checked flags and the run's decisions, so a kind is one value per
-model family and variant, shared by all runs.
+Its callables take the checked flags and the run's decisions (the p2p shapes also the built
+model), so a kind is one value per model family and variant, shared by all runs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .model import build_model
 
 __all__ = [
     "ModelKind", "builder_layer_spec", "core_attention", "fused_p2p_shapes", "is_fused_array", "local_layer_spec",
-    "no_chunk_kwargs", "no_p2p_adjustment", "own_iteration_losses",
+    "no_p2p_adjustment", "own_iteration_losses",
 ]  # fmt: skip
 
 #: megatron-core's ``forward_step_func``: ``(data_iterator, model) -> (output, loss_func)``
@@ -103,11 +103,6 @@ def local_layer_spec(default: Callable[[TransformerConfig], ModuleSpec]):
         return None if attention is None else with_core_attention(default(config), attention)
 
     return layer_spec
-
-
-def no_chunk_kwargs(args: argparse.Namespace, run: RunConfig) -> Dict[str, object]:
-    """A :attr:`ModelKind.chunk_kwargs` of none."""
-    return {}
 
 
 def own_iteration_losses(args: argparse.Namespace, run: RunConfig, losses: Dict[str, float]):
