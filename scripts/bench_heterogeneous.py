@@ -132,17 +132,21 @@ def pretrain_flags(settings: Settings, dataset: str, data_path: Optional[str], s
 
 
 def _emulated_task(settings: Settings):
+    """The GPT task whose transformer layers are emulated device time: its one model kind is
+    GPT's with the emulated layer spec (registered once per rank process)."""
+    from dataclasses import replace
+
     from megatron_bitpipe.benchmarking.emulation import emulated_layer_spec
-    from megatron_bitpipe.training.gpt import GPTTask
-    from megatron_bitpipe.training.model import build_model
+    from megatron_bitpipe.training.gpt import GPT, GPTTask
+    from megatron_bitpipe.training.model_registry import register
 
     spec = emulated_layer_spec(settings.t_forward / 1000.0, settings.t_backward / 1000.0)
+    register(replace(GPT, name="emulated-gpt", task="emulated-gpt", layer_spec=lambda args, run, config: spec))
 
     class EmulatedGPTTask(GPTTask):
         """GPT whose transformer layers are emulated device time."""
 
-        def build_model(self, args, run):
-            return build_model(args, run, rotary_base=args.rotary_base, layer_spec=spec)
+        name = "emulated-gpt"
 
     return EmulatedGPTTask()
 

@@ -76,6 +76,7 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import lr_scheduler, optimizer_config
     from megatron_bitpipe.training.gpt import GPTTask
+    from megatron_bitpipe.training.model_registry import model_kind_for
 
     directory, metadata = _read(old_root, step)
     task = {"gpt": GPTTask, "bert": BertTask}[metadata["task"]]()
@@ -88,7 +89,7 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     distributed.initialize(args, enable_cpu_megatron)
     try:
         run = RunConfig.from_args(args)
-        model = task.build_model(args, run)
+        model = model_kind_for(task.name, run).build_model(args, run)
         optimizer = build_optimizer(model, optimizer_config(args, run))
         adam = optimizer.chained_optimizers[0].optimizer  # one fp32 Adam over the single-process model
         shards = {}

@@ -150,28 +150,40 @@ def checkpoint_common(root: Path, iteration: int) -> dict:
     from megatron.core import dist_checkpointing
 
     return dist_checkpointing.load_common_state_dict(str(root / f"iter_{iteration:07d}"))
+
+
 def main_signalled(task: str, argv: List[str], signal_rank: int, signal_call: int) -> int:
     """Rank body: the script's main() (its exit status); rank ``signal_rank`` sends itself
-    SIGUSR1 in its ``signal_call``-th call of the task's forward step, as SLURM's warning
-    signal would arrive in the middle of an iteration, on some ranks first."""
+    SIGUSR1 in its ``signal_call``-th call of the model's forward step, as SLURM's warning
+    signal would arrive in the middle of an iteration, on some ranks first. The task's plain
+    model kind is replaced, in this process and for this call, by one whose forward step signals."""
+    import dataclasses
     import signal
 
     import torch.distributed as dist
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import main
+    from megatron_bitpipe.training.model_registry import REGISTRY, task_kinds
 
     the_task = make_task(task)
-    forward_step, calls = the_task.forward_step, [0]
+    plain = next(kind for kind in task_kinds(the_task.name) if kind.chosen_when is None)
+    calls = [0]
 
-    def signalling_forward_step(*args, **kwargs):
-        calls[0] += 1
-        if dist.get_rank() == signal_rank and calls[0] == signal_call:
-            signal.raise_signal(signal.SIGUSR1)
-        return forward_step(*args, **kwargs)
+    def signalling(forward_step):
+        def signalling_forward_step(*args, **kwargs):
+            calls[0] += 1
+            if dist.get_rank() == signal_rank and calls[0] == signal_call:
+                signal.raise_signal(signal.SIGUSR1)
+            return forward_step(*args, **kwargs)
 
-    the_task.forward_step = signalling_forward_step
-    return main(the_task, argv, cpu_fallback=enable_cpu_megatron)
+        return signalling_forward_step
+
+    REGISTRY[plain.name] = dataclasses.replace(plain, forward_step=lambda a, r: signalling(plain.forward_step(a, r)))
+    try:
+        return main(the_task, argv, cpu_fallback=enable_cpu_megatron)
+    finally:
+        REGISTRY[plain.name] = plain
 
 
 def main_status(task: str, argv: List[str]) -> int:

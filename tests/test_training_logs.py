@@ -199,12 +199,14 @@ def _count_megatron_flops(argv):
     from megatron_bitpipe.training.config import use_global_tp_group
     from megatron_bitpipe.training.data import build_tokenizer, collate
     from megatron_bitpipe.training.gpt import GPTTask, MockGPTDataset
+    from megatron_bitpipe.training.model_registry import model_kind_for
 
     enable_cpu_megatron()
     task = GPTTask()
     args = parse_args(task, argv, world_size=1, cuda_available=False)
     args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args)
-    model = task.build_model(args, RunConfig.from_args(args))
+    run = RunConfig.from_args(args)
+    model = model_kind_for(task.name, run).build_model(args, run)
     use_global_tp_group(model.groups.tp)
     batch = collate([MockGPTDataset(args.seed, "train", args.seq_length, args.padded_vocab_size)[i] for i in range(args.micro_batch_size)])
     with FlopCounterMode(display=False) as counter:

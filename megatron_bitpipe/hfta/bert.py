@@ -33,7 +33,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_size
 
 from ..model.bert_model import BertChunk
-from ..model.sdpa_attention import SdpaDotProductAttention, with_core_attention
+from ..model.sdpa_attention import with_core_attention
 from .layers import HftaEmbedding, HftaLinear, HftaNorm, _Table
 from .mlp import fuse_gated_mlps
 from .model import _fused
@@ -45,7 +45,6 @@ __all__ = [
     "HftaBertLMHead",
     "HftaDense",
     "HftaPooler",
-    "hfta_bert_chunk_kwargs",
     "hfta_bert_layer_spec",
 ]
 
@@ -175,11 +174,3 @@ class HftaBertChunk(BertChunk):
         return super().forward(
             input_ids, attention_mask.repeat(b, 1), tokentype_ids, lm_labels, inference_context, inference_params=inference_params
         )
-
-
-def hfta_bert_chunk_kwargs(hfta: HftaSettings, attention_backend: str) -> dict:
-    """:func:`~megatron_bitpipe.model.bert_model.build_bert_chunks` keywords of a fused array:
-    the batched layer spec (SDPA core attention with ``--attention-backend sdpa``) and
-    :class:`HftaBertChunk`."""
-    core_attention = SdpaDotProductAttention if attention_backend == "sdpa" else None
-    return dict(layer_spec=hfta_bert_layer_spec(hfta.num_models, core_attention), model_class=HftaBertChunk, hfta=hfta)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -34,7 +33,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.utils import unwrap_model
 
 from .layers import HftaEmbedding, HftaLinear, HftaNorm
 from .mlp import fuse_gated_mlps
@@ -46,7 +44,6 @@ __all__ = [
     "hfta_gpt_layer_spec",
     "hfta_loss",
     "hfta_p2p_tensor_shapes",
-    "fused_array_settings",
 ]
 
 def _fused(spec, num_models: int):
@@ -152,11 +149,3 @@ def hfta_p2p_tensor_shapes(num_models: int):
         return widen(recv_shapes), widen(send_shapes)
 
     return adjust
-
-
-def fused_array_settings(chunks: Sequence[torch.nn.Module]) -> Optional[HftaSettings]:
-    """The :class:`HftaSettings` of a fused array's chunks (wrapped or not), None for other models."""
-    settings = {getattr(unwrap_model(chunk), "hfta", None) for chunk in chunks}
-    if len(settings) != 1:
-        raise ValueError("chunks of a fused array and of other models cannot be mixed")
-    return settings.pop()

@@ -18,8 +18,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
-from ..hfta.model import fused_array_settings
 from ..hfta.optimizer import build_hfta_optimizer
+from ..hfta.settings import HftaSettings
 from ..optimizers import OptimizerChoice, build_megatron_optimizer
 from ..optimus.grads import defer_column_sums
 from ..optimus.validation import check_optimus_model_config
@@ -142,9 +142,15 @@ def build_pipeline_model(
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config, gradient_reduction), groups, specs, config)
 
 
-def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, choice: OptimizerChoice = OptimizerChoice()):
+def build_optimizer(
+    model: PipelineModel,
+    optimizer_config: OptimizerConfig,
+    choice: OptimizerChoice = OptimizerChoice(),
+    hfta: Optional[HftaSettings] = None,
+):
     """megatron-core's optimizer for ``model``'s chunks (``choice``: Adam, or one of
-    :mod:`megatron_bitpipe.optimizers`).
+    :mod:`megatron_bitpipe.optimizers`; ``hfta``: the fused array ``model`` holds, None for
+    other models — the run's ``RunConfig.hfta``).
 
     Non-distributed (``optimizer_config.use_distributed_optimizer`` false): one optimizer over
     all chunks, grad norm over the model-parallel group; the second replica's parameters are
@@ -163,7 +169,6 @@ def build_optimizer(model: PipelineModel, optimizer_config: OptimizerConfig, cho
     DDP all-reduces, and with ``optimizer_config.use_distributed_optimizer`` each model's
     optimizer holds this rank's shares of its state.
     """
-    hfta = fused_array_settings(model.chunks)
     if hfta is not None:
         return build_hfta_optimizer(optimizer_config, model, hfta)
     distributed = optimizer_config.use_distributed_optimizer

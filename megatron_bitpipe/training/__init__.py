@@ -5,9 +5,12 @@
   rank, before any communication, before torch.distributed and megatron-core are imported);
   :mod:`.loop` — then the model-agnostic loop (:func:`~.loop.run_training`, :class:`~.loop.Trainer`;
   the run's decisions: :class:`megatron_bitpipe.run_config.RunConfig`);
-* :mod:`.task` — :class:`~.task.PretrainTask`, what a model brings (provider, forward step,
-  datasets); :mod:`.gpt` — :class:`~.gpt.GPTTask`, its model, data and loss;
-  :mod:`.bert` — :class:`~.bert.BertTask`, its data and loss; :mod:`.model` — the model from the common flags;
+* :mod:`.task` — :class:`~.task.PretrainTask`, what a model family brings (flags, datasets,
+  checkpoint rules); :mod:`.model_kind` — :class:`~.model_kind.ModelKind`, one model of a task
+  (chunks, layer spec, forward step, loss reports, p2p shapes); :mod:`.model_registry` — the
+  kinds by name and the run's choice; :mod:`.gpt` — :class:`~.gpt.GPTTask`, its kinds, data and
+  loss; :mod:`.bert` — :class:`~.bert.BertTask`, its kinds, data and loss; :mod:`.model` — the
+  model from the common flags;
 * :mod:`.mode` — what a data-parallel mode does in the loop (:class:`~.mode.DataParallelStrategy`);
   :mod:`.sync`, :mod:`.abs_sgd` and :mod:`.decentralized` — the modes; :mod:`.mode_registry` —
   the strategies by mode name and the resume of a mode's saved state;

@@ -1,6 +1,6 @@
 """BERT pretraining on megatron-core: :class:`BertTask` for the training loop.
 
-* **Model.** megatron-core ``BertModel`` chunks of the schedule's placement
+* **Model.** megatron-core ``BertModel`` chunks of the schedule's placement (:data:`BERT`)
   (:func:`megatron_bitpipe.model.bert_model.build_bert_chunks`: BitPipe's V, megatron's looped
   1F1B / interleaved placements, a single process), tensor parallelism 1-D only. Megatron-LM's
   BERT: tied embeddings unless ``--untie-embeddings-and-output-weights``, the binary
@@ -20,7 +20,7 @@
   next-sentence cross entropy averaged over its sequences; reported as ``lm loss`` and
   ``sop loss`` (``lm loss`` only without the binary head), each averaged over the global
   batch's masked tokens / sequences.
-* **HFTA** (``--hfta-models B``): a fused array of B BERTs
+* **HFTA** (``--hfta-models B``, :data:`HFTA_BERT`): a fused array of B BERTs
   (:class:`~megatron_bitpipe.hfta.bert.HftaBertChunk`) on the same micro-batches, loss
   :func:`hfta_bert_loss` (each model's :func:`bert_loss`, summed), reports per model.
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from dataclasses import replace
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy
@@ -50,25 +51,29 @@ import torch
 import torch.nn.functional as F
 from megatron.core.utils import get_model_config, unwrap_model
 
-from ..hfta.bert import hfta_bert_chunk_kwargs
-from ..hfta.model import hfta_p2p_tensor_shapes
+from ..hfta.bert import HftaBertChunk, hfta_bert_layer_spec
 from ..hfta.reports import hfta_iteration_losses, hfta_loss_names, model_loss
-from ..hfta.settings import HftaSettings
 from ..model.bert_model import build_bert_chunks, default_bert_layer_spec
 from ..run_config import RunConfig
 from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments
 from .data import indexed_datasets
-from .model import build_model
+from .model_kind import (
+    ModelKind, core_attention, fused_p2p_shapes, is_fused_array, local_layer_spec, no_p2p_adjustment, own_iteration_losses,
+)  # fmt: skip
 from .task import PretrainTask
 
 __all__ = [
+    "BERT",
     "BERT_KEYS",
     "BertTask",
+    "HFTA_BERT",
+    "KINDS",
     "MOCK_VALID_OFFSET",
     "MockBERTDataset",
     "WORDPIECE_TOKENIZERS",
     "bert_forward_step",
     "bert_loss",
+    "bert_losses",
     "bert_microbatches",
     "collate_bert",
     "hfta_bert_loss",
@@ -254,51 +259,13 @@ MOCK_VALID_OFFSET = 1 << 40
 
 
 class BertTask(BertArguments, PretrainTask):
-    """BERT with megatron-core; see the module docstring.
-
-    :attr:`loss_names` follows ``--bert-no-binary-head`` once :meth:`build_model` has seen the
-    flags (the loop builds the model before it reports any loss). With ``--hfta-models B`` the
-    model is a fused array of B BERTs (:mod:`megatron_bitpipe.hfta.bert`): :meth:`build_model`
-    fixes the task's :class:`~megatron_bitpipe.hfta.HftaSettings`, its loss names (the models'
-    means and ``lm loss k`` / ``sop loss k`` per model) and its loss (:func:`hfta_bert_loss`).
-    """
+    """BERT with megatron-core; see the module docstring. Its kinds: :data:`BERT`,
+    :data:`HFTA_BERT` (``--hfta-models``)."""
 
     name = "bert"
-    loss_names = ("lm loss", "sop loss")
-    #: the losses one BERT reports (``loss_names`` without a fused array)
-    model_losses = ("lm loss", "sop loss")
-    causal_attention = False
-    hfta: Optional[HftaSettings] = None
 
     def model_flags(self):
         return {**super().model_flags(), "--bert-no-binary-head": lambda a: not getattr(a, "bert_binary_head", True)}
-
-    def build_model(self, args: argparse.Namespace, run: RunConfig):
-        self.model_losses = ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
-        self.hfta = run.hfta
-        fused = {} if self.hfta is None else hfta_bert_chunk_kwargs(self.hfta, args.attention_backend)
-        self.loss_names = self.model_losses if self.hfta is None else hfta_loss_names(self.model_losses, self.hfta.num_models)
-        return build_model(
-            args,
-            run,
-            chunk_builder=build_bert_chunks,
-            default_layer_spec=default_bert_layer_spec,
-            add_binary_head=args.bert_binary_head,
-            **fused,
-        )
-
-    def forward_step(self, data_iterator, model):
-        if self.hfta is None:
-            return bert_forward_step(data_iterator, model)
-        return bert_forward_step(data_iterator, model, functools.partial(hfta_bert_loss, self.hfta.num_models))
-
-    def iteration_losses(self, losses):
-        if self.hfta is None:
-            return losses, {}
-        return hfta_iteration_losses(losses, self.model_losses, self.hfta.num_models)
-
-    def adjust_tensor_shapes_fn(self, model):
-        return None if self.hfta is None else hfta_p2p_tensor_shapes(self.hfta.num_models)
 
     def build_datasets(self, args: argparse.Namespace, tokenizer):
         train_samples = args.train_iters * args.global_batch_size
@@ -325,3 +292,49 @@ class BertTask(BertArguments, PretrainTask):
             masking_use_geometric_distribution=False,
             classification_head=args.bert_binary_head,
         )
+
+
+def bert_losses(args: argparse.Namespace) -> Tuple[str, ...]:
+    """The losses one BERT reports: ``lm loss`` and ``sop loss``, ``lm loss`` only without the binary head."""
+    return ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
+
+
+def _binary_head(args: argparse.Namespace, run: RunConfig) -> dict:
+    return dict(add_binary_head=args.bert_binary_head)
+
+
+#: megatron-core ``BertModel`` chunks (:func:`~megatron_bitpipe.model.bert_model.build_bert_chunks`,
+#: the local layer spec, with SDPA's core attention under ``--attention-backend sdpa``),
+#: Megatron-LM's loss (:func:`bert_forward_step`)
+BERT = ModelKind(
+    name="bert",
+    task=BertTask.name,
+    chosen_when=None,
+    chunk_builder=build_bert_chunks,
+    layer_spec=local_layer_spec(default_bert_layer_spec),
+    chunk_kwargs=_binary_head,
+    forward_step=lambda args, run: bert_forward_step,
+    loss_names=lambda args, run: bert_losses(args),
+    iteration_losses=own_iteration_losses,
+    p2p_shapes=no_p2p_adjustment,
+    causal_attention=False,
+)
+
+#: a fused array of ``--hfta-models`` BERTs (:class:`~megatron_bitpipe.hfta.bert.HftaBertChunk`),
+#: loss :func:`hfta_bert_loss`: reports the models' means and ``lm loss k`` / ``sop loss k`` per model
+HFTA_BERT = replace(
+    BERT,
+    name="hfta-bert",
+    chosen_when=is_fused_array,
+    layer_spec=lambda args, run, config: hfta_bert_layer_spec(run.hfta.num_models, core_attention(args)),
+    chunk_kwargs=lambda args, run: dict(_binary_head(args, run), model_class=HftaBertChunk, hfta=run.hfta),
+    forward_step=lambda args, run: functools.partial(
+        bert_forward_step, loss_func=functools.partial(hfta_bert_loss, run.hfta.num_models)
+    ),
+    loss_names=lambda args, run: hfta_loss_names(bert_losses(args), run.hfta.num_models),
+    iteration_losses=lambda args, run, losses: hfta_iteration_losses(losses, bert_losses(args), run.hfta.num_models),
+    p2p_shapes=fused_p2p_shapes,
+)
+
+#: the BERT task's kinds, for :mod:`.model_registry`
+KINDS = (BERT, HFTA_BERT)

@@ -1,9 +1,10 @@
 """GPT pretraining on megatron-core: :class:`GPTTask` for the training loop.
 
-* **Model.** megatron-core ``GPTModel`` chunks of the schedule's placement, or
-  ``OptimusGPTModel`` with ``--tensor-parallel-mode optimus2d``
-  (:func:`build_gpt_model`). Initial weights come from ``--seed`` alone,
-  so every layout and schedule starts from the single-process model.
+* **Model.** Three kinds (:class:`~.model_kind.ModelKind`): megatron-core ``GPTModel`` chunks
+  of the schedule's placement (:data:`GPT`), ``OptimusGPTModel`` with
+  ``--tensor-parallel-mode optimus2d`` (:data:`OPTIMUS_GPT`), a fused array of GPTs with
+  ``--hfta-models`` (:data:`HFTA_GPT`). Initial weights come from ``--seed`` alone, so every
+  layout and schedule starts from the single-process model.
 * **Data.** :class:`MockGPTDataset` by default; Megatron indexed datasets
   (``--data-path``) through megatron-core's ``GPTDataset`` and
   ``BlendedMegatronDatasetBuilder`` otherwise.
@@ -14,28 +15,33 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from functools import partial
-from typing import Callable, Dict, Optional
+from typing import Dict
 
 import numpy as np
 import torch
 
-from ..hfta.model import HftaGPTModel, hfta_gpt_layer_spec, hfta_loss, hfta_p2p_tensor_shapes
+from ..hfta.model import HftaGPTModel, hfta_gpt_layer_spec, hfta_loss
 from ..hfta.reports import hfta_iteration_losses, hfta_loss_names
-from ..hfta.settings import HftaSettings
+from ..model.chunks import build_gpt_chunks, default_gpt_layer_spec
 from ..optimus.gpt_model import optimus_p2p_tensor_shapes
-from ..model.build import PipelineModel
-from ..model.sdpa_attention import SdpaDotProductAttention
 from ..run_config import RunConfig
 from .data import indexed_datasets
 from .distributed import log
 from .coreset.identity import CoresetSettings
 from .coreset.training import CoresetDataset, weighted_gpt_loss
 from .gpt_args import GPTArguments
-from .model import build_model
+from .model_kind import (
+    ModelKind, builder_layer_spec, core_attention, fused_p2p_shapes, is_fused_array, local_layer_spec, no_p2p_adjustment,
+    own_iteration_losses,
+)  # fmt: skip
 from .task import PretrainTask
 
-__all__ = ["GPTTask", "MockGPTDataset", "build_gpt_model", "gpt_forward_step", "gpt_loss", "hfta_forward_step", "optimus_shapes_fn"]
+__all__ = [
+    "GPT", "GPTTask", "GPT_LOSSES", "HFTA_GPT", "KINDS", "MockGPTDataset", "OPTIMUS_GPT", "gpt_forward_step", "gpt_loss",
+    "hfta_forward_step",
+]  # fmt: skip
 
 
 class MockGPTDataset:
@@ -106,54 +112,11 @@ def hfta_forward_step(num_models: int, data_iterator, model):
     return output, partial(hfta_loss, num_models, batch["loss_mask"])
 
 
-def hfta_model_kwargs(args: argparse.Namespace, hfta: Optional[HftaSettings]) -> dict:
-    """``build_model`` keywords of a fused array (none without one): the batched layer spec
-    (with ``--attention-backend sdpa``'s core attention), :class:`~megatron_bitpipe.hfta.model.HftaGPTModel`."""
-    if hfta is None:
-        return {}
-    core_attention = SdpaDotProductAttention if args.attention_backend == "sdpa" else None
-    layer_spec = hfta_gpt_layer_spec(hfta.num_models, args.normalization, core_attention)
-    return dict(layer_spec=layer_spec, model_class=HftaGPTModel, hfta=hfta)
-
-
-def build_gpt_model(args: argparse.Namespace, run: RunConfig, hfta: Optional[HftaSettings] = None) -> PipelineModel:
-    """This rank's GPTModel chunks of ``run``'s placement (``OptimusGPTModel`` with
-    ``--tensor-parallel-mode optimus2d``; the fused array of ``hfta``'s models with
-    ``--hfta-models``), seed-initialised and DDP-wrapped (collective)."""
-    return build_model(args, run, rotary_base=args.rotary_base, **hfta_model_kwargs(args, hfta))
-
-
-def optimus_shapes_fn(model: PipelineModel) -> Optional[Callable]:
-    """megatron's ``adjust_tensor_shapes_fn`` for an Optimus model ([s, b/q, h/q]), else None."""
-    mesh = model.groups.mesh
-    return optimus_p2p_tensor_shapes(mesh) if mesh is not None else None
-
-
 class GPTTask(GPTArguments, PretrainTask):
-    """GPT with megatron-core; see the module docstring. With ``--hfta-models B`` the model is
-    a fused array of B GPTs (:mod:`megatron_bitpipe.hfta`): :meth:`build_model` fixes the
-    task's :class:`~megatron_bitpipe.hfta.HftaSettings`, its loss names (``lm loss``, the mean,
-    and ``lm loss k`` per model) and its loss."""
+    """GPT with megatron-core; see the module docstring. Its kinds: :data:`GPT`,
+    :data:`HFTA_GPT` (``--hfta-models``), :data:`OPTIMUS_GPT` (``--tensor-parallel-mode optimus2d``)."""
 
     name = "gpt"
-    loss_names = ("lm loss",)
-    hfta: Optional[HftaSettings] = None
-
-    def build_model(self, args: argparse.Namespace, run: RunConfig):
-        self.hfta = run.hfta
-        if self.hfta is not None:
-            self.loss_names = hfta_loss_names(("lm loss",), self.hfta.num_models)
-        return build_gpt_model(args, run, self.hfta)
-
-    def forward_step(self, data_iterator, model):
-        if self.hfta is not None:
-            return hfta_forward_step(self.hfta.num_models, data_iterator, model)
-        return gpt_forward_step(data_iterator, model)
-
-    def iteration_losses(self, losses):
-        if self.hfta is None:
-            return losses, {}
-        return hfta_iteration_losses(losses, ("lm loss",), self.hfta.num_models)
 
     def build_datasets(self, args: argparse.Namespace, tokenizer):
         train, valid, test = self._datasets(args, tokenizer)
@@ -181,7 +144,54 @@ class GPTTask(GPTArguments, PretrainTask):
             create_attention_mask=False,
         )
 
-    def adjust_tensor_shapes_fn(self, model):
-        if self.hfta is not None:
-            return hfta_p2p_tensor_shapes(self.hfta.num_models)
-        return optimus_shapes_fn(model)
+
+#: the loss a GPT reports
+GPT_LOSSES = ("lm loss",)
+
+
+def _rotary_base(args: argparse.Namespace, run: RunConfig) -> dict:
+    return dict(rotary_base=args.rotary_base)
+
+
+#: megatron-core ``GPTModel`` chunks (the local layer spec, with SDPA's core attention under
+#: ``--attention-backend sdpa``), Megatron-LM's loss (:func:`gpt_forward_step`)
+GPT = ModelKind(
+    name="gpt",
+    task=GPTTask.name,
+    chosen_when=None,
+    chunk_builder=build_gpt_chunks,
+    layer_spec=local_layer_spec(default_gpt_layer_spec),
+    chunk_kwargs=_rotary_base,
+    forward_step=lambda args, run: gpt_forward_step,
+    loss_names=lambda args, run: GPT_LOSSES,
+    iteration_losses=own_iteration_losses,
+    p2p_shapes=no_p2p_adjustment,
+    causal_attention=True,
+)
+
+#: GPT with ``--tensor-parallel-mode optimus2d``: ``OptimusGPTModel`` chunks (the builder's
+#: choice on groups with a mesh) with their own layer spec, pipeline messages ``[s, b/q, h/q]``
+OPTIMUS_GPT = replace(
+    GPT,
+    name="optimus-gpt",
+    chosen_when=lambda run: run.layout.tensor_parallel_mode == "optimus2d",
+    layer_spec=builder_layer_spec,
+    p2p_shapes=lambda run, model: optimus_p2p_tensor_shapes(model.groups.mesh),
+)
+
+#: a fused array of ``--hfta-models`` GPTs (:mod:`megatron_bitpipe.hfta.model`): the loss
+#: reports ``lm loss`` (the models' mean) and ``lm loss k`` per model
+HFTA_GPT = replace(
+    GPT,
+    name="hfta-gpt",
+    chosen_when=is_fused_array,
+    layer_spec=lambda args, run, config: hfta_gpt_layer_spec(run.hfta.num_models, args.normalization, core_attention(args)),
+    chunk_kwargs=lambda args, run: dict(_rotary_base(args, run), model_class=HftaGPTModel, hfta=run.hfta),
+    forward_step=lambda args, run: partial(hfta_forward_step, run.hfta.num_models),
+    loss_names=lambda args, run: hfta_loss_names(GPT_LOSSES, run.hfta.num_models),
+    iteration_losses=lambda args, run, losses: hfta_iteration_losses(losses, GPT_LOSSES, run.hfta.num_models),
+    p2p_shapes=fused_p2p_shapes,
+)
+
+#: the GPT task's kinds, for :mod:`.model_registry`
+KINDS = (GPT, HFTA_GPT, OPTIMUS_GPT)

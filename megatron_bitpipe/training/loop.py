@@ -3,7 +3,8 @@
 :func:`run_training` takes the checked flags (:mod:`.script` parses them on every rank,
 before any communication), makes the run's decisions once
 (:class:`~megatron_bitpipe.run_config.RunConfig`), builds the tokenizer, starts ``torch.distributed`` (:mod:`.distributed`),
-asks the :class:`~.task.PretrainTask` for the model and the datasets, reports them (parameters,
+builds the model of the run's model kind (chosen once, :func:`~.model_registry.model_kind_for`),
+asks the :class:`~.task.PretrainTask` for the datasets, reports them (parameters,
 memory, model FLOPs) and trains ``--train-iters`` iterations with the schedule the flags select
 (:mod:`.schedule`): evaluation every ``--eval-interval`` iterations, logs (:mod:`.logs`),
 checkpoints every ``--save-interval`` and at the end (:mod:`.checkpoint`), resuming from
@@ -44,6 +45,7 @@ from .exit_conditions import ExitConditions
 from .logs import IterationRecord, TrainingLogger
 from .mode import TrainingParts, reduce_losses
 from .mode_registry import build_strategy, resume_mode
+from .model_registry import model_kind_for
 from .report import gather_rank_reports, memory_kind, model_flops_per_iteration
 from .schedule import Schedule
 from .task import PretrainTask
@@ -57,12 +59,15 @@ class Trainer:
     def __init__(self, task: PretrainTask, args: argparse.Namespace, run: RunConfig, tokenizer, env: distributed.Distributed):
         self.started = time.perf_counter()  # the summary's total time: set-up and training
         self.task, self.args, self.run_config, self.env = task, args, run, env
-        self.model = task.build_model(args, run)
+        self.kind = model_kind_for(task.name, run)
+        self.loss_names = self.kind.loss_names(args, run)
+        self.forward_step = self.kind.forward_step(args, run)
+        self.model = self.kind.build_model(args, run)
         self.groups = self.model.groups
         use_global_tp_group(self.groups.tp)
-        self.optimizer = build_optimizer(self.model, optimizer_config(args, run), run.optimizer)
+        self.optimizer = build_optimizer(self.model, optimizer_config(args, run), run.optimizer, run.hfta)
         self.scheduler = lr_scheduler(args, run, self.optimizer)
-        self.schedule = Schedule(args, run, self.model, self.optimizer, task)
+        self.schedule = Schedule(args, run, self.model, self.optimizer, self.kind.p2p_shapes(run, self.model))
         self.state = TrainingState()
         loaded = None
         if args.load:
@@ -71,12 +76,14 @@ class Trainer:
             self.state = loaded or self.state
         self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
         models = 1 if run.hfta is None else run.hfta.num_models
-        self.flops_per_iteration = model_flops_per_iteration(args, task.causal_attention, models)
+        self.flops_per_iteration = model_flops_per_iteration(args, self.kind.causal_attention, models)
         parts = TrainingParts(
             args=args,
             run=run,
             env=env,
-            task=task,
+            kind=self.kind,
+            forward_step=self.forward_step,
+            loss_names=self.loss_names,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
@@ -111,10 +118,10 @@ class Trainer:
             for batch in range(self.args.eval_iters):
                 first = batch * self.args.global_batch_size
                 batches = microbatches(dataset, first, self.args, self.groups.dp_rank)
-                reports += self.schedule.run(self.task.forward_step, batches, forward_only=True)
+                reports += self.schedule.run(self.forward_step, batches, forward_only=True)
         for chunk in self.model.chunks:
             chunk.train()
-        return reduce_losses(reports, self.task.loss_names, self.groups.tp_rank, self.env.device)
+        return reduce_losses(reports, self.loss_names, self.groups.tp_rank, self.env.device)
 
     # -- the loop -------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ import abc
 import argparse
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .distributed import Distributed
     from .logs import IterationRecord
     from .schedule import Schedule
-    from .task import PretrainTask
+    from .model_kind import ModelKind
 
 __all__ = ["DataParallelStrategy", "TrainingParts", "reduce_losses"]
 
@@ -61,7 +61,9 @@ class TrainingParts:
         args: the checked flags (the model's and the mode's own hyper-parameters).
         run: the run's decisions.
         env: this rank's place in the job (rank, world size, device).
-        task: the model kind (forward step, loss names, per-iteration losses).
+        kind: the run's model kind (its per-iteration losses and log fields).
+        forward_step: megatron's ``forward_step_func`` of the model kind.
+        loss_names: the keys of the model kind's loss reports.
         model: this rank's chunks and their process groups.
         optimizer: megatron's optimizer over the chunks (stepped by the strategy).
         scheduler: the learning-rate schedule (stepped by the strategy, in samples).
@@ -74,7 +76,9 @@ class TrainingParts:
     args: argparse.Namespace
     run: "RunConfig"
     env: "Distributed"
-    task: "PretrainTask"
+    kind: "ModelKind"
+    forward_step: Callable
+    loss_names: Tuple[str, ...]
     model: "PipelineModel"
     optimizer: Any
     scheduler: Any

@@ -3,11 +3,12 @@
 :func:`build_model` calls :func:`megatron_bitpipe.model.build.build_pipeline_model` with
 everything the common flags fix (model config, parallel grid, padded vocabulary, maximum
 sequence length, seed, tied embeddings, DDP config, tensor-parallel mode, position
-embeddings); a task adds its chunk builder and model-specific keywords. Initial weights are
-blocks of the full model drawn from ``--seed`` alone, whatever the layout; with
-``--bf16``/``--fp16`` the chunks are wrapped for mixed precision. ``--attention-backend sdpa``
-swaps the layers' core attention for torch's SDPA (:mod:`megatron_bitpipe.model.sdpa_attention`). The
-chunks' DDP reduces gradients over what the data-parallel mode says
+embeddings); a model kind (:mod:`.model_kind`) adds its chunk builder, layer spec and
+model-specific keywords. Initial weights are blocks of the full model drawn from ``--seed``
+alone, whatever the layout; with ``--bf16``/``--fp16`` the chunks are wrapped for mixed
+precision. ``--attention-backend sdpa`` swaps the layers' core attention for torch's SDPA
+(:mod:`megatron_bitpipe.model.sdpa_attention`). The chunks' DDP reduces gradients over what the
+data-parallel mode says
 (:attr:`megatron_bitpipe.data_parallel_modes.DataParallelMode.gradient_reduction`): the
 data-parallel group in sync mode, nothing with ABS-SGD (:mod:`.abs_sgd` reduces, one
 iteration later), each data-parallel replica only in a decentralized mode (BitPipe's weight
@@ -17,14 +18,13 @@ replicas; :mod:`.decentralized` exchanges parameters between the replicas).
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import Callable, List, Optional
 
+import torch
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..model.build import PipelineModel, build_pipeline_model
-from ..model.chunks import default_gpt_layer_spec
-from ..model.sdpa_attention import SdpaDotProductAttention, with_core_attention
 from ..execution.groups import ParallelGrid
 from ..run_config import RunConfig
 from .config import ddp_config, transformer_config
@@ -35,21 +35,22 @@ __all__ = ["build_model"]
 def build_model(
     args: argparse.Namespace,
     run: RunConfig,
-    *,
-    default_layer_spec: Callable[[TransformerConfig], ModuleSpec] = default_gpt_layer_spec,
-    **model_kwargs,
+    chunk_builder: Callable[..., List[torch.nn.Module]],
+    layer_spec: Callable[[argparse.Namespace, RunConfig, TransformerConfig], Optional[ModuleSpec]],
+    **chunk_kwargs,
 ) -> PipelineModel:
     """This rank's chunks of ``run``'s placement, seed-initialised and DDP-wrapped (collective).
 
-    ``model_kwargs`` go to ``build_pipeline_model`` and from there to the chunk builder
-    (``chunk_builder``, ``rotary_base``, ``add_binary_head``...). With ``--attention-backend
-    sdpa`` the chunks' layer spec is ``default_layer_spec`` of the config (the task's local
-    spec: GPT's by default) with :class:`~megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention`
-    as core attention, unless ``model_kwargs`` give a ``layer_spec``.
+    ``chunk_builder`` makes the chunks (``build_gpt_chunks``, ``build_bert_chunks``);
+    ``layer_spec(args, run, config)`` is their layer spec (``None``: the builder's default);
+    ``chunk_kwargs`` go to ``build_pipeline_model`` and from there to the chunk builder
+    (``rotary_base``, ``add_binary_head``...). Called by
+    :meth:`~.model_kind.ModelKind.build_model` with the kind's pieces.
     """
     config = transformer_config(args, run)
-    if getattr(args, "attention_backend", "auto") == "sdpa" and "layer_spec" not in model_kwargs:
-        model_kwargs["layer_spec"] = with_core_attention(default_layer_spec(config), SdpaDotProductAttention)
+    spec = layer_spec(args, run, config)
+    if spec is not None:
+        chunk_kwargs["layer_spec"] = spec
     return build_pipeline_model(
         config,
         ParallelGrid(run.layout.tensor, run.layout.data, run.layout.pipeline),
@@ -62,5 +63,6 @@ def build_model(
         tensor_parallel_mode=run.layout.tensor_parallel_mode,
         position_embedding_type=args.position_embedding_type,
         gradient_reduction=run.data_parallel_mode.gradient_reduction,
-        **model_kwargs,
+        chunk_builder=chunk_builder,
+        **chunk_kwargs,
     )

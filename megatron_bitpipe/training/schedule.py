@@ -25,7 +25,7 @@ With ``--emulate-replica-slowdown`` every training call on a rank of data-parall
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -48,10 +48,11 @@ class Schedule:
     """The forward_backward function of ``run``'s schedule bound to ``model``.
 
     Installs the config hooks (see the module docstring) on ``model.config``, the config
-    every DDP chunk reports.
+    every DDP chunk reports. ``adjust_tensor_shapes_fn`` is the model kind's pipeline p2p
+    shapes (:attr:`~.model_kind.ModelKind.p2p_shapes`; None: megatron's ``[s, b, h]``).
     """
 
-    def __init__(self, args, run: RunConfig, model: PipelineModel, optimizer, task):
+    def __init__(self, args, run: RunConfig, model: PipelineModel, optimizer, adjust_tensor_shapes_fn: Optional[Callable]):
         self.args = args
         self.run_config = run
         self.model = model
@@ -72,7 +73,7 @@ class Schedule:
         if megatron_schedule in ("1f1b", "interleaved"):
             self.kwargs["p2p_communicator"] = P2PCommunicator(model.groups.pp, config)
         if megatron_schedule != "no_pipelining":
-            self.kwargs["adjust_tensor_shapes_fn"] = task.adjust_tensor_shapes_fn(model)
+            self.kwargs["adjust_tensor_shapes_fn"] = adjust_tensor_shapes_fn
         self.slowdown = None
         if args.emulate_replica_slowdown is not None:
             from ..benchmarking.emulation import ReplicaSlowdown

@@ -51,12 +51,12 @@ class SyncStrategy(DataParallelStrategy):
         optimizer.zero_grad()
         lr = lr_for_logging(optimizer)
         batches = microbatches(p.train_data, state.consumed_train_samples, args, p.model.groups.dp_rank)
-        reports = p.schedule.run(p.task.forward_step, batches, forward_only=False)
+        reports = p.schedule.run(p.forward_step, batches, forward_only=False)
         self.before_optimizer_step(reports)
         success, grad_norm, _ = optimizer.step()
         if success:
             p.scheduler.step(increment=global_batch_size)
-        losses, extra = p.task.iteration_losses(reduce_losses(reports, p.task.loss_names, p.model.groups.tp_rank, device))
+        losses, extra = p.kind.iteration_losses(p.args, p.run, reduce_losses(reports, p.loss_names, p.model.groups.tp_rank, device))
         p.synchronize()
         elapsed = time.perf_counter() - start
         state.iteration += 1

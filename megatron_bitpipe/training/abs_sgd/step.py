@@ -75,7 +75,7 @@ class AbsSgdStrategy(DataParallelStrategy):
         groups = parts.model.groups
         grid = groups.grid
         self.dp, self.replica = grid.dp, groups.dp_rank
-        self.layout = StatsLayout(grid.dp, grid.tp * grid.pp, tuple(parts.task.loss_names))
+        self.layout = StatsLayout(grid.dp, grid.tp * grid.pp, tuple(parts.loss_names))
         self.adaptive = self.settings.trigger == "time" and grid.tp * grid.pp == 1
         self.pipelines = groups.placement.num_pipelines
         self.micro_batch_size = parts.run.batches.micro_batch_size
@@ -96,7 +96,7 @@ class AbsSgdStrategy(DataParallelStrategy):
 
     def _run(self, positions: range) -> list:
         p = self.parts
-        return p.schedule.run(p.task.forward_step, [self._microbatch(i) for i in positions], forward_only=False)
+        return p.schedule.run(p.forward_step, [self._microbatch(i) for i in positions], forward_only=False)
 
     def _compute(self, started: float):
         """Run this replica's micro-batches; ``(count, loss divisor, loss reports)``."""

@@ -92,7 +92,7 @@ class DecentralizedStrategy(SyncStrategy):
         dist.all_reduce(total)
         #: bytes of one replica's parameters as they travel (all its ranks, BitPipe's weight replicas included)
         self.replica_bytes = int(total.item()) // n
-        self.loss_name = parts.task.loss_names[0]
+        self.loss_name = parts.loss_names[0]
         log(f"{s.mode}: {self._description()}; evaluation uses {self.evaluated_label()}")
 
     def _description(self) -> str:
@@ -111,7 +111,7 @@ class DecentralizedStrategy(SyncStrategy):
 
     def before_optimizer_step(self, reports: List[Dict[str, torch.Tensor]]) -> None:
         """LSGD observes this rank's share of the iteration's training losses (``[sum, count]``
-        of the task's first loss, on tensor-parallel rank 0 of a loss rank)."""
+        of the model kind's first loss, on tensor-parallel rank 0 of a loss rank)."""
         if not isinstance(self.method, LeaderPull):
             return
         totals = torch.zeros(2, dtype=torch.float64)
