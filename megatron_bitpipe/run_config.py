@@ -27,7 +27,6 @@ from .hfta.settings import HftaSettings, hfta_settings
 from .megatron_args import schedule_choice
 from .optimizers import OptimizerChoice
 from .schedules import REGISTRY, ScheduleChoice
-from .schedules.generator import PLAN_RUNNER
 from .schedules.placement import Placement
 from .training.decentralized.args import DECENTRALIZED_MODES
 
@@ -113,6 +112,12 @@ class RunConfig:
             data-parallel mode: its step is the mode's update).
         schedule_costs_path: the ``--schedule-costs`` file the split's plan is made for (logs name it).
         hfta: the fused array of ``--hfta-models`` (None: one model).
+        distributed_optimizer: ``--use-distributed-optimizer`` (optimizer state sharded over
+            data parallelism; with a plan-executed schedule one distributed optimizer per chunk).
+        layout_independent_init: ``--layout-independent-init`` (Megatron-LM's route: its own
+            chunks are re-initialised from ``--seed`` and each weight's full-model name). This
+            package's chunk builder, which builds the chunks of a plan-executed schedule and every
+            chunk of its own scripts, always initialises that way.
     """
 
     schedule: ScheduleChoice
@@ -123,11 +128,20 @@ class RunConfig:
     optimizer: OptimizerChoice
     schedule_costs_path: Optional[str] = None
     hfta: Optional[HftaSettings] = None
+    distributed_optimizer: bool = False
+    layout_independent_init: bool = False
 
     @property
     def executes_plan(self) -> bool:
-        """Whether this package's plan executor runs the schedule (else megatron-core's functions)."""
-        return REGISTRY[self.schedule.schedule].runner == PLAN_RUNNER
+        """Whether this package's plan executor runs the schedule (else megatron-core's functions):
+        the registry's word (:attr:`~megatron_bitpipe.schedules.ScheduleChoice.plan_executed`)."""
+        return self.schedule.plan_executed
+
+    @property
+    def weight_replicas(self) -> int:
+        """Copies of the model's weights the schedule's placement holds on the pipeline ranks
+        (2 for BitPipe's bidirectional V, 1 for megatron-core's looped schedules)."""
+        return self.placement.num_pipelines
 
     @property
     def megatron_schedule(self) -> Optional[str]:
@@ -188,4 +202,6 @@ class RunConfig:
             optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode in DECENTRALIZED_MODES),
             schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.split_backward else None,
             hfta=hfta_settings(args),
+            distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+            layout_independent_init=bool(getattr(args, "layout_independent_init", False)),
         )
