@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Tuple
 
 from .hfta.settings import HftaSettings, hfta_settings
 from .megatron_args import schedule_choice
@@ -118,6 +118,13 @@ class RunConfig:
             chunks are re-initialised from ``--seed`` and each weight's full-model name). This
             package's chunk builder, which builds the chunks of a plan-executed schedule and every
             chunk of its own scripts, always initialises that way.
+        overlap_grad_reduce: gradients are reduced during the backward, by bucket: always with a
+            plan-executed schedule (its eager per-chunk reduction), with megatron-core's
+            schedules when ``--overlap-grad-reduce`` is given.
+        overlap_p2p_comm: ``--overlap-p2p-comm`` where the schedule overlaps its pipeline
+            messages (the plan executor's and megatron-core's interleaved schedule); off otherwise.
+        replica_slowdown: ``--emulate-replica-slowdown``: one factor per data-parallel replica
+            its compute time is stretched by (benchmarks), or None.
     """
 
     schedule: ScheduleChoice
@@ -130,6 +137,9 @@ class RunConfig:
     hfta: Optional[HftaSettings] = None
     distributed_optimizer: bool = False
     layout_independent_init: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_p2p_comm: bool = False
+    replica_slowdown: Optional[Tuple[float, ...]] = None
 
     @property
     def executes_plan(self) -> bool:
@@ -179,6 +189,7 @@ class RunConfig:
         the batch sizes as Megatron-LM derives them). Reads the ``--schedule-costs`` file."""
         schedule = schedule_choice(args)
         interleaved = REGISTRY[schedule.schedule].takes_virtual_size
+        slowdown = getattr(args, "emulate_replica_slowdown", None)  # flags of this package's scripts only
         tensor, pipeline = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         data = args.data_parallel_size
         data_parallel_mode = getattr(args, "data_parallel_mode", "sync")  # Megatron-LM's parser has no such flag
@@ -204,4 +215,7 @@ class RunConfig:
             hfta=hfta_settings(args),
             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
             layout_independent_init=bool(getattr(args, "layout_independent_init", False)),
+            overlap_grad_reduce=schedule.plan_executed or bool(getattr(args, "overlap_grad_reduce", False)),
+            overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", False)) and (schedule.plan_executed or interleaved),
+            replica_slowdown=None if slowdown is None else tuple(slowdown),
         )

@@ -57,6 +57,12 @@ class OptimizerChoice:
     sf_r: float = 0.0
     decentralized: bool = False
 
+    @property
+    def freeze_iteration(self) -> Optional[int]:
+        """The iteration after which 1-bit LAMB freezes its variance and starts exchanging
+        compressed momenta (``--onebit-freeze-iters``); None for the other optimizers."""
+        return self.onebit_freeze_iters if self.name == "onebit_lamb" else None
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "OptimizerChoice":
         return cls(

@@ -85,7 +85,7 @@ class Trainer:
             resume_decentralized(directory, self.decentralized)
             resume_data_parallel(directory, self.abs_sgd)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
-        self.flops_per_iteration = args.global_batch_size * model_flops_per_sample(args, task.causal_attention)
+        self.flops_per_iteration = run.batches.global_batch_size * model_flops_per_sample(args, task.causal_attention)
         self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration, run.label)
 
     # -- one step -------------------------------------------------------------------------
@@ -126,13 +126,13 @@ class Trainer:
             self.decentralized.observe(reports)
         success, grad_norm, _ = self.optimizer.step()
         if success:
-            self.scheduler.step(increment=args.global_batch_size)
+            self.scheduler.step(increment=self.run_config.batches.global_batch_size)
         losses, extra = self.task.iteration_losses(self._reduce_losses(reports))
         self._synchronize()
         elapsed = time.perf_counter() - start
         self.state.iteration += 1
-        self.state.consumed_train_samples += args.global_batch_size
-        if args.optimizer == "onebit_lamb" and self.state.iteration == args.onebit_freeze_iters:
+        self.state.consumed_train_samples += self.run_config.batches.global_batch_size
+        if self.state.iteration == self.run_config.optimizer.freeze_iteration:
             distributed.log(
                 f"1-bit LAMB: variance frozen after iteration {self.state.iteration}; from now on momenta are averaged "
                 "with 1-bit compression instead of all-reducing gradients (--clip-grad no longer applies)"
@@ -142,7 +142,7 @@ class Trainer:
             iteration=self.state.iteration,
             consumed_samples=self.state.consumed_train_samples,
             elapsed_ms=1000.0 * elapsed,
-            tokens_per_second=args.global_batch_size * args.seq_length / elapsed,
+            tokens_per_second=self.run_config.batches.global_batch_size * args.seq_length / elapsed,
             lr=float(lr),
             grad_norm=None if grad_norm is None else float(grad_norm),
             loss_scale=float(self.optimizer.get_loss_scale()),
@@ -164,7 +164,7 @@ class Trainer:
         evaluated = contextlib.nullcontext() if self.decentralized is None else self.decentralized.evaluated_weights()
         with torch.no_grad(), averaged_weights(self.optimizer), evaluated:
             for batch in range(self.args.eval_iters):
-                first = batch * self.args.global_batch_size
+                first = batch * self.run_config.batches.global_batch_size
                 batches = microbatches(dataset, first, self.args, self.groups.dp_rank)
                 reports += self.schedule.run(self.task.forward_step, batches, forward_only=True)
         for chunk in self.model.chunks:
