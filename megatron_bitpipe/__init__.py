@@ -19,11 +19,11 @@ that need them.
 __version__ = "0.1.0"
 
 
-def register(schedule: str = "bitpipe", *, bitpipe_func=None) -> None:
+def register(schedule: str = "bitpipe", *, plan_func=None) -> None:
     """See :func:`megatron_bitpipe.plugin.register`."""
     from .plugin import register as _register
 
-    _register(schedule, bitpipe_func=bitpipe_func)
+    _register(schedule, plan_func=plan_func)
 
 
 def unregister() -> None:

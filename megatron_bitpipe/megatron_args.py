@@ -252,13 +252,13 @@ def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = V
         problems.append(f"--pipeline-schedule interleaved needs {virtual_size_flag} >= 2")
     elif schedule == "1f1b" and vp not in (None, 1):
         problems.append(f"--pipeline-schedule 1f1b runs one chunk per rank: unset {virtual_size_flag}")
-    elif choice.schedule in PLAN_SCHEDULES:
+    elif choice.plan_executed:
         problems += microbatch_problems(args, choice, num_microbatches, virtual_size_flag=virtual_size_flag)
-    if schedule == "bitpipe" and getattr(args, "encoder_num_layers", None) and getattr(args, "decoder_num_layers", None):
-        problems.append("bitpipe does not support encoder-decoder models")
+    if choice.plan_executed and getattr(args, "encoder_num_layers", None) and getattr(args, "decoder_num_layers", None):
+        problems.append(f"{choice.schedule} does not support encoder-decoder models")
     if getattr(args, "split_backward", False):
-        if schedule != "bitpipe":
-            problems.append(f"--split-backward needs --pipeline-schedule bitpipe (got {schedule})")
+        if not choice.plan_executed:
+            problems.append(f"--split-backward needs --pipeline-schedule {' or '.join(PLAN_SCHEDULES)} (got {schedule})")
         if getattr(args, "tensor_parallel_mode", "1d") != "1d":
             problems.append("--split-backward is not supported with --tensor-parallel-mode optimus2d")
     elif getattr(args, "schedule_costs", None) is not None:

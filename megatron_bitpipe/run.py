@@ -15,7 +15,7 @@ Megatron-LM's training code, and the script runs as ``__main__`` with ``sys.argv
 
 Errors that are the user's to fix print one ``megatron_bitpipe.run: error: ...`` line on
 stderr and exit with status 2, on every rank, before any communication: a missing checkout,
-``--pipeline-schedule bitpipe`` with a script that cannot run it
+a schedule this package's plan executor runs (``--pipeline-schedule bitpipe``) with a script that cannot run it
 (:func:`~megatron_bitpipe.megatron_lm.checkout.bitpipe_refusal`, before the script loads), a
 Python package Megatron-LM's training code imports but is not installed, and invalid flag
 combinations (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`).
@@ -36,6 +36,7 @@ from .megatron_lm.checkout import (
     tested_tags_text,
     untested_warning,
 )
+from .schedules.registry import plan_executed_schedules
 
 __all__ = ["main"]
 
@@ -79,7 +80,7 @@ def main(argv: Optional[List[str]] = None, *, prepare: Optional[Callable[[], Non
     warning = untested_warning(checkout)
     if warning is not None and os.environ.get("RANK", "0") == "0":
         print(f"megatron_bitpipe.run: warning: {warning}", file=sys.stderr, flush=True)
-    refusal = bitpipe_refusal(script, checkout) if _pipeline_schedule(argv[1:]) == "bitpipe" else None
+    refusal = bitpipe_refusal(script, checkout) if _pipeline_schedule(argv[1:]) in plan_executed_schedules() else None
     if refusal is not None:
         return _error(refusal)
     for path in dict.fromkeys([str(checkout.root), str(script.parent)]):

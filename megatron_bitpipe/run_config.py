@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Tuple
 
 from .data_parallel_modes import DataParallelMode, selected_mode
 from .hfta.settings import HftaSettings, hfta_settings
 from .megatron_args import schedule_choice
 from .optimizers import OptimizerChoice
 from .schedules import REGISTRY, ScheduleChoice
-from .schedules.generator import PLAN_RUNNER
 from .schedules.placement import Placement
 
 __all__ = ["Batches", "ParallelLayout", "Precision", "RunConfig"]
@@ -114,6 +113,19 @@ class RunConfig:
             data-parallel mode: its step is the mode's update).
         schedule_costs_path: the ``--schedule-costs`` file the split's plan is made for (logs name it).
         hfta: the fused array of ``--hfta-models`` (None: one model).
+        distributed_optimizer: ``--use-distributed-optimizer`` (optimizer state sharded over
+            data parallelism; with a plan-executed schedule one distributed optimizer per chunk).
+        layout_independent_init: ``--layout-independent-init`` (Megatron-LM's route: its own
+            chunks are re-initialised from ``--seed`` and each weight's full-model name). This
+            package's chunk builder, which builds the chunks of a plan-executed schedule and every
+            chunk of its own scripts, always initialises that way.
+        overlap_grad_reduce: gradients are reduced during the backward, by bucket: always with a
+            plan-executed schedule (its eager per-chunk reduction), with megatron-core's
+            schedules when ``--overlap-grad-reduce`` is given.
+        overlap_p2p_comm: ``--overlap-p2p-comm`` where the schedule overlaps its pipeline
+            messages (the plan executor's and megatron-core's interleaved schedule); off otherwise.
+        replica_slowdown: ``--emulate-replica-slowdown``: one factor per data-parallel replica
+            its compute time is stretched by (benchmarks), or None.
     """
 
     schedule: ScheduleChoice
@@ -124,11 +136,23 @@ class RunConfig:
     optimizer: OptimizerChoice
     schedule_costs_path: Optional[str] = None
     hfta: Optional[HftaSettings] = None
+    distributed_optimizer: bool = False
+    layout_independent_init: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_p2p_comm: bool = False
+    replica_slowdown: Optional[Tuple[float, ...]] = None
 
     @property
     def executes_plan(self) -> bool:
-        """Whether this package's plan executor runs the schedule (else megatron-core's functions)."""
-        return REGISTRY[self.schedule.schedule].runner == PLAN_RUNNER
+        """Whether this package's plan executor runs the schedule (else megatron-core's functions):
+        the registry's word (:attr:`~megatron_bitpipe.schedules.ScheduleChoice.plan_executed`)."""
+        return self.schedule.plan_executed
+
+    @property
+    def weight_replicas(self) -> int:
+        """Copies of the model's weights the schedule's placement holds on the pipeline ranks
+        (2 for BitPipe's bidirectional V, 1 for megatron-core's looped schedules)."""
+        return self.placement.num_pipelines
 
     @property
     def megatron_schedule(self) -> Optional[str]:
@@ -166,6 +190,7 @@ class RunConfig:
         the batch sizes as Megatron-LM derives them). Reads the ``--schedule-costs`` file."""
         schedule = schedule_choice(args)
         interleaved = REGISTRY[schedule.schedule].takes_virtual_size
+        slowdown = getattr(args, "emulate_replica_slowdown", None)  # flags of this package's scripts only
         tensor, pipeline = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         data = args.data_parallel_size
         data_parallel_mode = selected_mode(args)
@@ -189,4 +214,9 @@ class RunConfig:
             optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode.decentralized),
             schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.split_backward else None,
             hfta=hfta_settings(args),
+            distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+            layout_independent_init=bool(getattr(args, "layout_independent_init", False)),
+            overlap_grad_reduce=schedule.plan_executed or bool(getattr(args, "overlap_grad_reduce", False)),
+            overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", False)) and (schedule.plan_executed or interleaved),
+            replica_slowdown=None if slowdown is None else tuple(slowdown),
         )

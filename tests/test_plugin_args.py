@@ -94,7 +94,7 @@ def test_register_installs_a_given_bitpipe_function():
         return []
 
     try:
-        megatron_bitpipe.register("bitpipe", bitpipe_func=variant)
+        megatron_bitpipe.register("bitpipe", plan_func=variant)
         assert core_pp.get_forward_backward_func() is variant
         megatron_bitpipe.register("bitpipe")
         assert core_pp.get_forward_backward_func() is forward_backward_bitpipe

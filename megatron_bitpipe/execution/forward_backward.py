@@ -45,7 +45,7 @@ from .groups import PipelineGroups
 from .replicas import microbatches_per_replica, stage_order
 from .weight_grad import enable_split_backward
 
-__all__ = ["forward_backward_bitpipe", "make_forward_backward_func", "make_step_func", "pipeline_groups_of"]
+__all__ = ["forward_backward_bitpipe", "make_forward_backward_func", "make_step_func", "pipeline_groups_of", "plan_forward_backward_func"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,7 +159,14 @@ def make_forward_backward_func(choice: schedules.ScheduleChoice) -> Callable:
     return forward_backward
 
 
-forward_backward_bitpipe = make_forward_backward_func(schedules.ScheduleChoice("bitpipe"))
+@functools.lru_cache(maxsize=None)
+def plan_forward_backward_func(schedule: str) -> Callable:
+    """The forward_backward_func of a plan-executed ``schedule`` (its plain variant: no
+    split backward), one per schedule name."""
+    return make_forward_backward_func(schedules.ScheduleChoice(schedule))
+
+
+forward_backward_bitpipe = plan_forward_backward_func("bitpipe")
 
 
 def _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length) -> None:

@@ -10,8 +10,9 @@ choices of Megatron-LM's ``--optimizer`` (``lamb``, ``onebit_lamb``,
 :func:`validate_megatron_lm_args` runs after Megatron-LM's ``validate_args`` (which fills in
 ``data_parallel_size`` and the other derived fields) and before ``torch.distributed`` is
 initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`
-plus the Megatron-LM features the BitPipe chunks cannot be combined with and, with bitpipe, the
-activation-recompute rules for its chunks of ``--num-layers / (2 x --pipeline-model-parallel-size)``
+plus, when this package's plan executor runs the schedule (``bitpipe``), the Megatron-LM
+features its chunks cannot be combined with and the activation-recompute rules for its chunks of
+``--num-layers`` / stages per pipeline (``2 x --pipeline-model-parallel-size`` for bitpipe)
 layers (:func:`~megatron_bitpipe.megatron_args.recompute_problems`). It raises
 :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
 """
@@ -23,13 +24,13 @@ from typing import Callable, List, Optional
 
 from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems, recompute_problems, resolved_schedule
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
+from ..schedules import ScheduleChoice
 
 __all__ = [
     "VIRTUAL_SIZE_FLAG",
     "add_megatron_lm_args",
     "chain_args_provider",
     "validate_megatron_lm_args",
-    "layout_independent_init",
 ]
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -39,37 +40,37 @@ VIRTUAL_SIZE_FLAG = "--num-virtual-stages-per-pipeline-rank"
 ``--num-layers-per-virtual-pipeline-stage`` derives it from a layer count instead)."""
 
 _HYBRID = (
-    "bitpipe builds GPTModel chunks; hybrid (Mamba) models pick each pipeline stage's layers from "
-    "their layer pattern in megatron's looped order, which cannot hold BitPipe's V stages"
+    "{schedule} builds GPTModel chunks; hybrid (Mamba) models pick each pipeline stage's layers from "
+    "their layer pattern in megatron's looped order, which cannot hold {schedule}'s stages"
 )
-# (attribute, flag, why it cannot run with bitpipe); a flag is set when the attribute is truthy
-# (numbers: > 1 for the parallel sizes).
-_BITPIPE_CONFLICTS = (
+# (attribute, flag, why it cannot run with a plan-executed schedule, ``{schedule}`` its name); a
+# flag is set when the attribute is truthy (numbers: > 1 for the parallel sizes).
+_PLAN_CONFLICTS = (
     ("overlap_param_gather", "--overlap-param-gather",
-     "bitpipe's per-chunk distributed optimizers gather their parameters right after the step"),
-    ("use_torch_fsdp2", "--use-torch-fsdp2", "bitpipe wraps each chunk in megatron DDP"),
-    ("use_megatron_fsdp", "--use-megatron-fsdp", "bitpipe wraps each chunk in megatron DDP"),
+     "{schedule}'s per-chunk distributed optimizers gather their parameters right after the step"),
+    ("use_torch_fsdp2", "--use-torch-fsdp2", "{schedule} wraps each chunk in megatron DDP"),
+    ("use_megatron_fsdp", "--use-megatron-fsdp", "{schedule} wraps each chunk in megatron DDP"),
     ("context_parallel_size", "--context-parallel-size", "context parallelism is not supported"),
     ("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances",
-     "bitpipe shards each chunk's optimizer state over its replica x data-parallel group"),
+     "{schedule} shards each chunk's optimizer state over its replica x data-parallel group"),
     ("expert_model_parallel_size", "--expert-model-parallel-size", "expert parallelism is not supported"),
     ("num_experts", "--num-experts", "mixture-of-experts layers are not supported"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported"),
-    ("use_tp_pp_dp_mapping", "--use-tp-pp-dp-mapping", "bitpipe uses megatron's default tp-dp-pp rank order"),
+    ("use_tp_pp_dp_mapping", "--use-tp-pp-dp-mapping", "{schedule} uses megatron's default tp-dp-pp rank order"),
     ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers",
-     "bitpipe splits the layers into 2 x --pipeline-model-parallel-size equal stages"),
+     "{schedule} splits the layers into {stages} equal stages per pipeline"),
     ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers",
-     "bitpipe splits the layers into 2 x --pipeline-model-parallel-size equal stages"),
+     "{schedule} splits the layers into {stages} equal stages per pipeline"),
     ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout",
-     "bitpipe's V layout is fixed"),
+     "{schedule}'s placement of the stages is fixed"),
     ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
-     "bitpipe splits the layers into equal stages"),
+     "{schedule} splits the layers into equal stages"),
     ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
-     "bitpipe splits the layers into equal stages"),
-    ("rampup_batch_size", "--rampup-batch-size", "bitpipe needs a fixed, even number of micro-batches"),
-    ("use_legacy_models", "--use-legacy-models", "bitpipe builds megatron-core models"),
-    ("init_model_with_meta_device", "--init-model-with-meta-device", "bitpipe initialises weights from --seed"),
-    ("yaml_cfg", "--yaml-cfg", "bitpipe reads the model from command-line flags"),
+     "{schedule} splits the layers into equal stages"),
+    ("rampup_batch_size", "--rampup-batch-size", "{schedule} needs a fixed number of micro-batches"),
+    ("use_legacy_models", "--use-legacy-models", "{schedule} builds megatron-core models"),
+    ("init_model_with_meta_device", "--init-model-with-meta-device", "{schedule} initialises weights from --seed"),
+    ("yaml_cfg", "--yaml-cfg", "{schedule} reads the model from command-line flags"),
 )
 # The layer pattern of a hybrid (Mamba) model; core_v0.19 copies the deprecated override flag
 # into hybrid_layer_pattern, so the first one set is the one the user typed.
@@ -115,35 +116,37 @@ def chain_args_provider(provider: Optional[ArgsProvider]) -> ArgsProvider:
     return extra_args_provider
 
 
-def layout_independent_init(args: argparse.Namespace) -> bool:
-    """Whether the model is initialised from the seed alone (bitpipe, or the flag)."""
-    return resolved_schedule(args) == "bitpipe" or getattr(args, "layout_independent_init", False)
-
-
 def validate_megatron_lm_args(args: argparse.Namespace) -> None:
-    """Raise :class:`BitPipeConfigError` naming every flag that breaks a rule (no communication)."""
+    """Raise :class:`BitPipeConfigError` naming every flag that breaks a rule (no communication).
+
+    The rules of the Megatron-LM features this package's chunks cannot hold apply when its plan
+    executor runs the schedule (the registry's
+    :attr:`~megatron_bitpipe.schedules.ScheduleChoice.plan_executed`); each message names the
+    schedule."""
     problems: List[str] = bitpipe_arg_problems(args, virtual_size_flag=VIRTUAL_SIZE_FLAG)
-    bitpipe = resolved_schedule(args) == "bitpipe"
-    problems += optimizer_problems(args, schedule="bitpipe" if bitpipe else "megatron", megatron_lm=True)
+    choice = ScheduleChoice(resolved_schedule(args))  # the cost file, if any, is checked above
+    problems += optimizer_problems(args, schedule=choice.schedule, megatron_lm=True)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(
             "--tensor-parallel-mode optimus2d is not available through Megatron-LM's scripts (their "
             "model builders use megatron's 1-D tensor parallelism); use megatron-bitpipe's scripts/pretrain_gpt.py"
         )
-    if bitpipe:
-        for attribute, flag, reason in _BITPIPE_CONFLICTS:
+    if choice.plan_executed:
+        schedule, pp = choice.schedule, args.pipeline_model_parallel_size
+        stages = choice.placement(pp).num_stages
+        for attribute, flag, reason in _PLAN_CONFLICTS:
             value = getattr(args, attribute, None)
             if (value or 0) > 1 if attribute in _PARALLEL_SIZES else value:
-                problems.append(f"{flag} cannot be used with --pipeline-schedule bitpipe: {reason}")
+                problems.append(f"{flag} cannot be used with --pipeline-schedule {schedule}: {reason.format(schedule=schedule, stages=stages)}")
         hybrid = next((flag for attribute, flag in _HYBRID_PATTERNS if getattr(args, attribute, None)), None)
         if hybrid is not None:
-            problems.append(f"{hybrid} cannot be used with --pipeline-schedule bitpipe: {_HYBRID}")
-        problems += recompute_problems(args, args.num_layers // (2 * args.pipeline_model_parallel_size))
+            problems.append(f"{hybrid} cannot be used with --pipeline-schedule {schedule}: {_HYBRID.format(schedule=schedule)}")
+        problems += recompute_problems(args, args.num_layers // stages)
         checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
         if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
             problems.append(
                 f"--ckpt-format {getattr(args, 'ckpt_format', 'torch_dist')} cannot be used with --pipeline-schedule "
-                "bitpipe: use --ckpt-format torch_dist (the default), which any schedule and layout loads"
+                f"{schedule}: use --ckpt-format torch_dist (the default), which any schedule and layout loads"
             )
     if problems:
         raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))

@@ -16,8 +16,8 @@ checkpoint this run cannot load completely:
   has another global shape; optimizer state of the other kind (with or without
   ``--use-distributed-optimizer``: Megatron-LM reads only its own), or in a form tied to the
   saving layout (``dp_reshardable``) when the layout differs;
-* legacy ``torch`` files: with bitpipe at all; otherwise this rank's file missing, or holding
-  another number of model chunks.
+* legacy ``torch`` files: with a schedule this package's plan executor runs (``bitpipe``) at
+  all; otherwise this rank's file missing, or holding another number of model chunks.
 
 Without a checkpoint in ``--load`` Megatron-LM starts from scratch with its warning, as before.
 """
@@ -32,7 +32,6 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from ..megatron_args import resolved_schedule
 from ..checkpoint_checks import (
     checkpoint_format,
     find_checkpoint,
@@ -43,6 +42,7 @@ from ..checkpoint_checks import (
     request_problems,
 )
 from ..checkpoint_rules import CheckpointError
+from ..run_config import RunConfig
 
 __all__ = ["check_checkpoint", "check_or_exit"]
 
@@ -51,14 +51,14 @@ def _model_keys(count: int) -> List[str]:
     return ["model"] if count == 1 else [f"model{i}" for i in range(count)]
 
 
-def _legacy_problems(args: argparse.Namespace, model: list, directory: str, iteration, release: bool) -> List[str]:
+def _legacy_problems(config: RunConfig, model: list, directory: str, iteration, release: bool) -> List[str]:
     """Why this rank cannot load Megatron-LM's legacy per-rank files (empty if it can)."""
     from megatron.training.checkpointing import get_checkpoint_name
 
-    if resolved_schedule(args) == "bitpipe":
+    if config.executes_plan:
         return [
             "it is a legacy --ckpt-format torch checkpoint (per-rank files of one layout), which --pipeline-schedule "
-            "bitpipe does not read; resume it with the layout that saved it and save with --ckpt-format torch_dist"
+            f"{config.schedule.schedule} does not read; resume it with the layout that saved it and save with --ckpt-format torch_dist"
         ]
     filename = get_checkpoint_name(os.path.dirname(directory), iteration, release)
     if not os.path.isfile(filename):
@@ -99,9 +99,10 @@ def _optimizer_problems(args: argparse.Namespace, saved_args, metadata: dict, re
     return []
 
 
-def check_checkpoint(args: argparse.Namespace, model: list, load_arg: str = "load") -> None:
-    """CheckpointError (the same on every rank) if ``--load`` names a checkpoint this run cannot
-    load completely; see the module docstring. Collective when a checkpoint is found."""
+def check_checkpoint(args: argparse.Namespace, config: RunConfig, model: list, load_arg: str = "load") -> None:
+    """CheckpointError (the same on every rank) if ``--load`` names a checkpoint this run
+    (Megatron-LM's arguments ``args``, the decisions ``config`` made of them) cannot load
+    completely; see the module docstring. Collective when a checkpoint is found."""
     from megatron.core import dist_checkpointing, mpu
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
     from megatron.core.utils import unwrap_model
@@ -117,7 +118,7 @@ def check_checkpoint(args: argparse.Namespace, model: list, load_arg: str = "loa
     directory, iteration, release = found
     found_format = checkpoint_format(directory)
     if found_format == "torch":
-        raise_if_any(_legacy_problems(args, model, directory, iteration, release), directory, "cannot be loaded")
+        raise_if_any(_legacy_problems(config, model, directory, iteration, release), directory, "cannot be loaded")
         return
     if found_format == "torch_dist" and args.ckpt_format != "torch_dist" and not getattr(args, "auto_detect_ckpt_format", False):
         raise_if_any([f"it is a torch_dist checkpoint and this run has --ckpt-format {args.ckpt_format} (pass "
@@ -136,13 +137,13 @@ def check_checkpoint(args: argparse.Namespace, model: list, load_arg: str = "loa
     raise_if_any(problems, directory, "does not fit this model")
 
 
-def check_or_exit(model: list, load_arg: str = "load") -> None:
+def check_or_exit(config: RunConfig, model: list, load_arg: str = "load") -> None:
     """:func:`check_checkpoint` for Megatron-LM's arguments; a failed check prints one error
     (rank 0) and exits with status 1 on every rank."""
     from megatron.training import get_args
 
     try:
-        check_checkpoint(get_args(), model, load_arg)
+        check_checkpoint(get_args(), config, model, load_arg)
     except CheckpointError as error:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"megatron_bitpipe: error: {error}", file=sys.stderr, flush=True)

@@ -4,10 +4,14 @@ Megatron-LM needs six things from the plugin; both routes call the same function
 
 1. **Flags**: :func:`~megatron_bitpipe.megatron_lm.args.chain_args_provider` adds the plugin's
    flags after the script's own ``extra_args_provider``.
-2. **Checks and schedule**: :func:`setup`, right after Megatron-LM's ``validate_args`` and before
-   ``torch.distributed`` starts, checks the flags on every rank and installs the schedule where
-   Megatron-LM's ``train`` and ``evaluate`` look it up (for ``bitpipe``: the variant that hands
-   the loss reports to the last pipeline stage, :mod:`.losses`).
+2. **Checks, decisions and schedule**: :func:`setup`, right after Megatron-LM's ``validate_args``
+   and before ``torch.distributed`` starts, checks the flags on every rank, makes the run's
+   :class:`~megatron_bitpipe.run_config.RunConfig` from Megatron-LM's namespace, once, and
+   installs the schedule where Megatron-LM's ``train`` and ``evaluate`` look it up (for a schedule
+   this package's plan executor runs, ``bitpipe``: the variant that hands the loss reports to the
+   last pipeline stage, :mod:`.losses`). The installed function holds the RunConfig
+   (:func:`~megatron_bitpipe.plugin.installed_schedule`): Megatron-LM calls the hooks below by
+   name, and they take every decision from it (:func:`run_config`).
 3. **Model**: :func:`get_model` builds BitPipe's V chunks (:mod:`.model`) or defers to
    Megatron-LM's own ``get_model``, re-initialising its chunks from the seed with
    ``--layout-independent-init``.
@@ -37,9 +41,8 @@ script imports ``get_batch_on_this_tp_rank`` by name (``pretrain_gpt.py`` does).
 route (``patches/megatron-lm-<tag>.patch``) makes the same calls from Megatron-LM's source; on
 a patched checkout :func:`install` does nothing.
 
-Everything is decided at call time from the parsed arguments: with ``--pipeline-schedule``
-``default`` (and no ``--layout-independent-init``) Megatron-LM runs exactly as without the
-plugin.
+With ``--pipeline-schedule default`` (and no ``--layout-independent-init``) Megatron-LM runs
+exactly as without the plugin.
 """
 
 from __future__ import annotations
@@ -49,15 +52,16 @@ import functools
 from typing import Callable
 
 from ..megatron_compat import megatron_lm_functions, with_keyword
-from ..optimizers import OWN_OPTIMIZERS, OptimizerChoice, ParamScheduler, averaged_weights, build_megatron_optimizer
-from ..plugin import register
-from ..megatron_args import resolved_schedule, schedule_choice
-from .args import chain_args_provider, layout_independent_init, validate_megatron_lm_args
+from ..optimizers import OWN_OPTIMIZERS, ParamScheduler, averaged_weights, build_megatron_optimizer
+from ..plugin import installed_schedule, register
+from ..run_config import RunConfig
+from .args import chain_args_provider, validate_megatron_lm_args
 from .losses import make_megatron_lm_forward_backward_func
 
 __all__ = [
     "PATCH_MARKER",
     "setup",
+    "run_config",
     "get_model",
     "build_distributed_models",
     "broadcast_full_batch",
@@ -79,91 +83,100 @@ PATCH_MARKER = "MEGATRON_BITPIPE_PATCHED"
 """Name the patch defines as True in ``megatron.training.training``."""
 
 
-def setup(args: argparse.Namespace) -> None:
-    """Check the parsed flags (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`) and
-    install ``--pipeline-schedule``'s forward_backward_func. Local: no communication.
+def setup(args: argparse.Namespace) -> RunConfig:
+    """Check the parsed flags (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`), make
+    the run's :class:`RunConfig` and install ``--pipeline-schedule``'s forward_backward_func,
+    which holds it. Local: no communication. Returns the RunConfig.
 
-    With bitpipe and ``--use-distributed-optimizer`` the optimizer state is checkpointed in
-    the ``fully_reshardable`` form, the only one bitpipe's per-chunk optimizers have
-    (``--dist-ckpt-optim-fully-reshardable`` is switched on, with a note).
+    With a plan-executed schedule and ``--use-distributed-optimizer`` the optimizer state is
+    checkpointed in the ``fully_reshardable`` form, the only one its per-chunk optimizers have
+    (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``, which its checkpointing reads, is
+    switched on, with a note).
     """
     validate_megatron_lm_args(args)
-    schedule = resolved_schedule(args)
-    if schedule == "bitpipe" and args.use_distributed_optimizer and not args.dist_ckpt_optim_fully_reshardable:
+    config = RunConfig.from_args(args)
+    if config.executes_plan and config.distributed_optimizer and not args.dist_ckpt_optim_fully_reshardable:
         args.dist_ckpt_optim_fully_reshardable = True
         if args.rank == 0:
             print(
-                "megatron_bitpipe: --pipeline-schedule bitpipe with --use-distributed-optimizer saves its optimizer "
-                "state fully reshardable (--dist-ckpt-optim-fully-reshardable)",
+                f"megatron_bitpipe: --pipeline-schedule {config.schedule.schedule} with --use-distributed-optimizer saves "
+                "its optimizer state fully reshardable (--dist-ckpt-optim-fully-reshardable)",
                 flush=True,
             )
-    bitpipe_func = make_megatron_lm_forward_backward_func(schedule_choice(args)) if schedule == "bitpipe" else None
-    register(schedule, bitpipe_func=bitpipe_func)
-    _route_optimizer_functions(args)
+    plan_func = make_megatron_lm_forward_backward_func(config.schedule) if config.executes_plan else None
+    register(config.schedule.schedule, plan_func=plan_func, run_config=config)
+    _route_optimizer_functions(config, args.rex_beta)
+    return config
 
 
-def _route_optimizer_functions(args: argparse.Namespace) -> None:
+def run_config() -> RunConfig:
+    """The decisions :func:`setup` made, held by the installed forward_backward_func (Megatron-LM
+    calls the hooks by name: this is the one place they find them)."""
+    installed = installed_schedule()
+    if installed is None or installed.run_config is None:
+        raise RuntimeError("megatron_bitpipe: Megatron-LM's arguments were not set up (megatron_bitpipe.megatron_lm.hooks.setup)")
+    return installed.run_config
+
+
+def _route_optimizer_functions(config: RunConfig, rex_beta: float) -> None:
     """Megatron-LM's optimizer, learning-rate scheduler, evaluation and checkpoint functions,
     looked up in ``megatron.training.training``'s namespace at each call, through this module's
-    (both routes; idempotent)."""
+    (both routes; a second call replaces the first one's)."""
     import megatron.training.training as training
 
     for name, hook in (
         ("get_megatron_optimizer_config", get_megatron_optimizer_config),
-        ("get_megatron_optimizer", get_megatron_optimizer),
+        ("get_megatron_optimizer", functools.partial(get_megatron_optimizer, run=config)),
         ("evaluate", evaluate),
         ("save_checkpoint", save_checkpoint),
-        ("load_checkpoint", load_checkpoint),
+        ("load_checkpoint", functools.partial(load_checkpoint, run=config)),
     ):
-        megatron_fn = getattr(training, name)
-        if not hasattr(megatron_fn, "megatron_bitpipe_original"):
-            setattr(training, name, _wrap(megatron_fn, functools.partial(hook, megatron_fn)))
-    training.OptimizerParamScheduler = optimizer_param_scheduler(args)
+        current = getattr(training, name)
+        megatron_fn = getattr(current, "megatron_bitpipe_original", current)
+        setattr(training, name, _wrap(megatron_fn, functools.partial(hook, megatron_fn)))
+    training.OptimizerParamScheduler = optimizer_param_scheduler(config, rex_beta)
 
 
 def get_model(megatron_get_model: Callable, model_provider_func: Callable, *args, **kwargs) -> list:
     """Megatron-LM's ``get_model(model_provider_func, model_type, wrap_with_ddp, config,
     pg_collection)`` for the selected schedule; ``megatron_get_model`` is Megatron-LM's own."""
-    from megatron.training import get_args
-
     from .model import get_bitpipe_model
 
-    if resolved_schedule(get_args()) == "bitpipe":
-        return get_bitpipe_model(model_provider_func, *args, **kwargs)
-    return _seed_only(megatron_get_model(model_provider_func, *args, **kwargs))
+    config = run_config()
+    if config.executes_plan:
+        return get_bitpipe_model(config, model_provider_func, *args, **kwargs)
+    return _seed_only(config, megatron_get_model(model_provider_func, *args, **kwargs))
 
 
 def build_distributed_models(megatron_build: Callable, builder, *args, **kwargs) -> list:
     """A Megatron-LM model builder's ``build_distributed_models(pg_collection, ddp_config, ...,
     wrap_with_ddp, ...)`` (core_v0.19's config container) for the selected schedule;
     ``megatron_build`` is the builder's own method. BitPipe builds GPTModel chunks only."""
-    from megatron.training import get_args
-
     from .model import build_bitpipe_model_with
 
-    if resolved_schedule(get_args()) == "bitpipe":
-        return build_bitpipe_model_with(builder, megatron_build, *args, **kwargs)
-    return _seed_only(megatron_build(*args, **kwargs))
+    config = run_config()
+    if config.executes_plan:
+        return build_bitpipe_model_with(config, builder, megatron_build, *args, **kwargs)
+    return _seed_only(config, megatron_build(*args, **kwargs))
 
 
-def _seed_only(model: list) -> list:
+def _seed_only(config: RunConfig, model: list) -> list:
     """``model`` (megatron's own chunks), re-initialised from the seed with ``--layout-independent-init``."""
     from megatron.core import mpu
     from megatron.training import get_args
 
     from .model import initialize_chunks_from_seed
 
-    megatron_args = get_args()
-    if layout_independent_init(megatron_args):
-        initialize_chunks_from_seed(model, megatron_args.seed, mpu.get_tensor_model_parallel_group())
+    if config.layout_independent_init:
+        initialize_chunks_from_seed(model, get_args().seed, mpu.get_tensor_model_parallel_group())
     return model
 
 
 def broadcast_full_batch(mtp_on_this_rank: bool) -> bool:
-    """The ``mtp_on_this_rank`` to give ``get_batch_on_this_tp_rank``: true with BitPipe."""
-    from megatron.training import get_args
-
-    return mtp_on_this_rank or resolved_schedule(get_args()) == "bitpipe"
+    """The ``mtp_on_this_rank`` to give ``get_batch_on_this_tp_rank``: true when this package's
+    plan executor runs the schedule (its chunks embed and compute the loss wherever the placement
+    puts a pipeline's first and last stages: BitPipe's edge ranks hold both)."""
+    return mtp_on_this_rank or run_config().executes_plan
 
 
 def get_megatron_optimizer_config(megatron_fn: Callable, args) -> tuple:
@@ -179,40 +192,37 @@ def get_megatron_optimizer_config(megatron_fn: Callable, args) -> tuple:
         args.optimizer = name
 
 
-def get_megatron_optimizer(megatron_fn: Callable, config, model_chunks, *args, **kwargs):
-    """``megatron.core.optimizer.get_megatron_optimizer`` as Megatron-LM calls it; builds
-    ``--optimizer lamb | onebit_lamb | schedulefree_adamw`` with
+def get_megatron_optimizer(megatron_fn: Callable, config, model_chunks, *args, run: RunConfig, **kwargs):
+    """``megatron.core.optimizer.get_megatron_optimizer`` as Megatron-LM calls it (``config``:
+    megatron's ``OptimizerConfig``), for the run's decisions ``run``; builds ``--optimizer lamb |
+    onebit_lamb | schedulefree_adamw`` with
     :func:`~megatron_bitpipe.optimizers.build_megatron_optimizer` and records it on the model
-    chunks for :func:`evaluate`; with BitPipe and ``--use-distributed-optimizer``, one
-    distributed optimizer per chunk (Megatron-LM's ``config_overrides`` kept)."""
+    chunks for :func:`evaluate`; with a plan-executed schedule and ``--use-distributed-optimizer``,
+    one distributed optimizer per chunk (Megatron-LM's ``config_overrides`` kept)."""
     from megatron.core.utils import unwrap_model
-    from megatron.training import get_args
 
     from ..execution.distributed_optimizer import build_distributed_optimizer
 
-    megatron_args = get_args()
-    if resolved_schedule(megatron_args) == "bitpipe" and config.use_distributed_optimizer:
+    if run.executes_plan and config.use_distributed_optimizer:
         groups = unwrap_model(model_chunks[0]).pipeline_groups
         return build_distributed_optimizer(model_chunks, groups, config, config_overrides=kwargs.get("config_overrides"))
-    if megatron_args.optimizer not in _OWN:
+    if run.optimizer.name not in _OWN:
         return megatron_fn(config, model_chunks, *args, **kwargs)
-    optimizer = build_megatron_optimizer(
-        config, OptimizerChoice.from_args(megatron_args), list(model_chunks), config_overrides=kwargs.get("config_overrides")
-    )
+    optimizer = build_megatron_optimizer(config, run.optimizer, list(model_chunks), config_overrides=kwargs.get("config_overrides"))
     for chunk in model_chunks:
         setattr(chunk, _OPTIMIZER_OF_MODEL, optimizer)
     return optimizer
 
 
-def optimizer_param_scheduler(args) -> Callable:
+def optimizer_param_scheduler(config: RunConfig, rex_beta: float) -> Callable:
     """The class Megatron-LM's ``get_optimizer_param_scheduler`` instantiates: megatron's
     scheduler with ``rex`` (``--rex-beta``); without warm-up for Schedule-Free AdamW, whose
     warm-up is its own (``--lr-warmup-iters``)."""
 
     def build(optimizer, **kwargs):
-        if args.optimizer == "schedulefree_adamw":
+        if config.optimizer.name == "schedulefree_adamw":
             kwargs["lr_warmup_steps"] = 0
-        return ParamScheduler(optimizer, rex_beta=args.rex_beta, **kwargs)
+        return ParamScheduler(optimizer, rex_beta=rex_beta, **kwargs)
 
     return build
 
@@ -231,7 +241,7 @@ def save_checkpoint(megatron_save: Callable, iteration, model, optimizer, *args,
         return megatron_save(iteration, model, optimizer, *args, **kwargs)
 
 
-def load_checkpoint(megatron_load: Callable, model, optimizer, *args, **kwargs):
+def load_checkpoint(megatron_load: Callable, model, optimizer, *args, run: RunConfig, **kwargs):
     """Megatron-LM's ``load_checkpoint`` after the checks of :mod:`.checkpointing` (a checkpoint
     that cannot be loaded completely: one error, status 1 on every rank), in Schedule-Free's
     eval mode (so its training weights come back exactly). Megatron-LM's checkpoints hold one data-parallel rank's optimizer
@@ -240,7 +250,7 @@ def load_checkpoint(megatron_load: Callable, model, optimizer, *args, **kwargs):
 
     from .checkpointing import check_or_exit
 
-    check_or_exit(model, kwargs.get("load_arg", args[1] if len(args) > 1 else "load"))
+    check_or_exit(run, model, kwargs.get("load_arg", args[1] if len(args) > 1 else "load"))
     with averaged_weights(optimizer):
         result = megatron_load(model, optimizer, *args, **kwargs)
     if optimizer is not None and mpu.get_data_parallel_world_size() > 1:

@@ -61,12 +61,12 @@ from ..model.chunks import build_chunks, transformer_block_of
 from ..model.precision import ChunkFloat16Module
 from ..execution.replicas import mark_replica_parameters, wrap_ddp
 from ..model.sharded_state import attach_sharded_state_dicts
-from ..schedules.placement import bidirectional_v
+from ..run_config import RunConfig
 
 __all__ = ["get_bitpipe_model", "initialize_chunks_from_seed"]
 
 
-def _ddp_config(args) -> DistributedDataParallelConfig:
+def _ddp_config(args, run_config: RunConfig) -> DistributedDataParallelConfig:
     """Megatron-LM's DDP settings that apply to BitPipe's per-chunk DDP (one bucket per chunk)."""
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
@@ -74,8 +74,8 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         check_for_large_grads=getattr(args, "check_for_large_grads", False),
         average_in_collective=getattr(args, "ddp_average_in_collective", False),
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        delay_wgrad_compute=getattr(args, "split_backward", False),  # TE's deferred weights: DDP's hook after backward_dw
+        use_distributed_optimizer=run_config.distributed_optimizer,
+        delay_wgrad_compute=run_config.schedule.splits_backward,  # TE's deferred weights: DDP's hook after backward_dw
     )
 
 
@@ -151,13 +151,15 @@ def _builder_chunk_maker(builder) -> ChunkMaker:
 
 
 def get_bitpipe_model(
+    run_config: RunConfig,
     model_provider_func: Callable,
     model_type: ModelType = ModelType.encoder_or_decoder,
     wrap_with_ddp: bool = True,
     config=None,
     pg_collection=None,
 ) -> List[torch.nn.Module]:
-    """This rank's BitPipe chunks, with Megatron-LM ``get_model``'s signature and result.
+    """This rank's BitPipe chunks, with Megatron-LM ``get_model``'s signature and result
+    after ``run_config`` (the run's decisions: the schedule's placement, the layout, precision).
 
     Returns the four chunks (local chunk order of the placement), wrapped like Megatron-LM's
     (fp16/bf16 wrapper, then DDP unless ``wrap_with_ddp`` is false); see the module docstring.
@@ -170,13 +172,14 @@ def get_bitpipe_model(
     args = get_args()
     config = config if config is not None else core_transformer_config_from_args(args)
     maker = _provider_chunk_maker(args, model_provider_func)
-    return _bitpipe_chunks(args, maker, _provider_name(model_provider_func), config, model_type, wrap_with_ddp)
+    return _bitpipe_chunks(args, run_config, maker, _provider_name(model_provider_func), config, model_type, wrap_with_ddp)
 
 
-def build_bitpipe_model_with(builder, megatron_build: Callable, *args, **kwargs) -> List[torch.nn.Module]:
-    """This rank's BitPipe chunks from a Megatron-LM model builder, with the signature and result
-    of its ``build_distributed_models`` (``megatron_build``, the builder's own method, whose
-    arguments ``args`` / ``kwargs`` are). Only builders of GPTModel can place BitPipe's chunks."""
+def build_bitpipe_model_with(run_config: RunConfig, builder, megatron_build: Callable, *args, **kwargs) -> List[torch.nn.Module]:
+    """This rank's BitPipe chunks (after ``run_config``) from a Megatron-LM model builder, with the
+    signature and result of its ``build_distributed_models`` (``megatron_build``, the builder's own
+    method, whose arguments ``args`` / ``kwargs`` are). Only builders of GPTModel can place
+    BitPipe's chunks."""
     from megatron.training import get_args
 
     if not isinstance(builder, megatron_compat.megatron_lm_functions().gpt_builder):
@@ -189,15 +192,18 @@ def build_bitpipe_model_with(builder, megatron_build: Callable, *args, **kwargs)
     config = megatron_compat.builder_model_config(builder).transformer
     maker = _builder_chunk_maker(builder)
     name = type(builder).__name__
-    return _bitpipe_chunks(get_args(), maker, name, config, call.arguments["model_type"], call.arguments["wrap_with_ddp"])
+    return _bitpipe_chunks(get_args(), run_config, maker, name, config, call.arguments["model_type"], call.arguments["wrap_with_ddp"])
 
 
-def _bitpipe_chunks(args, make: ChunkMaker, builder: str, config, model_type, wrap_with_ddp: bool) -> List[torch.nn.Module]:
+def _bitpipe_chunks(
+    args, run_config: RunConfig, make: ChunkMaker, builder: str, config, model_type, wrap_with_ddp: bool
+) -> List[torch.nn.Module]:
     if model_type != ModelType.encoder_or_decoder:
         raise BitPipeConfigError(f"--pipeline-schedule bitpipe does not support {model_type} models (encoder-decoder)")
     args.model_type = model_type
-    grid = ParallelGrid(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size)
-    groups = PipelineGroups.build(grid, bidirectional_v(grid.pp))
+    layout = run_config.layout
+    grid = ParallelGrid(tp=layout.tensor, dp=layout.data, pp=layout.pipeline)
+    groups = PipelineGroups.build(grid, run_config.placement)
 
     def make_chunk(chunk_config, spec: ChunkSpec, chunk_pgs, tie_in_chunk: bool) -> torch.nn.Module:
         # The model gets the rank's groups (plain data parallelism): Megatron-LM's loop reads its
@@ -215,7 +221,7 @@ def _bitpipe_chunks(args, make: ChunkMaker, builder: str, config, model_type, wr
         return chunk
 
     tied = not args.untie_embeddings_and_output_weights
-    if getattr(args, "split_backward", False):  # before building: TE linears read it in their constructor
+    if run_config.schedule.splits_backward:  # before building: TE linears read it in their constructor
         megatron_compat.enable_delay_wgrad_compute(config)
     chunks = build_chunks(
         without_megatron_init(config),  # every weight is drawn once, below
@@ -229,13 +235,13 @@ def _bitpipe_chunks(args, make: ChunkMaker, builder: str, config, model_type, wr
     specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank, tied)
     initialize_from_seed(chunks, specs, args.seed, groups.tp)
     attach_sharded_state_dicts(chunks, specs, groups)
-    if not args.use_distributed_optimizer:
+    if not run_config.distributed_optimizer:
         mark_replica_parameters(chunks, specs)
 
-    if args.fp16 or args.bf16:
+    if run_config.precision.name != "fp32":
         chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
     if wrap_with_ddp:
-        chunks = wrap_ddp(chunks, groups, config, _ddp_config(args))
+        chunks = wrap_ddp(chunks, groups, config, _ddp_config(args, run_config))
     return chunks
 
 

@@ -17,6 +17,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import List, Optional
 
+from ..schedules.registry import plan_executed_schedules
+
 __all__ = [
     "OPTIMIZERS",
     "MEGATRON_OPTIMIZERS",
@@ -55,6 +57,12 @@ class OptimizerChoice:
     sf_r: float = 0.0
     decentralized: bool = False
 
+    @property
+    def freeze_iteration(self) -> Optional[int]:
+        """The iteration after which 1-bit LAMB freezes its variance and starts exchanging
+        compressed momenta (``--onebit-freeze-iters``); None for the other optimizers."""
+        return self.onebit_freeze_iters if self.name == "onebit_lamb" else None
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "OptimizerChoice":
         return cls(
@@ -89,8 +97,10 @@ def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def optimizer_problems(args: argparse.Namespace, *, schedule: str, megatron_lm: bool = False) -> List[str]:
     """Every broken rule of the optimizer flags, each naming its flags (no communication).
 
-    ``schedule`` is the pipeline schedule that runs (``bitpipe`` or another); ``megatron_lm``
-    for Megatron-LM's training loop (whose own schedules build megatron's DDP).
+    ``schedule`` is the pipeline schedule that runs (a registered name, ``default`` resolved);
+    the rules depend on whether this package's plan executor runs it (its per-chunk DDP and
+    optimizers) or megatron-core's functions do. ``megatron_lm`` for Megatron-LM's training loop
+    (whose megatron-core schedules build megatron's DDP).
     """
     problems: List[str] = []
     name = getattr(args, "optimizer", "adam")
@@ -99,7 +109,7 @@ def optimizer_problems(args: argparse.Namespace, *, schedule: str, megatron_lm: 
     if name == "sgd":
         if not 0.0 <= getattr(args, "sgd_momentum", 0.0) < 1.0:
             problems.append(f"--sgd-momentum must lie in [0, 1) (got {args.sgd_momentum})")
-        if getattr(args, "use_distributed_optimizer", False) and (not megatron_lm or schedule == "bitpipe"):
+        if getattr(args, "use_distributed_optimizer", False) and (not megatron_lm or schedule in plan_executed_schedules()):
             problems.append(
                 "--optimizer sgd cannot be combined with --use-distributed-optimizer here (its per-chunk "
                 "distributed optimizers and their checkpoints are built and tested for Adam's state only)"
@@ -147,10 +157,11 @@ def _onebit_problems(args, schedule: str, megatron_lm: bool) -> List[str]:
         problems.append(f"--optimizer onebit_lamb cannot be combined with --sequence-parallel ({why}, before the norms' TP gradient sum)")
     if getattr(args, "calculate_per_token_loss", False):
         problems.append(f"--optimizer onebit_lamb cannot be combined with --calculate-per-token-loss ({why})")
-    if schedule != "bitpipe":
+    plan_schedules = plan_executed_schedules()
+    if schedule not in plan_schedules:
         if megatron_lm:
             problems.append(
-                "--optimizer onebit_lamb runs in Megatron-LM's scripts with --pipeline-schedule bitpipe only "
+                f"--optimizer onebit_lamb runs in Megatron-LM's scripts with --pipeline-schedule {' or '.join(plan_schedules)} only "
                 "(megatron's own schedules build a DDP whose gradient all-reduce cannot be replaced)"
             )
         if getattr(args, "overlap_grad_reduce", False):

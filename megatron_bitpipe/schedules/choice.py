@@ -26,6 +26,7 @@ from typing import List, Optional
 from .actions import SchedulePlan
 from .errors import MICROBATCH_FLAG, PP_FLAG, VP_FLAG, ScheduleConfigError
 from .lower import lower
+from .generator import PLAN_RUNNER
 from .placement import Placement
 from .registry import REGISTRY, generator
 from .costs import CostModel
@@ -65,6 +66,17 @@ class ScheduleChoice:
     def splits_backward(self) -> bool:
         """Whether the plans run split backwards (``I`` and ``W``)."""
         return self.split_backward or REGISTRY[self.schedule].always_split
+
+    @property
+    def plan_executed(self) -> bool:
+        """Whether training runs it with this package's plan executor (its generator's
+        ``runner`` is :data:`~.generator.PLAN_RUNNER`), else with megatron-core's own functions."""
+        return REGISTRY[self.schedule].runner == PLAN_RUNNER
+
+    def weight_replicas(self, num_ranks: int) -> int:
+        """Copies of the model's weights its placement holds on ``num_ranks`` pipeline ranks
+        (one per pipeline: 2 for the bidirectional placements, 1 for the looped ones)."""
+        return self.placement(num_ranks).num_pipelines
 
     @property
     def label(self) -> str:

@@ -94,7 +94,7 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
         transformer_impl=impl,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
-        overlap_p2p_comm=args.overlap_p2p_comm and (run.executes_plan or run.megatron_schedule == "interleaved"),
+        overlap_p2p_comm=run.overlap_p2p_comm,
         cuda_graph_scope=[],  # the whole layer; megatron's default spelling "full" is deprecated
         **kernel_fields(gpu, transformer_engine=impl == "transformer_engine", bias_activation=args.swiglu or args.add_bias_linear),
     )
@@ -111,16 +111,16 @@ def use_global_tp_group(tp_group) -> None:
     parallel_state._TENSOR_MODEL_PARALLEL_GROUP = tp_group
 
 
-def ddp_config(args: argparse.Namespace, run: RunConfig) -> DistributedDataParallelConfig:
+def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:
     """Gradients reduced in fp32; overlapped with the plan executor's schedules (BitPipe's eager
     per-chunk sync) or with ``--overlap-grad-reduce``. Reduce-scattered for megatron's
     distributed optimizer (``--use-distributed-optimizer``), except for a fused array
     (``run.hfta``), whose DDP all-reduces while its optimizer shards the state itself
     (:mod:`megatron_bitpipe.hfta.optimizer`)."""
     return DistributedDataParallelConfig(
-        overlap_grad_reduce=run.executes_plan or args.overlap_grad_reduce,
+        overlap_grad_reduce=run.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
-        use_distributed_optimizer=args.use_distributed_optimizer and run.hfta is None,
+        use_distributed_optimizer=run.distributed_optimizer and run.hfta is None,
         delay_wgrad_compute=run.schedule.split_backward,  # TE's deferred weights: DDP's hook after backward_dw
     )
 
@@ -130,7 +130,7 @@ def optimizer_config(args: argparse.Namespace, run: RunConfig) -> OptimizerConfi
     sharded with ``--use-distributed-optimizer``); ``--optimizer`` other than adam reads its
     hyper-parameters from it (``run.optimizer``)."""
     return OptimizerConfig(
-        optimizer=args.optimizer if args.optimizer in MEGATRON_OPTIMIZERS else "adam",
+        optimizer=run.optimizer.name if run.optimizer.name in MEGATRON_OPTIMIZERS else "adam",
         lr=args.lr,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,
@@ -144,7 +144,7 @@ def optimizer_config(args: argparse.Namespace, run: RunConfig) -> OptimizerConfi
         params_dtype=run.precision.dtype,
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        use_distributed_optimizer=run.distributed_optimizer,
     )
 
 

@@ -116,7 +116,7 @@ class Trainer:
         reports: List[dict] = []
         with torch.no_grad(), averaged_weights(self.optimizer), self.data_parallel.evaluated_weights():
             for batch in range(self.args.eval_iters):
-                first = batch * self.args.global_batch_size
+                first = batch * self.run_config.batches.global_batch_size
                 batches = microbatches(dataset, first, self.args, self.groups.dp_rank)
                 reports += self.schedule.run(self.forward_step, batches, forward_only=True)
         for chunk in self.model.chunks:

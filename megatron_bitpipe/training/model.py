@@ -59,7 +59,7 @@ def build_model(
         max_sequence_length=args.max_position_embeddings,
         seed=args.seed,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        ddp_config=ddp_config(args, run),
+        ddp_config=ddp_config(run),
         tensor_parallel_mode=run.layout.tensor_parallel_mode,
         position_embedding_type=args.position_embedding_type,
         gradient_reduction=run.data_parallel_mode.gradient_reduction,

@@ -64,7 +64,7 @@ class Schedule:
         config = model.config
         config.finalize_model_grads_func = finalize_model_grads_func(model.groups.mesh)
         config.grad_scale_func = optimizer.scale_loss
-        if args.overlap_grad_reduce and megatron_schedule is not None:
+        if run.overlap_grad_reduce and megatron_schedule is not None:
             no_sync = [chunk.no_sync for chunk in model.chunks]
             config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.kwargs: Dict[str, object] = {}
@@ -75,10 +75,10 @@ class Schedule:
         if megatron_schedule != "no_pipelining":
             self.kwargs["adjust_tensor_shapes_fn"] = adjust_tensor_shapes_fn
         self.slowdown = None
-        if args.emulate_replica_slowdown is not None:
+        if run.replica_slowdown is not None:
             from ..benchmarking.emulation import ReplicaSlowdown
 
-            self.slowdown = ReplicaSlowdown(args.emulate_replica_slowdown[model.groups.dp_rank])
+            self.slowdown = ReplicaSlowdown(run.replica_slowdown[model.groups.dp_rank])
 
     def run(self, forward_step_func: Callable, batches: List[dict], forward_only: bool) -> List[dict]:
         """Forward (and backward) of this data-parallel rank's micro-batches; the loss

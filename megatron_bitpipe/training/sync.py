@@ -61,7 +61,7 @@ class SyncStrategy(DataParallelStrategy):
         elapsed = time.perf_counter() - start
         state.iteration += 1
         state.consumed_train_samples += global_batch_size
-        if args.optimizer == "onebit_lamb" and state.iteration == args.onebit_freeze_iters:
+        if state.iteration == p.run.optimizer.freeze_iteration:
             distributed.log(
                 f"1-bit LAMB: variance frozen after iteration {state.iteration}; from now on momenta are averaged "
                 "with 1-bit compression instead of all-reducing gradients (--clip-grad no longer applies)"

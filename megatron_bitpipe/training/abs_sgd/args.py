@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from ...megatron_args import BitPipeConfigError, schedule_choice
-from ...schedules import ScheduleChoice
+from ...schedules import REGISTRY, ScheduleChoice
 from ...data_parallel_modes import ABS_SGD, data_parallel_mode, selected_mode
 
 __all__ = [
@@ -147,13 +147,13 @@ def _schedule_rules(args: argparse.Namespace) -> Tuple[ScheduleChoice, int]:
 
 
 def _schedule_multiple(args: argparse.Namespace) -> int:
-    """Counts the schedule accepts are multiples of this (bitpipe: 2; interleaved: D)."""
+    """Counts the schedule accepts are multiples of this: its weight replicas (the pipelines
+    share the micro-batches equally; bitpipe: 2), or D for megatron's interleaved schedule (the
+    one taking a virtual size)."""
     choice, pp = _schedule_rules(args)
-    if choice.schedule in ("bitpipe", "chimera"):
-        return 2
-    if choice.schedule == "interleaved":
+    if REGISTRY[choice.schedule].takes_virtual_size:
         return pp
-    return 1
+    return choice.weight_replicas(pp)
 
 
 def _schedule_count_problems(args: argparse.Namespace, count: int, flag: str) -> List[str]:
