@@ -35,6 +35,7 @@ from . import megatron_compat
 from .checkpoint_rules import MODEL_SHAPE_FLAGS, CheckpointError
 
 __all__ = [
+    "CHECKPOINT_VERSION",
     "TRACKER",
     "checkpoint_dir",
     "find_checkpoint",
@@ -47,6 +48,8 @@ __all__ = [
 ]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+#: ``checkpoint_version`` of Megatron-LM's state dicts (3.0 since megatron-core models)
+CHECKPOINT_VERSION = 3.0
 LOGICAL_FORMAT = "megatron-bitpipe-logical"
 
 def checkpoint_dir(root: str, iteration: Optional[int], release: bool = False) -> str:

@@ -68,7 +68,7 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     from megatron.core.utils import unwrap_model
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.model.build import build_optimizer
+    from megatron_bitpipe.training.optimizer import build_optimizer
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.bert import BertTask

@@ -95,7 +95,7 @@ def reference(tied: bool, binary_head: bool, global_microbatches: int, clip_grad
 
     from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.model.init import initialize_from_seed
-    from megatron_bitpipe.model.layout import ChunkLayers
+    from megatron_bitpipe.model_partition import ChunkLayers
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()

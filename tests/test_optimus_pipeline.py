@@ -13,7 +13,7 @@ import torch
 from megatron_bitpipe.optimus.gpt_model import optimus_p2p_tensor_shapes
 from megatron_bitpipe.optimus.layout import LayoutKind, ParamLayout
 from megatron_bitpipe.execution.forward_backward import p2p_tensor_shape
-from megatron_bitpipe.model.layout import full_shape, tp_block
+from megatron_bitpipe.model_partition import full_shape, tp_block
 
 # (layout, serial shape for mesh side q)
 LAYOUTS = [

@@ -25,6 +25,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
+from ..checkpoint_checks import CHECKPOINT_VERSION, TRACKER, checkpoint_dir, find_checkpoint
+
 __all__ = ["extract_model", "model_axis"]
 
 _LAYERS = ("decoder.layers.", "encoder.layers.")  # GPT's, BERT's
@@ -40,8 +42,6 @@ def extract_model(load: str, k: int, save: str, step: Optional[int] = None) -> s
     """Write model ``k`` of the fused checkpoint under ``load`` (iteration ``step``, default
     the latest) as an ordinary checkpoint under ``save``; returns its directory. ValueError for
     a checkpoint without a fused array or a ``k`` out of range."""
-    from ..training.checkpoint import CHECKPOINT_VERSION, TRACKER, checkpoint_dir, find_checkpoint
-
     found = find_checkpoint(load, step)
     if found is None:
         raise ValueError(f"no checkpoint under {load}" + ("" if step is None else f" at iteration {step}"))

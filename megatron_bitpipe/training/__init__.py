@@ -10,7 +10,8 @@
   :mod:`.bert` — :class:`~.bert.BertTask`, its data and loss; :mod:`.model` — the model from the common flags;
 * :mod:`.arguments` — Megatron-LM's flags and their checks;
 * :mod:`.config` — megatron-core configs (model, DDP, optimizer — Adam or one of
-  :mod:`megatron_bitpipe.optimizers` —, learning-rate schedule);
+  :mod:`megatron_bitpipe.optimizers` —, learning-rate schedule); :mod:`.optimizer` — the
+  optimizer of a pipeline model (a fused array's too);
 * :mod:`.schedule` — BitPipe or megatron-core's own schedules on the model's groups;
 * :mod:`.data` — tokenizers, Megatron indexed datasets, global-batch order, micro-batches;
   :mod:`.preprocess` — text to Megatron indexed datasets (``scripts/preprocess_data.py``)

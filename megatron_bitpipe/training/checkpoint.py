@@ -42,6 +42,7 @@ from ..model.build import PipelineModel
 from ..execution.distributed_optimizer import SHARDING_TYPE
 from . import optimizer_state
 from ..checkpoint_checks import (
+    CHECKPOINT_VERSION,
     TRACKER,
     checkpoint_dir,
     checkpoint_format,
@@ -80,10 +81,6 @@ def rank_layout(run: RunConfig) -> Dict[str, object]:
         "schedule": run.schedule_name,
         "tensor_parallel_mode": layout.tensor_parallel_mode,
     }
-
-#: ``checkpoint_version`` of Megatron-LM's state dicts (3.0 since megatron-core models)
-CHECKPOINT_VERSION = 3.0
-
 
 @dataclass
 class TrainingState:

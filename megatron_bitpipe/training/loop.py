@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..optimizers import averaged_weights, lr_for_logging
 from ..run_config import RunConfig
-from ..model.build import build_optimizer
+from .optimizer import build_optimizer
 from . import distributed
 from .arguments import padded_vocab_size
 from .abs_sgd.step import AbsSgdStep, resume_data_parallel
