@@ -24,9 +24,9 @@ import json
 import os
 import sys
 
-from megatron_bitpipe.training.script import ignore_missing_kernel_warnings
+from megatron_bitpipe.training.script import ignore_dependency_warnings
 
-ignore_missing_kernel_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
+ignore_dependency_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
 
 import torch  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Optimus 2D inside the pipeline runtime, without processes: block geometry of the seed
 initialisation and weight collection, the pipeline p2p shape, and argument checks that must
 fail before any communication. (The BitPipe x Optimus equivalence run is in
-``test_bitpipe_runtime.py``.)"""
+``test_bitpipe_equivalence.py``.)"""
 
 from __future__ import annotations
 

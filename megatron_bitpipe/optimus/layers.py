@@ -13,22 +13,22 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from megatron_bitpipe.optimus.checkpoint import optimus_module_sharded_state_dict
-from megatron_bitpipe.optimus.collectives import (
+from .checkpoint import optimus_module_sharded_state_dict
+from .collectives import (
     all_gather_blocks,
     all_reduce_sum,
     column_replicated,
     column_replicated_all,
 )
-from megatron_bitpipe.optimus.layout import (
+from .layout import (
     LayoutKind,
     ParamLayout,
     init_local_block,
     set_param_layout,
 )
-from megatron_bitpipe.optimus.mesh import OptimusMesh
-from megatron_bitpipe.optimus.recompute import attach_recipe
-from megatron_bitpipe.optimus.summa import summa_ab
+from .mesh import OptimusMesh
+from .recompute import attach_recipe
+from .summa import summa_ab
 
 
 def divide_by_side(size: int, side: int, what: str) -> int:

@@ -27,7 +27,7 @@ import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from ..model_partition import join_strided_blocks
-from megatron_bitpipe.optimus.mesh import OptimusMesh, mesh_side
+from .mesh import OptimusMesh, mesh_side
 
 
 class LayoutKind(enum.Enum):

@@ -1,7 +1,7 @@
 """Pretraining on megatron-core alone: the loop behind ``scripts/pretrain_gpt.py`` and
 ``scripts/pretrain_bert.py``.
 
-* :mod:`.script` — :func:`~.script.main` / :func:`~.script.pretrain`: check the flags (every
+* :mod:`.script` — :func:`~.script.run_script`, the scripts' entry point: check the flags (every
   rank, before any communication, before torch.distributed and megatron-core are imported);
   :mod:`.loop` — then the model-agnostic loop (:func:`~.loop.run_training`, :class:`~.loop.Trainer`;
   the run's decisions: :class:`megatron_bitpipe.run_config.RunConfig`);
@@ -28,11 +28,11 @@ See ``docs/running.md`` and ``docs/checkpoints.md``.
 
 import importlib
 
-__all__ = ["main", "pretrain", "PretrainTask"]
+__all__ = ["run_script", "PretrainTask"]
 
 #: public name -> the submodule defining it, imported on first use: the scripts parse their
 #: flags (:mod:`.arguments`, :mod:`.script`) before torch and megatron-core are imported
-_SUBMODULE = {"main": "script", "pretrain": "script", "PretrainTask": "task"}
+_SUBMODULE = {"run_script": "script", "PretrainTask": "task"}
 
 
 def __getattr__(name: str):
