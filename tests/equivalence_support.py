@@ -1,4 +1,4 @@
-"""Rank-side code of the runtime equivalence tests: a single-process reference trainer and
+"""Rank-side code of the equivalence tests: a single-process reference trainer and
 the same training through the plan executor on a pipeline layout.
 
 Both train the same tiny GPT (weights from the seed alone) for STEPS optimizer steps on the

@@ -1,4 +1,4 @@
-"""Split backward (``I`` = input gradient, ``W`` = deferred weight gradients) on the runtime.
+"""Split backward (``I`` = input gradient, ``W`` = deferred weight gradients) through the plan executor.
 
 * the deferrable linear (megatron's column- and row-parallel linears, bias, TP=1) gives the
   input and bias gradients in ``I`` and, after ``W``, the weight gradient megatron's own
