@@ -83,9 +83,10 @@ class ImportLayers:
         return out
 
     def report(self, edges: bool = False) -> str:
+        up, circles = len(self.upward), len(self.circles)
         lines = [
-            f"{len(self.rooms)} rooms on {self.num_levels} levels, {len(self.upward)} upward imports, "
-            f"{len(self.circles)} circles"
+            f"{len(self.rooms)} rooms on {self.num_levels} levels, {up} upward import{'' if up == 1 else 's'}, "
+            f"{circles} circle{'' if circles == 1 else 's'}"
         ]
         for level in range(self.num_levels - 1, -1, -1):
             lines.append(f"  level {level}: " + ", ".join(r for r in self.rooms if self.levels[r] == level))
