@@ -23,8 +23,10 @@ guard in front of Megatron-LM's (:mod:`megatron_bitpipe.megatron_lm.checkpointin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -35,6 +37,7 @@ from . import megatron_compat
 from .checkpoint_rules import MODEL_SHAPE_FLAGS, CheckpointError
 
 __all__ = [
+    "CHECKPOINT_VERSION",
     "TRACKER",
     "checkpoint_dir",
     "find_checkpoint",
@@ -47,6 +50,8 @@ __all__ = [
 ]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+#: ``checkpoint_version`` of Megatron-LM's state dicts (3.0 since megatron-core models)
+CHECKPOINT_VERSION = 3.0
 LOGICAL_FORMAT = "megatron-bitpipe-logical"
 
 def checkpoint_dir(root: str, iteration: Optional[int], release: bool = False) -> str:
@@ -231,3 +236,12 @@ def raise_if_any(problems: List[str], directory: str, what: str) -> None:
     if union:
         shown = union[:12] + ([f"... and {len(union) - 12} more"] if len(union) > 12 else [])
         raise CheckpointError(f"{directory} {what}: " + "; ".join(shown))
+
+
+@contextlib.contextmanager
+def without_deprecation_notes():
+    """megatron-core's checkpoint strategies call torch APIs torch has deprecated (FutureWarning
+    on every rank, nothing a user can act on)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield

@@ -3,8 +3,8 @@
 Both routes parse Megatron-LM's flag names — this package's scripts
 (:func:`megatron_bitpipe.training.arguments.parse_args`) and Megatron-LM's own parser with
 :func:`~megatron_bitpipe.megatron_args.add_bitpipe_args` — and both make one
-:class:`RunConfig` from the checked namespace with :meth:`RunConfig.from_args`. It holds what
-used to be re-derived from the namespace wherever it was needed: the resolved
+:class:`RunConfig` from the checked namespace with :meth:`RunConfig.from_args`. It holds the
+decisions made from the flags, each made once here: the resolved
 :class:`~megatron_bitpipe.schedules.ScheduleChoice` (``--pipeline-schedule default`` already
 resolved to megatron-core's choice, ``--schedule-costs`` read), who runs it (megatron-core's
 forward_backward function or this package's plan executor), the parallel layout, the

@@ -58,11 +58,13 @@ def model_flags(args: argparse.Namespace, data: str, seed: int) -> List[str]:
 def train(argv: List[str], log_json: str) -> float:
     """The validation loss after a run of the pretrain loop with ``argv``."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.training import pretrain
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.gpt import GPTTask
+    from megatron_bitpipe.training.loop import run_training
 
+    task = GPTTask()
     with contextlib.redirect_stdout(io.StringIO()):
-        pretrain(GPTTask(), [*argv, "--log-json", log_json], cpu_fallback=enable_cpu_megatron)
+        run_training(task, parse_args(task, [*argv, "--log-json", log_json]), cpu_fallback=enable_cpu_megatron)
     summary = [json.loads(line) for line in Path(log_json).read_text().splitlines() if '"summary"' in line][-1]
     return float(summary["validation_lm_loss"])
 

@@ -24,9 +24,9 @@ import json
 import os
 import sys
 
-from megatron_bitpipe.training.script import ignore_missing_kernel_warnings
+from megatron_bitpipe.training.script import ignore_dependency_warnings
 
-ignore_missing_kernel_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
+ignore_dependency_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
 
 import torch  # noqa: E402
 
@@ -68,7 +68,7 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     from megatron.core.utils import unwrap_model
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.model.build import build_optimizer
+    from megatron_bitpipe.training.optimizer import build_optimizer
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.bert import BertTask
@@ -90,7 +90,7 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     try:
         run = RunConfig.from_args(args)
         model = model_kind_for(task.name, run).build_model(args, run)
-        optimizer = build_optimizer(model, optimizer_config(args, run))
+        optimizer = build_optimizer(model, optimizer_config(args, run), hfta=run.hfta)
         adam = optimizer.chained_optimizers[0].optimizer  # one fp32 Adam over the single-process model
         shards = {}
         with torch.no_grad():

@@ -11,9 +11,9 @@ docs/running.md explains them, :mod:`megatron_bitpipe.training.preprocess` is th
 
 import sys
 
-from megatron_bitpipe.training.script import ignore_missing_kernel_warnings
+from megatron_bitpipe.training.script import ignore_dependency_warnings
 
-ignore_missing_kernel_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
+ignore_dependency_warnings()  # megatron-core's notes on apex / Transformer Engine, every rank
 
 from megatron_bitpipe.training.preprocess import main  # noqa: E402
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from megatron_bitpipe.schedules import SPLIT_BACKWARD_SUFFIX, CostModel, generate, simulate, validate_plan
+from megatron_bitpipe.schedules import zbv
 from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, analytic_costs
 from megatron_bitpipe.schedules.render import plot_gantt
 
@@ -34,6 +35,8 @@ P2P = (0.0, 0.05, 0.1, 0.2)
 PEERS = (("zb-h1", "ZB-H1", False), ("zbv", "ZB-V", False), ("dualpipev", "DualPipeV", False),
          ("dualpipe", "DualPipe", False), ("interleaved", f"interleaved{SPLIT_BACKWARD_SUFFIX}", True),
          ("chimera", f"Chimera{SPLIT_BACKWARD_SUFFIX}", True))
+#: the latency tables' column of ZB-V's paper order (the "ZB-V" column is the generator's order)
+ZBV_PAPER = "ZB-V paper's order"
 #: schedules of the gradient-sync and memory tables: (name, label, split_backward)
 RACE = (("1f1b", "1F1B", False), ("zb-h1", "ZB-H1", False), ("interleaved", f"interleaved{SPLIT_BACKWARD_SUFFIX}", True),
         ("zbv", "ZB-V", False), ("dualpipev", "DualPipeV", False), ("dualpipe", "DualPipe", False),
@@ -112,14 +115,16 @@ def memory_bound(D: int, N: int, p2p: float) -> float:
 def latency_tables() -> str:
     """Makespans of every peer and of BitPipe with a split backward at each message cost."""
     blocks = []
-    labels = " | ".join(label for _, label, _ in PEERS)
+    columns = [label for _, label, _ in PEERS]
+    columns.insert(columns.index("ZB-V") + 1, ZBV_PAPER)
+    labels = " | ".join(columns)
     for p2p in P2P:
         costs = CostModel(t_p2p=p2p)
         lines = [
             f"**t_p2p = {p2p:g} t_F**\n",
             f"| D | N | {labels} | BitPipe | BitPipe{SPLIT_BACKWARD_SUFFIX} | peak | bound | over bound | memory bound "
             "| over memory bound |",
-            "|---|---|" + "---|" * len(PEERS) + "---|---|---|---|---|---|---|",
+            "|---|---|" + "---|" * len(columns) + "---|---|---|---|---|---|---|",
         ]
         for D, N in GRID:
             peers = []
@@ -128,6 +133,10 @@ def latency_tables() -> str:
                     peers.append(None)
                     continue
                 peers.append(simulated(name, D, N, split, costs).makespan)
+                if name == "zbv":
+                    paper = zbv.paper_plan(D, N)
+                    validate_plan(paper)
+                    peers.append(simulate(paper, costs).makespan)
             ours = simulated("bitpipe", D, N, True, costs)
             best = min(p for p in peers if p is not None)
             cells = ["–" if p is None else (f"**{p:.2f}**" if p < ours.makespan - 1e-9 else f"{p:.2f}") for p in peers]

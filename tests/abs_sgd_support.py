@@ -52,7 +52,7 @@ class RecordingGPTTask(GPTTask):
 def _full_parameters(model) -> Dict[str, torch.Tensor]:
     from megatron.core.utils import unwrap_model
 
-    from megatron_bitpipe.model.layout import to_global_name
+    from megatron_bitpipe.model_partition import to_global_name
 
     params = {}
     for chunk, spec in zip(model.chunks, model.specs):
@@ -134,7 +134,7 @@ def reference_gpt(argv: Sequence[str]):
     from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
     from megatron_bitpipe.model.init import initialize_from_seed
-    from megatron_bitpipe.model.layout import chunk_specs
+    from megatron_bitpipe.model_partition import chunk_specs
     from megatron_bitpipe.model.chunks import build_gpt_chunks
     from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
     from megatron_bitpipe.run_config import RunConfig

@@ -1,7 +1,7 @@
 """Rank-side code of the BERT equivalence tests.
 
 :class:`BertCase` runs BERT chunks (:func:`megatron_bitpipe.model.bert_model.build_bert_chunks`)
-through :func:`runtime_support.pipeline` with :func:`megatron_bitpipe.training.bert.bert_forward_step`
+through :func:`equivalence_support.pipeline` with :func:`megatron_bitpipe.training.bert.bert_forward_step`
 on mock MLM + next-sentence micro-batches with padding. :func:`reference` trains megatron-core's
 stock ``BertModel`` (built from megatron's global parallel state) in one process, with the loss
 written out here independently of the package's loss function.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .runtime_support import MICRO_BATCH, NUM_LAYERS, SEED, SEQ, VOCAB, Case, model_config, train_single_process
+from .equivalence_support import MICRO_BATCH, NUM_LAYERS, SEED, SEQ, VOCAB, Case, model_config, train_single_process
 
 EVAL_SAMPLE = 1_000_000  # evaluation samples start here, far from the training samples
 
@@ -28,7 +28,7 @@ def batches(step: Optional[int], count: int) -> list:
 
 @dataclass(frozen=True)
 class BertCase(Case):
-    """A :class:`runtime_support.Case` training BERT; ``binary_head``: with the
+    """A :class:`equivalence_support.Case` training BERT; ``binary_head``: with the
     next-sentence head and token types (Megatron-LM's ``--bert-binary-head``)."""
 
     binary_head: bool = True
@@ -83,7 +83,7 @@ def _init_stats(model) -> dict:
 
 
 def reference(tied: bool, binary_head: bool, global_microbatches: int, clip_grad: float) -> dict:
-    """Single-process training of megatron-core's stock BertModel, as :func:`runtime_support.reference`.
+    """Single-process training of megatron-core's stock BertModel, as :func:`equivalence_support.reference`.
 
     Also the parameter statistics of megatron's own initialisation and of the seed's
     (``native_stats``, ``seed_stats``).
@@ -95,7 +95,7 @@ def reference(tied: bool, binary_head: bool, global_microbatches: int, clip_grad
 
     from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.model.init import initialize_from_seed
-    from megatron_bitpipe.model.layout import ChunkLayers
+    from megatron_bitpipe.model_partition import ChunkLayers
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()

@@ -46,10 +46,10 @@ from megatron_bitpipe.cpu.launcher import launch
 DEFAULT_LAUNCH_TIMEOUT = 900
 #: modules whose launches run in strict p2p mode (NCCL's rules on gloo)
 STRICT_P2P_MODULES = {
-    "test_bitpipe_runtime",
-    "test_split_runtime",
+    "test_bitpipe_equivalence",
+    "test_split_backward_equivalence",
     "test_distributed_optimizer",
-    "test_peer_runtime",
+    "test_peer_equivalence",
 }
 _STRICT_P2P_ENV = "MEGATRON_BITPIPE_STRICT_P2P"
 

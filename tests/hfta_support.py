@@ -49,7 +49,7 @@ def _shares(trainer) -> Dict[str, Tuple[int, int]]:
     tensor-parallel block)."""
     from megatron.core.utils import unwrap_model
 
-    from megatron_bitpipe.model.layout import to_global_name
+    from megatron_bitpipe.model_partition import to_global_name
 
     share_of = _share_of(trainer)
     return {

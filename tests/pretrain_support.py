@@ -1,7 +1,7 @@
 """Rank-side code shared by the pretrain script tests (GPT and BERT).
 
-Rank bodies for :func:`megatron_bitpipe.cpu.launcher.launch` run the scripts' entry points
-(:func:`megatron_bitpipe.training.pretrain` / :func:`~megatron_bitpipe.training.main`) on the
+Rank bodies for :func:`megatron_bitpipe.cpu.launcher.launch` run the scripts' entry point
+(:func:`megatron_bitpipe.training.run_script`), or the loop behind it, on the
 launcher's gloo group with the CPU compatibility layer; ``task`` names the script's task
 (``"gpt"`` or ``"bert"``).
 """
@@ -75,54 +75,58 @@ def assert_same_records(
 
 
 def train_in_process(task: str, argv: List[str]):
-    """Rank body: train as the script would; the CheckpointError message if the checkpoint is
-    refused, else None."""
+    """Rank body: train as the script would (its loop, errors raised rather than reported); the
+    CheckpointError message if the checkpoint is refused, else None."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.training import pretrain
     from megatron_bitpipe.checkpoint_rules import CheckpointError
+    from megatron_bitpipe.training.arguments import parse_args
+    from megatron_bitpipe.training.loop import run_training
 
+    the_task = make_task(task)
     try:
-        pretrain(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
+        run_training(the_task, parse_args(the_task, argv), cpu_fallback=enable_cpu_megatron)
     except CheckpointError as error:
         return str(error)
     return None
 
 
 def main_with_output(task: str, argv: List[str]) -> Tuple[int, str, str]:
-    """Rank body: the script's main(); (exit status, stdout, stderr), torch.distributed left alone."""
+    """Rank body: the scripts' entry point; (exit status, stdout, stderr), torch.distributed left alone."""
     import contextlib
     import io
 
     import torch.distributed as dist
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.training import main
-    from megatron_bitpipe.training.script import ignore_missing_kernel_warnings
+    from megatron_bitpipe.training import run_script
+    from megatron_bitpipe.training.script import ignore_dependency_warnings
 
-    ignore_missing_kernel_warnings()  # as the scripts do
+    ignore_dependency_warnings()  # as the scripts do
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        status = main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
+        the_task = make_task(task)
+        status = run_script(the_task, lambda: the_task, argv, cpu_fallback=enable_cpu_megatron)
     if dist.is_initialized():
         dist.barrier()
     return status, stdout.getvalue(), stderr.getvalue()
 
 
 def main_in_process(task: str, argv: List[str]):
-    """Rank body: the script's main() (exit status, stderr), torch.distributed left alone."""
+    """Rank body: the scripts' entry point (exit status, stderr), torch.distributed left alone."""
     import contextlib
     import io
 
     import torch.distributed as dist
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.training import main
-    from megatron_bitpipe.training.script import ignore_missing_kernel_warnings
+    from megatron_bitpipe.training import run_script
+    from megatron_bitpipe.training.script import ignore_dependency_warnings
 
-    ignore_missing_kernel_warnings()  # as the scripts do
+    ignore_dependency_warnings()  # as the scripts do
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        status = main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
+        the_task = make_task(task)
+        status = run_script(the_task, lambda: the_task, argv, cpu_fallback=enable_cpu_megatron)
     dist.barrier()  # every rank got here: nobody waits in a collective of the failed run
     return status, stderr.getvalue()
 
@@ -153,7 +157,7 @@ def checkpoint_common(root: Path, iteration: int) -> dict:
 
 
 def main_signalled(task: str, argv: List[str], signal_rank: int, signal_call: int) -> int:
-    """Rank body: the script's main() (its exit status); rank ``signal_rank`` sends itself
+    """Rank body: the scripts' entry point (its exit status); rank ``signal_rank`` sends itself
     SIGUSR1 in its ``signal_call``-th call of the model's forward step, as SLURM's warning
     signal would arrive in the middle of an iteration, on some ranks first. The task's plain
     model kind is replaced, in this process and for this call, by one whose forward step signals."""
@@ -163,7 +167,7 @@ def main_signalled(task: str, argv: List[str], signal_rank: int, signal_call: in
     import torch.distributed as dist
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.training import main
+    from megatron_bitpipe.training import run_script
     from megatron_bitpipe.training.model_registry import REGISTRY, task_kinds
 
     the_task = make_task(task)
@@ -181,17 +185,18 @@ def main_signalled(task: str, argv: List[str], signal_rank: int, signal_call: in
 
     REGISTRY[plain.name] = dataclasses.replace(plain, forward_step=lambda a, r: signalling(plain.forward_step(a, r)))
     try:
-        return main(the_task, argv, cpu_fallback=enable_cpu_megatron)
+        return run_script(the_task, lambda: the_task, argv, cpu_fallback=enable_cpu_megatron)
     finally:
         REGISTRY[plain.name] = plain
 
 
 def main_status(task: str, argv: List[str]) -> int:
-    """Rank body: the script's main(), its exit status."""
+    """Rank body: the scripts' entry point, its exit status."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.training import main
+    from megatron_bitpipe.training import run_script
 
-    return main(make_task(task), argv, cpu_fallback=enable_cpu_megatron)
+    the_task = make_task(task)
+    return run_script(the_task, lambda: the_task, argv, cpu_fallback=enable_cpu_megatron)
 
 
 def checkpoint_objects(root: Path, iteration: int) -> List[str]:

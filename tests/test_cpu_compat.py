@@ -29,7 +29,7 @@ from megatron_bitpipe.testing.weights import merge_full
 
 # The tiny GPT, Adam settings and tolerance (for layouts whose float operations differ from
 # the reference's, see Case.exact) of every runtime test.
-from .runtime_support import ADAM_EPS, ATOL, LR, MICRO_BATCH, RTOL, SEQ, VOCAB, model_config
+from .equivalence_support import ADAM_EPS, ATOL, LR, MICRO_BATCH, RTOL, SEQ, VOCAB, model_config
 
 NUM_MICROBATCHES = 8  # global batch, split over data-parallel ranks
 STEPS = 3

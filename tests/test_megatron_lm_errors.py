@@ -260,7 +260,7 @@ def test_model_builder_must_honour_config_and_process_groups():
     """A model provider that ignores ``pg_collection`` (Megatron-LM core_v0.16.1's
     pretrain_bert.py) or ``config`` is refused naming what it ignored, the provider and its file."""
     from megatron_bitpipe.megatron_lm.model import _check_chunk, _provider_name
-    from megatron_bitpipe.model.layout import ChunkSpec
+    from megatron_bitpipe.model_partition import ChunkSpec
 
     builder = _provider_name(functools.partial(model_provider, "a builder"))  # pretrain_gpt.py passes a partial
     assert builder == f"the model_provider of {__file__}"

@@ -1,7 +1,7 @@
 """Optimus 2D inside the pipeline runtime, without processes: block geometry of the seed
 initialisation and weight collection, the pipeline p2p shape, and argument checks that must
 fail before any communication. (The BitPipe x Optimus equivalence run is in
-``test_bitpipe_runtime.py``.)"""
+``test_bitpipe_equivalence.py``.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from megatron_bitpipe.optimus.gpt_model import optimus_p2p_tensor_shapes
 from megatron_bitpipe.optimus.layout import LayoutKind, ParamLayout
 from megatron_bitpipe.execution.forward_backward import p2p_tensor_shape
-from megatron_bitpipe.model.layout import full_shape, tp_block
+from megatron_bitpipe.model_partition import full_shape, tp_block
 
 # (layout, serial shape for mesh side q)
 LAYOUTS = [

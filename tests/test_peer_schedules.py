@@ -1,4 +1,5 @@
-"""The zero-bubble and DualPipe peers as plans: published makespans, validity, argument rules."""
+"""The zero-bubble and DualPipe peers as plans: makespans (ZB-H1's published ones; ZB-V's of the
+latency-aware order and of the paper's order), validity, argument rules."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from megatron_bitpipe.schedules import REGISTRY, CostModel, ScheduleConfigError,
 from megatron_bitpipe.schedules import zbv
 from megatron_bitpipe.schedules.actions import ActionType, make_plan
 from megatron_bitpipe.schedules.compose import with_eager_syncs
-from megatron_bitpipe.schedules.placement import v_shape
 
 #: the peers whose own order splits every backward
 ALWAYS_SPLIT = tuple(s for s in schedule_names() if REGISTRY[s].always_split)
@@ -21,17 +21,28 @@ SPLIT = CostModel(t_forward=1, t_backward=2, t_weight=1)  # I = W = 1 per device
 LATENCY = CostModel(t_forward=1, t_backward=2, t_weight=1, t_p2p=0.1)
 
 
-@pytest.mark.parametrize(
-    "schedule,D,N,makespan",
-    [
-        ("zb-h1", 4, 4, 15.0), ("zb-h1", 8, 8, 31.0), ("zb-h1", 8, 16, 55.0),
-        ("zbv", 4, 4, 13.5), ("zbv", 8, 8, 27.5), ("zbv", 8, 16, 51.5),
-    ],
-)
-def test_free_messages_reproduce_the_published_makespans(schedule, D, N, makespan):
-    plan = generate(schedule, D, N, costs=SPLIT)
+@pytest.mark.parametrize("D,N,makespan", [(4, 4, 15.0), (8, 8, 31.0), (8, 16, 55.0)])
+def test_free_messages_reproduce_the_published_zb_h1_makespans(D, N, makespan):
+    plan = generate("zb-h1", D, N, costs=SPLIT)
     validate_plan(plan)
     assert simulate(plan, SPLIT).makespan == pytest.approx(makespan)
+
+
+@pytest.mark.parametrize(
+    "D,N,latency_aware,paper", [(4, 4, 13.5, 15.0), (8, 8, 27.5, 31.0), (8, 16, 51.5, 51.5), (16, 16, 55.5, 63.0)]
+)
+def test_free_messages_zbv_latency_aware_order_and_paper_order(D, N, latency_aware, paper):
+    """ZB-V with free messages: the latency-aware list schedule of the V's lock-step order
+    reaches the V's bound ``3N + (D-1)/2``; the paper's order (padded to ``2D-1``
+    micro-batches below that) reaches it from ``N >= 2D-1`` on. The generator yields the
+    faster of the two."""
+    lockstep = zbv.latency_aware_split(zbv.lockstep_plan(D, N), SPLIT, D, (D // 2, D))
+    paper_plan = zbv.paper_plan(D, N)
+    for plan in (lockstep, paper_plan):
+        validate_plan(plan)
+    assert simulate(lockstep, SPLIT).makespan == pytest.approx(latency_aware) == pytest.approx(3 * N + (D - 1) / 2)
+    assert simulate(paper_plan, SPLIT).makespan == pytest.approx(paper)
+    assert simulate(generate("zbv", D, N, costs=SPLIT), SPLIT).makespan == pytest.approx(min(latency_aware, paper))
 
 
 @pytest.mark.parametrize(
@@ -54,7 +65,7 @@ def test_zbv_below_2d_minus_1_beats_the_padded_paper_order():
     """The paper's order pads N up to 2D-1; the latency-aware V schedule does not."""
     ours = generate("zbv", 8, 8, costs=SPLIT)
     assert simulate(ours, SPLIT).makespan == pytest.approx(3 * 8 + 7 * 0.5)  # the V's bound
-    padded = make_plan("zbv", v_shape(8), 8, [0] * 8, [with_eager_syncs(zbv.paper_rank_order(r, 8, 8)) for r in range(8)])
+    padded = zbv.paper_plan(8, 8)
     validate_plan(padded)
     assert simulate(padded, SPLIT).makespan == pytest.approx(31.0)
 

@@ -5,7 +5,7 @@ selective recompute (``--recompute-activations``, ``--recompute-modules``) — u
 megatron-core's 1F1B and interleaved schedules and BitPipe with the split backward logs the
 same per-iteration losses, grad norms, learning rates and validation losses as a single
 process without recompute (rtol 1e-5, from ``--log-json``). Gradients and weights of the same
-combinations are compared tensor by tensor in ``test_recompute_runtime.py``.
+combinations are compared tensor by tensor in ``test_recompute_equivalence.py``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch
 from megatron_bitpipe.optimus.layout import LayoutKind, ParamLayout
 from megatron_bitpipe.model import seeded_random
 from megatron_bitpipe.model.init import initialize_parameter
-from megatron_bitpipe.model.layout import tp_block
+from megatron_bitpipe.model_partition import tp_block
 
 REPO = Path(__file__).resolve().parents[1]
 NORMAL = functools.partial(torch.nn.init.normal_, mean=0.0, std=0.02)
@@ -182,7 +182,7 @@ def test_another_init_callable_gives_the_block_of_its_full_tensor():
 _PEAK = """
 import resource, torch
 from megatron_bitpipe.model.init import initialize_parameter
-from megatron_bitpipe.model.layout import full_shape
+from megatron_bitpipe.model_partition import full_shape
 local = torch.nn.Parameter(torch.empty(64, 16384), requires_grad=False)
 local.tensor_model_parallel, local.partition_dim, local.partition_stride = True, 0, 1
 assert full_shape(local, 512) == (32768, 16384)  # 2 GiB in fp32

@@ -359,8 +359,8 @@ def _replay_bitpipe(batched: bool, patient_ends: bool = False) -> dict:
     groups (built and warmed up by :meth:`PipelineGroups.build`), issued as the executor issues
     it — in plan order; a compute action waits for the receive of its input, a backward for
     the send of its forward's output, the end for every send — with one-element messages.
-    ``batched``: each operation a ``batch_isend_irecv`` of its own (the executor now);
-    otherwise unbatched ``isend``/``irecv`` (the executor that hung on a GPU). In strict mode
+    ``batched``: each operation a ``batch_isend_irecv`` of its own (as the executor issues it);
+    otherwise unbatched ``isend``/``irecv`` (an order that hangs on a GPU). In strict mode
     with ``patient_ends``, ranks 0 and 3 wait up to 60 s, so that ranks 1 and 2 report first."""
     import torch.distributed as dist
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_bitpipe.model.layout import ChunkLayers, to_global_name, to_local_name
+from megatron_bitpipe.model_partition import ChunkLayers, to_global_name, to_local_name
 from megatron_bitpipe.testing.weights import chunk_state_dict, merge_full
 
 LAYER_KEYS = ("input_layernorm.weight", "self_attention.linear_qkv.weight", "mlp.linear_fc2.bias")

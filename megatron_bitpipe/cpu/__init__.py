@@ -10,7 +10,7 @@
   under NCCL's rules (per-group issue order, unbuffered sends, bounded waits), installed by
   :func:`enable_cpu_megatron`.
 
-The library (schedules, runtime, optimus, training) never imports this package: entry points
+The library (schedules, model, execution, optimus, training) never imports this package: entry points
 opt in.
 """
 

@@ -69,7 +69,7 @@ Invariants:
   megatron's schedules and the forward and backward of CPU tensors. Call
   :func:`enable_cpu_megatron` again on any other thread that calls megatron-core.
 * Only for CPU-only torch: with CUDA available this module refuses to run, so a GPU process can
-  never silently train on the CPU. The library itself (schedules, runtime, optimus, training)
+  never silently train on the CPU. The library itself (schedules, model, execution, optimus, training)
   never imports it: entry points opt in.
 
 Config choices that avoid further patches are documented in

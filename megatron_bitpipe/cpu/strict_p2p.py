@@ -9,7 +9,7 @@ classic case: two ranks each send to the other, unbatched, then receive; or two 
 first unbatched operations with each other are on different groups). With
 ``MEGATRON_BITPIPE_STRICT_P2P=1``, :func:`~megatron_bitpipe.cpu.compat.enable_cpu_megatron`
 calls :func:`install`, and every point-to-point operation on a gloo group follows these
-rules (the model of NCCL the project uses, see ``docs/runtime.md``):
+rules (the model of NCCL the project uses, see ``docs/execution.md``):
 
 1. **One FIFO per group and rank.** A rank's operations on one process group complete in the
    order it issued them; an operation becomes *active* only when every earlier one of that

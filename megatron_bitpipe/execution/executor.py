@@ -92,7 +92,7 @@ from ..megatron_compat import backward_step
 from ..schedules.actions import Action, ActionType, SchedulePlan
 from ..schedules.comm import Payload, transfer_of
 from .groups import PipelineGroups
-from ..model.layout import ChunkSpec, chunk_specs
+from ..model_partition import ChunkSpec, chunk_specs
 from .weight_grad import ChunkWeightGrad
 
 __all__ = ["MicrobatchSource", "PlanExecutor"]

@@ -41,7 +41,7 @@ from megatron.core.transformer import TransformerConfig
 
 from ..schedules.placement import Placement
 from .groups import PipelineGroups
-from ..model.layout import ChunkSpec
+from ..model_partition import ChunkSpec
 from megatron.core.utils import unwrap_model
 
 __all__ = [
@@ -129,7 +129,7 @@ def wrap_ddp(
     ``ddp_config.use_distributed_optimizer`` the gradients are reduce-scattered over the
     grad-sync group and the parameters all-gathered over it after the step: each chunk
     then needs its own distributed optimizer over that group
-    (:func:`megatron_bitpipe.model.build.build_optimizer`).
+    (:func:`megatron_bitpipe.training.optimizer.build_optimizer`).
     """
     if gradient_reduction == "data-parallel":
         collections = list(groups.model_pgs)

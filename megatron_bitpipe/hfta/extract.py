@@ -25,6 +25,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
+from ..checkpoint_checks import CHECKPOINT_VERSION, TRACKER, checkpoint_dir, find_checkpoint, without_deprecation_notes
+
 __all__ = ["extract_model", "model_axis"]
 
 _LAYERS = ("decoder.layers.", "encoder.layers.")  # GPT's, BERT's
@@ -41,15 +43,11 @@ def extract_model(load: str, k: int, save: str, step: Optional[int] = None) -> s
     the latest) as an ordinary checkpoint under ``save``; returns its directory. ValueError for
     a checkpoint without a fused array or a ``k`` out of range. megatron-core's calls of
     deprecated torch checkpoint APIs warn nothing, as in training."""
-    from ..training.checkpoint import without_deprecation_notes
-
     with without_deprecation_notes():
         return _extract_model(load, k, save, step)
 
 
 def _extract_model(load: str, k: int, save: str, step: Optional[int]) -> str:
-    from ..training.checkpoint import CHECKPOINT_VERSION, TRACKER, checkpoint_dir, find_checkpoint
-
     found = find_checkpoint(load, step)
     if found is None:
         raise ValueError(f"no checkpoint under {load}" + ("" if step is None else f" at iteration {step}"))

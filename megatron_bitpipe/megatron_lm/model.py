@@ -56,7 +56,7 @@ from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
 from ..execution.groups import ParallelGrid, PipelineGroups
 from ..model.init import initialize_from_seed, without_megatron_init
-from ..model.layout import ChunkSpec, chunk_layers_of, chunk_specs
+from ..model_partition import ChunkSpec, chunk_layers_of, chunk_specs
 from ..model.chunks import build_chunks, transformer_block_of
 from ..model.precision import ChunkFloat16Module
 from ..execution.replicas import mark_replica_parameters, wrap_ddp

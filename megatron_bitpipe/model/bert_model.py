@@ -10,7 +10,7 @@ and run from its ``pg_collection`` and its ``pre_process``/``post_process`` only
 structure, parameter names, initialisers and math are BertModel's, so state dicts and
 megatron's checkpoint code see a BertModel.
 
-A chunk holds (:class:`~megatron_bitpipe.model.layout.ChunkSpec`):
+A chunk holds (:class:`~megatron_bitpipe.model_partition.ChunkSpec`):
 
 * ``pre_process``: word, position and (``num_tokentypes > 0``) token-type embeddings;
 * its encoder layers, numbered globally (:func:`~megatron_bitpipe.model.chunks.chunk_config`);
@@ -50,7 +50,7 @@ from megatron.core.transformer.utils import get_linear_layer
 from megatron.core.utils import deprecate_inference_params
 
 from ..execution.groups import PipelineGroups
-from .layout import ChunkSpec
+from ..model_partition import ChunkSpec
 from .chunks import build_chunks, chunk_block_spec, is_layer_spec, with_sequence_parallel_norms
 from .norms import SequenceParallelTorchNorm
 from .sdpa_attention import SdpaDotProductAttention, uses_core_attention

@@ -13,27 +13,22 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
-from ..hfta.optimizer import build_hfta_optimizer
-from ..hfta.settings import HftaSettings
-from ..optimizers import OptimizerChoice, build_megatron_optimizer
 from ..optimus.grads import defer_column_sums
 from ..optimus.validation import check_optimus_model_config
 from ..schedules.placement import Placement
 from ..execution.groups import ParallelGrid, PipelineGroups
 from .init import initialize_from_seed, without_megatron_init
-from .layout import ChunkSpec, chunk_specs
+from ..model_partition import ChunkSpec, chunk_specs
 from .chunks import build_gpt_chunks
 from .precision import ChunkFloat16Module
-from ..execution.distributed_optimizer import build_distributed_optimizer
 from ..execution.replicas import mark_replica_parameters, wrap_ddp
 from .sharded_state import attach_sharded_state_dicts
 
-__all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "build_optimizer"]
+__all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model"]
 
 
 def init_megatron_state(pg_collection: ProcessGroupCollection, seed: int) -> None:
@@ -99,8 +94,9 @@ def build_pipeline_model(
     :class:`~.precision.ChunkFloat16Module` (fp32 loss on whichever rank holds it). The default DDP
     config overlaps gradient reduction (the eager per-chunk all-reduce of BitPipe) and
     reduces in fp32; with ``ddp_config.use_distributed_optimizer`` each chunk's gradients are
-    reduce-scattered over its grad-sync group instead (pair with :func:`build_optimizer` and
-    an ``OptimizerConfig`` with ``use_distributed_optimizer``). Each chunk's
+    reduce-scattered over its grad-sync group instead (pair with
+    :func:`megatron_bitpipe.training.optimizer.build_optimizer` and an ``OptimizerConfig`` with
+    ``use_distributed_optimizer``). Each chunk's
     ``sharded_state_dict`` (distributed checkpoints) is the placement-aware one of
     :mod:`.sharded_state`.
 
@@ -140,47 +136,3 @@ def build_pipeline_model(
     if config.bf16 or config.fp16:
         chunks = [ChunkFloat16Module(config, chunk) for chunk in chunks]
     return PipelineModel(wrap_ddp(chunks, groups, config, ddp_config, gradient_reduction), groups, specs, config)
-
-
-def build_optimizer(
-    model: PipelineModel,
-    optimizer_config: OptimizerConfig,
-    choice: OptimizerChoice = OptimizerChoice(),
-    hfta: Optional[HftaSettings] = None,
-):
-    """megatron-core's optimizer for ``model``'s chunks (``choice``: Adam, or one of
-    :mod:`megatron_bitpipe.optimizers`; ``hfta``: the fused array ``model`` holds, None for
-    other models — the run's ``RunConfig.hfta``).
-
-    Non-distributed (``optimizer_config.use_distributed_optimizer`` false): one optimizer over
-    all chunks, grad norm over the model-parallel group; the second replica's parameters are
-    marked ``shared`` (:mod:`megatron_bitpipe.execution.replicas`), so the norm and clipping count every logical
-    parameter once.
-
-    Distributed: one megatron ``DistributedOptimizer`` per chunk, each sharding its chunk's
-    state over the chunk's grad-sync group (the replicas of its stage x data parallel: the
-    group its gradients are reduce-scattered over), so every element has one owner in the
-    job; the grad norm sums every rank's shards once (``intra_dist_opt``, all ranks); see
-    :mod:`megatron_bitpipe.execution.distributed_optimizer`. ValueError if the model's DDP and ``optimizer_config``
-    disagree about the distributed optimizer.
-
-    A fused array (:mod:`megatron_bitpipe.hfta`): one Adam per model over its slices, each with
-    its own learning rate, grad norm and clipping (:mod:`megatron_bitpipe.hfta.optimizer`); its
-    DDP all-reduces, and with ``optimizer_config.use_distributed_optimizer`` each model's
-    optimizer holds this rank's shares of its state.
-    """
-    if hfta is not None:
-        return build_hfta_optimizer(optimizer_config, model, hfta)
-    distributed = optimizer_config.use_distributed_optimizer
-    if distributed != model.chunks[0].ddp_config.use_distributed_optimizer:
-        raise ValueError(
-            "the optimizer and the model's DDP must agree on use_distributed_optimizer "
-            f"(optimizer {distributed}, DDP {not distributed})"
-        )
-    if not distributed:
-        return build_megatron_optimizer(
-            optimizer_config, choice, list(model.chunks), use_gloo_process_groups=False, pg_collection=model.groups.rank_pgs
-        )
-    if choice.name != "adam":
-        raise ValueError(f"the distributed optimizer is megatron's Adam, not {choice.name}")
-    return build_distributed_optimizer(model.chunks, model.groups, optimizer_config)

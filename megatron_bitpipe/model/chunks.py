@@ -11,7 +11,7 @@ number (attention scaling, per-layer configs, fp8 contexts use it), the sharded 
 checkpoint) state dict uses global layer offsets, and the MoE block spec's
 ``get_layer_id_list`` picks the chunk's layer specs. Module names stay local
 (``decoder.layers.{l}``), as in megatron's own pipeline chunks;
-:func:`megatron_bitpipe.model.layout.to_global_name` maps them.
+:func:`megatron_bitpipe.model_partition.to_global_name` maps them.
 
 The per-chunk config copies differ from the caller's config only in that field; attributes
 set later on the caller's config (``no_sync_func``, ``finalize_model_grads_func``, ...) are
@@ -89,7 +89,7 @@ from megatron.core.utils import unwrap_model
 from ..optimus.gpt_model import OptimusGPTModel
 from ..optimus.spec import get_optimus_gpt_block_spec
 from ..execution.groups import PipelineGroups
-from .layout import ChunkLayers, ChunkSpec, chunk_specs
+from ..model_partition import ChunkLayers, ChunkSpec, chunk_specs
 from .norms import SequenceParallelTorchNorm
 
 __all__ = [
@@ -376,7 +376,7 @@ def build_gpt_chunks(
 ) -> List[GPTModel]:
     """This rank's GPTModel chunks of ``groups.placement``, indexed by local chunk id.
 
-    Chunk ``c`` holds :func:`~megatron_bitpipe.model.layout.chunk_specs`\\ ``[c]`` (its
+    Chunk ``c`` holds :func:`~megatron_bitpipe.model_partition.chunk_specs`\\ ``[c]`` (its
     layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
     :func:`chunk_config`; see :func:`build_chunks` for the checks and tied embeddings.
     ``gpt_kwargs`` go to ``GPTModel`` (rotary settings, ``parallel_output``...). With

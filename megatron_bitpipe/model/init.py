@@ -54,7 +54,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import unwrap_model
 
 from . import seeded_random
-from .layout import ChunkLayers, full_shape, holds_full_tensor, is_tensor_parallel, to_global_name, tp_block
+from ..model_partition import ChunkLayers, full_shape, holds_full_tensor, is_tensor_parallel, to_global_name, tp_block
 
 __all__ = ["init_method_for", "initialize_from_seed", "initialize_parameter", "without_megatron_init"]
 
@@ -209,7 +209,7 @@ def initialize_from_seed(
     """Overwrite every registered parameter of ``chunks`` with its seed-determined value.
 
     ``layers[i]`` says which part of the full model ``chunks[i]`` holds (e.g. the
-    :func:`~megatron_bitpipe.model.layout.chunk_specs`); chunks may be wrapped (DDP,
+    :func:`~megatron_bitpipe.model_partition.chunk_specs`); chunks may be wrapped (DDP,
     Float16Module). Copies are in place, so views held by DDP buffers stay valid; call it
     before the optimizer copies fp32 main weights. Local, no communication: ``tp_group`` only
     gives the tp rank and size. A tied head built by

@@ -38,7 +38,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedStateDi
 from megatron.core.utils import unwrap_model
 
 from ..execution.groups import PipelineGroups
-from .layout import ChunkSpec
+from ..model_partition import ChunkSpec
 
 __all__ = ["attach_sharded_state_dicts", "chunk_sharded_state_dict"]
 

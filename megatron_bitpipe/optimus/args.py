@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from megatron_bitpipe.optimus.validation import unsupported_features, check_optimus_settings
+from .validation import unsupported_features, check_optimus_settings
 
 TENSOR_PARALLEL_MODES = ("1d", "optimus2d")
 

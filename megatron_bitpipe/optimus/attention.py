@@ -26,8 +26,8 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_bitpipe.optimus.collectives import batch_block
-from megatron_bitpipe.optimus.mesh import OptimusMesh
+from .collectives import batch_block
+from .mesh import OptimusMesh
 
 
 class OptimusSelfAttention(SelfAttention):

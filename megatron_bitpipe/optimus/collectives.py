@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_bitpipe.optimus.mesh import OptimusMesh
+from .mesh import OptimusMesh
 
 #: parameter attribute: the column sum of this parameter's gradient is left to the finaliser
 #: (:mod:`megatron_bitpipe.optimus.grads`)

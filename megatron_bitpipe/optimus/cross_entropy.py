@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
-from megatron_bitpipe.optimus.collectives import all_reduce_sum, batch_block, gather_batch
-from megatron_bitpipe.optimus.mesh import OptimusMesh
+from .collectives import all_reduce_sum, batch_block, gather_batch
+from .mesh import OptimusMesh
 
 
 class _RowVocabParallelCrossEntropy(torch.autograd.Function):

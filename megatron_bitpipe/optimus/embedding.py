@@ -21,20 +21,20 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megatron_bitpipe.optimus.collectives import (
+from .collectives import (
     batch_block,
     column_replicated,
     reduce_scatter_batch,
 )
-from megatron_bitpipe.optimus.layers import divide_by_side, parameter_device
-from megatron_bitpipe.optimus.layout import (
+from .layers import divide_by_side, parameter_device
+from .layout import (
     LayoutKind,
     ParamLayout,
     init_local_block,
     set_param_layout,
 )
-from megatron_bitpipe.optimus.mesh import OptimusMesh
-from megatron_bitpipe.optimus.summa import summa_abt
+from .mesh import OptimusMesh
+from .summa import summa_abt
 
 VOCAB_LAYOUT = ParamLayout(LayoutKind.VOCAB_TABLE)
 

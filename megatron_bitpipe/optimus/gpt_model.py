@@ -24,14 +24,14 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_bitpipe.optimus.checkpoint import optimus_sharded_entry
-from megatron_bitpipe.optimus.collectives import all_gather_along
-from megatron_bitpipe.optimus.cross_entropy import optimus_cross_entropy
-from megatron_bitpipe.optimus.embedding import OptimusEmbedding, OptimusOutputLayer
-from megatron_bitpipe.optimus.mesh import OptimusMesh
-from megatron_bitpipe.optimus.mlp import optimus_mlp_known
-from megatron_bitpipe.optimus.spec import get_optimus_gpt_block_spec
-from megatron_bitpipe.optimus.validation import check_optimus_model_config
+from .checkpoint import optimus_sharded_entry
+from .collectives import all_gather_along
+from .cross_entropy import optimus_cross_entropy
+from .embedding import OptimusEmbedding, OptimusOutputLayer
+from .mesh import OptimusMesh
+from .mlp import optimus_mlp_known
+from .spec import get_optimus_gpt_block_spec
+from .validation import check_optimus_model_config
 
 
 def vocab_block_from_1d_partition(partition: torch.Tensor, mesh: OptimusMesh) -> torch.Tensor:

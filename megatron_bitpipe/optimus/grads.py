@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
-from megatron_bitpipe.optimus.collectives import DEFERRED
-from megatron_bitpipe.optimus.mesh import OptimusMesh
+from .collectives import DEFERRED
+from .mesh import OptimusMesh
 
 
 def defer_column_sums(chunks: Iterable[torch.nn.Module]) -> None:

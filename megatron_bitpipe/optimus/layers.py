@@ -13,22 +13,22 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from megatron_bitpipe.optimus.checkpoint import optimus_module_sharded_state_dict
-from megatron_bitpipe.optimus.collectives import (
+from .checkpoint import optimus_module_sharded_state_dict
+from .collectives import (
     all_gather_blocks,
     all_reduce_sum,
     column_replicated,
     column_replicated_all,
 )
-from megatron_bitpipe.optimus.layout import (
+from .layout import (
     LayoutKind,
     ParamLayout,
     init_local_block,
     set_param_layout,
 )
-from megatron_bitpipe.optimus.mesh import OptimusMesh
-from megatron_bitpipe.optimus.recompute import attach_recipe
-from megatron_bitpipe.optimus.summa import summa_ab
+from .mesh import OptimusMesh
+from .recompute import attach_recipe
+from .summa import summa_ab
 
 
 def divide_by_side(size: int, side: int, what: str) -> int:
@@ -157,8 +157,8 @@ def _layer_norm_statistics(x32: torch.Tensor, group) -> Tuple[torch.Tensor, torc
     elements); every member merges them the same way (Chan, Golub and LeVeque's pairwise
     update for equal counts): ``mean = Σ_k m_k / q`` and
     ``variance = (Σ_k M_k + n·Σ_k (m_k − mean)²) / (q·n)``. No large sums of squares are
-    subtracted, so it is as exact as the two-pass form (it replaced an all-reduce of Σx
-    followed by one of Σ(x − mean)²: same values up to rounding, one collective fewer).
+    subtracted, so it is as exact as the two-pass form (an all-reduce of Σx followed by one of
+    Σ(x − mean)²), with one collective instead of two: same values up to rounding.
     """
     block = x32.shape[-1]
     block_mean = x32.mean(-1, keepdim=True)

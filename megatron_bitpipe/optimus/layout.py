@@ -26,8 +26,8 @@ from typing import Callable, Mapping, Sequence, Tuple
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megatron_bitpipe.model.layout import join_strided_blocks
-from megatron_bitpipe.optimus.mesh import OptimusMesh, mesh_side
+from ..model_partition import join_strided_blocks
+from .mesh import OptimusMesh, mesh_side
 
 
 class LayoutKind(enum.Enum):
@@ -53,7 +53,7 @@ class ParamLayout:
 
     The block geometry needs only the mesh position ``(row, column)`` and side ``q``, not
     process groups, so code that knows a parameter only by its TP rank and size (seed
-    initialisation, weight collection in :mod:`megatron_bitpipe.model.layout`) uses
+    initialisation, weight collection in :mod:`megatron_bitpipe.model_partition`) uses
     :meth:`tp_block` / :meth:`serial_shape` / :meth:`from_tp_blocks` through the
     parameter's ``optimus_layout`` attribute; the mesh invariant ``(row, column) =
     divmod(tp_rank, q)`` (:class:`~megatron_bitpipe.optimus.mesh.OptimusMesh`) links the two.

@@ -24,7 +24,7 @@ import torch
 from megatron.core.transformer import transformer_layer
 from megatron.core.transformer.mlp import MLP
 
-from megatron_bitpipe.optimus.recompute import recomputed
+from .recompute import recomputed
 
 
 class OptimusMLP(MLP):

@@ -21,14 +21,14 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_bitpipe.optimus.attention import (
+from .attention import (
     OptimusDotProductAttention,
     OptimusSelfAttention,
     get_optimus_bias_dropout_add,
 )
-from megatron_bitpipe.optimus.layers import OptimusLayerNorm, OptimusLinear
-from megatron_bitpipe.optimus.mesh import OptimusMesh
-from megatron_bitpipe.optimus.mlp import OptimusMLP
+from .layers import OptimusLayerNorm, OptimusLinear
+from .mesh import OptimusMesh
+from .mlp import OptimusMLP
 
 
 def get_optimus_norm_spec(mesh: OptimusMesh) -> ModuleSpec:

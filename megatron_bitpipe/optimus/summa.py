@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_bitpipe.optimus.collectives import all_gather_blocks, reduce_scatter_blocks
-from megatron_bitpipe.optimus.mesh import OptimusMesh
-from megatron_bitpipe.optimus.recompute import recipe_of
+from .collectives import all_gather_blocks, reduce_scatter_blocks
+from .mesh import OptimusMesh
+from .recompute import recipe_of
 
 
 def _as_matrix(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ def check_optimus_settings(
     Raises:
         ValueError: naming every offending flag.
     """
-    from megatron_bitpipe.optimus.mesh import mesh_side  # mesh.py imports torch.distributed
+    from .mesh import mesh_side  # mesh.py imports torch.distributed
 
     side = mesh_side(tensor_parallel_size)
     problems = [

@@ -3,8 +3,8 @@
 A :class:`ScheduleGenerator` bundles what a generator module states once — where the stages
 live (``place``), the rules of the pipeline size and the number of micro-batches
 (``problems``), the smallest number of micro-batches (``smallest_num_microbatches``) and the
-compute-only plan (``generate``) — with the facts the rest of the package used to test by
-name: whether the generator takes the interleaved schedule's chunks per rank
+compute-only plan (``generate``) — with the facts the rest of the package reads instead of
+testing the schedule's name: whether the generator takes the interleaved schedule's chunks per rank
 (``takes_virtual_size``) or the cost model its order is planned for (``takes_costs``), whether
 its own order already splits every backward (``always_split``), how ``--split-backward`` splits
 the others (``split_backward``) and who runs it in training (``runner``).

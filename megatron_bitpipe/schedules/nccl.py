@@ -70,8 +70,8 @@ class IssueRules:
 #: ``batch_isend_irecv`` of its own on its channel's process group, whose communicator (and
 #: every stage group's) was created and warmed up at set-up.
 RUNTIME_RULES = IssueRules("runtime: per-channel groups, batched, created at set-up", channel_group_key)
-#: What the runtime did before: unbatched ``isend``/``irecv`` on the same groups, each pair's
-#: communicator created lazily inside the step, stage groups on their first all-reduce.
+#: The alternative the rules reject: unbatched ``isend``/``irecv`` on the same groups, each
+#: pair's communicator created lazily inside the step, stage groups on their first all-reduce.
 LAZY_UNBATCHED_RULES = IssueRules(
     "unbatched isend/irecv, communicators created on first use",
     channel_group_key,

@@ -3,11 +3,11 @@
 A *full* (global) state dict is the one of the whole GPT model on one rank without tensor or
 pipeline parallelism: ``embedding.*``, ``decoder.layers.{L}.*`` for global layer ``L``,
 ``decoder.final_layernorm.*``, ``output_layer.*`` (absent with tied embeddings); BERT's
-(``encoder.*`` and its heads) likewise, see :mod:`megatron_bitpipe.model.layout`.
+(``encoder.*`` and its heads) likewise, see :mod:`megatron_bitpipe.model_partition`.
 A *chunk* holds a contiguous range of layers plus, optionally, the embedding (pre_process)
 and the final norm and output layer (post_process); megatron numbers its layers locally
 (``decoder.layers.{l}``, ``l = L - first_layer``).
-:class:`~megatron_bitpipe.model.layout.ChunkLayers` says which part a
+:class:`~megatron_bitpipe.model_partition.ChunkLayers` says which part a
 chunk holds, whatever the placement (looped, V, bidirectional), so one full state dict
 initialises any layout identically, and any layout's weights or gradients can be put
 back together and compared with a single-process run.
@@ -18,7 +18,7 @@ of the word embeddings as ``output_layer.weight``; it maps to
 replicas) must agree; :func:`merge_full` checks that.
 
 The name mapping, the tensor-parallel blocks and :func:`chunk_layers_of` (re-exported) are
-:mod:`megatron_bitpipe.model.layout`'s; megatron-core is imported only by the functions
+:mod:`megatron_bitpipe.model_partition`'s; megatron-core is imported only by the functions
 that read a model or a config.
 """
 
@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ..model.layout import (
+from ..model_partition import (
     ChunkLayers,
     chunk_layers_of,
     from_tp_blocks,

@@ -1,7 +1,7 @@
 """Pretraining on megatron-core alone: the loop behind ``scripts/pretrain_gpt.py`` and
 ``scripts/pretrain_bert.py``.
 
-* :mod:`.script` — :func:`~.script.main` / :func:`~.script.pretrain`: check the flags (every
+* :mod:`.script` — :func:`~.script.run_script`, the scripts' entry point: check the flags (every
   rank, before any communication, before torch.distributed and megatron-core are imported);
   :mod:`.loop` — then the model-agnostic loop (:func:`~.loop.run_training`, :class:`~.loop.Trainer`;
   the run's decisions: :class:`megatron_bitpipe.run_config.RunConfig`);
@@ -16,7 +16,8 @@
   the strategies by mode name and the resume of a mode's saved state;
 * :mod:`.arguments` — Megatron-LM's flags and their checks;
 * :mod:`.config` — megatron-core configs (model, DDP, optimizer — Adam or one of
-  :mod:`megatron_bitpipe.optimizers` —, learning-rate schedule);
+  :mod:`megatron_bitpipe.optimizers` —, learning-rate schedule); :mod:`.optimizer` — the
+  optimizer of a pipeline model (a fused array's too);
 * :mod:`.schedule` — BitPipe or megatron-core's own schedules on the model's groups;
 * :mod:`.data` — tokenizers, Megatron indexed datasets, global-batch order, micro-batches;
   :mod:`.preprocess` — text to Megatron indexed datasets (``scripts/preprocess_data.py``)
@@ -33,11 +34,11 @@ See ``docs/running.md`` and ``docs/checkpoints.md``.
 
 import importlib
 
-__all__ = ["main", "pretrain", "PretrainTask"]
+__all__ = ["run_script", "PretrainTask"]
 
 #: public name -> the submodule defining it, imported on first use: the scripts parse their
 #: flags (:mod:`.arguments`, :mod:`.script`) before torch and megatron-core are imported
-_SUBMODULE = {"main": "script", "pretrain": "script", "PretrainTask": "task"}
+_SUBMODULE = {"run_script": "script", "PretrainTask": "task"}
 
 
 def __getattr__(name: str):

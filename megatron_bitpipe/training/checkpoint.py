@@ -21,10 +21,8 @@ copied, and a failure raises the same :class:`CheckpointError` on every rank. Se
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
-import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -42,6 +40,7 @@ from ..model.build import PipelineModel
 from ..execution.distributed_optimizer import SHARDING_TYPE
 from . import optimizer_state
 from ..checkpoint_checks import (
+    CHECKPOINT_VERSION,
     TRACKER,
     checkpoint_dir,
     checkpoint_format,
@@ -52,6 +51,7 @@ from ..checkpoint_checks import (
     model_flag_problems,
     raise_if_any,
     request_problems,
+    without_deprecation_notes,
 )
 from .distributed import log
 from ..checkpoint_rules import CheckpointError
@@ -81,10 +81,6 @@ def rank_layout(run: RunConfig) -> Dict[str, object]:
         "schedule": run.schedule_name,
         "tensor_parallel_mode": layout.tensor_parallel_mode,
     }
-
-#: ``checkpoint_version`` of Megatron-LM's state dicts (3.0 since megatron-core models)
-CHECKPOINT_VERSION = 3.0
-
 
 @dataclass
 class TrainingState:
@@ -145,15 +141,6 @@ def _rng_object(model: PipelineModel) -> ShardedObject:
         (groups.pp_rank, groups.tp_rank),
         replica_id=groups.dp_rank,
     )
-
-
-@contextlib.contextmanager
-def without_deprecation_notes():
-    """megatron-core's checkpoint strategies call torch APIs torch has deprecated (FutureWarning
-    on every rank, nothing a user can act on)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        yield
 
 
 def _set_rng_state(state: dict) -> None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..optimizers import averaged_weights
 from ..run_config import RunConfig
-from ..model.build import build_optimizer
+from .optimizer import build_optimizer
 from . import distributed
 from .arguments import padded_vocab_size
 from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_checkpoint

@@ -36,8 +36,7 @@ from ..checkpoint_rules import CheckpointError
 from .task import TaskArguments
 
 __all__ = [
-    "PEER_REPORT_WAIT_S", "exit_status", "ignore_dependency_warnings", "ignore_missing_kernel_warnings", "main", "pretrain",
-    "report_user_error", "run_script",
+    "PEER_REPORT_WAIT_S", "exit_status", "ignore_dependency_warnings", "report_user_error", "run_script",
 ]  # fmt: skip
 
 #: seconds a rank other than 0 waits under torchrun for the job to end before it prints a
@@ -63,10 +62,6 @@ def ignore_dependency_warnings() -> None:
     sense on a GPU.)"""
     warnings.filterwarnings("ignore", message=MISSING_KERNEL_WARNING, category=UserWarning)
     warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVE_WARNING, category=FutureWarning)
-
-
-#: the earlier name of :func:`ignore_dependency_warnings`
-ignore_missing_kernel_warnings = ignore_dependency_warnings
 
 
 def _rank() -> int:
@@ -109,9 +104,10 @@ def run_script(
     cpu_fallback: Optional[Callable[[], None]] = None,
     prog: Optional[str] = None,
 ) -> int:
-    """Parse and check ``argv`` (default ``sys.argv[1:]``) with ``arguments``' flags, then
-    train the task ``load_task()`` returns (a :class:`~.task.PretrainTask`, imported only
-    now). Returns the exit status: 0 done, 2 bad flags, 1 unusable checkpoint; other failures
+    """The pretrain scripts' entry point: parse and check ``argv`` (default ``sys.argv[1:]``)
+    with ``arguments``' flags, then train the task ``load_task()`` returns (a
+    :class:`~.task.PretrainTask`, imported only now; for a task already loaded,
+    ``run_script(task, lambda: task, ...)``). Returns the exit status: 0 done, 2 bad flags, 1 unusable checkpoint; other failures
     propagate, so torchrun reports the traceback and ends the job. ``prog`` names the script
     in messages (default: ``sys.argv[0]``'s file name)."""
     prog = prog or os.path.basename(sys.argv[0])
@@ -159,17 +155,3 @@ def _ended_with_the_reader(error: Exception) -> bool:
     ended quietly, and the peers with it, not a failure to report."""
     return isinstance(error, RuntimeError) and reader_gone()
 
-
-def pretrain(task, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> None:
-    """Train ``task`` (a :class:`~.task.PretrainTask`) as the flags ``argv`` (default
-    ``sys.argv[1:]``) say: :func:`~.loop.run_training` after :func:`.arguments.parse_args`,
-    which raises UsageError or BitPipeConfigError for bad flags (before any communication)."""
-    from .loop import run_training  # torch.distributed and megatron-core
-
-    run_training(task, parse_args(task, argv), cpu_fallback=cpu_fallback)
-
-
-def main(task, argv: Optional[Sequence[str]] = None, *, cpu_fallback: Optional[Callable[[], None]] = None) -> int:
-    """:func:`pretrain` with the scripts' exit codes and error reports: :func:`run_script` with
-    ``task`` already loaded."""
-    return run_script(task, lambda: task, argv, cpu_fallback=cpu_fallback)

@@ -1,4 +1,4 @@
-"""Rank-side code of the runtime equivalence tests: a single-process reference trainer and
+"""Rank-side code of the equivalence tests: a single-process reference trainer and
 the same training through the plan executor on a pipeline layout.
 
 Both train the same tiny GPT (weights from the seed alone) for STEPS optimizer steps on the
@@ -170,7 +170,7 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
     """Single-process training of the stock megatron-core GPTModel (``swiglu``: with a gated MLP)."""
     from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.model.init import initialize_from_seed
-    from megatron_bitpipe.model.layout import ChunkLayers
+    from megatron_bitpipe.model_partition import ChunkLayers
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.execution.groups import ParallelGrid
     from megatron_bitpipe.training.config import mlp_fields
@@ -202,7 +202,8 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_bitpipe import megatron_compat, schedules
-    from megatron_bitpipe.model.build import build_optimizer, build_pipeline_model
+    from megatron_bitpipe.model.build import build_pipeline_model
+    from megatron_bitpipe.training.optimizer import build_optimizer
     from megatron_bitpipe.execution.forward_backward import make_step_func
     from megatron_bitpipe.execution.groups import ParallelGrid
     from megatron_bitpipe.execution.replicas import max_replica_difference
@@ -383,7 +384,9 @@ def bf16_losses(case: Case, steps: int = 2) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_bitpipe.model.build import build_optimizer, build_pipeline_model
+    from megatron_bitpipe.model.build import build_pipeline_model
+
+    from megatron_bitpipe.training.optimizer import build_optimizer
     from megatron_bitpipe.execution.forward_backward import forward_backward_bitpipe
     from megatron_bitpipe.execution.groups import ParallelGrid
     from megatron_bitpipe.execution.replicas import max_replica_difference

@@ -1,4 +1,4 @@
-"""Split backward (``I`` = input gradient, ``W`` = deferred weight gradients) on the runtime.
+"""Split backward (``I`` = input gradient, ``W`` = deferred weight gradients) through the plan executor.
 
 * the deferrable linear (megatron's column- and row-parallel linears, bias, TP=1) gives the
   input and bias gradients in ``I`` and, after ``W``, the weight gradient megatron's own
@@ -27,7 +27,7 @@ import torch
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .runtime_support import STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
+from .equivalence_support import STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class SplitCase(Case):
     def model_kwargs(self) -> dict:
         if not self.te_double:
             return super().model_kwargs()
-        from .runtime_support import model_config
+        from .equivalence_support import model_config
         from .te_double import te_double_layer_spec
 
         return dict(super().model_kwargs(), layer_spec=te_double_layer_spec(model_config()))

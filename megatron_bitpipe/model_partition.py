@@ -1,8 +1,11 @@
-"""Which part of the full model each chunk holds, and the parameter names that go with it.
+"""Which part of the full model each pipeline chunk and tensor-parallel rank holds, and the
+parameter names that go with it.
 
-No torch.distributed and no megatron-core at import: usable by the planner, the runtime and
-tests alike (:func:`chunk_layers_of`, which reads a built model, imports megatron-core when
-called).
+Below the model builders (:mod:`megatron_bitpipe.model`), the executor
+(:mod:`megatron_bitpipe.execution`) and Optimus 2D (:mod:`megatron_bitpipe.optimus`); imports
+only :mod:`megatron_bitpipe.schedules.placement`. No torch.distributed and no megatron-core at
+import: usable by the planner, the model builders, the executor and tests alike
+(:func:`chunk_layers_of`, which reads a built model, imports megatron-core when called).
 
 The *full* (global) model is the whole model on one rank without tensor or pipeline
 parallelism. Its parameter names are megatron-core's: ``embedding.*``,
@@ -35,7 +38,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..schedules.placement import Placement
+from .schedules.placement import Placement
 
 __all__ = [
     "ChunkLayers",

@@ -20,10 +20,10 @@ from typing import Dict, List
 import pytest
 import torch
 
-from megatron_bitpipe.model.layout import chunk_specs
+from megatron_bitpipe.model_partition import chunk_specs
 from megatron_bitpipe.schedules.placement import bidirectional, bidirectional_v, looped
 
-from .runtime_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
+from .equivalence_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
 
 GLOBAL_MICROBATCHES = 4
 SEED = 4321
@@ -174,7 +174,7 @@ def _reference(tied: bool) -> dict:
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_bitpipe.model.init import initialize_from_seed
-    from megatron_bitpipe.model.layout import ChunkLayers
+    from megatron_bitpipe.model_partition import ChunkLayers
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.execution.groups import ParallelGrid
     from megatron_bitpipe.model.build import init_megatron_state

@@ -27,7 +27,7 @@ import torch
 
 
 from .bert_support import BertCase, batches, reference
-from .runtime_support import assert_equals_reference, bf16_losses, pipeline
+from .equivalence_support import assert_equals_reference, bf16_losses, pipeline
 
 TRAINED = [
     BertCase("bert_bitpipe_pp2_n4", "bitpipe", pp=2, n=4),
@@ -154,7 +154,7 @@ def test_forward_step_rejects_per_token_loss():
 
 
 def test_bert_parameter_names_map_between_chunk_and_full_model():
-    from megatron_bitpipe.model.layout import ChunkLayers, to_global_name, to_local_name
+    from megatron_bitpipe.model_partition import ChunkLayers, to_global_name, to_local_name
 
     head = ChunkLayers(first_layer=6, num_layers=2, pre_process=False, post_process=True, tied=True)
     middle = ChunkLayers(first_layer=2, num_layers=2, pre_process=False, post_process=False)

@@ -3,7 +3,7 @@
 
 * Plan executor layouts with SDPA layers equal single-process training of the stock model
   (unfused attention): every micro-batch's loss, every gradient, grad norm and weight after
-  each step, evaluation losses (rtol 1e-5; :func:`runtime_support.assert_equals_reference`):
+  each step, evaluation losses (rtol 1e-5; :func:`equivalence_support.assert_equals_reference`):
   GPT BitPipe PP4, BitPipe PP4 with the split backward, TP2 with sequence parallelism (BitPipe
   PP2); BERT (padding mask) BitPipe PP2 and TP2 + SP.
 * The scripts, single process: ``pretrain_gpt.py`` (plain and GQA) and ``pretrain_bert.py``
@@ -28,8 +28,8 @@ from megatron_bitpipe.cpu.launcher import launch
 from .bert_support import BertCase
 from .bert_support import reference as bert_reference
 from .pretrain_support import assert_same_records, records, train_in_process
-from .runtime_support import Case, assert_equals_reference, model_config, pipeline
-from .runtime_support import reference as gpt_reference
+from .equivalence_support import Case, assert_equals_reference, model_config, pipeline
+from .equivalence_support import reference as gpt_reference
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]
 LAUNCH_TIMEOUT = 600
@@ -71,7 +71,7 @@ def _enable():
     from megatron_bitpipe.testing.fp32_cross_entropy import enable_fp32_cross_entropy_gradients
 
     enable_cpu_megatron()
-    enable_fp32_cross_entropy_gradients()  # both sides: fp32 logit gradients (see test_bert_runtime)
+    enable_fp32_cross_entropy_gradients()  # both sides: fp32 logit gradients (see test_bert_equivalence)
 
 
 def run_cases(cases: List[Case]) -> dict:
