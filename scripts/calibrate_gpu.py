@@ -195,7 +195,7 @@ def build_share(train_args: argparse.Namespace, device):
     chunk.to(device)
     if config.bf16 or config.fp16:
         chunk = ChunkFloat16Module(config, chunk)
-    (model,) = wrap_ddp([chunk], groups, config, ddp_config(train_args, run))
+    (model,) = wrap_ddp([chunk], groups, config, ddp_config(run))
     return model, config
 
 
@@ -504,7 +504,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     element = torch.tensor([], dtype=config.pipeline_dtype).element_size()
     message_bytes = args.seq_length * args.micro_batch_size * args.hidden_size * element
-    gradient_element = 4 if ddp_config(train_args, RunConfig.from_args(train_args)).grad_reduce_in_fp32 else config.params_dtype.itemsize
+    gradient_element = 4 if ddp_config(RunConfig.from_args(train_args)).grad_reduce_in_fp32 else config.params_dtype.itemsize
     gradient_bytes = compute["parameters"] * gradient_element
     if device.type == "cuda" and torch.cuda.device_count() >= 2:
         comm = measured_communication(message_bytes, gradient_bytes, args.iters)
