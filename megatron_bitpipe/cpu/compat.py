@@ -90,7 +90,7 @@ import torch
 import torch._dynamo
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from . import strict_p2p
+from . import device_audit, strict_p2p
 
 __all__ = ["CpuDeviceMode", "CpuStream", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
 
@@ -141,11 +141,15 @@ class CpuDeviceMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             # megatron moves already-allocated tensors with .cuda(); they already are "there".
+            device_audit.mark(args[0], on_device=True)
             return args[0]
+        target = _target_device(func, args, kwargs)
         if "device" in kwargs:
             kwargs["device"] = _to_cpu(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu(args[1])) + tuple(args[2:])
+        if target is not None and device_audit.active_audit() is not None:
+            return _audited_move(func, args, kwargs, target)
         if type(func) is _METHOD_WRAPPER and func == _GRAD_GET and not args[0].is_leaf and _megatron_calls():
             # megatron's distributed optimizer reads .grad of its fp32 shards, views of the
             # parameters (megatron: "throws grad-access warning"); torch would blame this line
@@ -157,6 +161,41 @@ class CpuDeviceMode(TorchFunctionMode):
             # clip_grads asserts param.grad.type() == 'torch.cuda.FloatTensor'.
             return _CUDA_TYPE_NAMES.get(result, result)
         return result
+
+
+def _target_device(func: Callable, args: Tuple, kwargs: Dict) -> Any:
+    """The device a call names for its result (``device=``, ``Tensor.to``'s positional device or
+    tensor, ``Tensor.cpu``), before the device mode rewrites it; None when it names none."""
+    if func is torch.Tensor.cpu or func is torch.Tensor.numpy:
+        return _CPU
+    if "device" in kwargs and kwargs["device"] is not None:
+        return kwargs["device"]
+    if func is torch.Tensor.to and len(args) > 1:
+        if isinstance(args[1], torch.Tensor):
+            return args[1]
+        if isinstance(args[1], (str, int, torch.device)) and not isinstance(args[1], bool):
+            return args[1]
+    return None
+
+
+def _audited_move(func: Callable, args: Tuple, kwargs: Dict, target: Any):
+    """Run a call that names a device with the device audit on: mark its result on the device
+    named (a host result of a tensor on the device is a fresh view, so the source keeps its mark;
+    ``Tensor.numpy`` of a device tensor fails)."""
+    audit = device_audit.active_audit()
+    if isinstance(target, torch.Tensor):
+        on_device = audit.on_device(target)
+    else:
+        on_device = _is_cuda_device(target)
+    if func is torch.Tensor.numpy:
+        audit.check_host(args[0], "Tensor.numpy")
+        return func(*args, **kwargs)
+    result = func(*args, **kwargs)
+    if isinstance(result, torch.Tensor):
+        if result is args[0] and not on_device and audit.on_device(result):
+            result = result.view_as(result)  # .cpu() of a device tensor: a new tensor, the source stays
+        audit.set_marks(result, on_device)
+    return result
 
 
 _GRAD_GET = torch.Tensor.grad.__get__
@@ -301,6 +340,7 @@ def enable_cpu_megatron() -> None:
     """
     _apply_process_patches()
     strict_p2p.install_from_env()
+    device_audit.install_from_env()
     if not _mode_active():
         # Entered for the life of the thread: megatron's allocations happen everywhere.
         CpuDeviceMode().__enter__()
