@@ -139,6 +139,9 @@ class CpuDeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Tuple, args: Tuple = (), kwargs: Dict | None = None):
         kwargs = kwargs or {}
+        if type(func) is _METHOD_WRAPPER and func == _DEVICE_GET and device_audit.active_audit() is not None:
+            # under the audit, ``device=x.device`` of a tensor on the device names the device
+            return device_audit.shadow_device(args[0], func(*args, **kwargs), sys._getframe(1))
         if func is torch.Tensor.cuda:
             # megatron moves already-allocated tensors with .cuda(); they already are "there".
             device_audit.mark(args[0], on_device=True)
@@ -192,13 +195,14 @@ def _audited_move(func: Callable, args: Tuple, kwargs: Dict, target: Any):
         return func(*args, **kwargs)
     result = func(*args, **kwargs)
     if isinstance(result, torch.Tensor):
-        if result is args[0] and not on_device and audit.on_device(result):
+        if args and result is args[0] and not on_device and audit.on_device(result):
             result = result.view_as(result)  # .cpu() of a device tensor: a new tensor, the source stays
         audit.set_marks(result, on_device)
     return result
 
 
 _GRAD_GET = torch.Tensor.grad.__get__
+_DEVICE_GET = torch.Tensor.device.__get__
 _METHOD_WRAPPER = type(_GRAD_GET)
 #: torch's warning on reading ``.grad`` of a tensor that is not a leaf
 _NON_LEAF_GRAD_WARNING = r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"

@@ -55,19 +55,29 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["DeviceAudit", "DeviceMixError", "ENV", "active_audit", "check_communication", "install_from_env",
-           "mark", "requested"]
+           "mark", "requested", "shadow_device"]
 
 #: turns the audit on (``1``; ``0`` or empty: off)
 ENV = "MEGATRON_BITPIPE_DEVICE_AUDIT"
 
 _aten = torch.ops.aten
+_CUDA0 = torch.device("cuda", 0)
 #: operations that move data between devices
 _COPIES = {_aten.copy_.default, _aten._to_copy.default, _aten.set_.source_Tensor, _aten.set_.source_Storage,
            _aten.set_.source_Storage_storage_offset, _aten.lift_fresh.default, _aten.lift_fresh_copy.default}
 #: indexing operations and their index argument (may stay on the host)
 _INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put"}
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 #: the files whose frames are not "the calling code"
-_SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+_SKIP_DIRS = (_TORCH_DIR, os.path.dirname(__file__) + os.sep)
+#: torch's collectives of Python objects (their tensors are on the right device by construction)
+_OBJECT_COLLECTIVES = {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+                       "send_object_list", "recv_object_list"}
+#: modules whose ``torch.cuda.is_available()`` picks the process set-up: answered truly
+_HOST_DECISIONS = ("megatron_bitpipe.cpu", "megatron_bitpipe.training.distributed", "megatron_bitpipe.training.arguments",
+                   "megatron_bitpipe.training.checkpoint", "megatron_bitpipe.training.config")
+#: c10d operations whose tensors torch makes itself on the backend's device
+_C10D_OWN_TENSORS = {"barrier", "monitored_barrier"}
 
 _install_lock = threading.Lock()
 _announced = False
@@ -99,6 +109,7 @@ def install_from_env() -> bool:
     if not requested():
         return False
     _record_gloo_groups()
+    _answer_gpu_run()
     if active_audit() is None:
         audit = DeviceAudit()
         audit.__enter__()  # for the life of the thread, like the CPU device mode
@@ -118,6 +129,16 @@ def mark(value: Any, on_device: bool) -> None:
     audit = active_audit()
     if audit is not None:
         audit.set_marks(value, on_device)
+
+
+def shadow_device(tensor: torch.Tensor, device: torch.device, frame) -> torch.device:
+    """``tensor.device`` as code outside torch sees it under the audit: CUDA device 0 for a
+    tensor on the device (so ``device=x.device`` and ``.to(x.device)`` follow it), else
+    ``device``; ``frame`` is the reading frame."""
+    audit = active_audit()
+    if audit is None or not audit.on_device(tensor) or frame.f_globals.get("__name__", "").startswith("torch"):
+        return device
+    return _CUDA0
 
 
 def check_communication(kind: str, tensors: Iterable[torch.Tensor], group: Any) -> None:
@@ -144,6 +165,42 @@ def _record_gloo_groups() -> None:
 
         new_group_noting_gloo._device_audit = True
         dist.new_group = new_group_noting_gloo
+
+
+def _in_object_collective() -> bool:
+    """Whether torch's object collectives (``all_gather_object`` ...) are running: they put
+    their byte tensors on the group's device themselves (the GPU for NCCL)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in _OBJECT_COLLECTIVES and frame.f_code.co_filename.startswith(_TORCH_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _answer_gpu_run() -> None:
+    """Make ``torch.cuda.is_available()`` answer True to the code that asks "is this a GPU run?"
+    to place tensors (once, process-wide).
+
+    This package, scripts and users move batches, models and counters to the GPU behind that
+    question; answered False, the CPU run takes the host path and the audit has nothing to see.
+    It stays False for torch, megatron-core (which asks it to pick kernels and stream tricks), the
+    CPU layer, and :data:`_HOST_DECISIONS`, the start-up modules whose answer picks the
+    process set-up the CPU run must keep (backend and device index, RNG state kinds, kernels).
+    """
+    with _install_lock:
+        is_available = torch.cuda.is_available
+        if getattr(is_available, "_device_audit", False):
+            return
+
+        def is_available_to_placement() -> bool:
+            module = sys._getframe(1).f_globals.get("__name__", "")
+            if module.split(".")[0] in ("torch", "megatron") or module.startswith(_HOST_DECISIONS):
+                return is_available()
+            return True
+
+        is_available_to_placement._device_audit = True
+        torch.cuda.is_available = is_available_to_placement
 
 
 def _caller() -> str:
@@ -240,6 +297,8 @@ class DeviceAudit(TorchDispatchMode):
         return any_device
 
     def _check_c10d(self, func, args, kwargs) -> None:
+        if func.__name__.split(".")[0] in _C10D_OWN_TENSORS or _in_object_collective():
+            return
         flat = tree_flatten((args, kwargs))[0]
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         groups = [g for g in flat if isinstance(g, torch.ScriptObject)]
