@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture
 def audit():
-    with CpuDeviceMode(), DeviceAudit() as mode:
+    with DeviceAudit() as mode, CpuDeviceMode(mode):
         yield mode
 
 

@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["DeviceAudit", "DeviceMixError", "ENV", "active_audit", "check_communication", "install_from_env",
-           "mark", "requested", "shadow_device"]
+           "requested"]
 
 #: turns the audit on (``1``; ``0`` or empty: off)
 ENV = "MEGATRON_BITPIPE_DEVICE_AUDIT"
@@ -102,15 +102,16 @@ def active_audit() -> Optional["DeviceAudit"]:
     return None
 
 
-def install_from_env() -> bool:
-    """Push a :class:`DeviceAudit` on this thread (once) if the environment asks; returns whether
-    the audit is on here. The first install in the process writes one line on stderr."""
+def install_from_env() -> Optional["DeviceAudit"]:
+    """Push a :class:`DeviceAudit` on this thread (once) if the environment asks; returns the
+    audit on this thread (None: off). The first install in the process writes one line on stderr."""
     global _announced
     if not requested():
-        return False
+        return None
     _record_gloo_groups()
     _answer_gpu_run()
-    if active_audit() is None:
+    audit = active_audit()
+    if audit is None:
         audit = DeviceAudit()
         audit.__enter__()  # for the life of the thread, like the CPU device mode
         with _install_lock:
@@ -121,24 +122,7 @@ def install_from_env() -> bool:
                 "or a host tensor in an NCCL collective, fails as on a GPU\n"
             )
             sys.stderr.flush()
-    return True
-
-
-def mark(value: Any, on_device: bool) -> None:
-    """Set the shadow device of the tensors in ``value`` (a tensor, or a list/tuple of them)."""
-    audit = active_audit()
-    if audit is not None:
-        audit.set_marks(value, on_device)
-
-
-def shadow_device(tensor: torch.Tensor, device: torch.device, frame) -> torch.device:
-    """``tensor.device`` as code outside torch sees it under the audit: CUDA device 0 for a
-    tensor on the device (so ``device=x.device`` and ``.to(x.device)`` follow it), else
-    ``device``; ``frame`` is the reading frame."""
-    audit = active_audit()
-    if audit is None or not audit.on_device(tensor) or frame.f_globals.get("__name__", "").startswith("torch"):
-        return device
-    return _CUDA0
+    return audit
 
 
 def check_communication(kind: str, tensors: Iterable[torch.Tensor], group: Any) -> None:
@@ -235,6 +219,14 @@ class DeviceAudit(TorchDispatchMode):
         for tensor in tree_flatten(value)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._on_device[tensor] = on_device
+
+    def shadow_device(self, tensor: torch.Tensor, device: torch.device, frame) -> torch.device:
+        """``tensor.device`` as code outside torch sees it: CUDA device 0 for a tensor on the
+        device (so ``device=x.device`` and ``.to(x.device)`` follow it), else ``device``;
+        ``frame`` is the reading frame."""
+        if not self.on_device(tensor) or frame.f_globals.get("__name__", "").startswith("torch"):
+            return device
+        return _CUDA0
 
     def check_host(self, tensor: torch.Tensor, kind: str) -> None:
         """Fail when ``tensor``, which ``kind`` needs on the host, is on the device."""
