@@ -88,6 +88,7 @@ def reference(tied: bool, binary_head: bool, global_microbatches: int, clip_grad
     Also the parameter statistics of megatron's own initialisation and of the seed's
     (``native_stats``, ``seed_stats``).
     """
+    import torch
     from megatron.core import parallel_state
     from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
     from megatron.core.models.bert.bert_model import BertModel
@@ -111,11 +112,15 @@ def reference(tied: bool, binary_head: bool, global_microbatches: int, clip_grad
         share_embeddings_and_output_weights=tied,
         add_binary_head=binary_head,
     )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    device = next(model.parameters()).device
     native_stats = _init_stats(model)
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
     record = {"native_stats": native_stats, "seed_stats": _init_stats(model)}
 
     def run(ddp, batch):
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         types = batch["types"] if binary_head else None
         return _loss(ddp(batch["text"], batch["padding_mask"], tokentype_ids=types, lm_labels=batch["labels"]), batch)
 

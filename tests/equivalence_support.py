@@ -158,8 +158,11 @@ def train_single_process(model, config, pg, clip_grad: float, run, batches, glob
 
 def _loss(model, tokens, labels, fp32_cross_entropy: bool) -> torch.Tensor:
     """Mean token loss: megatron-core's own (fused 'native' cross entropy, which rounds the
-    logits' gradient to bf16), or torch's fp32 cross entropy of the model's logits."""
-    position_ids = torch.arange(SEQ).expand_as(tokens)
+    logits' gradient to bf16), or torch's fp32 cross entropy of the model's logits. The
+    micro-batch goes to the model's device."""
+    device = next(model.parameters()).device
+    tokens, labels = tokens.to(device), labels.to(device)
+    position_ids = torch.arange(SEQ, device=device).expand_as(tokens)
     if not fp32_cross_entropy:
         return model(tokens, position_ids, None, labels=labels).float().mean()
     logits = model(tokens, position_ids, None)

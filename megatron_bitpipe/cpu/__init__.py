@@ -8,7 +8,9 @@
   training scripts through :mod:`megatron_bitpipe.run` on CPU ranks;
 * :mod:`.strict_p2p` — ``MEGATRON_BITPIPE_STRICT_P2P=1``: gloo point-to-point communication
   under NCCL's rules (per-group issue order, unbuffered sends, bounded waits), installed by
-  :func:`enable_cpu_megatron`.
+  :func:`enable_cpu_megatron`;
+* :mod:`.device_audit` — ``MEGATRON_BITPIPE_DEVICE_AUDIT=1``: a CPU run fails where a GPU run
+  would mix host and device tensors, installed by :func:`enable_cpu_megatron`.
 
 The library (schedules, model, execution, optimus, training) never imports this package: entry points
 opt in.

@@ -51,6 +51,10 @@ and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` before clipping.
   - a logging filter drops the tracker's "CPU RNG state changed within GPU RNG context"
     warning, which is meaningless once the two generators are the same one.
 
+* **Device audit** (opt-in): with ``MEGATRON_BITPIPE_DEVICE_AUDIT=1``,
+  :func:`enable_cpu_megatron` pushes :class:`~.device_audit.DeviceAudit` and hands it to the
+  device mode, so that a CPU run fails where a GPU run would mix host and device tensors
+  (see :mod:`.device_audit`).
 * **Strict p2p mode** (opt-in): with ``MEGATRON_BITPIPE_STRICT_P2P=1`` in the environment,
   :func:`enable_cpu_megatron` also installs :mod:`.strict_p2p`, which makes point-to-point
   communication on gloo groups follow NCCL's rules (a group runs a rank's operations in issue
@@ -90,7 +94,7 @@ import torch
 import torch._dynamo
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from . import strict_p2p
+from . import device_audit, strict_p2p
 
 __all__ = ["CpuDeviceMode", "CpuStream", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
 
@@ -135,13 +139,31 @@ class CpuDeviceMode(TorchFunctionMode):
     ``Tensor.new_*``...), a CUDA device passed positionally to ``Tensor.to``,
     ``Tensor.cuda()`` (returns the tensor), ``Tensor.type()`` without arguments (CUDA type
     name for a CPU tensor). Every other call runs unchanged.
+
+    With ``audit`` (a :class:`~.device_audit.DeviceAudit` on this thread) it also tells the audit
+    what the device arguments named before they became the CPU: results made or moved on a CUDA
+    device are marked on the device, ``.cpu()`` / ``device="cpu"`` results on the host, and
+    ``x.device`` of a tensor on the device reads as CUDA device 0 outside torch.
     """
+
+    def __init__(self, audit: "device_audit.DeviceAudit | None" = None):
+        super().__init__()
+        self.audit = audit
 
     def __torch_function__(self, func: Callable, types: Tuple, args: Tuple = (), kwargs: Dict | None = None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             # megatron moves already-allocated tensors with .cuda(); they already are "there".
+            if self.audit is not None:
+                self.audit.set_marks(args[0], on_device=True)
             return args[0]
+        if self.audit is not None:
+            if type(func) is _METHOD_WRAPPER and func == _DEVICE_GET:
+                # ``device=x.device`` of a tensor on the device names the device
+                return self.audit.shadow_device(args[0], func(*args, **kwargs), sys._getframe(1))
+            target = _target_device(func, args, kwargs)
+            if target is not None:
+                return _audited_move(self.audit, func, _on_cpu(func, args), _on_cpu_kwargs(kwargs), target)
         if "device" in kwargs:
             kwargs["device"] = _to_cpu(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1:
@@ -159,7 +181,55 @@ class CpuDeviceMode(TorchFunctionMode):
         return result
 
 
+def _target_device(func: Callable, args: Tuple, kwargs: Dict) -> Any:
+    """The device a call names for its result (``device=``, ``Tensor.to``'s positional device or
+    tensor, ``Tensor.cpu``), before the device mode rewrites it; None when it names none."""
+    if func is torch.Tensor.cpu or func is torch.Tensor.numpy:
+        return _CPU
+    if "device" in kwargs and kwargs["device"] is not None:
+        return kwargs["device"]
+    if func is torch.Tensor.to and len(args) > 1:
+        if isinstance(args[1], torch.Tensor):
+            return args[1]
+        if isinstance(args[1], (str, int, torch.device)) and not isinstance(args[1], bool):
+            return args[1]
+    return None
+
+
+def _on_cpu(func: Callable, args: Tuple) -> Tuple:
+    """``args`` with ``Tensor.to``'s positional CUDA device made the CPU."""
+    if func is torch.Tensor.to and len(args) > 1:
+        return (args[0], _to_cpu(args[1])) + tuple(args[2:])
+    return args
+
+
+def _on_cpu_kwargs(kwargs: Dict) -> Dict:
+    if "device" in kwargs:
+        kwargs["device"] = _to_cpu(kwargs["device"])
+    return kwargs
+
+
+def _audited_move(audit: "device_audit.DeviceAudit", func: Callable, args: Tuple, kwargs: Dict, target: Any):
+    """Run a call that names the device ``target`` under the device audit: mark its result there
+    (a host result of a tensor on the device is a fresh view, so the source keeps its mark;
+    ``Tensor.numpy`` of a device tensor fails)."""
+    if isinstance(target, torch.Tensor):
+        on_device = audit.on_device(target)
+    else:
+        on_device = _is_cuda_device(target)
+    if func is torch.Tensor.numpy:
+        audit.check_host(args[0], "Tensor.numpy")
+        return func(*args, **kwargs)
+    result = func(*args, **kwargs)
+    if isinstance(result, torch.Tensor):
+        if args and result is args[0] and not on_device and audit.on_device(result):
+            result = result.view_as(result)  # .cpu() of a device tensor: a new tensor, the source stays
+        audit.set_marks(result, on_device)
+    return result
+
+
 _GRAD_GET = torch.Tensor.grad.__get__
+_DEVICE_GET = torch.Tensor.device.__get__
 _METHOD_WRAPPER = type(_GRAD_GET)
 #: torch's warning on reading ``.grad`` of a tensor that is not a leaf
 _NON_LEAF_GRAD_WARNING = r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"
@@ -220,7 +290,7 @@ def _in_device_mode(run_backward: Callable) -> Callable:
     """
 
     def run_in_device_mode(*args, **kwargs):
-        with CpuDeviceMode():
+        with CpuDeviceMode(device_audit.active_audit()):
             return run_backward(*args, **kwargs)
 
     return run_in_device_mode
@@ -301,9 +371,10 @@ def enable_cpu_megatron() -> None:
     """
     _apply_process_patches()
     strict_p2p.install_from_env()
+    audit = device_audit.install_from_env()
     if not _mode_active():
         # Entered for the life of the thread: megatron's allocations happen everywhere.
-        CpuDeviceMode().__enter__()
+        CpuDeviceMode(audit).__enter__()
 
 
 def is_cpu_megatron_enabled() -> bool:

@@ -33,8 +33,8 @@ from typing import Any, Callable, List
 _PRELOAD = ("torch", "torch.distributed", "megatron.core")
 #: variables every launch passes on from the caller's environment as it is now (the workers'
 #: own environment is the forkserver's, a copy from when it started); unset ones pass as "".
-#: Strict p2p mode (:mod:`.strict_p2p`) is chosen this way.
-_FORWARDED_ENV = ("MEGATRON_BITPIPE_STRICT_P2P", "MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT")
+#: Strict p2p mode (:mod:`.strict_p2p`) and the device audit (:mod:`.device_audit`) are chosen this way.
+_FORWARDED_ENV = ("MEGATRON_BITPIPE_STRICT_P2P", "MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT", "MEGATRON_BITPIPE_DEVICE_AUDIT")
 #: seconds a rank that has reported gets to exit on its own before it is killed
 _EXIT_GRACE_S = 60.0
 
@@ -112,7 +112,7 @@ def launch(
         timeout: seconds for the whole job; collectives time out slightly later so
             that the parent reports the hang first.
         env: extra environment variables for the workers (besides the caller's current
-            ``MEGATRON_BITPIPE_STRICT_P2P*``, which always pass on).
+            ``MEGATRON_BITPIPE_STRICT_P2P*`` and ``MEGATRON_BITPIPE_DEVICE_AUDIT``, which always pass on).
 
     Raises:
         RankFailure: the first rank that raised (with its traceback), or a timeout.

@@ -95,6 +95,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from . import device_audit
+
 __all__ = ["ENV", "TIMEOUT_ENV", "TOKEN_TAG", "DEFAULT_TIMEOUT_S", "install", "install_from_env", "is_installed", "requested", "strict_groups", "pair_communicators"]
 
 #: turns the mode on (``1``; ``0`` or empty: off)
@@ -333,6 +335,7 @@ class _Channel:
         if tag == TOKEN_TAG:
             raise ValueError(f"strict p2p: tag {TOKEN_TAG} is reserved for its tokens")
         c10d._check_single_tensor(tensor, "tensor")
+        device_audit.check_communication(f"strict p2p {kind}", [tensor], self.group)  # the worker thread is not audited
         return _Op(kind, tensor, peer, group_peer, tag)
 
     def submit(self, ops: List[_Op]) -> List["StrictWork"]:
