@@ -32,7 +32,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 PACKAGE = "megatron_bitpipe"
 ROOT = Path(__file__).resolve().parents[1]
