@@ -24,19 +24,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from .script_support import REPO, load_script
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load("gpu_check")
-gpu_rank = _load("gpu_rank")
+gpu_check = load_script("gpu_check")
+gpu_rank = load_script("gpu_rank")
 
 
 def _iteration(i, loss, **fields):
@@ -164,7 +155,7 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
     from megatron_bitpipe.training.bert import BertTask
     from megatron_bitpipe.training.gpt import GPTTask
 
-    calibrate = _load("calibrate_gpu")
+    calibrate = load_script("calibrate_gpu")
     real_find_spec = importlib.util.find_spec
     items = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 27, 7))
     names = [i.name for i in items]

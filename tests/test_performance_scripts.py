@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,20 +28,11 @@ from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.schedules import CostModel, generate, simulate
 from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, analytic_costs
 
-ROOT = Path(__file__).resolve().parents[1]
+from .script_support import load_script
 
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-calibrate = _script("calibrate_gpu")
-predict = _script("predict_throughput")
-bench = _script("bench_emulated")
+calibrate = load_script("calibrate_gpu", "script_calibrate_gpu")
+predict = load_script("predict_throughput", "script_predict_throughput")
+bench = load_script("bench_emulated", "script_bench_emulated")
 
 GPT_SHARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
              "--micro-batch-size", "2"]
