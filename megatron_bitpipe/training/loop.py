@@ -82,8 +82,6 @@ class Trainer:
             run=run,
             env=env,
             kind=self.kind,
-            forward_step=self.forward_step,
-            loss_names=self.loss_names,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,

@@ -61,9 +61,7 @@ class TrainingParts:
         args: the checked flags (the model's and the mode's own hyper-parameters).
         run: the run's decisions.
         env: this rank's place in the job (rank, world size, device).
-        kind: the run's model kind (its per-iteration losses and log fields).
-        forward_step: megatron's ``forward_step_func`` of the model kind.
-        loss_names: the keys of the model kind's loss reports.
+        kind: the run's model kind (forward step, loss names, per-iteration losses and log fields).
         model: this rank's chunks and their process groups.
         optimizer: megatron's optimizer over the chunks (stepped by the strategy).
         scheduler: the learning-rate schedule (stepped by the strategy, in samples).
@@ -77,8 +75,6 @@ class TrainingParts:
     run: "RunConfig"
     env: "Distributed"
     kind: "ModelKind"
-    forward_step: Callable
-    loss_names: Tuple[str, ...]
     model: "PipelineModel"
     optimizer: Any
     scheduler: Any
@@ -86,6 +82,16 @@ class TrainingParts:
     train_data: Any
     state: "TrainingState"
     flops_per_iteration: float
+
+    @property
+    def forward_step(self) -> Callable:
+        """megatron's ``forward_step_func`` of the run's model kind."""
+        return self.kind.forward_step(self.args, self.run)
+
+    @property
+    def loss_names(self) -> Tuple[str, ...]:
+        """The keys of the model kind's loss reports."""
+        return self.kind.loss_names(self.args, self.run)
 
     def synchronize(self) -> None:
         """Wait for this rank's device work (timings measure it)."""
