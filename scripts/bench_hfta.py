@@ -92,9 +92,11 @@ def measure(models: List[int], warmup: int, iters: int, model_args: List[str], t
     """One row per B: seconds per iteration fused and single, samples/s both ways, speed-up."""
     batch = int(model_args[model_args.index("--global-batch-size") + 1])
     single = _timed(model_args, warmup, iters, threads)
+    print(f"one model: {1000 * single:.1f} ms/iteration", flush=True)
     rows = []
     for b in models:
         fused = _timed([*model_args, "--hfta-models", str(b)], warmup, iters, threads)
+        print(f"fused array of {b}: {1000 * fused:.1f} ms/iteration", flush=True)
         rows.append(
             dict(
                 models=b,

@@ -156,6 +156,8 @@ def training_args(args: argparse.Namespace) -> argparse.Namespace:
         argv += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
     if args.transformer_impl is not None:
         argv += ["--transformer-impl", args.transformer_impl]
+    if args.attention_backend is not None:
+        argv += ["--attention-backend", args.attention_backend]
     argv += ["--bf16"] if args.bf16 else ["--fp16"] if args.fp16 else []
     return parse_args(None, argv, world_size=1, cuda_available=True)
 
@@ -174,6 +176,7 @@ def build_share(train_args: argparse.Namespace, device):
     from megatron_bitpipe.execution.replicas import wrap_ddp
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import ddp_config, transformer_config, use_global_tp_group
+    from megatron_bitpipe.training.gpt import GPT
 
     run = RunConfig.from_args(train_args)
     config = transformer_config(train_args, run)
@@ -186,6 +189,7 @@ def build_share(train_args: argparse.Namespace, device):
         max_sequence_length=train_args.max_position_embeddings,
         position_embedding_type=train_args.position_embedding_type,
         rotary_base=train_args.rotary_base,
+        layer_spec=GPT.layer_spec(train_args, run, config),  # SDPA's core attention under --attention-backend sdpa
     )
 
     def middle_stage(chunk_config, spec, pgs, tie):  # no embedding, no head: what a middle stage holds
@@ -414,6 +418,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                         help="default: training's (transformer_engine on a GPU when importable, else local); "
                         "I and W are measured with local layers only")
+    parser.add_argument("--attention-backend", choices=("auto", "local", "sdpa"), default=None,
+                        help="as training's (default auto); sdpa: torch's scaled_dot_product_attention as the "
+                        "local layers' core attention")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1234, help="seed of the weights and inputs")

@@ -14,8 +14,9 @@ reported and the next one runs):
    ``attention-sdpa`` (``scripts/bench_attention.py``) and ``hfta-bench``
    (``scripts/bench_hfta.py --size small``: HFTA's fused arrays of B = 1, 2, 4, 8 small GPTs
    against B runs one after another, fp32).
-3. ``calibrate-fp32``, ``calibrate-bf16``: ``scripts/calibrate_gpu.py`` on BitPipe's GPT share
-   (12 layers h3072 s1024 b1); the cost files are written to ``--out``.
+3. ``calibrate-fp32``, ``calibrate-bf16``, ``calibrate-bf16-sdpa``: ``scripts/calibrate_gpu.py``
+   on BitPipe's GPT share (12 layers h3072 s1024 b1; the last with ``--attention-backend sdpa``,
+   as users train); the cost files are written to ``--out``.
 4. Several ranks sharing the one GPU over NCCL (NCCL >= 2.30: ``NCCL_MULTI_RANK_GPU_ENABLE=1``;
    older: a distinct ``NCCL_HOSTID`` per rank, set by ``scripts/gpu_rank.py``, with
    ``NCCL_SOCKET_IFNAME=lo``), a tiny GPT (8 layers h256 s256): first the single-process
@@ -34,9 +35,9 @@ group killed, and is reported as ``hung (timeout N s)``. ``--budget-s`` bounds t
 an item gets at most the time left, and one that would get less than ``MIN_ITEM_S`` is
 ``skipped (budget)``.
 
-Output under ``--out`` (7 files): ``gpu_check.log`` (every item's command and output, each after
+Output under ``--out`` (8 files): ``gpu_check.log`` (every item's command and output, each after
 a header line), ``gpu_check.json`` (results, rewritten after every item), ``gpu_check.md`` (the
-table), ``calibration_fp32.json`` and ``calibration_bf16.json`` (cost files), ``attention.json``
+table), ``calibration_fp32.json``, ``calibration_bf16.json`` and ``calibration_bf16_sdpa.json`` (cost files), ``attention.json``
 (``scripts/bench_attention.py``: unfused vs SDPA core attention) and ``hfta.json``
 (``scripts/bench_hfta.py --size small``: B = 1, 2, 4, 8 fused models against B runs one after
 another, item ``hfta-bench``). The console gets a
@@ -365,8 +366,8 @@ COMMON = ["--seed", "1234", "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-gr
 
 #: per-item timeouts (seconds) on the GPU
 TIMEOUTS = {"environment": 60, "gpt-small-bf16": 90, "gpt-0.5b-bf16": 120, "gpt-0.5b-bf16-sdpa": 120, "attention-sdpa": 60,
-            "hfta-bench": 150,
-            "calibrate-fp32": 90, "calibrate-bf16": 90,
+            "hfta-bench": 300,
+            "calibrate-fp32": 90, "calibrate-bf16": 90, "calibrate-bf16-sdpa": 90,
             "reference": 60, "multirank": 50, "1f1b-control": 75}  # fmt: skip
 #: the control run of several ranks; the later ones get at least CONTROL_FACTOR x its time
 CONTROL, CONTROL_FACTOR = "1f1b-control", 2.0
@@ -407,11 +408,15 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
                                                   "--warmup", "3", "--iters", "10", "--json", hfta],
                       timeout("hfta-bench", "benchmark"), "HFTA: B = 1, 2, 4, 8 small GPTs fused vs one after another, fp32",
                       needs_gpu=True, output=hfta))  # fmt: skip
-    for precision in ("fp32", "bf16"):
-        name, output = f"calibrate-{precision}", str(out / f"calibration_{precision}.json")
-        command = [py, str(SCRIPTS / "calibrate_gpu.py"), *sizes.calibrate, *(["--bf16"] if precision == "bf16" else []), "--output", output]
+    for precision, flags, what in (
+        ("fp32", [], "fp32"),
+        ("bf16", ["--bf16"], "bf16"),
+        ("bf16-sdpa", ["--bf16", "--attention-backend", "sdpa"], "bf16, --attention-backend sdpa"),
+    ):
+        name, output = f"calibrate-{precision}", str(out / f"calibration_{precision.replace('-', '_')}.json")
+        command = [py, str(SCRIPTS / "calibrate_gpu.py"), *sizes.calibrate, *flags, "--output", output]
         items.append(Item(name, "calibrate", command, timeout(name, "calibrate"),
-                          f"calibrate_gpu.py, 12 layers h3072 s1024 b1, {precision}", needs_gpu=True, output=output))  # fmt: skip
+                          f"calibrate_gpu.py, 12 layers h3072 s1024 b1, {what}", needs_gpu=True, output=output))  # fmt: skip
 
     tiny = [*sizes.tiny, *COMMON, "--train-iters", str(sizes.tiny_iters)]
     te_layers = ["--transformer-impl", "transformer_engine"]
@@ -757,7 +762,7 @@ def _cuda_available() -> Tuple[bool, Optional[Tuple[int, int, int]]]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="directory for the log, results and cost files (created; at most 7 files)")
+    parser.add_argument("--out", help="directory for the log, results and cost files (created; at most 8 files)")
     parser.add_argument("--dry-run", action="store_true", help="no GPU needed: print every command, run the CPU-runnable parts")
     parser.add_argument("--budget-s", type=float, default=None,
                         help=f"seconds for all items together (default {DEFAULT_BUDGET_S:.0f}; dry run {DRY_RUN_BUDGET_S:.0f})")
