@@ -3,16 +3,19 @@
 :func:`add_bitpipe_args` has the signature Megatron-LM expects of ``extra_args_provider``
 (takes a parser, returns it) and adds
 
-* ``--pipeline-schedule {default,1f1b,interleaved,bitpipe}`` — ``default`` keeps
-  megatron-core's choice (interleaved when a virtual pipeline size > 1 is set:
-  ``--virtual-pipeline-model-parallel-size`` in megatron-bitpipe's scripts,
-  ``--num-virtual-stages-per-pipeline-rank`` in Megatron-LM's; else 1F1B);
-* ``--split-backward`` — with ``bitpipe``: run every backward as the input gradient and,
+* ``--pipeline-schedule`` — ``default`` keeps megatron-core's choice (interleaved when a
+  virtual pipeline size > 1 is set: ``--virtual-pipeline-model-parallel-size`` in
+  megatron-bitpipe's scripts, ``--num-virtual-stages-per-pipeline-rank`` in Megatron-LM's;
+  else 1F1B); ``1f1b`` and ``interleaved`` are megatron-core's functions; every other
+  registered schedule (:data:`PLAN_SCHEDULES`: bitpipe, chimera, zb-h1, zbv, dualpipe,
+  dualpipev) runs on this package's plan executor;
+* ``--split-backward`` — with a plan schedule: run every backward as the input gradient and,
   later, the weight gradients, placed into the pipeline's bubbles
   (:mod:`megatron_bitpipe.schedules.split_backward`), through megatron-core's
-  ``delay_wgrad_compute`` contract (local layers and Transformer Engine's);
+  ``delay_wgrad_compute`` contract (local layers and Transformer Engine's); the zero-bubble
+  and DualPipe schedules split every backward with or without it;
 * ``--schedule-costs FILE`` — the cost file ``scripts/calibrate_gpu.py`` writes: the split
-  places its weight-gradient actions for these measured costs;
+  places its weight-gradient actions, and ZB-V plans its order, for these measured costs;
 * ``--tensor-parallel-mode {1d,optimus2d}`` (:mod:`megatron_bitpipe.optimus.args`).
 
 :func:`validate_bitpipe_args` checks a parsed namespace (Megatron-LM's argument names)
@@ -30,16 +33,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+from dataclasses import replace
 from typing import List, Optional
 
 from .optimus.args import add_optimus_args, validate_optimus_args
 from .schedules import ScheduleChoice
 from .schedules.errors import VP_FLAG
-from .schedules.registry import plan_executed_schedules, training_schedules
+from .schedules.registry import REGISTRY, plan_executed_schedules, training_schedules
 from .schedules.costs import CostModel, read_cost_file
 
 #: ``--pipeline-schedule`` values: megatron-core's own choice, then every schedule the registry
-#: says training runs (``1f1b``, ``interleaved``: megatron-core's functions; ``bitpipe``: the plan executor)
+#: says training runs (``1f1b``, ``interleaved``: megatron-core's functions; the others: the plan executor)
 PIPELINE_SCHEDULES = ("default",) + training_schedules()
 
 
@@ -55,8 +59,11 @@ def add_bitpipe_args(parser: argparse.ArgumentParser, *, virtual_size_flag: str 
         "--pipeline-schedule",
         choices=PIPELINE_SCHEDULES,
         default="default",
-        help="pipeline schedule: bitpipe (bidirectional V, two weight replicas), 1f1b, "
-        f"interleaved (needs {virtual_size_flag}), or default (megatron-core's own choice).",
+        help="pipeline schedule: default (megatron-core's own choice), 1f1b, interleaved (needs "
+        f"{virtual_size_flag}), or one this package's plan executor runs: bitpipe (bidirectional V, two "
+        "weight replicas), chimera (two replicas), zb-h1, zbv (a V, one replica), dualpipe (two replicas), "
+        "dualpipev (a V, one replica); zb-h1, zbv, dualpipe and dualpipev always split their backwards. "
+        "`python -m megatron_bitpipe.schedules list` describes each.",
     )
     group.add_argument(
         "--split-backward",
@@ -69,9 +76,9 @@ def add_bitpipe_args(parser: argparse.ArgumentParser, *, virtual_size_flag: str 
         "--schedule-costs",
         metavar="FILE",
         default=None,
-        help="with --split-backward: JSON cost file (t_forward, t_backward, t_weight, t_input, t_p2p, ... as "
-        "scripts/calibrate_gpu.py writes it) the weight-gradient steps are placed for; default: "
-        "t_backward = 2 t_forward, half of it weight gradients.",
+        help="with --split-backward or --pipeline-schedule zbv: JSON cost file (t_forward, t_backward, t_weight, "
+        "t_input, t_p2p, ... as scripts/calibrate_gpu.py writes it) the weight-gradient steps are placed, and "
+        "ZB-V's order planned, for; default: t_backward = 2 t_forward, half of it weight gradients.",
     )
     return add_optimus_args(parser)
 
@@ -79,6 +86,8 @@ def add_bitpipe_args(parser: argparse.ArgumentParser, *, virtual_size_flag: str 
 #: ``--pipeline-schedule`` values this package's executor runs; the others select megatron-core's
 #: own functions, whose rules megatron-core checks
 PLAN_SCHEDULES = plan_executed_schedules()
+#: the schedules whose own order is planned for ``--schedule-costs``
+COST_PLANNED_SCHEDULES = tuple(name for name in PLAN_SCHEDULES if REGISTRY[name].takes_costs)
 #: where the training scripts' number of micro-batches per data-parallel rank comes from
 MICROBATCHES_SOURCE = "micro-batches per data-parallel rank (--global-batch-size / (--micro-batch-size x data-parallel size))"
 
@@ -233,7 +242,8 @@ def schedule_choice(args: argparse.Namespace) -> ScheduleChoice:
     ``--schedule-costs`` and the virtual size. Reads the cost file (:func:`schedule_costs`)."""
     split = getattr(args, "split_backward", False)
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    return ScheduleChoice(resolved_schedule(args), split, schedule_costs(args) if split else None, vp)
+    choice = ScheduleChoice(resolved_schedule(args), split, None, vp)
+    return replace(choice, costs=schedule_costs(args)) if choice.uses_costs else choice
 
 
 def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = VP_FLAG) -> List[str]:
@@ -256,13 +266,25 @@ def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = V
         problems += microbatch_problems(args, choice, num_microbatches, virtual_size_flag=virtual_size_flag)
     if choice.plan_executed and getattr(args, "encoder_num_layers", None) and getattr(args, "decoder_num_layers", None):
         problems.append(f"{choice.schedule} does not support encoder-decoder models")
+    if choice.plan_executed and not getattr(args, "untie_embeddings_and_output_weights", False):
+        pp = args.pipeline_model_parallel_size
+        if pp >= 1 and not choice.problems(pp) and not choice.placement(pp).ties_embeddings:
+            problems.append(
+                f"--pipeline-schedule {choice.schedule} puts a pipeline's embedding and output layer on different "
+                f"ranks of its {choice.placement(pp).name} placement: add --untie-embeddings-and-output-weights "
+                "(tied embeddings need both ends of every pipeline on one rank)"
+            )
     if getattr(args, "split_backward", False):
         if not choice.plan_executed:
             problems.append(f"--split-backward needs --pipeline-schedule {' or '.join(PLAN_SCHEDULES)} (got {schedule})")
-        if getattr(args, "tensor_parallel_mode", "1d") != "1d":
-            problems.append("--split-backward is not supported with --tensor-parallel-mode optimus2d")
-    elif getattr(args, "schedule_costs", None) is not None:
-        problems.append("--schedule-costs places the weight-gradient steps of --split-backward: add --split-backward")
+    if (getattr(args, "split_backward", False) or choice.splits_backward) and getattr(args, "tensor_parallel_mode", "1d") != "1d":
+        split = "--split-backward" if getattr(args, "split_backward", False) else f"--pipeline-schedule {choice.schedule} (its backwards are always split)"
+        problems.append(f"{split} is not supported with --tensor-parallel-mode optimus2d")
+    if getattr(args, "schedule_costs", None) is not None and not choice.uses_costs:
+        problems.append(
+            f"--schedule-costs: {choice.label} plans nothing for costs (they place the weight-gradient steps of "
+            f"--split-backward and plan {', '.join(COST_PLANNED_SCHEDULES)}'s order): add --split-backward or drop the flag"
+        )
     try:
         validate_optimus_args(args)
     except ValueError as error:

@@ -212,7 +212,7 @@ class RunConfig:
             ),
             data_parallel_mode=data_parallel_mode,
             optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode.decentralized),
-            schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.split_backward else None,
+            schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.uses_costs else None,
             hfta=hfta_settings(args),
             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
             layout_independent_init=bool(getattr(args, "layout_independent_init", False)),

@@ -114,8 +114,13 @@ def test_split_backward_rules():
                   tensor_model_parallel_size=4, world_size=16)
         )
     text = str(info.value)
-    assert "--split-backward needs --pipeline-schedule bitpipe (got default)" in text
-    assert "--tensor-parallel-mode optimus2d" in text and "--transformer-impl" not in text
+    assert "--split-backward needs --pipeline-schedule chimera or bitpipe or zb-h1 or zbv or dualpipe or dualpipev (got default)" in text
+    assert "--split-backward is not supported with --tensor-parallel-mode optimus2d" in text and "--transformer-impl" not in text
+    with pytest.raises(BitPipeConfigError, match=r"--pipeline-schedule zbv \(its backwards are always split\) is not supported with --tensor-parallel-mode optimus2d"):
+        megatron_bitpipe.validate_bitpipe_args(
+            parse("--pipeline-schedule", "zbv", "--tensor-parallel-mode", "optimus2d", tensor_model_parallel_size=4,
+                  micro_batch_size=2, world_size=16)
+        )
 
 
 def test_schedule_costs_reach_the_schedule_choice(tmp_path):
@@ -151,6 +156,55 @@ def test_bad_schedule_cost_file_names_the_flag(tmp_path, content, message):
         )
 
 
-def test_schedule_costs_need_the_split(tmp_path):
-    with pytest.raises(BitPipeConfigError, match="--schedule-costs places the weight-gradient steps of --split-backward"):
+def test_schedule_costs_need_a_plan_that_uses_them(tmp_path):
+    """``--schedule-costs`` is refused where no plan reads it; ZB-V plans its order for it."""
+    with pytest.raises(BitPipeConfigError, match="--schedule-costs: bitpipe plans nothing for costs .* add --split-backward"):
         megatron_bitpipe.validate_bitpipe_args(parse("--pipeline-schedule", "bitpipe", "--schedule-costs", str(tmp_path)))
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"t_forward": 3.0, "t_backward": 7.0, "t_weight": 2.0}')
+    args = parse("--pipeline-schedule", "zbv", "--schedule-costs", str(costs))
+    megatron_bitpipe.validate_bitpipe_args(args)
+    assert megatron_bitpipe.megatron_args.schedule_choice(args).costs.t_backward == 7.0
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv", "dualpipev", "dualpipe", "chimera"])
+def test_every_plan_schedule_is_a_pipeline_schedule(schedule):
+    """The zero-bubble family, DualPipe and Chimera are --pipeline-schedule values the plan
+    executor runs; the two-replica placements whose pipelines end away from their start need
+    untied embeddings, said before any communication with the flag to add."""
+    from megatron_bitpipe.megatron_args import PIPELINE_SCHEDULES, schedule_choice
+
+    assert schedule in PIPELINE_SCHEDULES and schedule in megatron_bitpipe.megatron_args.PLAN_SCHEDULES
+    untied = parse("--pipeline-schedule", schedule, untie_embeddings_and_output_weights=True)
+    megatron_bitpipe.validate_bitpipe_args(untied)
+    assert schedule_choice(untied).plan_executed
+    tied = parse("--pipeline-schedule", schedule)
+    if schedule in ("dualpipe", "chimera"):
+        with pytest.raises(BitPipeConfigError, match=f"--pipeline-schedule {schedule} puts a pipeline's embedding and "
+                           "output layer on different ranks .*: add --untie-embeddings-and-output-weights"):
+            megatron_bitpipe.validate_bitpipe_args(tied)
+    else:
+        megatron_bitpipe.validate_bitpipe_args(tied)
+
+
+@pytest.mark.parametrize(
+    "schedule, pp, global_batch, message",
+    [
+        ("zb-h1", 4, 3, "zb-h1 needs at least --pipeline-model-parallel-size=4 micro-batches"),
+        ("zbv", 4, 3, "zbv needs at least --pipeline-model-parallel-size=4 micro-batches"),
+        ("dualpipev", 4, 4, "dualpipev needs at least 2 x --pipeline-model-parallel-size = 8 micro-batches"),
+        ("dualpipe", 3, 12, "--pipeline-model-parallel-size must be even and >= 2 for dualpipe (got 3)"),
+        ("chimera", 3, 12, "--pipeline-model-parallel-size must be even and >= 2 for chimera (got 3)"),
+    ],
+)
+def test_plan_schedule_rules_name_the_flag(schedule, pp, global_batch, message):
+    """Each schedule's rules of the pipeline size and the micro-batches, before any communication,
+    with the nearest valid global batch where the micro-batches are too few."""
+    args = parse("--pipeline-schedule", schedule, pipeline_model_parallel_size=pp, world_size=pp, num_layers=24,
+                 global_batch_size=global_batch, untie_embeddings_and_output_weights=True)
+    with pytest.raises(BitPipeConfigError) as info:
+        megatron_bitpipe.validate_bitpipe_args(args)
+    assert message in str(info.value)
+    if "micro-batches" in message:
+        smallest = megatron_bitpipe.schedules.ScheduleChoice(schedule).smallest_num_microbatches(pp)
+        assert f"the smallest valid --global-batch-size is {smallest}" in str(info.value)

@@ -17,7 +17,7 @@ from typing import List, Optional
 
 from .actions import SchedulePlan
 from .compose import bidirectional_plan, bidirectional_problems, smallest_bidirectional_microbatches
-from .generator import ScheduleGenerator
+from .generator import PLAN_RUNNER, ScheduleGenerator
 from .placement import bidirectional
 
 
@@ -45,4 +45,5 @@ GENERATOR = ScheduleGenerator(
     problems=problems,
     smallest_num_microbatches=smallest_num_microbatches,
     generate=generate,
+    runner=PLAN_RUNNER,
 )

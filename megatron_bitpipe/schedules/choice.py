@@ -68,6 +68,13 @@ class ScheduleChoice:
         return self.split_backward or REGISTRY[self.schedule].always_split
 
     @property
+    def uses_costs(self) -> bool:
+        """Whether :attr:`costs` shape the plan: they place the ``W``'s of ``--split-backward``
+        and plan the orders of the generators that take costs (``takes_costs``: ZB-V)."""
+        schedule = REGISTRY[self.schedule]
+        return schedule.takes_costs or (self.split_backward and not schedule.always_split)
+
+    @property
     def plan_executed(self) -> bool:
         """Whether training runs it with this package's plan executor (its generator's
         ``runner`` is :data:`~.generator.PLAN_RUNNER`), else with megatron-core's own functions."""

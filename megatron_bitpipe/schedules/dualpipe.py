@@ -41,7 +41,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 from .actions import Action, ActionType, SchedulePlan, make_plan, overlapped
 from .compose import with_eager_syncs
 from .errors import PP_FLAG
-from .generator import ScheduleGenerator
+from .generator import PLAN_RUNNER, ScheduleGenerator
 from .placement import bidirectional
 
 F, B, I, W = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
@@ -176,4 +176,5 @@ GENERATOR = ScheduleGenerator(
     smallest_num_microbatches=smallest_num_microbatches,
     generate=generate,
     always_split=True,
+    runner=PLAN_RUNNER,
 )

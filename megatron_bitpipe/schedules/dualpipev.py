@@ -22,7 +22,7 @@ from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
 from .dualpipe import PhaseOrder, overlapped_rank_order
 from .errors import PP_FLAG
-from .generator import ScheduleGenerator
+from .generator import PLAN_RUNNER, ScheduleGenerator
 from .placement import v_shape
 
 placement = v_shape
@@ -61,4 +61,5 @@ GENERATOR = ScheduleGenerator(
     smallest_num_microbatches=smallest_num_microbatches,
     generate=generate,
     always_split=True,
+    runner=PLAN_RUNNER,
 )

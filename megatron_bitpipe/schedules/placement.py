@@ -185,6 +185,15 @@ class Placement:
             return False
         return self.location(0, 0).rank != self.location(0, self.num_stages - 1).rank
 
+    @property
+    def ties_embeddings(self) -> bool:
+        """Whether a model with tied input and output embeddings fits: one pipeline (megatron's
+        own tying, :attr:`head_copies_embedding`, where its ends are apart), or several whose
+        every pipeline starts and ends on one rank (one shared Parameter)."""
+        return self.num_pipelines == 1 or all(
+            self.location(p, 0).rank == self.location(p, self.num_stages - 1).rank for p in range(self.num_pipelines)
+        )
+
 
 def _placement(name: str, num_ranks: int, pipelines: Sequence[Sequence[Tuple[int, int]]]) -> Placement:
     return Placement(name, num_ranks, tuple(tuple(StageLocation(r, c) for r, c in p) for p in pipelines))

@@ -26,7 +26,7 @@ from typing import Deque, List, Optional
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import with_eager_syncs
 from .errors import PP_FLAG
-from .generator import ScheduleGenerator
+from .generator import PLAN_RUNNER, ScheduleGenerator
 from .placement import Placement, looped
 
 F, I, W = ActionType.FORWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
@@ -90,4 +90,5 @@ GENERATOR = ScheduleGenerator(
     smallest_num_microbatches=smallest_num_microbatches,
     generate=generate,
     always_split=True,
+    runner=PLAN_RUNNER,
 )

@@ -32,7 +32,7 @@ from typing import List, Optional
 from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import lockstep_order, with_eager_syncs
 from .errors import PP_FLAG
-from .generator import ScheduleGenerator
+from .generator import PLAN_RUNNER, ScheduleGenerator
 from .list_scheduling import latency_aware_split
 from .placement import v_shape
 from .costs import CostModel
@@ -140,4 +140,5 @@ GENERATOR = ScheduleGenerator(
     generate=generate,
     takes_costs=True,
     always_split=True,
+    runner=PLAN_RUNNER,
 )

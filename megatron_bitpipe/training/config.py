@@ -62,7 +62,7 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
     gpu = torch.cuda.is_available()
     dtype = run.precision.dtype
     # the split defers local layers' W; --attention-backend local/sdpa replace local layers' core attention
-    local_only = run.schedule.split_backward or getattr(args, "attention_backend", "auto") != "auto"
+    local_only = run.schedule.splits_backward or getattr(args, "attention_backend", "auto") != "auto"
     te_default = gpu and _have_transformer_engine() and not local_only
     impl = args.transformer_impl or ("transformer_engine" if te_default else "local")
     fields = dict(
@@ -100,7 +100,7 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
     )
     fields.update(overrides)
     config = TransformerConfig(**fields)
-    if run.schedule.split_backward:  # the weight-gradient deferral contract, before the model is built
+    if run.schedule.splits_backward:  # the weight-gradient deferral contract, before the model is built
         megatron_compat.enable_delay_wgrad_compute(config)
     return config
 
@@ -121,7 +121,7 @@ def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:
         overlap_grad_reduce=run.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=run.distributed_optimizer and run.hfta is None,
-        delay_wgrad_compute=run.schedule.split_backward,  # TE's deferred weights: DDP's hook after backward_dw
+        delay_wgrad_compute=run.schedule.splits_backward,  # TE's deferred weights: DDP's hook after backward_dw
     )
 
 
