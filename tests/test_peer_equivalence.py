@@ -6,7 +6,9 @@ rank 0), ZB-H1 (one chunk per rank) and DualPipe (two replicas on Chimera's plac
 overlapped forward/backward pairs run as ``OVERLAP_F_B`` actions, with their own split backwards: the loss
 of every micro-batch, every gradient, the grad norm and the weights after each optimizer
 step equal single-process training from the same seed on the same global batches (fp32),
-and evaluation too. ZB-V is also run ordered for a message time (its latency-aware plan).
+and evaluation too. ZB-V is also run ordered for a message time (its latency-aware plan);
+the peers also run with TP 2 (sequence parallel, a gated MLP) and DP 2 with megatron's
+distributed optimizer.
 One launch per world size serves all of its cases (``launched``, ``tests/conftest.py``).
 """
 
@@ -31,6 +33,10 @@ CASES_4 = [
     Case("dualpipev_pp4_n8", "dualpipev", pp=4, n=8),
     Case("zb-h1_pp4_n4_untied", "zb-h1", pp=4, n=4, tied=False),
     Case("dualpipe_pp4_n8_untied", "dualpipe", pp=4, n=8, tied=False),
+    Case("zbv_tp2_sp_pp2_n4", "zbv", pp=2, n=4, tp=2, sequence_parallel=True),
+    Case("dualpipev_dp2_pp2_n4_distopt", "dualpipev", pp=2, n=4, dp=2, distributed_optimizer=True, clip_grad=0.5),
+    Case("zb-h1_tp2_pp2_n4_swiglu", "zb-h1", pp=2, n=4, tp=2, swiglu=True),
+    Case("dualpipe_dp2_pp2_n4_untied_distopt", "dualpipe", pp=2, n=4, dp=2, tied=False, distributed_optimizer=True),
 ]
 CASES = CASES_2 + CASES_4
 

@@ -1,0 +1,81 @@
+"""Every plan schedule through scripts/pretrain_gpt.py's training loop on CPU ranks (gloo,
+NCCL's p2p rules: strict p2p).
+
+The zero-bubble family (ZB-H1, ZB-V, DualPipeV), DualPipe and Chimera each train the tiny GPT
+on PP 2 x DP 2 with the distributed optimizer and log the single process's per-iteration
+losses, grad norms, learning rates and validation losses (rtol 1e-5, from ``--log-json``);
+DualPipe and Chimera hold two replicas whose pipelines end away from their start, so they run
+the model with untied embeddings (the tied model is refused, :mod:`tests.test_plugin_args`)
+against an untied single process. A torch_dist checkpoint saved under one schedule at
+iteration 2 continues under another schedule and layout (ZB-V PP 2 x DP 2 -> DualPipeV PP 4;
+Chimera PP 2 x DP 2 -> DualPipe PP 4) on the uninterrupted curve.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+
+from megatron_bitpipe.cpu.launcher import launch
+
+from .pretrain_support import assert_same_records, records, train_in_process
+
+ITERS, SAVE_AT = 4, 2
+MODEL = [
+    "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "127", "--seed", "1234",
+    "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--train-iters", str(ITERS),
+    "--adam-eps", "1e-4", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+]  # fmt: skip
+UNTIED = ["--untie-embeddings-and-output-weights"]
+#: schedule -> whether its placement needs untied embeddings
+SCHEDULES = {"zb-h1": False, "zbv": False, "dualpipev": False, "dualpipe": True, "chimera": True}
+#: resumed run -> (schedule and layout, the run whose checkpoint it loads)
+RESUMES = {
+    "resume_dualpipev_pp4_from_zbv": (["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "4"], "zbv"),
+    "resume_dualpipe_pp4_from_chimera": (["--pipeline-schedule", "dualpipe", "--pipeline-model-parallel-size", "4", *UNTIED], "chimera"),
+}
+
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.multirank, pytest.mark.strict_p2p]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Dict[str, Dict[int, dict]]:
+    """Every run once: name -> {iteration: JSON record}."""
+    out = tmp_path_factory.mktemp("schedules")
+    logs = {}
+
+    def log(name: str) -> List[str]:
+        logs[name] = out / f"{name}.jsonl"
+        return ["--log-json", str(logs[name])]
+
+    launch(train_in_process, 1, "gpt", [*MODEL, *log("single")], timeout=300)
+    launch(train_in_process, 1, "gpt", [*MODEL, *UNTIED, *log("single_untied")], timeout=300)
+    for schedule, untied in SCHEDULES.items():
+        layout = ["--pipeline-schedule", schedule, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+        save = ["--save", str(out / f"ckpt_{schedule}"), "--save-interval", str(SAVE_AT)]
+        launch(train_in_process, 4, "gpt", [*MODEL, *layout, *(UNTIED if untied else []), *save, *log(schedule)], timeout=600)
+    for name, (layout, source) in RESUMES.items():
+        load = ["--load", str(out / f"ckpt_{source}"), "--ckpt-step", str(SAVE_AT)]
+        launch(train_in_process, 4, "gpt", [*MODEL, *layout, *load, *log(name)], timeout=600)
+    return {name: records(path) for name, path in logs.items()}
+
+
+def _assert_same(actual: Dict[int, dict], expected: Dict[int, dict], iterations) -> None:
+    assert_same_records(actual, expected, iterations, ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples"))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_with_distributed_optimizer_trains_like_one_process(runs, schedule):
+    reference = runs["single_untied" if SCHEDULES[schedule] else "single"]
+    assert sorted(runs[schedule]) == list(range(1, ITERS + 1))
+    _assert_same(runs[schedule], reference, range(1, ITERS + 1))
+
+
+@pytest.mark.parametrize("name", RESUMES)
+def test_checkpoint_resumes_under_another_schedule(runs, name):
+    source = RESUMES[name][1]
+    resumed = runs[name]
+    assert sorted(resumed) == list(range(SAVE_AT + 1, ITERS + 1))
+    _assert_same(resumed, runs[source], range(SAVE_AT + 1, ITERS + 1))
