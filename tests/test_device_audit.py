@@ -65,6 +65,19 @@ def test_device_of_a_device_tensor_names_the_device(audit):
     assert torch.ones(2).device.type == "cpu"
 
 
+def test_data_aliases_follow_their_tensor(audit):
+    """``.data`` reads a fresh alias of the storage (on its tensor's device) and ``w.data = y``
+    moves ``w`` to ``y``'s device, as megatron's tied-embedding set-up does
+    (``weight.data = weight.data.cuda()`` before an all-reduce)."""
+    weight = torch.nn.Parameter(torch.zeros(3))
+    assert not audit.on_device(weight.data)
+    weight.data = weight.data.cuda()
+    assert audit.on_device(weight) and audit.on_device(weight.data)
+    weight.data + torch.ones(3, device="cuda")
+    with pytest.raises(DeviceMixError, match="on the host"):
+        weight.data + torch.ones(3)
+
+
 # -- the two bugs of the first GPU run, put back on gloo ranks ------------------------------------
 
 

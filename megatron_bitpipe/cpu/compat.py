@@ -161,6 +161,13 @@ class CpuDeviceMode(TorchFunctionMode):
             if type(func) is _METHOD_WRAPPER and func == _DEVICE_GET:
                 # ``device=x.device`` of a tensor on the device names the device
                 return self.audit.shadow_device(args[0], func(*args, **kwargs), sys._getframe(1))
+            if type(func) is _METHOD_WRAPPER and func in (_DATA_GET, _DATA_SET):
+                # ``x.data`` is a new alias of x's storage each time it is read, on x's device;
+                # ``x.data = y`` puts x on y's device (megatron: ``w.data = w.data.cuda()``)
+                result = func(*args, **kwargs)
+                source, target = (args[0], result) if func == _DATA_GET else (args[1], args[0])
+                self.audit.set_marks(target, self.audit.on_device(source))
+                return result
             target = _target_device(func, args, kwargs)
             if target is not None:
                 return _audited_move(self.audit, func, _on_cpu(func, args), _on_cpu_kwargs(kwargs), target)
@@ -230,6 +237,7 @@ def _audited_move(audit: "device_audit.DeviceAudit", func: Callable, args: Tuple
 
 _GRAD_GET = torch.Tensor.grad.__get__
 _DEVICE_GET = torch.Tensor.device.__get__
+_DATA_GET, _DATA_SET = torch.Tensor.data.__get__, torch.Tensor.data.__set__
 _METHOD_WRAPPER = type(_GRAD_GET)
 #: torch's warning on reading ``.grad`` of a tensor that is not a leaf
 _NON_LEAF_GRAD_WARNING = r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"
