@@ -116,7 +116,7 @@ def _add_recommend_parser(commands) -> None:
     batch.add_argument("--num-microbatches", "-N", type=int, dest="num_microbatches", metavar="N",
                        help="micro-batches of one step per data-parallel rank")
     batch.add_argument("--global-batch-size", type=int, metavar="G",
-                       help=f"instead of -N: N = G / (--micro-batch-size x --data-parallel-size)")
+                       help="instead of -N: N = G / (--micro-batch-size x --data-parallel-size)")
     sub.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="with --global-batch-size (default 1)")
     sub.add_argument("--num-layers", type=int, default=None, metavar="L",
                      help="transformer layers: also check that they fill each schedule's stages")
