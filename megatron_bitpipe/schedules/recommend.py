@@ -216,9 +216,9 @@ def format_recommendation(recommendation: Recommendation) -> str:
 
 def _costs_text(costs: CostModel) -> str:
     return (
-        f"t_F={costs.t_forward:g} t_B={costs.t_backward:g} (I={costs.input_time:g} W={costs.weight_time:g}), "
-        f"message {costs.message_time:g}, gradient all-reduce of L/D layers {costs.sync_time(1.0, 1):g} / "
-        f"{costs.sync_time(1.0, 2):g} (1 / 2 weight copies), data-parallel size {costs.data_parallel_size}"
+        f"t_F={costs.t_forward:.4g} t_B={costs.t_backward:.4g} (I={costs.input_time:.4g} W={costs.weight_time:.4g}), "
+        f"message {costs.message_time:.4g}, gradient all-reduce of L/D layers {costs.sync_time(1.0, 1):.4g} / "
+        f"{costs.sync_time(1.0, 2):.4g} (1 / 2 weight copies), data-parallel size {costs.data_parallel_size}"
     )
 
 
