@@ -151,6 +151,63 @@ class Jobs:
             time.sleep(0.2)
 
 
+# --------------------------------------------------------------------------- without SLURM
+# (before the cluster tests: the cluster is stopped at the module's last test, which must be one of
+# those, marked multirank)
+
+TEMPLATES = {"gpt": "pretrain_gpt_bitpipe.sbatch", "bert": "pretrain_bert_bitpipe.sbatch"}
+
+
+def template_flags(task: str, tmp_path: Path, variables: Dict[str, str], *passed_on: str) -> List[str]:
+    """The flags the template hands its launcher (a stand-in ``torchrun_job.sh`` printing them)."""
+    fake = tmp_path / "repo"
+    (fake / "scripts" / "slurm").mkdir(parents=True)
+    (fake / "scripts" / f"pretrain_{task}.py").write_text("")
+    (fake / "scripts" / "slurm" / "torchrun_job.sh").write_text('printf "%s\\n" "$@"\n')
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "REPO": str(fake), "OUTPUT_DIR": str(tmp_path / "out"), **variables}
+    result = run(["bash", str(REPO / "scripts" / "slurm" / TEMPLATES[task]), *passed_on], env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    script, *flags = result.stdout.splitlines()
+    assert script == str(fake / "scripts" / f"pretrain_{task}.py")
+    return flags
+
+
+def flag_value(flags: List[str], flag: str) -> str:
+    assert flags.count(flag) == 1, (flag, flags)
+    return flags[flags.index(flag) + 1]
+
+
+@pytest.mark.multirank  # starts bash, no SLURM: seconds
+@pytest.mark.parametrize("task", sorted(TEMPLATES))
+def test_template_takes_the_schedule_by_name(task, tmp_path):
+    assert flag_value(template_flags(task, tmp_path / "default", {}), "--pipeline-schedule") == "bitpipe"
+    flags = template_flags(task, tmp_path / "zbv", {"SCHEDULE": "zbv", "PP": "2"})
+    assert flag_value(flags, "--pipeline-schedule") == "zbv" and flag_value(flags, "--pipeline-model-parallel-size") == "2"
+
+
+@pytest.mark.multirank  # starts bash, no SLURM: seconds
+@pytest.mark.parametrize("task", sorted(TEMPLATES))
+def test_untied_embeddings_pass_through_extra_args(task, tmp_path):
+    variables = {"SCHEDULE": "dualpipe", "EXTRA_ARGS": "--untie-embeddings-and-output-weights --seed 7"}
+    flags = template_flags(task, tmp_path, variables, "--schedule-costs", "costs.json")
+    assert flag_value(flags, "--pipeline-schedule") == "dualpipe"
+    assert flags[-5:] == ["--untie-embeddings-and-output-weights", "--seed", "7", "--schedule-costs", "costs.json"]
+
+
+@pytest.mark.parametrize("task", sorted(TEMPLATES))
+def test_template_names_every_schedule_and_passes_extra_flags_last(task):
+    from megatron_bitpipe.megatron_args import PIPELINE_SCHEDULES
+
+    lines = (REPO / "scripts" / "slurm" / TEMPLATES[task]).read_text().splitlines()
+    line = next(line for line in lines if line.startswith("SCHEDULE="))
+    assert line.split("# --pipeline-schedule: ", 1)[1].split(", ") == list(PIPELINE_SCHEDULES)
+    arguments = [line.strip() for line in lines[lines.index("ARGS=(") + 1 : lines.index(")")]]
+    assert arguments[0] == '--pipeline-schedule "$SCHEDULE"' and arguments[-2:] == ["$EXTRA_ARGS", '"$@"']
+
+
+# --------------------------------------------------------------------------- on the cluster
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> Jobs:
     workdir = tmp_path_factory.mktemp("slurm")
@@ -220,55 +277,3 @@ def test_warning_signal_requeues_and_the_job_continues_the_curve(jobs):
     logged = events(jobs.log("gpt_requeue"), "iteration")
     assert len(logged) == ITERS and sorted(requeued) == list(range(1, ITERS + 1))  # each iteration once
     assert_same_records(requeued, uninterrupted, range(1, ITERS + 1), GPT_KEYS, exact=True)
-
-
-# --------------------------------------------------------------------------- without SLURM
-
-TEMPLATES = {"gpt": "pretrain_gpt_bitpipe.sbatch", "bert": "pretrain_bert_bitpipe.sbatch"}
-
-
-def template_flags(task: str, tmp_path: Path, variables: Dict[str, str], *passed_on: str) -> List[str]:
-    """The flags the template hands its launcher (a stand-in ``torchrun_job.sh`` printing them)."""
-    fake = tmp_path / "repo"
-    (fake / "scripts" / "slurm").mkdir(parents=True)
-    (fake / "scripts" / f"pretrain_{task}.py").write_text("")
-    (fake / "scripts" / "slurm" / "torchrun_job.sh").write_text('printf "%s\\n" "$@"\n')
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "REPO": str(fake), "OUTPUT_DIR": str(tmp_path / "out"), **variables}
-    result = run(["bash", str(REPO / "scripts" / "slurm" / TEMPLATES[task]), *passed_on], env, timeout=60)
-    assert result.returncode == 0, result.stderr
-    script, *flags = result.stdout.splitlines()
-    assert script == str(fake / "scripts" / f"pretrain_{task}.py")
-    return flags
-
-
-def flag_value(flags: List[str], flag: str) -> str:
-    assert flags.count(flag) == 1, (flag, flags)
-    return flags[flags.index(flag) + 1]
-
-
-@pytest.mark.multirank  # starts bash, no SLURM: seconds
-@pytest.mark.parametrize("task", sorted(TEMPLATES))
-def test_template_takes_the_schedule_by_name(task, tmp_path):
-    assert flag_value(template_flags(task, tmp_path / "default", {}), "--pipeline-schedule") == "bitpipe"
-    flags = template_flags(task, tmp_path / "zbv", {"SCHEDULE": "zbv", "PP": "2"})
-    assert flag_value(flags, "--pipeline-schedule") == "zbv" and flag_value(flags, "--pipeline-model-parallel-size") == "2"
-
-
-@pytest.mark.multirank  # starts bash, no SLURM: seconds
-@pytest.mark.parametrize("task", sorted(TEMPLATES))
-def test_untied_embeddings_pass_through_extra_args(task, tmp_path):
-    variables = {"SCHEDULE": "dualpipe", "EXTRA_ARGS": "--untie-embeddings-and-output-weights --seed 7"}
-    flags = template_flags(task, tmp_path, variables, "--schedule-costs", "costs.json")
-    assert flag_value(flags, "--pipeline-schedule") == "dualpipe"
-    assert flags[-5:] == ["--untie-embeddings-and-output-weights", "--seed", "7", "--schedule-costs", "costs.json"]
-
-
-@pytest.mark.parametrize("task", sorted(TEMPLATES))
-def test_template_names_every_schedule_and_passes_extra_flags_last(task):
-    from megatron_bitpipe.megatron_args import PIPELINE_SCHEDULES
-
-    lines = (REPO / "scripts" / "slurm" / TEMPLATES[task]).read_text().splitlines()
-    line = next(line for line in lines if line.startswith("SCHEDULE="))
-    assert line.split("# --pipeline-schedule: ", 1)[1].split(", ") == list(PIPELINE_SCHEDULES)
-    arguments = [line.strip() for line in lines[lines.index("ARGS=(") + 1 : lines.index(")")]]
-    assert arguments[0] == '--pipeline-schedule "$SCHEDULE"' and arguments[-2:] == ["$EXTRA_ARGS", '"$@"']
