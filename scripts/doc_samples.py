@@ -21,6 +21,8 @@ tables and pictures of docs/schedules.md are one of the slow ones (``scripts/sch
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -379,6 +381,31 @@ def produce_schedule_list(check: bool) -> Dict[Tuple[str, str], str]:
     return {("docs/schedules.md", "schedule-list"): text}
 
 
+#: the ``recommend`` commands README.md and docs/schedules.md show (run from the checkout's root)
+RECOMMEND_README = ("recommend", "-D", "8", "-N", "12", "--costs", "docs/costs/h100_gpt_share_fp32.json",
+                    "--max-activations", "8", "--max-weight-copies", "1")
+RECOMMEND_SCHEDULES = ("recommend", "-D", "4", "-N", "8")
+
+
+def _recommend_block(argv: Sequence[str]) -> str:
+    """The command and what it prints, as a console block with its stamp."""
+    from megatron_bitpipe.schedules.cli import main as schedule_command
+
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.chdir(ROOT):
+        status = schedule_command(list(argv), prog="python -m megatron_bitpipe.schedules")
+    if status != 0:
+        raise RuntimeError(f"recommend {' '.join(argv)} exited with {status}")
+    command = "python -m megatron_bitpipe.schedules " + " ".join(argv)
+    return fenced(f"$ {command}\n{output.getvalue().rstrip()}", "console") + "\n" + _pure_stamp("schedule-recommend")
+
+
+def produce_schedule_recommend(check: bool) -> Dict[Tuple[str, str], str]:
+    """README's worked example of ``recommend`` and docs/schedules.md's ranking at D=4, N=8 (pure Python)."""
+    return {("README.md", "recommend-example"): _recommend_block(RECOMMEND_README),
+            ("docs/schedules.md", "recommend-d4-n8"): _recommend_block(RECOMMEND_SCHEDULES)}
+
+
 SAMPLES: Dict[str, Sample] = {s.name: s for s in (
     Sample("quick-start", True, "docs/running.md's laptop run (4 ranks, 20 iterations)",
            (QUICK_START,), render_quick_start),
@@ -386,6 +413,8 @@ SAMPLES: Dict[str, Sample] = {s.name: s for s in (
            produce=produce_readme_results),
     Sample("schedule-list", True, "docs/schedules.md's list of the registered schedules (pure Python; instant)",
            produce=produce_schedule_list),
+    Sample("schedule-recommend", True, "README's and docs/schedules.md's `recommend` outputs (simulated; a second)",
+           produce=produce_schedule_recommend),
     Sample("bert", False, "docs/running.md's BERT run (4 ranks, 20 iterations)", (BERT,), render_bert),
     Sample("real-text", False, "README's and docs/running.md's real-text run: preprocessing, 4 ranks and a single "
            "process, 200 iterations each (minutes)", (PREPROCESS, REAL_TEXT, REAL_TEXT_SINGLE), render_real_text,

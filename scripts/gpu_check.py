@@ -25,7 +25,9 @@ reported and the next one runs):
    distributed optimizer, BERT with BitPipe PP4, BitPipe in bf16, and BitPipe
    ``--split-backward`` on Transformer Engine layers (``bitpipe-split-te-pp4``: TE's own
    ``delay_wgrad_compute`` / ``backward_dw``, against ``ref-gpt-te-fp32``, the same TE model in
-   one process). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
+   one process), then one item per family of the zero-bubble and DualPipe schedules: ZB-V and
+   DualPipeV on 4 pipeline ranks (``zbv-pp4``, ``dualpipev-pp4``; the tiny model's 8
+   micro-batches are the ``2 x 4`` DualPipeV needs). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
    fp32, 2e-2 in bf16. The two Transformer Engine items run only where ``transformer_engine``
    is importable; elsewhere they are ``skipped (Transformer Engine not importable)``.
 
@@ -446,6 +448,9 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
         ("bitpipe-pp4-bf16", gpt, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--bf16"], "ref-gpt-bf16", "BitPipe PP4, bf16"),
         ("bitpipe-split-te-pp4", gpt, ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--split-backward", *te_layers],
          "ref-gpt-te-fp32", "BitPipe PP4 --split-backward on Transformer Engine layers (TE's delay_wgrad_compute)"),
+        ("zbv-pp4", gpt, ["--pipeline-schedule", "zbv", "--pipeline-model-parallel-size", "4"], "ref-gpt-fp32", "ZB-V PP4"),
+        ("dualpipev-pp4", gpt, ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "4"], "ref-gpt-fp32",
+         "DualPipeV PP4"),
     ]  # fmt: skip
     launcher = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPTS / "gpu_rank.py"), *wrapper_flags]
     for name, script, layout, reference, what in runs:

@@ -40,6 +40,13 @@ def test_readmes_simulated_rows_say_how_they_were_made(block):
     assert text.splitlines()[-1] == "(`python scripts/doc_samples.py readme-results`: simulated, the same on every machine)"
 
 
+@pytest.mark.parametrize("sample", ["schedule-recommend", "schedule-list"])
+def test_pure_samples_match_the_documents(sample):
+    """The samples that are pure Python (no processes) print what the documents show."""
+    for (path, block), fresh in doc_samples.SAMPLES[sample].blocks(check=True).items():
+        assert doc_samples.differences(doc_samples.documented_block(path, block), fresh) == [], (path, block)
+
+
 def test_the_commands_shown_are_the_commands_run():
     readme, running = (REPO / "README.md").read_text(), (REPO / "docs/running.md").read_text()
     assert doc_samples.QUICK_START.one_line() in readme

@@ -93,9 +93,12 @@ def test_console_script_help(capsys, monkeypatch):
     flag explains itself with its unit."""
     monkeypatch.setattr(sys, "argv", ["/venv/bin/bitpipe-schedule", "--help"])
     top, simulate_help, plan_help = _help(capsys), _help(capsys, "simulate"), _help(capsys, "plan")
-    assert top.startswith("usage: bitpipe-schedule [-h] {list,simulate,plan}")
+    recommend_help = _help(capsys, "recommend")
+    assert top.startswith("usage: bitpipe-schedule [-h] {list,simulate,plan,recommend}")
     assert simulate_help.startswith("usage: bitpipe-schedule simulate ") and plan_help.startswith("usage: bitpipe-schedule plan ")
-    assert "``" not in top + simulate_help + plan_help
+    assert recommend_help.startswith("usage: bitpipe-schedule recommend ")
+    assert "``" not in top + simulate_help + plan_help + recommend_help
+    assert "in Ma: one micro-batch's activations through L/D layers" in " ".join(recommend_help.split())
     flat = " ".join(simulate_help[simulate_help.index("\ncosts:") :].split())  # the cost flags' section
     order = ["--t-forward TIME", "--t-backward TIME", "--t-weight TIME", "--t-p2p TIME", "--p2p-bytes BYTES",
              "--p2p-bandwidth BYTES_PER_TIME", "--t-sync TIME"]  # fmt: skip

@@ -22,9 +22,11 @@ node set up again without GPUs (an exclusive job gets all GPUs of its node):
   bit for bit. (The test releases the requeued job after REQUEUE_RELEASE_S seconds; SLURM
   would hold it ~2 minutes.)
 
-``BITPIPE_SLURM_TEST=skip`` skips this module (it installs packages and starts daemons);
+``BITPIPE_SLURM_TEST=skip`` skips these cluster tests (they install packages and start daemons);
 ``BITPIPE_SLURM_TEST=require`` (CI) makes a cluster that cannot be set up an error instead of a
-skip.
+skip. The tests at the end need no SLURM: the pure ones read the templates, the others run them
+with a launcher that prints the flags it is given (the schedule by ``SCHEDULE``, extra flags
+by ``EXTRA_ARGS`` and after the script name).
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 GPT_KEYS = ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples")
 BERT_KEYS = (*GPT_KEYS, "sop_loss", "validation_sop_loss")
 
-pytestmark = [pytest.mark.multirank, pytest.mark.timeout(1500)]
+def cluster_test(test):
+    """A test of the jobs on the cluster: multi-rank, 25 minutes at most."""
+    return pytest.mark.multirank(pytest.mark.timeout(1500)(test))
 
 
 def run(command: List[str], env: Dict[str, str], **kwargs) -> subprocess.CompletedProcess:
@@ -147,6 +151,63 @@ class Jobs:
             time.sleep(0.2)
 
 
+# --------------------------------------------------------------------------- without SLURM
+# (before the cluster tests: the cluster is stopped at the module's last test, which must be one of
+# those, marked multirank)
+
+TEMPLATES = {"gpt": "pretrain_gpt_bitpipe.sbatch", "bert": "pretrain_bert_bitpipe.sbatch"}
+
+
+def template_flags(task: str, tmp_path: Path, variables: Dict[str, str], *passed_on: str) -> List[str]:
+    """The flags the template hands its launcher (a stand-in ``torchrun_job.sh`` printing them)."""
+    fake = tmp_path / "repo"
+    (fake / "scripts" / "slurm").mkdir(parents=True)
+    (fake / "scripts" / f"pretrain_{task}.py").write_text("")
+    (fake / "scripts" / "slurm" / "torchrun_job.sh").write_text('printf "%s\\n" "$@"\n')
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "REPO": str(fake), "OUTPUT_DIR": str(tmp_path / "out"), **variables}
+    result = run(["bash", str(REPO / "scripts" / "slurm" / TEMPLATES[task]), *passed_on], env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    script, *flags = result.stdout.splitlines()
+    assert script == str(fake / "scripts" / f"pretrain_{task}.py")
+    return flags
+
+
+def flag_value(flags: List[str], flag: str) -> str:
+    assert flags.count(flag) == 1, (flag, flags)
+    return flags[flags.index(flag) + 1]
+
+
+@pytest.mark.multirank  # starts bash, no SLURM: seconds
+@pytest.mark.parametrize("task", sorted(TEMPLATES))
+def test_template_takes_the_schedule_by_name(task, tmp_path):
+    assert flag_value(template_flags(task, tmp_path / "default", {}), "--pipeline-schedule") == "bitpipe"
+    flags = template_flags(task, tmp_path / "zbv", {"SCHEDULE": "zbv", "PP": "2"})
+    assert flag_value(flags, "--pipeline-schedule") == "zbv" and flag_value(flags, "--pipeline-model-parallel-size") == "2"
+
+
+@pytest.mark.multirank  # starts bash, no SLURM: seconds
+@pytest.mark.parametrize("task", sorted(TEMPLATES))
+def test_untied_embeddings_pass_through_extra_args(task, tmp_path):
+    variables = {"SCHEDULE": "dualpipe", "EXTRA_ARGS": "--untie-embeddings-and-output-weights --seed 7"}
+    flags = template_flags(task, tmp_path, variables, "--schedule-costs", "costs.json")
+    assert flag_value(flags, "--pipeline-schedule") == "dualpipe"
+    assert flags[-5:] == ["--untie-embeddings-and-output-weights", "--seed", "7", "--schedule-costs", "costs.json"]
+
+
+@pytest.mark.parametrize("task", sorted(TEMPLATES))
+def test_template_names_every_schedule_and_passes_extra_flags_last(task):
+    from megatron_bitpipe.megatron_args import PIPELINE_SCHEDULES
+
+    lines = (REPO / "scripts" / "slurm" / TEMPLATES[task]).read_text().splitlines()
+    line = next(line for line in lines if line.startswith("SCHEDULE="))
+    assert line.split("# --pipeline-schedule: ", 1)[1].split(", ") == list(PIPELINE_SCHEDULES)
+    arguments = [line.strip() for line in lines[lines.index("ARGS=(") + 1 : lines.index(")")]]
+    assert arguments[0] == '--pipeline-schedule "$SCHEDULE"' and arguments[-2:] == ["$EXTRA_ARGS", '"$@"']
+
+
+# --------------------------------------------------------------------------- on the cluster
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> Jobs:
     workdir = tmp_path_factory.mktemp("slurm")
@@ -174,12 +235,14 @@ def jobs(tmp_path_factory) -> Jobs:
         run(["bash", str(CLUSTER), "down"], env, timeout=120)
 
 
+@cluster_test
 def test_every_job_completes(jobs):
     for name, info in jobs.final.items():
         assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), f"{name}: {info}\n{jobs.slurm_output(name)[-3000:]}"
         assert info["Restarts"] == ("1" if name == "gpt_requeue" else "0"), name
 
 
+@cluster_test
 def test_launcher_follows_the_allocation(jobs):
     gpt, bert = jobs.slurm_output("gpt_bitpipe"), jobs.slurm_output("bert_bitpipe")
     assert "torchrun on 1 node(s) x 4 process(es), 1 thread(s) each" in gpt
@@ -193,6 +256,7 @@ def test_launcher_follows_the_allocation(jobs):
     assert str(jobs.workdir) in command and str(REPO) not in command.split("--", 1)[1]  # outputs outside the checkout
 
 
+@cluster_test
 @pytest.mark.parametrize("task", ["gpt", "bert"])
 def test_template_with_bitpipe_logs_the_single_process_curve(jobs, task):
     bitpipe, single = records(jobs.log(f"{task}_bitpipe")), records(jobs.log(f"{task}_single"))
@@ -200,6 +264,7 @@ def test_template_with_bitpipe_logs_the_single_process_curve(jobs, task):
     assert_same_records(bitpipe, single, range(1, ITERS + 1), GPT_KEYS if task == "gpt" else BERT_KEYS)
 
 
+@cluster_test
 def test_warning_signal_requeues_and_the_job_continues_the_curve(jobs):
     output = jobs.slurm_output("gpt_requeue")
     stop = re.search(rf"stopping after iteration (\d+) of {ITERS}: received SIGUSR1", output)

@@ -1,9 +1,12 @@
-"""Command line: ``bitpipe-schedule {list,simulate,plan} ...`` (or ``python -m megatron_bitpipe.schedules``).
+"""Command line: ``bitpipe-schedule {list,simulate,recommend,plan} ...`` (or ``python -m megatron_bitpipe.schedules``).
 
 ``list`` prints every registered schedule (:mod:`.registry`) with what runs it in training
 and whether its own order splits the backward.
 ``simulate`` validates and simulates one schedule and prints a summary (or one JSON
 object with ``--json``); ``--plot`` writes a Gantt PNG, ``--trace`` a Chrome trace.
+``recommend`` simulates every training schedule for one ``D`` and ``N`` and prints them
+ranked by step time with their peak activations, weight copies, whether they fit a memory
+budget, and the training flags that select them (:mod:`.recommend`; ``--json``: one object).
 ``plan`` prints every rank's compute actions in order, or with ``--communication`` the
 lowered plan with its ``SEND``/``RECV`` actions (``--receive-lookahead K`` posts each
 receive ``K`` actions before its consumer, :func:`~.lower.lower`). Costs come from ``--costs FILE`` (a JSON
@@ -26,9 +29,10 @@ from typing import List, Optional
 from ..usage import USAGE_EXIT_STATUS, FlagParser, UsageError, quiet_on_broken_pipe
 from . import ScheduleChoice
 from .costs import CostModel, read_cost_file
-from .errors import PlanError, ScheduleConfigError
+from .errors import MICROBATCH_FLAG, PlanError, ScheduleConfigError
 from .lower import lower
 from .nccl import check_nccl
+from .recommend import Budget, Recommendation, format_recommendation, recommend
 from .registry import REGISTRY, schedule_names
 from .simulate import simulate
 from .validate import validate_plan
@@ -84,19 +88,49 @@ def _parser(prog: Optional[str] = None) -> FlagParser:
             sub.add_argument("--receive-lookahead", type=_non_negative_int, default=0, metavar="K",
                              help="with --communication: post each receive K actions before its consumer (default 0)")
         if name == "simulate":
-            costs = sub.add_argument_group(
-                "costs", "TIME is one unit of your choice (the forward's by default, or milliseconds); "
-                "the flags override --costs"
-            )
-            costs.add_argument("--costs", metavar="FILE",
-                               help="JSON cost file with these fields (t_forward, t_backward, ...), e.g. from scripts/calibrate_gpu.py")
-            for field, (flag, help_text) in _COST_FLAGS.items():
-                costs.add_argument(flag, type=int if field == "data_parallel_size" else float, default=None, dest=field, metavar=_COST_METAVARS.get(field, "TIME"),
-                                   help=help_text)
+            add_cost_arguments(sub)
             sub.add_argument("--json", action="store_true", help="print one JSON object")
             sub.add_argument("--plot", metavar="FILE.png", help=f"write a Gantt chart; needs matplotlib: {PLOT_EXTRA}")
             sub.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace")
+    _add_recommend_parser(commands)
     return parser
+
+
+def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--costs FILE`` and the ``--t-*`` flags (:data:`_COST_FLAGS`), read by :func:`cost_model`."""
+    costs = parser.add_argument_group(
+        "costs", "TIME is one unit of your choice (the forward's by default, or milliseconds); "
+        "the flags override --costs"
+    )
+    costs.add_argument("--costs", metavar="FILE",
+                       help="JSON cost file with these fields (t_forward, t_backward, ...), e.g. from scripts/calibrate_gpu.py")
+    for field, (flag, help_text) in _COST_FLAGS.items():
+        costs.add_argument(flag, type=int if field == "data_parallel_size" else float, default=None, dest=field,
+                           metavar=_COST_METAVARS.get(field, "TIME"), help=help_text)
+
+
+def _add_recommend_parser(commands) -> None:
+    sub = commands.add_parser("recommend", help="rank every training schedule for D and N by simulated step time")
+    sub.add_argument("--pipeline-model-parallel-size", "-D", type=int, required=True, dest="pp", metavar="D", help="pipeline ranks")
+    batch = sub.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--num-microbatches", "-N", type=int, dest="num_microbatches", metavar="N",
+                       help="micro-batches of one step per data-parallel rank")
+    batch.add_argument("--global-batch-size", type=int, metavar="G",
+                       help="instead of -N: N = G / (--micro-batch-size x --data-parallel-size)")
+    sub.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="with --global-batch-size (default 1)")
+    sub.add_argument("--num-layers", type=int, default=None, metavar="L",
+                     help="transformer layers: also check that they fill each schedule's stages")
+    sub.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, dest="vp",
+                     help="interleaved's chunks per rank (default 2)")
+    add_cost_arguments(sub)
+    budget = sub.add_argument_group("memory budget", "per pipeline rank; a schedule fits when it stays within both")
+    budget.add_argument("--max-activations", type=float, default=None, metavar="MA",
+                        help="peak in-flight activations of the busiest rank, in Ma: one micro-batch's activations "
+                        "through L/D layers (default: no limit)")
+    budget.add_argument("--max-weight-copies", type=int, default=None, choices=(1, 2), metavar="{1,2}",
+                        help="copies of the model's weights (with their gradients and optimizer state) a rank may hold: "
+                        "BitPipe, Chimera and DualPipe hold 2 (default: no limit)")
+    sub.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def schedule_listing() -> str:
@@ -133,6 +167,49 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         raise ScheduleConfigError(f"--t-forward/--t-backward/--t-weight/--t-input: {exc}") from None
 
 
+#: where ``recommend`` takes N from with ``--global-batch-size`` (named in the refusals)
+GLOBAL_BATCH_SOURCE = "micro-batches per data-parallel rank (--global-batch-size / (--micro-batch-size x --data-parallel-size))"
+
+
+def recommendation(args: argparse.Namespace) -> Recommendation:
+    """What ``recommend`` prints for its parsed flags; :class:`~.errors.ScheduleConfigError`
+    naming the flag for a bad value."""
+    costs = cost_model(args)
+    if args.pp < 1:
+        raise ScheduleConfigError(f"--pipeline-model-parallel-size must be >= 1 (got {args.pp})")
+    source = MICROBATCH_FLAG
+    if args.num_microbatches is None:
+        per_step = args.micro_batch_size * costs.data_parallel_size
+        if args.micro_batch_size < 1 or args.global_batch_size < 1 or args.global_batch_size % per_step:
+            raise ScheduleConfigError(
+                f"--global-batch-size {args.global_batch_size} must be a positive multiple of --micro-batch-size "
+                f"{args.micro_batch_size} x --data-parallel-size {costs.data_parallel_size}"
+            )
+        args.num_microbatches, source = args.global_batch_size // per_step, GLOBAL_BATCH_SOURCE
+    if args.num_microbatches < 1:
+        raise ScheduleConfigError(f"--num-microbatches must be >= 1 (got {args.num_microbatches})")
+    if args.vp is not None and args.vp < 1:
+        raise ScheduleConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1 (got {args.vp})")
+    if args.max_activations is not None and args.max_activations < 0:
+        raise ScheduleConfigError(f"--max-activations must be >= 0 (got {args.max_activations:g})")
+    planning = CostModel(**read_cost_file(args.costs)) if args.costs else None
+    return recommend(
+        args.pp, args.num_microbatches, costs, Budget(args.max_activations, args.max_weight_copies),
+        num_layers=args.num_layers, virtual_size=args.vp, cost_file=args.costs, planning_costs=planning,
+        microbatches=source,
+    )
+
+
+def _recommend(prog: str, args: argparse.Namespace) -> int:
+    try:
+        result = recommendation(args)
+    except (ScheduleConfigError, OSError, json.JSONDecodeError, ValueError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT_STATUS
+    print(json.dumps(result.summary()) if args.json else format_recommendation(result))
+    return 0
+
+
 def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
@@ -154,6 +231,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     if args.command == "list":
         print(schedule_listing())
         return 0
+    if args.command == "recommend":
+        return _recommend(parser.prog, args)
     try:
         if args.command == "simulate" and args.plot:
             _require_matplotlib()
