@@ -137,3 +137,38 @@ def test_optimus_gather_of_host_weights_is_caught(monkeypatch):
     message = str(failure.value)
     assert "DeviceMixError: device audit: c10d." in message
     assert "collectives.py:" in message and "on the host to a group that is NCCL on GPUs" in message
+
+
+# -- the pretraining scripts' loop under the audit --------------------------------------------------
+
+_LOOP_ARGS = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "127", "--seed", "1234",
+    "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "1", "--eval-interval", "2",
+    "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2",
+]  # fmt: skip
+
+
+def _pretraining_loop(put_back: bool) -> None:
+    from megatron_bitpipe.cpu import enable_cpu_megatron
+    from megatron_bitpipe.training import loop
+    from megatron_bitpipe.training.arguments import parse_args
+    from megatron_bitpipe.training.gpt import GPTTask
+
+    if put_back:  # the start-up report gathered on the host, not on the run's device
+        gather = loop.gather_rank_reports
+        loop.gather_rank_reports = lambda model, device: gather(model, torch.device("cpu"))
+    task = GPTTask()
+    loop.run_training(task, parse_args(task, list(_LOOP_ARGS)), cpu_fallback=enable_cpu_megatron)
+
+
+@pytest.mark.multirank
+def test_pretraining_loop_runs_under_the_audit_on_its_run_device(monkeypatch):
+    """The pretraining scripts' run device is the GPU's stand-in under the audit: their loop
+    (start-up report, training, evaluation, logs) passes, and a gather of host tensors fails."""
+    monkeypatch.setenv(ENV, "1")
+    launch(_pretraining_loop, 2, False, timeout=300)
+    with pytest.raises(RankFailure) as failure:
+        launch(_pretraining_loop, 2, True, timeout=300)
+    message = str(failure.value)
+    assert "DeviceMixError: device audit: c10d.allgather_" in message and "report.py:" in message

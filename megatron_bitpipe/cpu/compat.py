@@ -223,7 +223,7 @@ def _audited_move(audit: "device_audit.DeviceAudit", func: Callable, args: Tuple
     if isinstance(target, torch.Tensor):
         on_device = audit.on_device(target)
     else:
-        on_device = _is_cuda_device(target)
+        on_device = _is_cuda_device(target) or target is audit.run_device
     if func is torch.Tensor.numpy:
         audit.check_host(args[0], "Tensor.numpy")
         return func(*args, **kwargs)

@@ -10,8 +10,9 @@ step and loss alike. One line on stderr says it is on.
 
 Shadow devices:
 
-* made with a CUDA device (``device="cuda"``, ``torch.cuda.current_device()``, a bare index),
-  moved with ``.cuda()`` / ``.to(cuda)`` / ``Module.cuda()``: ``device`` (marked by
+* made with a CUDA device (``device="cuda"``, ``torch.cuda.current_device()``, a bare index)
+  or with the CPU run's own run device (:func:`run_device`, the pretraining scripts'
+  ``Distributed.device``), moved with ``.cuda()`` / ``.to(cuda)`` / ``Module.cuda()``: ``device`` (marked by
   :class:`~.compat.CpuDeviceMode`, which sees the device argument before it becomes the CPU);
 * made without a device (``torch.zeros(n)``, ``torch.tensor(3)``, ``torch.from_numpy``) or with
   ``device="cpu"``, moved with ``.cpu()`` / ``.to("cpu")``: ``host``;
@@ -55,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["DeviceAudit", "DeviceMixError", "ENV", "active_audit", "check_communication", "install_from_env",
-           "requested"]
+           "requested", "run_device"]
 
 #: turns the audit on (``1``; ``0`` or empty: off)
 ENV = "MEGATRON_BITPIPE_DEVICE_AUDIT"
@@ -123,6 +124,14 @@ def install_from_env() -> Optional["DeviceAudit"]:
             )
             sys.stderr.flush()
     return audit
+
+
+def run_device(host: torch.device) -> torch.device:
+    """The device a CPU run places its model and batches on: ``host`` without an audit on this
+    thread, else the audit's :attr:`DeviceAudit.run_device` (the CPU too, which the audit takes
+    for the GPU a GPU run would use there)."""
+    audit = active_audit()
+    return host if audit is None else audit.run_device
 
 
 def check_communication(kind: str, tensors: Iterable[torch.Tensor], group: Any) -> None:
@@ -209,6 +218,9 @@ class DeviceAudit(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self._on_device = WeakTensorKeyDictionary()  # tensor -> True (device) / False (host)
+        #: the CPU device object a CPU run uses as its run device (:func:`run_device`): tensors made
+        #: or moved with this very object are on the device, with any other ``cpu`` on the host
+        self.run_device = torch.device("cpu")
 
     # -- marks ------------------------------------------------------------------------------
 

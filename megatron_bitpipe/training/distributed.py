@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..cpu import device_audit
 from ..megatron_args import BitPipeConfigError
 
 __all__ = ["Distributed", "initialize", "log"]
@@ -69,7 +70,7 @@ def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Non
         cpu_fallback()
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)  # torchrun's default; more threads only contend on busy cores
-        device = torch.device("cpu")
+        device = device_audit.run_device(torch.device("cpu"))  # under the audit: the GPU's stand-in
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if dist.is_initialized():  # a caller (e.g. the test launcher) started it: use it
         if dist.get_world_size() != world_size:
