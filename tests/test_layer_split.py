@@ -175,3 +175,16 @@ def test_split_problems_without_flags_is_the_equal_stage_rule():
     placement = ScheduleChoice("bitpipe").placement(4)
     assert split_problems(LayerSplitFlags(), placement, 12) == [placement.layer_problem(12)] != [None]
     assert split_problems(LayerSplitFlags(), placement, 16) == []
+
+
+def test_megatron_lm_route_refuses_the_flags_with_plan_schedules_naming_our_scripts():
+    from .test_megatron_lm_errors import megatron_lm_args
+    from megatron_bitpipe.megatron_lm.args import validate_megatron_lm_args
+
+    args = megatron_lm_args("--pipeline-schedule", "zbv", pipeline_model_parallel_layout="E|tt|ttt|tttL")
+    with pytest.raises(BitPipeConfigError) as error:
+        validate_megatron_lm_args(args)
+    assert (
+        "--pipeline-model-parallel-layout cannot be used with --pipeline-schedule zbv: on Megatron-LM's scripts zbv "
+        "splits the layers into 8 equal stages per pipeline (megatron-bitpipe's scripts/pretrain_gpt.py"
+    ) in str(error.value)
