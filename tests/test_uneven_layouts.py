@@ -6,7 +6,7 @@ ZB-V, DualPipeV and megatron-core's 1F1B, trains the tiny GPT of 6 layers on PP 
 single process's per-iteration losses, grad norms and validation losses (rtol 1e-5, from
 ``--log-json``): the initial weights depend on the seed and the model alone. The layouts include
 stages without transformer layers (ZB-V's first stage holds only the embedding, DualPipeV's last
-only the loss). torch_dist checkpoints continue across layouts on the uninterrupted curve: the
+only the loss; BERT's DualPipeV run too, against BERT's single process). torch_dist checkpoints continue across layouts on the uninterrupted curve: the
 single process's (one even stage) under DualPipeV's uneven V, and ZB-V's uneven V under ZB-H1's
 even stages.
 """
@@ -39,6 +39,7 @@ UNEVEN = {
     "zbv_layout": ["--pipeline-schedule", "zbv", *PP2, "--pipeline-model-parallel-layout", "E|tt|ttt|tL"],  # 0,2,3,1
     "dualpipev_layout": ["--pipeline-schedule", "dualpipev", *PP2, "--pipeline-model-parallel-layout", "Et|t*3|tt|L"],  # 1,3,2,0
     "1f1b_last": ["--pipeline-schedule", "1f1b", *PP2, "--decoder-last-pipeline-num-layers", "2"],  # 4,2
+    "bert_dualpipev_layout": ["--pipeline-schedule", "dualpipev", *PP2, "--pipeline-model-parallel-layout", "Et|t*3|tt|L"],
 }  # fmt: skip
 #: run -> (layers per stage in pipeline order, transformer layers on pipeline rank 0 and 1)
 LAYERS = {
@@ -47,6 +48,7 @@ LAYERS = {
     "zbv_layout": ([0, 2, 3, 1], [1, 5]),
     "dualpipev_layout": ([1, 3, 2, 0], [1, 5]),
     "1f1b_last": ([4, 2], [4, 2]),
+    "bert_dualpipev_layout": ([1, 3, 2, 0], [1, 5]),
 }
 SAVES = {"single": [], "zbv_layout": UNEVEN["zbv_layout"]}
 #: resumed run -> (its layout, the run whose checkpoint it loads)
@@ -72,8 +74,9 @@ def runs(tmp_path_factory) -> Dict[str, Dict[int, dict]]:
         return ["--save", str(out / f"ckpt_{name}"), "--save-interval", str(SAVE_AT)] if name in SAVES else []
 
     launch(train_in_process, 1, "gpt", [*MODEL, *save("single"), *log("single")], timeout=300)
+    launch(train_in_process, 1, "bert", [*MODEL, *log("bert_single")], timeout=300)
     for name, flags in UNEVEN.items():
-        launch(train_in_process, 2, "gpt", [*MODEL, *flags, *save(name), *log(name)], timeout=300)
+        launch(train_in_process, 2, _task(name), [*MODEL, *flags, *save(name), *log(name)], timeout=300)
     for name, (flags, source) in RESUMES.items():
         load = ["--load", str(out / f"ckpt_{source}"), "--ckpt-step", str(SAVE_AT)]
         launch(train_in_process, 2, "gpt", [*MODEL, *flags, *load, *log(name)], timeout=300)
@@ -83,6 +86,14 @@ def runs(tmp_path_factory) -> Dict[str, Dict[int, dict]]:
 KEYS = ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples")
 
 
+#: task -> its single-process run
+SINGLE = {"gpt": "single", "bert": "bert_single"}
+
+
+def _task(name: str) -> str:
+    return "bert" if name.startswith("bert") else "gpt"
+
+
 @pytest.mark.parametrize("name", UNEVEN)
 def test_uneven_layout_trains_like_one_process(runs, name):
     logged, startup = runs[name]
@@ -90,7 +101,8 @@ def test_uneven_layout_trains_like_one_process(runs, name):
     assert startup["stage_layers"] == stages
     assert [r["layers"] for r in sorted(startup["ranks"], key=lambda r: r["pp_rank"])] == per_rank
     assert sorted(logged) == list(range(1, ITERS + 1))
-    assert_same_records(logged, runs["single"][0], range(1, ITERS + 1), KEYS)
+    keys = (*KEYS, "sop_loss") if _task(name) == "bert" else KEYS
+    assert_same_records(logged, runs[SINGLE[_task(name)]][0], range(1, ITERS + 1), keys)
 
 
 @pytest.mark.parametrize("name", RESUMES)
