@@ -154,13 +154,7 @@ def parse_layout(layout: str) -> List[str]:
 
 
 def _stages_phrase(placement: Placement, virtual_size_flag: str) -> str:
-    per_rank = placement.num_stages // placement.num_ranks
-    if per_rank == 1:
-        sizes = "--pipeline-model-parallel-size"
-    elif placement.name == "looped":
-        sizes = f"--pipeline-model-parallel-size x {virtual_size_flag}"
-    else:
-        sizes = f"{per_rank} x --pipeline-model-parallel-size"
+    sizes = placement.stage_count_flags(virtual_size_flag)
     return f"the {placement.name} placement runs {sizes} = {placement.num_stages} stages per pipeline"
 
 
