@@ -39,6 +39,7 @@ from typing import List, Optional
 from .optimus.args import add_optimus_args, validate_optimus_args
 from .schedules import ScheduleChoice
 from .schedules.errors import VP_FLAG
+from .schedules.layer_split import LayerSplitFlags
 from .schedules.registry import REGISTRY, plan_executed_schedules, training_schedules
 from .schedules.costs import CostModel, read_cost_file
 
@@ -183,7 +184,9 @@ def microbatch_problems(
     (``args.global_batch_size_defaulted``, set by the pretrain scripts), the micro-batch rules
     become one message saying so. ``virtual_size_flag`` names the virtual pipeline size's flag
     in the messages."""
-    pp, layers = args.pipeline_model_parallel_size, getattr(args, "num_layers", None)
+    pp = args.pipeline_model_parallel_size
+    # The uneven-layout flags replace the equal-stage rule (their own rules: layer_split).
+    layers = None if LayerSplitFlags.from_args(args).given else getattr(args, "num_layers", None)
     names = dict(microbatches=MICROBATCHES_SOURCE, virtual_size_flag=virtual_size_flag)
     problems = choice.problems(pp, num_microbatches, layers, **names)
     if num_microbatches is None:

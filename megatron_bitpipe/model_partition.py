@@ -3,7 +3,7 @@ parameter names that go with it.
 
 Below the model builders (:mod:`megatron_bitpipe.model`), the executor
 (:mod:`megatron_bitpipe.execution`) and Optimus 2D (:mod:`megatron_bitpipe.optimus`); imports
-only :mod:`megatron_bitpipe.schedules.placement`. No torch.distributed and no megatron-core at
+only :mod:`megatron_bitpipe.schedules.placement` and :mod:`~megatron_bitpipe.schedules.layer_split`. No torch.distributed and no megatron-core at
 import: usable by the planner, the model builders, the executor and tests alike
 (:func:`chunk_layers_of`, which reads a built model, imports megatron-core when called).
 
@@ -25,8 +25,10 @@ Tensor parallelism: a parameter with megatron's ``tensor_model_parallel`` attrib
 2-D block of the full tensor each TP rank holds; :func:`tp_block` and :func:`full_shape`
 defer to it (no import of the optimus package here).
 
-Stages are equal: with ``S`` stages per pipeline and ``num_layers`` layers, stage ``s`` holds
-layers ``[s * num_layers / S, (s + 1) * num_layers / S)``. Every pipeline of a placement is a
+Layers per stage: :class:`~megatron_bitpipe.schedules.layer_split.StageLayers` gives each stage
+of one pipeline its count of layers, in pipeline order (stage ``s`` holds layers
+``[first_layer(s), first_layer(s) + counts[s])``, possibly none); by default the stages are
+equal, ``num_layers / S`` each for ``S`` stages per pipeline. Every pipeline of a placement is a
 full copy of the model, so the same stage in two pipelines holds the same layers.
 """
 
@@ -34,10 +36,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .schedules.layer_split import StageLayers
 from .schedules.placement import Placement
 
 __all__ = [
@@ -100,28 +103,36 @@ class ChunkSpec(ChunkLayers):
     stage: int
 
 
-def chunk_specs(placement: Placement, num_layers: int, rank: int, tied: bool = False) -> List[ChunkSpec]:
+def chunk_specs(
+    placement: Placement, layers: Union[int, StageLayers], rank: int, tied: bool = False
+) -> List[ChunkSpec]:
     """The chunks pipeline rank ``rank`` holds, indexed by local chunk id.
 
+    ``layers`` is the :class:`~megatron_bitpipe.schedules.layer_split.StageLayers` of one
+    pipeline (one count per stage of ``placement``), or a number of layers for equal stages.
     ``tied`` (``share_embeddings_and_output_weights``) marks the head chunk ``tied`` when its
     output layer is a copy of the embeddings
     (:attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`). Raises
-    ValueError naming ``--num-layers`` if ``num_layers`` does not fill the placement's stages
-    (:meth:`~megatron_bitpipe.schedules.placement.Placement.layer_problem`).
+    ValueError naming ``--num-layers`` if a number of layers does not fill the placement's
+    equal stages (:meth:`~megatron_bitpipe.schedules.placement.Placement.layer_problem`), and
+    for a split of another number of stages.
     """
-    problem = placement.layer_problem(num_layers)
-    if problem:
-        raise ValueError(problem)
+    if not isinstance(layers, StageLayers):
+        problem = placement.layer_problem(layers)
+        if problem:
+            raise ValueError(problem)
+        layers = StageLayers.even(layers, placement.num_stages)
     stages = placement.num_stages
-    per_stage = num_layers // stages
+    if layers.num_stages != stages:
+        raise ValueError(f"layers of {layers.num_stages} stages ({layers}) for the {stages} stages of the {placement.name} placement")
     head_copy = tied and placement.head_copies_embedding
     specs = []
     for chunk in range(placement.chunks_per_rank):
         role = placement.role(rank, chunk)
         specs.append(
             ChunkSpec(
-                first_layer=role.stage * per_stage,
-                num_layers=per_stage,
+                first_layer=layers.first_layer(role.stage),
+                num_layers=layers.counts[role.stage],
                 pre_process=role.stage == 0,
                 post_process=role.stage == stages - 1,
                 tied=head_copy and role.stage == stages - 1,

@@ -8,7 +8,8 @@ decisions made from the flags, each made once here: the resolved
 :class:`~megatron_bitpipe.schedules.ScheduleChoice` (``--pipeline-schedule default`` already
 resolved to megatron-core's choice, ``--schedule-costs`` read), who runs it (megatron-core's
 forward_backward function or this package's plan executor), the parallel layout, the
-precision, the batch shape, the data-parallel mode and the optimizer choice. Everything
+layers of each pipeline stage (:class:`~megatron_bitpipe.schedules.layer_split.StageLayers` of
+Megatron-LM's uneven-layout flags), the precision, the batch shape, the data-parallel mode and the optimizer choice. Everything
 downstream of the parser takes the :class:`RunConfig` for these decisions; the model's
 hyper-parameters (layers, hidden size, ...) stay Megatron-LM's namespace fields, read in one
 place per consumer (the ``TransformerConfig`` builder).
@@ -28,6 +29,7 @@ from .hfta.settings import HftaSettings, hfta_settings
 from .megatron_args import schedule_choice
 from .optimizers import OptimizerChoice
 from .schedules import REGISTRY, ScheduleChoice
+from .schedules.layer_split import LayerSplitFlags, StageLayers, split_layers, split_problems
 from .schedules.placement import Placement
 
 __all__ = ["Batches", "ParallelLayout", "Precision", "RunConfig"]
@@ -126,6 +128,12 @@ class RunConfig:
             messages (the plan executor's and megatron-core's interleaved schedule); off otherwise.
         replica_slowdown: ``--emulate-replica-slowdown``: one factor per data-parallel replica
             its compute time is stretched by (benchmarks), or None.
+        stage_layers: the transformer layers of each stage of a pipeline of :attr:`placement`, in
+            pipeline order (:mod:`~megatron_bitpipe.schedules.layer_split`: equal stages, or
+            what ``--decoder-first/last-pipeline-num-layers``, ``--account-for-*-in-pipeline-split``
+            or ``--pipeline-model-parallel-layout`` ask for); None without ``--num-layers`` and
+            where the flags do not split this placement's stages (Megatron-LM's route, whose own
+            schedules' chunks megatron-core builds and checks).
     """
 
     schedule: ScheduleChoice
@@ -141,6 +149,7 @@ class RunConfig:
     overlap_grad_reduce: bool = False
     overlap_p2p_comm: bool = False
     replica_slowdown: Optional[Tuple[float, ...]] = None
+    stage_layers: Optional[StageLayers] = None
 
     @property
     def executes_plan(self) -> bool:
@@ -219,4 +228,14 @@ class RunConfig:
             overlap_grad_reduce=schedule.plan_executed or bool(getattr(args, "overlap_grad_reduce", False)),
             overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", False)) and (schedule.plan_executed or interleaved),
             replica_slowdown=None if slowdown is None else tuple(slowdown),
+            stage_layers=_stage_layers(args, schedule.placement(pipeline)),
         )
+
+
+def _stage_layers(args: argparse.Namespace, placement: Placement) -> Optional[StageLayers]:
+    """:attr:`RunConfig.stage_layers` of the flags (None where they give no split)."""
+    num_layers = getattr(args, "num_layers", None)
+    flags = LayerSplitFlags.from_args(args)
+    if num_layers is None or split_problems(flags, placement, num_layers):
+        return None
+    return split_layers(flags, placement, num_layers)

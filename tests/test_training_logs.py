@@ -98,8 +98,9 @@ def test_without_a_gpu_or_fp16_the_line_leaves_out_tflops_and_loss_scale(tmp_pat
 def test_startup_report_and_summary(tmp_path, capsys):
     args = _args(tmp_path, split_backward=True, schedule_costs="costs.json")
     logger = TrainingLogger(args, rank=0, resumed=False)
-    ranks = [RankReport(rank, 0, rank, 0, 1000 + rank, 500.0 + rank) for rank in range(2)]
-    logger.startup(ranks, "peak resident set size of the process", 1.5e9, _run(split=True, costs="costs.json").label)
+    ranks = [RankReport(rank, 0, rank, 0, 1000 + rank, 500.0 + rank, 3 + rank) for rank in range(2)]
+    label = _run(split=True, costs="costs.json").label
+    logger.startup(ranks, "peak resident set size of the process", 1.5e9, label, stage_layers=(1, 2, 3, 1))
     logger.record(_record(1, 4.0, memory=700.0))
     logger.evaluation("iteration 1 on test set", {"lm loss": 3.5})
     logger.summary(1, 1, total_time_s=12.0, train_time_s=10.0, validation={"lm loss": 3.0}, test={"lm loss": 3.5})
@@ -108,6 +109,7 @@ def test_startup_report_and_summary(tmp_path, capsys):
     assert " > number of parameters on (tensor, pipeline) model parallel rank (0, 1): 1001\n" in out
     assert " > memory after setup (MiB, peak resident set size of the process): max 501.0 (rank 1), min 500.0 (rank 0)" in out
     assert " > model FLOPs per iteration: 1.500E+09" in out
+    assert " > transformer layers per pipeline stage (pipeline order): 1, 2, 3, 1\n" in out
     assert " validation loss at iteration 1 on test set | lm loss value: 3.500000E+00 | lm loss PPL: " in out
     assert re.search(r"\[after training is done\] datetime: \d{4}-", out)
     assert (
@@ -116,7 +118,8 @@ def test_startup_report_and_summary(tmp_path, capsys):
     ) in out
     startup, _, summary = _events(tmp_path / "log.jsonl")
     assert startup["event"] == "startup" and startup["schedule"] == "bitpipe+split-backward (costs from costs.json)"
-    assert startup["ranks"][1] == {"rank": 1, "tp_rank": 0, "pp_rank": 1, "dp_rank": 0, "parameters": 1001, "memory_mib": 501.0}
+    assert startup["ranks"][1] == {"rank": 1, "tp_rank": 0, "pp_rank": 1, "dp_rank": 0, "parameters": 1001, "memory_mib": 501.0, "layers": 4}
+    assert startup["stage_layers"] == [1, 2, 3, 1]
     assert startup["model_flops_per_iteration"] == 1.5e9
     assert summary == {
         "event": "summary", "timestamp": summary["timestamp"], "iterations": 1, "iterations_this_run": 1, "total_time_s": 12.0,

@@ -92,7 +92,6 @@ from ..megatron_compat import backward_step
 from ..schedules.actions import Action, ActionType, SchedulePlan
 from ..schedules.comm import Payload, transfer_of
 from .groups import PipelineGroups
-from ..model_partition import ChunkSpec, chunk_specs
 from .weight_grad import ChunkWeightGrad
 
 __all__ = ["MicrobatchSource", "PlanExecutor"]
@@ -215,7 +214,11 @@ class PlanExecutor:
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
         self.rank = groups.pp_rank
-        self.specs: List[ChunkSpec] = chunk_specs(plan.placement, config.num_layers, self.rank)
+        placement = plan.placement
+        roles = [placement.role(self.rank, c) for c in range(placement.chunks_per_rank)]
+        # Whether each local chunk is its pipeline's first stage (embedding) / last stage (loss).
+        self._first_stage = [role.stage == 0 for role in roles]
+        self._last_stage = [role.stage == placement.num_stages - 1 for role in roles]
         actions = [part for action in plan.actions[self.rank] for part in action.parts]
         self.forward_only = not any(a.type.computes_input_grad for a in actions)
         self.cp_size = groups.rank_pgs.cp.size()
@@ -270,7 +273,7 @@ class PlanExecutor:
 
     def _forward(self, action: Action, input_tensor: Optional[torch.Tensor], result: StepResult) -> None:
         chunk, microbatch = action.chunk, action.microbatch
-        spec = self.specs[chunk]
+        last_stage = self._last_stage[chunk]
         first_of_chunk = chunk not in self._forwarded_chunks
         self._forwarded_chunks.add(chunk)
         store: List[object] = []
@@ -286,9 +289,9 @@ class PlanExecutor:
             self.collect_non_loss_data,
             is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first_of_chunk),
             current_microbatch=microbatch,
-            is_last_stage=spec.post_process,
+            is_last_stage=last_stage,
         )
-        if spec.post_process:
+        if last_stage:
             result.num_tokens += num_tokens
             if store:
                 result.losses[microbatch] = store[0]
@@ -312,7 +315,7 @@ class PlanExecutor:
             self._weight_due[chunk].append(microbatch)
         elif self._weight_grads[chunk].defers:  # a whole B: its weight gradients now
             self._weight_grads[chunk].backward_dw()
-        if not self.specs[chunk].pre_process:
+        if not self._first_stage[chunk]:
             self._hand_on(action, input_grad, output_of_forward=False)
 
     def _weight_grad(self, action: Action) -> None:

@@ -43,6 +43,10 @@ _HYBRID = (
     "{schedule} builds GPTModel chunks; hybrid (Mamba) models pick each pipeline stage's layers from "
     "their layer pattern in megatron's looped order, which cannot hold {schedule}'s stages"
 )
+_UNEVEN = (
+    "on Megatron-LM's scripts {schedule} splits the layers into {stages} equal stages per pipeline "
+    "(megatron-bitpipe's scripts/pretrain_gpt.py and pretrain_bert.py take the uneven-layout flags with it)"
+)
 # (attribute, flag, why it cannot run with a plan-executed schedule, ``{schedule}`` its name); a
 # flag is set when the attribute is truthy (numbers: > 1 for the parallel sizes).
 _PLAN_CONFLICTS = (
@@ -57,16 +61,11 @@ _PLAN_CONFLICTS = (
     ("num_experts", "--num-experts", "mixture-of-experts layers are not supported"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported"),
     ("use_tp_pp_dp_mapping", "--use-tp-pp-dp-mapping", "{schedule} uses megatron's default tp-dp-pp rank order"),
-    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers",
-     "{schedule} splits the layers into {stages} equal stages per pipeline"),
-    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers",
-     "{schedule} splits the layers into {stages} equal stages per pipeline"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout",
-     "{schedule}'s placement of the stages is fixed"),
-    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
-     "{schedule} splits the layers into equal stages"),
-    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
-     "{schedule} splits the layers into equal stages"),
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", _UNEVEN),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", _UNEVEN),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", _UNEVEN),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", _UNEVEN),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", _UNEVEN),
     ("rampup_batch_size", "--rampup-batch-size", "{schedule} needs a fixed number of micro-batches"),
     ("use_legacy_models", "--use-legacy-models", "{schedule} builds megatron-core models"),
     ("init_model_with_meta_device", "--init-model-with-meta-device", "{schedule} initialises weights from --seed"),

@@ -51,6 +51,7 @@ from megatron.core.utils import deprecate_inference_params
 
 from ..execution.groups import PipelineGroups
 from ..model_partition import ChunkSpec
+from ..schedules.layer_split import StageLayers
 from .chunks import build_chunks, chunk_block_spec, is_layer_spec, with_sequence_parallel_norms
 from .norms import SequenceParallelTorchNorm
 from .sdpa_attention import SdpaDotProductAttention, uses_core_attention
@@ -272,11 +273,12 @@ def build_bert_chunks(
     num_tokentypes: Optional[int] = None,
     layer_spec: Optional[ModuleSpec] = None,
     model_class: type = BertChunk,
+    stage_layers: Optional[StageLayers] = None,
     **bert_kwargs,
 ) -> List[BertChunk]:
     """This rank's :class:`BertChunk` s of ``groups.placement``, indexed by local chunk id.
 
-    Same contract as :func:`~megatron_bitpipe.model.chunks.build_gpt_chunks` (layers,
+    Same contract as :func:`~megatron_bitpipe.model.chunks.build_gpt_chunks` (layers, ``stage_layers``,
     process groups, tied embeddings on one rank, megatron's own initialisation). Megatron-LM's
     BERT defaults: tied embeddings, the binary (next-sentence) head, and two token types with
     it (``num_tokentypes`` defaults to 2 with ``add_binary_head``, else 0). ``bert_kwargs``
@@ -312,4 +314,5 @@ def build_bert_chunks(
         make_chunk,
         vocab_size=vocab_size,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        stage_layers=stage_layers,
     )

@@ -19,6 +19,7 @@ from megatron.core.transformer import TransformerConfig
 
 from ..optimus.grads import defer_column_sums
 from ..optimus.validation import check_optimus_model_config
+from ..schedules.layer_split import StageLayers
 from ..schedules.placement import Placement
 from ..execution.groups import ParallelGrid, PipelineGroups
 from .init import initialize_from_seed, without_megatron_init
@@ -77,6 +78,7 @@ def build_pipeline_model(
     tensor_parallel_mode: str = "1d",
     chunk_builder: Callable[..., List[torch.nn.Module]] = build_gpt_chunks,
     gradient_reduction: str = "data-parallel",
+    stage_layers: Optional[StageLayers] = None,
     **model_kwargs,
 ) -> PipelineModel:
     """Build, initialise and wrap this rank's model chunks of ``placement`` on ``grid``.
@@ -112,6 +114,9 @@ def build_pipeline_model(
     ``add_binary_head``, ...). ``gradient_reduction`` is what the chunks' DDP reduces over
     (:func:`~megatron_bitpipe.execution.replicas.wrap_ddp`): ``"data-parallel"`` (synchronous), ``"replicas"`` (within
     each data-parallel replica; builds the replica groups) or ``"none"`` (the caller reduces).
+    ``stage_layers`` gives each stage of a pipeline its layers, in pipeline order (default: equal
+    stages of ``config.num_layers``; ``chunk_builder`` takes it as ``stage_layers``); the initial
+    weights do not depend on it.
     """
     if tensor_parallel_mode == "optimus2d":
         check_optimus_model_config(config, grid.tp, vocab_size)
@@ -123,11 +128,13 @@ def build_pipeline_model(
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        **({} if stage_layers is None else {"stage_layers": stage_layers}),
         **model_kwargs,
     )
     if groups.mesh is not None:  # summed once per iteration by finalize_model_grads_func(groups.mesh)
         defer_column_sums(chunks)
-    specs = chunk_specs(placement, config.num_layers, groups.pp_rank, share_embeddings_and_output_weights)
+    layers = config.num_layers if stage_layers is None else stage_layers
+    specs = chunk_specs(placement, layers, groups.pp_rank, share_embeddings_and_output_weights)
     initialize_from_seed(chunks, specs, seed, groups.tp)
     attach_sharded_state_dicts(chunks, specs, groups)
     ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)

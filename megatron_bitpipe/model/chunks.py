@@ -90,6 +90,7 @@ from ..optimus.gpt_model import OptimusGPTModel
 from ..optimus.spec import get_optimus_gpt_block_spec
 from ..execution.groups import PipelineGroups
 from ..model_partition import ChunkLayers, ChunkSpec, chunk_specs
+from ..schedules.layer_split import StageLayers
 from .norms import SequenceParallelTorchNorm
 
 __all__ = [
@@ -263,11 +264,13 @@ def build_chunks(
     *,
     vocab_size: int,
     share_embeddings_and_output_weights: bool = False,
+    stage_layers: Optional[StageLayers] = None,
 ) -> List[LanguageModule]:
     """This rank's model chunks of ``groups.placement``, indexed by local chunk id, for any
     megatron-core language model.
 
-    ``make_chunk(chunk_config, spec, pg_collection, tie_in_chunk)`` builds one chunk: the
+    ``stage_layers`` gives each stage of a pipeline its layers (pipeline order); default equal
+    stages of ``config.num_layers``. ``make_chunk(chunk_config, spec, pg_collection, tie_in_chunk)`` builds one chunk: the
     model holding ``spec`` (its layers, ``pre_process``/``post_process``), built from
     ``chunk_config`` (:func:`chunk_config`: global layer numbers) with ``pg_collection``
     (``groups.model_pgs[c]``); ``tie_in_chunk`` is its ``share_embeddings_and_output_weights``
@@ -299,7 +302,8 @@ def build_chunks(
         )
     if vocab_size % groups.grid.tp:
         raise ValueError(f"vocab_size {vocab_size} is not divisible by the tensor-parallel size {groups.grid.tp}")
-    specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank, share_embeddings_and_output_weights)
+    layers = config.num_layers if stage_layers is None else _checked_stage_layers(stage_layers, config)
+    specs = chunk_specs(groups.placement, layers, groups.pp_rank, share_embeddings_and_output_weights)
     megatron_ties = share_embeddings_and_output_weights and groups.placement.head_copies_embedding
     if share_embeddings_and_output_weights and not megatron_ties:
         _check_tied_placement(groups)
@@ -372,12 +376,13 @@ def build_gpt_chunks(
     share_embeddings_and_output_weights: bool = False,
     layer_spec: Optional[ModuleSpec] = None,
     position_embedding_type: str = "learned_absolute",
+    stage_layers: Optional[StageLayers] = None,
     **gpt_kwargs,
 ) -> List[GPTModel]:
     """This rank's GPTModel chunks of ``groups.placement``, indexed by local chunk id.
 
     Chunk ``c`` holds :func:`~megatron_bitpipe.model_partition.chunk_specs`\\ ``[c]`` (its
-    layers carry global layer numbers), uses ``groups.model_pgs[c]`` and its own
+    layers carry global layer numbers; ``stage_layers`` as in :func:`build_chunks`), uses ``groups.model_pgs[c]`` and its own
     :func:`chunk_config`; see :func:`build_chunks` for the checks and tied embeddings.
     ``gpt_kwargs`` go to ``GPTModel`` (rotary settings, ``parallel_output``...). With
     ``groups.mesh`` the chunks are ``OptimusGPTModel``\\ s and ``layer_spec``, if given, is an
@@ -402,7 +407,14 @@ def build_gpt_chunks(
         make_chunk,
         vocab_size=vocab_size,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        stage_layers=stage_layers,
     )
+
+
+def _checked_stage_layers(stage_layers: StageLayers, config: TransformerConfig) -> StageLayers:
+    if stage_layers.num_layers != config.num_layers:
+        raise ValueError(f"stage layers {stage_layers} sum to {stage_layers.num_layers}, config.num_layers is {config.num_layers}")
+    return stage_layers
 
 
 def _check_tied_placement(groups: PipelineGroups) -> None:

@@ -157,17 +157,20 @@ class Placement:
         stages = self.num_stages
         if num_layers > 0 and num_layers % stages == 0:
             return None
-        per_rank = stages // self.num_ranks
-        if per_rank == 1:
-            sizes = "--pipeline-model-parallel-size"
-        elif self.name == "looped":
-            sizes = f"--pipeline-model-parallel-size x {virtual_size_flag}"
-        else:
-            sizes = f"{per_rank} x --pipeline-model-parallel-size"
         return (
-            f"--num-layers {num_layers} must be divisible by {sizes} = {stages} "
+            f"--num-layers {num_layers} must be divisible by {self.stage_count_flags(virtual_size_flag)} = {stages} "
             f"(the {self.name} placement runs {stages} stages of equal size)"
         )
+
+    def stage_count_flags(self, virtual_size_flag: str = VP_FLAG) -> str:
+        """The flags the stages of one pipeline are counted from, as a product
+        (``2 x --pipeline-model-parallel-size``); ``virtual_size_flag`` as in :meth:`layer_problem`."""
+        per_rank = self.num_stages // self.num_ranks
+        if per_rank == 1:
+            return "--pipeline-model-parallel-size"
+        if self.name == "looped":
+            return f"--pipeline-model-parallel-size x {virtual_size_flag}"
+        return f"{per_rank} x --pipeline-model-parallel-size"
 
     @property
     def head_copies_embedding(self) -> bool:

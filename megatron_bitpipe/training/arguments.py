@@ -50,6 +50,8 @@ from ..megatron_args import (
 from ..hfta.settings import add_hfta_args, hfta_problems
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
+from ..schedules.layer_split import LayerSplitFlags, split_layers, split_problems
+from ..schedules.placement import Placement
 from ..usage import FlagParser
 from ..data_parallel_modes import add_data_parallel_mode_arg
 from .abs_sgd.args import abs_sgd_problems, add_abs_sgd_args
@@ -226,6 +228,35 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    group.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="transformer layers of a pipeline's first stage (megatron's interleaved schedule: of the first rank); "
+        "the rest fill the middle stages equally (default: equal stages)",
+    )
+    group.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="transformer layers of a pipeline's last stage (megatron's interleaved schedule: of the last rank)",
+    )
+    group.add_argument(
+        "--account-for-embedding-in-pipeline-split",
+        action="store_true",
+        help="count the embedding as one layer when splitting the layers into equal stages (the first stage holds one less)",
+    )
+    group.add_argument(
+        "--account-for-loss-in-pipeline-split",
+        action="store_true",
+        help="count the loss as one layer when splitting the layers into equal stages (the last stage holds one less)",
+    )
+    group.add_argument(
+        "--pipeline-model-parallel-layout",
+        default=None,
+        help="every stage's layers in pipeline order, e.g. 'Et|(tt|)*2,tL': E embedding, t transformer layer, L loss, "
+        "| between stages, x*n and (...)*n repeat, commas cosmetic",
+    )
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None, help="default nccl with a GPU, gloo without")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -404,15 +435,43 @@ def _flag_combination_problem(args) -> bool:
     )
 
 
+def _layer_split_problems(args) -> List[str]:
+    """The uneven-layout flags' rules on the placement of the schedule that runs (without them
+    the schedule's own rules hold the equal-stage rule; a bad pipeline size is reported there)."""
+    flags = LayerSplitFlags.from_args(args)
+    placement = _checked_placement(args)
+    if not flags.given or placement is None:
+        return []
+    return split_problems(flags, placement, args.num_layers)
+
+
+def _checked_placement(args) -> Optional[Placement]:
+    """The placement of the schedule that runs, or None where the flags break the schedule's
+    pipeline-size rules (reported by those)."""
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    choice = ScheduleChoice(resolved_schedule(args), virtual_size=vp)
+    if choice.problems(pp) or _flag_combination_problem(args):
+        return None
+    return choice.placement(pp)
+
+
 def _recompute_problems(args) -> List[str]:
-    """Megatron-LM's recompute rules for the chunks of the schedule that runs."""
+    """Megatron-LM's recompute rules for the chunks of the schedule that runs (each distinct
+    non-zero number of layers a chunk holds)."""
     problems = []
     if args.recompute_activations and args.recompute_granularity == "full":
         problems.append("--recompute-activations means --recompute-granularity selective: drop one of them")
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     choice = ScheduleChoice(resolved_schedule(args), virtual_size=vp)
     stages = pp if choice.problems(pp) else choice.placement(pp).num_stages  # the schedule's rules report a bad pp
-    return problems + recompute_problems(args, max(args.num_layers // stages, 1))
+    flags, placement = LayerSplitFlags.from_args(args), _checked_placement(args)
+    if flags.given and placement is not None and not split_problems(flags, placement, args.num_layers):
+        chunk_sizes = sorted({c for c in split_layers(flags, placement, args.num_layers).counts if c})
+    else:
+        chunk_sizes = [max(args.num_layers // stages, 1)]
+    for size in chunk_sizes:
+        problems += [p for p in recompute_problems(args, size) if p not in problems]
+    return problems
 
 
 def _precision_problems(args, cuda_available: bool) -> List[str]:
@@ -548,6 +607,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
     if not problems:  # later rules divide by these sizes
         problems += bitpipe_arg_problems(args)
         problems += _pipeline_problems(args)
+        problems += _layer_split_problems(args)
         problems += _recompute_problems(args)
         problems += abs_sgd_problems(args)
         problems += decentralized_problems(args)

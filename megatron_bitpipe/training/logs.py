@@ -23,8 +23,9 @@ output:
 ``--log-json PATH`` writes one JSON object per line, each with ``event``: ``"startup"``
 (``schedule``, ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
 ``data_parallel_size``, ``num_microbatches``, ``padded_vocab_size``, ``memory``,
-``model_flops_per_iteration``, ``ranks``: a list of ``rank``, ``tp_rank``, ``pp_rank``,
-``dp_rank``, ``parameters``, ``memory_mib``), ``"iteration"`` (:meth:`IterationRecord.to_json`)
+``model_flops_per_iteration``, ``stage_layers``: the transformer layers of each pipeline stage
+in pipeline order, ``ranks``: a list of ``rank``, ``tp_rank``, ``pp_rank``,
+``dp_rank``, ``parameters``, ``memory_mib``, ``layers``), ``"iteration"`` (:meth:`IterationRecord.to_json`)
 or ``"summary"`` (``iterations``, ``iterations_this_run``, ``total_time_s``,
 ``train_time_s``, ``max_memory_mib`` and ``validation_<loss>`` / ``test_<loss>`` where
 evaluated). A resumed run appends.
@@ -169,12 +170,20 @@ class TrainingLogger:
             self._validation(record)
 
     def startup(
-        self, ranks: Sequence[RankReport], memory: str, flops_per_iteration: float, schedule: str, models: int = 1
+        self,
+        ranks: Sequence[RankReport],
+        memory: str,
+        flops_per_iteration: float,
+        schedule: str,
+        models: int = 1,
+        stage_layers: Optional[Sequence[int]] = None,
     ) -> None:
         """The start-up report: parameters per model-parallel rank (data-parallel rank 0, as
         Megatron-LM prints them), memory after setup (``memory`` says what it measures),
         the model FLOPs of one iteration (of all ``models`` models of an HFTA array) and the
-        schedule (its :attr:`~megatron_bitpipe.run_config.RunConfig.label`, in the JSON event)."""
+        schedule (its :attr:`~megatron_bitpipe.run_config.RunConfig.label`, in the JSON event) with
+        the layers of each pipeline stage (``stage_layers``, pipeline order; in the JSON event and,
+        when the stages are uneven, on a line)."""
         if not self.active:
             return
         args = self.args
@@ -188,6 +197,8 @@ class TrainingLogger:
                 f" > memory after setup (MiB, {memory}): max {most.memory_mib:.1f} (rank {most.rank}), "
                 f"min {least.memory_mib:.1f} (rank {least.rank})"
             )
+        if stage_layers is not None and len(set(stage_layers)) > 1:
+            log(f" > transformer layers per pipeline stage (pipeline order): {', '.join(map(str, stage_layers))}")
         array = f", the {models} models of the array" if models > 1 else ""
         log(f" > model FLOPs per iteration: {flops_per_iteration:.3E} (matrix products, forward and backward{array})")
         self._json(
@@ -203,6 +214,7 @@ class TrainingLogger:
                 "padded_vocab_size": args.padded_vocab_size,
                 "memory": memory,
                 "model_flops_per_iteration": flops_per_iteration,
+                "stage_layers": None if stage_layers is None else list(stage_layers),
                 "ranks": [vars(r) for r in ranks],
             }
         )

@@ -95,7 +95,14 @@ class Trainer:
         if loaded is not None:
             resume_mode(checkpoint_dir(args.load, loaded.iteration), self.data_parallel)
         self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
-        self.logger.startup(gather_rank_reports(self.model, env.device), memory_kind(env.device), self.flops_per_iteration, run.label, models)
+        self.logger.startup(
+            gather_rank_reports(self.model, env.device),
+            memory_kind(env.device),
+            self.flops_per_iteration,
+            run.label,
+            models,
+            stage_layers=run.stage_layers.counts if run.stage_layers is not None else None,
+        )
 
     # -- one step -------------------------------------------------------------------------
 

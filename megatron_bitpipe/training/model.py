@@ -3,7 +3,7 @@
 :func:`build_model` calls :func:`megatron_bitpipe.model.build.build_pipeline_model` with
 everything the common flags fix (model config, parallel grid, padded vocabulary, maximum
 sequence length, seed, tied embeddings, DDP config, tensor-parallel mode, position
-embeddings); a model kind (:mod:`.model_kind`) adds its chunk builder, layer spec and
+embeddings, the layers of each pipeline stage); a model kind (:mod:`.model_kind`) adds its chunk builder, layer spec and
 model-specific keywords. Initial weights are blocks of the full model drawn from ``--seed``
 alone, whatever the layout; with ``--bf16``/``--fp16`` the chunks are wrapped for mixed
 precision. ``--attention-backend sdpa`` swaps the layers' core attention for torch's SDPA
@@ -63,6 +63,7 @@ def build_model(
         tensor_parallel_mode=run.layout.tensor_parallel_mode,
         position_embedding_type=args.position_embedding_type,
         gradient_reduction=run.data_parallel_mode.gradient_reduction,
+        stage_layers=run.stage_layers,
         chunk_builder=chunk_builder,
         **chunk_kwargs,
     )

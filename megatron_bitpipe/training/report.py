@@ -103,7 +103,8 @@ def job_peak_memory_mib(device: torch.device) -> float:
 
 @dataclass(frozen=True)
 class RankReport:
-    """One rank's line of the start-up report."""
+    """One rank's line of the start-up report; ``layers`` counts the transformer layers of the
+    rank's chunks (both weight replicas' on BitPipe's and Chimera's ranks)."""
 
     rank: int
     tp_rank: int
@@ -111,18 +112,23 @@ class RankReport:
     dp_rank: int
     parameters: int
     memory_mib: float
+    layers: int = 0
 
 
 def gather_rank_reports(model, device: torch.device) -> List[RankReport]:
     """Every rank's :class:`RankReport`, by rank (a collective; all ranks get the list)."""
     groups = model.groups
     mine = torch.tensor(
-        [groups.rank, groups.tp_rank, groups.pp_rank, groups.dp_rank, parameter_count(model.chunks), peak_memory_mib(device)],
+        [
+            groups.rank, groups.tp_rank, groups.pp_rank, groups.dp_rank, parameter_count(model.chunks),
+            peak_memory_mib(device), sum(spec.num_layers for spec in model.specs),
+        ],  # fmt: skip
         dtype=torch.float64,
         device=device,
     )
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [
-        RankReport(int(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), float(r[5])) for r in (t.tolist() for t in everyone)
+        RankReport(int(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), float(r[5]), int(r[6]))
+        for r in (t.tolist() for t in everyone)
     ]
