@@ -26,11 +26,11 @@ def load_task():
     return BertTask()
 
 
-def cpu_fallback() -> None:
+def cpu_fallback():
     """No GPU: run megatron-core on the CPU with gloo (megatron_bitpipe.cpu)."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
-    enable_cpu_megatron()
+    return enable_cpu_megatron()
 
 
 if __name__ == "__main__":

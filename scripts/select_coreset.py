@@ -18,11 +18,11 @@ from megatron_bitpipe.training.script import ignore_dependency_warnings
 ignore_dependency_warnings()
 
 
-def cpu_fallback() -> None:
+def cpu_fallback():
     """No GPU: megatron-core on the CPU (megatron_bitpipe.cpu)."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
-    enable_cpu_megatron()
+    return enable_cpu_megatron()
 
 
 if __name__ == "__main__":

@@ -372,8 +372,10 @@ def _mode_active() -> bool:
     return any(isinstance(mode, CpuDeviceMode) for mode in _get_current_function_mode_stack())
 
 
-def enable_cpu_megatron() -> None:
-    """Make megatron-core run on the CPU in this process (and the device mode on this thread).
+def enable_cpu_megatron() -> torch.device:
+    """Make megatron-core run on the CPU in this process (and the device mode on this thread);
+    returns the device a run places its model and batches on: the CPU, or under the device
+    audit its stand-in for the GPU (:func:`~.device_audit.run_device`).
 
     Safe to call any number of times; see the module docstring for what is patched.
     """
@@ -383,6 +385,7 @@ def enable_cpu_megatron() -> None:
     if not _mode_active():
         # Entered for the life of the thread: megatron's allocations happen everywhere.
         CpuDeviceMode(audit).__enter__()
+    return device_audit.run_device(_CPU)
 
 
 def is_cpu_megatron_enabled() -> bool:

@@ -23,7 +23,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..cpu import device_audit
 from ..megatron_args import BitPipeConfigError
 
 __all__ = ["Distributed", "initialize", "log"]
@@ -50,8 +49,10 @@ def log(message: str, rank0_only: bool = True) -> None:
     print(message, flush=True)
 
 
-def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] = None) -> Distributed:
+def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None) -> Distributed:
     """Initialise the default process group for ``args.world_size`` ranks; return this rank's place.
+
+    Without CUDA, ``cpu_fallback()`` prepares the CPU run and returns its run device (None: the CPU).
 
     Raises BitPipeConfigError (before any communication) when the job's size disagrees with
     the environment, or when there is no GPU and no ``cpu_fallback``.
@@ -67,10 +68,11 @@ def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Non
     else:
         if cpu_fallback is None:
             raise BitPipeConfigError("no CUDA GPU is available and no CPU fallback was given")
-        cpu_fallback()
+        device = cpu_fallback()  # the CPU (under the device audit: its stand-in for the GPU), or None
+        if device is None:
+            device = torch.device("cpu")
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)  # torchrun's default; more threads only contend on busy cores
-        device = device_audit.run_device(torch.device("cpu"))  # under the audit: the GPU's stand-in
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if dist.is_initialized():  # a caller (e.g. the test launcher) started it: use it
         if dist.get_world_size() != world_size:

@@ -195,7 +195,7 @@ class Trainer:
         self.logger.close()
 
 
-def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: Optional[Callable[[], None]] = None) -> None:
+def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None) -> None:
     """Train ``task`` with the parsed and checked flags ``args`` (:func:`.arguments.parse_args`).
 
     Run on every rank of the job (torchrun) or alone. ``cpu_fallback`` is called when there

@@ -27,7 +27,10 @@ import os
 import sys
 import time
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 from ..megatron_args import BitPipeConfigError
 from ..usage import USAGE_EXIT_STATUS, UsageError, quiet_on_broken_pipe, reader_gone
@@ -101,7 +104,7 @@ def run_script(
     load_task: Callable[[], object],
     argv: Optional[Sequence[str]] = None,
     *,
-    cpu_fallback: Optional[Callable[[], None]] = None,
+    cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None,
     prog: Optional[str] = None,
 ) -> int:
     """The pretrain scripts' entry point: parse and check ``argv`` (default ``sys.argv[1:]``)

@@ -35,7 +35,10 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 import numpy as np
 
@@ -174,7 +177,7 @@ def _random(n: int, seed: int, settings: SelectionSettings) -> Selection:
     return Selection(chosen, np.full(k, n / k))
 
 
-def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] = None, log=print) -> CoresetFile:
+def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None, log=print) -> CoresetFile:
     """Choose and write the coreset of the checked flags ``args`` (see the module docstring);
     returns it. A process group this starts (for the proxy model) is ended; a caller's stays."""
     import torch.distributed as dist
@@ -223,7 +226,7 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] 
     return coreset
 
 
-def proxy_trainer(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], None]] = None):
+def proxy_trainer(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None):
     """The pretrain loop's :class:`~..loop.Trainer` (model, optimizer, schedule, datasets,
     ``--load``) of the checked flags ``args`` in this process (collective: it starts or joins
     the process group)."""
@@ -265,7 +268,7 @@ def _select_with_model(args, settings: SelectionSettings, n: int, cpu_fallback, 
     return _craig(proxies_of, n, settings, timings)
 
 
-def main(argv: Optional[Sequence[str]] = None, cpu_fallback: Optional[Callable[[], None]] = None, prog: str = "select_coreset.py") -> int:
+def main(argv: Optional[Sequence[str]] = None, cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None, prog: str = "select_coreset.py") -> int:
     """The script: 0 done, 2 bad flags or data (one message on stderr, before any work), 1 a
     ``--load`` checkpoint that does not fit (the pretrain scripts' statuses)."""
     from ..script import exit_status
