@@ -102,10 +102,10 @@ def test_run_cli_reports_checkout_errors(tmp_path):
 
 
 BERT_REFUSAL = (
-    "--pipeline-schedule bitpipe cannot run Megatron-LM core_v0.16.1's pretrain_bert.py: the script imports "
+    "--pipeline-schedule {schedule} cannot run Megatron-LM core_v0.16.1's pretrain_bert.py: the script imports "
     "Transformer Engine's BERT layer spec when it loads (whatever --spec says, so it does not load without "
-    "transformer-engine), and its model_provider builds BertModel without the pg_collection it is given, so bitpipe "
-    "cannot build its chunks on their own process groups; BERT with bitpipe runs in megatron-bitpipe's "
+    "transformer-engine), and its model_provider builds BertModel without the pg_collection it is given, so {schedule} "
+    "cannot build its chunks on their own process groups; BERT with {schedule} runs in megatron-bitpipe's "
     "scripts/pretrain_bert.py"
 )
 
@@ -117,9 +117,11 @@ def test_bitpipe_refuses_megatron_lm_bert_script(tmp_path):
         (root / "tools").mkdir()
         (root / "tools" / "pretrain_bert.py").write_text("")
         checkout = find_checkout(root)
-        assert bitpipe_refusal((root / "pretrain_bert.py").resolve(), checkout) == (BERT_REFUSAL if refused else None)
-        assert bitpipe_refusal((root / "pretrain_gpt.py").resolve(), checkout) is None
-        assert bitpipe_refusal((root / "tools" / "pretrain_bert.py").resolve(), checkout) is None
+        for schedule in ("bitpipe", "zbv"):
+            refusal = bitpipe_refusal((root / "pretrain_bert.py").resolve(), checkout, schedule=schedule)
+            assert refusal == (BERT_REFUSAL.format(schedule=schedule) if refused else None)
+        assert bitpipe_refusal((root / "pretrain_gpt.py").resolve(), checkout, schedule="bitpipe") is None
+        assert bitpipe_refusal((root / "tools" / "pretrain_bert.py").resolve(), checkout, schedule="bitpipe") is None
 
 
 @pytest.mark.multirank
@@ -137,7 +139,7 @@ def test_run_cli_refuses_megatron_lm_bert_script_with_bitpipe_before_loading_it(
         )
         assert result.returncode == 2, (flags, result.stderr)
         if refused:
-            assert result.stderr == f"megatron_bitpipe.run: error: {BERT_REFUSAL}\n"
+            assert result.stderr == f"megatron_bitpipe.run: error: {BERT_REFUSAL.format(schedule='bitpipe')}\n"
         else:
             assert "cannot run" not in result.stderr and "imports 'megatron.training" in result.stderr, result.stderr
 
@@ -348,8 +350,8 @@ def _relay(placement: str) -> dict:
     from megatron_bitpipe.schedules import placement as placements
 
     groups = PipelineGroups.build(ParallelGrid(pp=2), getattr(placements, placement)(2))
-    # bidirectional V: micro-batches 0, 1 on pipeline rank 0 (pipeline B) and 2, 3 on rank 1
-    # (pipeline A); V: all four on rank 0, where the V ends; looped: all four on rank 1.
+    # bidirectional V: micro-batches 0, 1 on pipeline rank 0 (pipeline A) and 2, 3 on rank 1
+    # (pipeline B); V: all four on rank 0, where the V ends; looped: all four on rank 1.
     senders = loss_ranks(groups.placement)
     mine = [m for m in range(4) if senders[m * len(senders) // 4] == groups.pp_rank]
     token_reports = [{"lm loss": torch.tensor([10.0 * m + 0.5, 7 + m])} for m in mine]

@@ -3,9 +3,10 @@
 Megatron-LM's ``train_step`` and ``evaluate`` average the list returned by the
 ``forward_backward_func`` on ``is_pipeline_last_stage()`` ranks only, and expect it to hold one
 report per micro-batch of the step. A plan-executed schedule computes each micro-batch's loss
-where its pipeline's last stage lives (:func:`loss_ranks`): BitPipe, DualPipe and Chimera on
-pipeline ranks 0 (pipeline B) and D-1 (pipeline A), ZB-V and DualPipeV on rank 0 (the V's
-bottom turns back there), ZB-H1 on rank D-1.
+where its pipeline's last stage lives (:func:`loss_ranks`): BitPipe on pipeline ranks 0
+(pipeline A, whose V turns back there) and D-1 (pipeline B), DualPipe and Chimera on D-1
+(pipeline A) and 0 (pipeline B), ZB-V and DualPipeV on rank 0 (where their V ends), ZB-H1 on
+rank D-1.
 :func:`make_megatron_lm_forward_backward_func` runs a step
 (:func:`~megatron_bitpipe.execution.forward_backward.make_step_func`) and then sends every other
 loss rank's reports to pipeline rank D-1 of the same (tensor, data) slice, which returns all of
