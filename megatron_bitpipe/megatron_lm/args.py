@@ -78,7 +78,8 @@ _PLAN_CONFLICTS = (
      "{schedule} builds its process groups over tensor x data x pipeline ranks, without a weight-shard axis"),
 )
 # Flags that cannot be combined with split backwards (--split-backward, or a schedule that always
-# splits: ScheduleChoice.splits_backward), and flags that need them; same form as _PLAN_CONFLICTS.
+# splits: ScheduleChoice.splits_backward; ``{split}`` names which), then those that cannot be
+# combined with whole backwards; same form as _PLAN_CONFLICTS.
 _SPLIT_CONFLICTS = (
     ("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute",
      "{split} defers every weight gradient itself, the embedding's included"),
