@@ -259,13 +259,15 @@ def test_sequence_parallel_equals_one_process(checkout, workdir, sgd_reference, 
     _assert_same_curve(run, sgd_reference)
 
 
+# Refused starts: every rank checks the flags and prints the same one line, but torchrun stops the
+# other ranks as soon as the first one exits, so under load a slower rank may be stopped before it prints.
 def test_bert_script_with_bitpipe_is_refused_before_it_loads(checkout, workdir):
     script = checkout / "pretrain_bert.py"
     if not script.exists():
         pytest.skip(f"{checkout} has no pretrain_bert.py (core_v0.19.0)")
     run = torchrun(script, 2, ["--spec", "local", *TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"][2:]], workdir, timeout=300)
     errors = [line for line in run.output.splitlines() if line.startswith("megatron_bitpipe.run: error: ")]
-    assert run.returncode != 0 and len(errors) == 2, run.output[-3000:]  # one per rank
+    assert run.returncode != 0 and 1 <= len(errors) <= 2 and len(set(errors)) == 1, run.output[-3000:]  # one per rank that printed it
     assert errors[0].endswith(
         "cannot run Megatron-LM core_v0.16.1's pretrain_bert.py: the script imports Transformer Engine's BERT layer "
         "spec when it loads (whatever --spec says, so it does not load without transformer-engine), and its "
@@ -291,7 +293,7 @@ def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir, n
     run = torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir, timeout=300)
     assert run.returncode != 0
     errors = [line for line in run.output.splitlines() if line.startswith("megatron_bitpipe.run: error: ")]
-    assert len(errors) == 2, run.output[-3000:]  # one per rank
+    assert 1 <= len(errors) <= 2 and len(set(errors)) == 1, run.output[-3000:]  # one per rank that printed it
     assert message in run.output
     assert "initializing torch distributed" not in run.output
 
