@@ -80,7 +80,8 @@ def main(argv: Optional[List[str]] = None, *, prepare: Optional[Callable[[], Non
     warning = untested_warning(checkout)
     if warning is not None and os.environ.get("RANK", "0") == "0":
         print(f"megatron_bitpipe.run: warning: {warning}", file=sys.stderr, flush=True)
-    refusal = bitpipe_refusal(script, checkout) if _pipeline_schedule(argv[1:]) in plan_executed_schedules() else None
+    schedule = _pipeline_schedule(argv[1:])
+    refusal = bitpipe_refusal(script, checkout, schedule=schedule) if schedule in plan_executed_schedules() else None
     if refusal is not None:
         return _error(refusal)
     for path in dict.fromkeys([str(checkout.root), str(script.parent)]):

@@ -8,7 +8,9 @@
 * a model builder that ignores the chunk's process groups or config is refused, naming which;
   ``python -m megatron_bitpipe.run`` refuses Megatron-LM core_v0.16.1's pretrain_bert.py with
   bitpipe before loading it, saying why;
-* the loss reports of BitPipe's two edge ranks reach the last pipeline stage in micro-batch
+* the zero-bubble family's refusals on Megatron-LM's route, each naming its flag;
+* the loss reports of every rank holding a pipeline's last stage (BitPipe's two edge ranks,
+  the V's rank 0, the looped pipeline's last rank) reach the last pipeline stage in micro-batch
   order, with their dtypes (2 gloo ranks).
 """
 
@@ -100,10 +102,10 @@ def test_run_cli_reports_checkout_errors(tmp_path):
 
 
 BERT_REFUSAL = (
-    "--pipeline-schedule bitpipe cannot run Megatron-LM core_v0.16.1's pretrain_bert.py: the script imports "
+    "--pipeline-schedule {schedule} cannot run Megatron-LM core_v0.16.1's pretrain_bert.py: the script imports "
     "Transformer Engine's BERT layer spec when it loads (whatever --spec says, so it does not load without "
-    "transformer-engine), and its model_provider builds BertModel without the pg_collection it is given, so bitpipe "
-    "cannot build its chunks on their own process groups; BERT with bitpipe runs in megatron-bitpipe's "
+    "transformer-engine), and its model_provider builds BertModel without the pg_collection it is given, so {schedule} "
+    "cannot build its chunks on their own process groups; BERT with {schedule} runs in megatron-bitpipe's "
     "scripts/pretrain_bert.py"
 )
 
@@ -115,9 +117,11 @@ def test_bitpipe_refuses_megatron_lm_bert_script(tmp_path):
         (root / "tools").mkdir()
         (root / "tools" / "pretrain_bert.py").write_text("")
         checkout = find_checkout(root)
-        assert bitpipe_refusal((root / "pretrain_bert.py").resolve(), checkout) == (BERT_REFUSAL if refused else None)
-        assert bitpipe_refusal((root / "pretrain_gpt.py").resolve(), checkout) is None
-        assert bitpipe_refusal((root / "tools" / "pretrain_bert.py").resolve(), checkout) is None
+        for schedule in ("bitpipe", "zbv"):
+            refusal = bitpipe_refusal((root / "pretrain_bert.py").resolve(), checkout, schedule=schedule)
+            assert refusal == (BERT_REFUSAL.format(schedule=schedule) if refused else None)
+        assert bitpipe_refusal((root / "pretrain_gpt.py").resolve(), checkout, schedule="bitpipe") is None
+        assert bitpipe_refusal((root / "tools" / "pretrain_bert.py").resolve(), checkout, schedule="bitpipe") is None
 
 
 @pytest.mark.multirank
@@ -135,7 +139,7 @@ def test_run_cli_refuses_megatron_lm_bert_script_with_bitpipe_before_loading_it(
         )
         assert result.returncode == 2, (flags, result.stderr)
         if refused:
-            assert result.stderr == f"megatron_bitpipe.run: error: {BERT_REFUSAL}\n"
+            assert result.stderr == f"megatron_bitpipe.run: error: {BERT_REFUSAL.format(schedule='bitpipe')}\n"
         else:
             assert "cannot run" not in result.stderr and "imports 'megatron.training" in result.stderr, result.stderr
 
@@ -184,6 +188,37 @@ def test_incompatible_megatron_lm_flags_are_named_at_once():
         "--ckpt-format torch cannot be used with --pipeline-schedule bitpipe: use --ckpt-format torch_dist",
     ):
         assert expected in text, text
+
+
+ZERO_BUBBLE_FAMILY = ("zb-h1", "zbv", "dualpipe", "dualpipev", "chimera")
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE_FAMILY)
+def test_plan_schedules_refuse_what_they_cannot_run_on_megatron_lm(schedule):
+    """Each refusal names its flag, before any communication; the schedule's own placement and
+    backwards decide (tied embeddings where a pipeline ends apart from where it starts; the
+    weight-gradient deferral flags that contradict split or whole backwards)."""
+    from megatron_bitpipe.schedules import ScheduleChoice
+
+    choice, untie = ScheduleChoice(schedule), dict(untie_embeddings_and_output_weights=True)
+    flags = ("--pipeline-schedule", schedule)
+    validate_megatron_lm_args(megatron_lm_args(*flags, **untie))
+    if choice.placement(4).ties_embeddings:
+        validate_megatron_lm_args(megatron_lm_args(*flags))
+    else:
+        with pytest.raises(BitPipeConfigError, match=f"--pipeline-schedule {schedule} puts a pipeline's embedding and output layer on different ranks .*: add --untie-embeddings-and-output-weights"):
+            validate_megatron_lm_args(megatron_lm_args(*flags))
+    refused = dict(context_parallel_size=2, world_size=8, gtp_weight_remat_size=2, use_tp_pp_dp_mapping=True)
+    deferral = "defer_embedding_wgrad_compute" if choice.splits_backward else "delay_wgrad_compute"
+    with pytest.raises(BitPipeConfigError) as info:
+        validate_megatron_lm_args(megatron_lm_args(*flags, **untie, **refused, **{deferral: True}))
+    for flag in ("--context-parallel-size", "--tensor-parallel-num-weight-shards", "--use-tp-pp-dp-mapping", "--" + deferral.replace("_", "-")):
+        assert f"{flag} cannot be used with --pipeline-schedule {schedule}: " in str(info.value), str(info.value)
+    other = "delay_wgrad_compute" if choice.splits_backward else "defer_embedding_wgrad_compute"
+    validate_megatron_lm_args(megatron_lm_args(*flags, **untie, **{other: True}))  # Megatron-LM's own rules then apply
+    if not choice.splits_backward:
+        with pytest.raises(BitPipeConfigError, match=f"--defer-embedding-wgrad-compute cannot be used with --pipeline-schedule {schedule}: --split-backward defers"):
+            validate_megatron_lm_args(megatron_lm_args(*flags, "--split-backward", **untie, defer_embedding_wgrad_compute=True))
 
 
 def test_bitpipe_recompute_layers_must_fit_its_chunks():
@@ -266,20 +301,20 @@ def test_model_builder_must_honour_config_and_process_groups():
     assert builder == f"the model_provider of {__file__}"
     spec = ChunkSpec(first_layer=6, num_layers=2, pre_process=False, post_process=False, pipeline=1, stage=3)
     ours = object()
-    _check_chunk(_Chunk(6, ours), spec, ours, builder)
+    _check_chunk(_Chunk(6, ours), spec, ours, builder, schedule="bitpipe")
     for first_layer in (6, 0):  # megatron's global groups, whatever the layers
         with pytest.raises(BitPipeConfigError) as info:
-            _check_chunk(_Chunk(first_layer, object()), spec, ours, builder)
+            _check_chunk(_Chunk(first_layer, object()), spec, ours, builder, schedule="bitpipe")
         message = str(info.value)
         assert message.startswith(f"--pipeline-schedule bitpipe: {builder} built _Chunk without the pg_collection it was given")
         assert "pretrain_bert.py does not" in message and "should start at layer" not in message
     with pytest.raises(BitPipeConfigError) as info:
-        _check_chunk(_Chunk(0, ours), spec, ours, builder)  # megatron's looped layers
+        _check_chunk(_Chunk(0, ours), spec, ours, builder, schedule="bitpipe")  # megatron's looped layers
     assert str(info.value).startswith(f"--pipeline-schedule bitpipe: {builder} did not build the chunk from the config it was given")
     assert "stage 4 of pipeline B should start at layer 6, the model starts at 0" in str(info.value)
     assert "pg_collection" not in str(info.value)
     with pytest.raises(BitPipeConfigError, match="_Chunk is not built on a TransformerBlock .*GPTModel or BertModel"):
-        _check_chunk(_Chunk(6, ours, block=_HybridStack), spec, ours, builder)
+        _check_chunk(_Chunk(6, ours, block=_HybridStack), spec, ours, builder, schedule="bitpipe")
 
 
 def test_hybrid_models_are_refused_before_communication():
@@ -309,14 +344,16 @@ def test_virtual_pipeline_messages_name_megatron_lm_flags():
     assert "interleaved (needs --num-virtual-stages-per-pipeline-rank)" in schedule_help
 
 
-def _relay() -> dict:
-    from megatron_bitpipe.megatron_lm.losses import gather_losses_on_last_stage
+def _relay(placement: str) -> dict:
+    from megatron_bitpipe.megatron_lm.losses import gather_losses_on_last_stage, loss_ranks
     from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
-    from megatron_bitpipe.schedules.placement import bidirectional_v
+    from megatron_bitpipe.schedules import placement as placements
 
-    groups = PipelineGroups.build(ParallelGrid(pp=2), bidirectional_v(2))
-    # Micro-batches 0, 1 on pipeline rank 0 (pipeline A) and 2, 3 on rank 1 (pipeline B).
-    mine = [0, 1] if groups.pp_rank == 0 else [2, 3]
+    groups = PipelineGroups.build(ParallelGrid(pp=2), getattr(placements, placement)(2))
+    # bidirectional V: micro-batches 0, 1 on pipeline rank 0 (pipeline A) and 2, 3 on rank 1
+    # (pipeline B); V: all four on rank 0, where the V ends; looped: all four on rank 1.
+    senders = loss_ranks(groups.placement)
+    mine = [m for m in range(4) if senders[m * len(senders) // 4] == groups.pp_rank]
     token_reports = [{"lm loss": torch.tensor([10.0 * m + 0.5, 7 + m])} for m in mine]
     scalar_reports = [{"lm loss": torch.tensor(float(m)), "count": torch.tensor(m)} for m in mine]
     return {
@@ -326,8 +363,9 @@ def _relay() -> dict:
 
 
 @pytest.mark.multirank
-def test_losses_reach_the_last_pipeline_stage():
-    first, last = launch(_relay, 2, timeout=120)
+@pytest.mark.parametrize("placement", ["bidirectional_v", "v_shape", "looped"])
+def test_losses_reach_the_last_pipeline_stage(placement):
+    first, last = launch(_relay, 2, placement, timeout=120)
     assert first == {"token": [], "scalars": []}
     assert len(last["token"]) == len(last["scalars"]) == 4
     for m in range(4):

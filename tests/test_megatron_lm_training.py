@@ -13,8 +13,13 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   (4 ranks); the runtime route's tensor 2 x pipeline 2 run saves a checkpoint at iteration 2;
 * resuming that checkpoint (``--load``, ``--ckpt-step 2``) continues the same loss curve;
 * runtime route with ``--use-distributed-optimizer``, pipeline 2 x data parallel 2 (4 ranks,
-  one distributed optimizer per chunk), saving at iteration 2; resumed with BitPipe at
-  tensor 2 x pipeline 2 and the distributed optimizer, it continues the curve;
+  one distributed optimizer per chunk), with BitPipe, ZB-V and DualPipeV, saving at iteration 2;
+  BitPipe's checkpoint resumed with DualPipeV and ZB-V's with BitPipe, at tensor 2 x pipeline 2
+  and the distributed optimizer, continue the curve;
+* the other plan schedules on the runtime route: ZB-H1 (pipeline 4, tied embeddings: megatron's
+  tying over its first and last rank), DualPipe (pipeline 4) and Chimera (tensor 2 x pipeline 2),
+  both with ``--untie-embeddings-and-output-weights`` against the reference with it;
+* the patch route with ZB-V (pipeline 4), whose losses are computed on pipeline rank 0 only;
 * activation recompute (Megatron-LM's flags) with BitPipe, pipeline 2: full recompute with
   the split backward, selective recompute without;
 * Megatron-LM's interleaved schedule with its default overlapped p2p communication
@@ -24,7 +29,8 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   point gives norms that support it: the default schedule and BitPipe (pipeline 2) train like
   the reference, both with SGD at a learning rate where a norm gradient left unsummed over the
   tensor-parallel ranks shows in the validation loss and grad norm;
-* invalid flags stop every rank with one error line before torch.distributed starts, and
+* invalid flags (among them dualpipe with tied embeddings) stop every rank with one error line
+  before torch.distributed starts, and
   ``pretrain_bert.py`` (core_v0.16.1) with BitPipe is refused before it loads, saying why;
 * ``--optimizer lamb --lr-decay-style rex`` and ``--optimizer schedulefree_adamw``: BitPipe
   (pipeline 4) trains like the reference with the same optimizer.
@@ -39,6 +45,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+from typing import Callable, Dict
 
 import pytest
 
@@ -49,6 +56,7 @@ from .megatron_lm_support import REPO, TINY_GPT, Run, checkout_or_skip, checkpoi
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 RTOL = 1e-5
 BITPIPE = ["--pipeline-schedule", "bitpipe"]
+UNTIE = "--untie-embeddings-and-output-weights"
 LAYOUTS = {
     "pp4": ["--pipeline-model-parallel-size", "4"],
     "tp2_pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
@@ -74,12 +82,26 @@ def reference(checkout, workdir) -> Run:
 
 
 @pytest.fixture(scope="module")
-def bitpipe_distopt(checkout, workdir) -> Run:
-    if checkpoint_writer_problem(checkout):
-        pytest.skip(checkpoint_writer_problem(checkout))
-    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-             "--save", str(workdir / "checkpoint_distopt"), "--save-interval", "2"]
-    return _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
+def untied_reference(checkout, workdir) -> Run:
+    """The reference with its own output layer (dualpipe and chimera refuse tied embeddings)."""
+    return _ok(torchrun(checkout / "pretrain_gpt.py", 1, [*TINY_GPT, UNTIE, "--layout-independent-init"], workdir))
+
+
+@pytest.fixture(scope="module")
+def distopt_runs(checkout, workdir) -> Callable[[str], Run]:
+    """``run(schedule)``: the schedule at pipeline 2 x data parallel 2 with
+    ``--use-distributed-optimizer``, saving at iteration 2 into ``checkpoint_distopt_<schedule>``
+    where Megatron-LM's checkpoint writer runs (each schedule runs once per module)."""
+    runs: Dict[str, Run] = {}
+
+    def run(schedule: str) -> Run:
+        if schedule not in runs:
+            save = [] if checkpoint_writer_problem(checkout) else ["--save", str(workdir / f"checkpoint_distopt_{schedule}"), "--save-interval", "2"]
+            flags = [*TINY_GPT, "--pipeline-schedule", schedule, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", *save]
+            runs[schedule] = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
+        return runs[schedule]
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -144,20 +166,54 @@ def test_resume_from_bitpipe_checkpoint_continues_the_curve(runtime_runs, checko
     _assert_resumed_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
-def test_runtime_route_distributed_optimizer_equals_one_process(bitpipe_distopt, reference):
-    _assert_same_curve(bitpipe_distopt, reference)
-    assert "saves its optimizer state fully reshardable" in bitpipe_distopt.output
+@pytest.mark.parametrize("schedule", ["bitpipe", "zbv", "dualpipev"])
+def test_runtime_route_distributed_optimizer_equals_one_process(distopt_runs, reference, schedule):
+    run = distopt_runs(schedule)
+    _assert_same_curve(run, reference)
+    assert "saves its optimizer state fully reshardable" in run.output
 
 
-def test_distributed_optimizer_checkpoint_resumes_in_another_layout(bitpipe_distopt, checkout, workdir, reference):
-    flags = [*TINY_GPT, *BITPIPE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-             "--use-distributed-optimizer", "--load", str(workdir / "checkpoint_distopt"), "--ckpt-step", "2"]
+# A distributed-optimizer checkpoint of one schedule at pipeline 2 x data parallel 2, resumed by
+# another schedule at tensor 2 x pipeline 2 (both directions between BitPipe and a V schedule).
+RESUMED_BY = {"bitpipe": "dualpipev", "zbv": "bitpipe"}
+
+
+@pytest.mark.parametrize("saved_by", list(RESUMED_BY))
+def test_distributed_optimizer_checkpoint_resumes_in_another_layout_and_schedule(distopt_runs, checkout, workdir, reference, saved_by):
+    if checkpoint_writer_problem(checkout):
+        pytest.skip(checkpoint_writer_problem(checkout))
+    distopt_runs(saved_by)
+    flags = [*TINY_GPT, "--pipeline-schedule", RESUMED_BY[saved_by], "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--use-distributed-optimizer", "--load", str(workdir / f"checkpoint_distopt_{saved_by}"), "--ckpt-step", "2"]
     _assert_resumed_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_patch_route_bitpipe_equals_one_process(patched_checkout, workdir, reference, layout):
-    flags = [*TINY_GPT, *BITPIPE, *LAYOUTS[layout]]
+# The other plan schedules on the runtime route, each against the one-process reference of its
+# embeddings (tied where the placement allows, else --untie-embeddings-and-output-weights).
+PLAN_SCHEDULE_RUNS = {
+    "zb-h1_pp4": ["--pipeline-schedule", "zb-h1", *LAYOUTS["pp4"]],
+    "dualpipe_pp4": ["--pipeline-schedule", "dualpipe", *LAYOUTS["pp4"], UNTIE],
+    "chimera_tp2_pp2": ["--pipeline-schedule", "chimera", *LAYOUTS["tp2_pp2"], UNTIE],
+}
+
+
+@pytest.mark.parametrize("name", list(PLAN_SCHEDULE_RUNS))
+def test_runtime_route_plan_schedules_equal_one_process(checkout, workdir, request, name):
+    flags = PLAN_SCHEDULE_RUNS[name]
+    expected = request.getfixturevalue("untied_reference" if UNTIE in flags else "reference")
+    _assert_same_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 4, [*TINY_GPT, *flags], workdir)), expected)
+
+
+PATCH_ROUTE_RUNS = {
+    "bitpipe_pp4": [*BITPIPE, *LAYOUTS["pp4"]],
+    "bitpipe_tp2_pp2": [*BITPIPE, *LAYOUTS["tp2_pp2"]],
+    "zbv_pp4": ["--pipeline-schedule", "zbv", *LAYOUTS["pp4"]],
+}
+
+
+@pytest.mark.parametrize("name", list(PATCH_ROUTE_RUNS))
+def test_patch_route_equals_one_process(patched_checkout, workdir, reference, name):
+    flags = [*TINY_GPT, *PATCH_ROUTE_RUNS[name]]
     _assert_same_curve(_ok(torchrun(patched_checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
@@ -203,13 +259,15 @@ def test_sequence_parallel_equals_one_process(checkout, workdir, sgd_reference, 
     _assert_same_curve(run, sgd_reference)
 
 
+# Refused starts: every rank checks the flags and prints the same one line, but torchrun stops the
+# other ranks as soon as the first one exits, so under load a slower rank may be stopped before it prints.
 def test_bert_script_with_bitpipe_is_refused_before_it_loads(checkout, workdir):
     script = checkout / "pretrain_bert.py"
     if not script.exists():
         pytest.skip(f"{checkout} has no pretrain_bert.py (core_v0.19.0)")
     run = torchrun(script, 2, ["--spec", "local", *TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"][2:]], workdir, timeout=300)
     errors = [line for line in run.output.splitlines() if line.startswith("megatron_bitpipe.run: error: ")]
-    assert run.returncode != 0 and len(errors) == 2, run.output[-3000:]  # one per rank
+    assert run.returncode != 0 and 1 <= len(errors) <= 2 and len(set(errors)) == 1, run.output[-3000:]  # one per rank that printed it
     assert errors[0].endswith(
         "cannot run Megatron-LM core_v0.16.1's pretrain_bert.py: the script imports Transformer Engine's BERT layer "
         "spec when it loads (whatever --spec says, so it does not load without transformer-engine), and its "
@@ -219,13 +277,24 @@ def test_bert_script_with_bitpipe_is_refused_before_it_loads(checkout, workdir):
     assert "Transformer Engine is not installed" not in run.output  # refused before the script's imports
 
 
-def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir):
-    flags = [*TINY_GPT, *BITPIPE, "--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"]
+INVALID = {
+    "bitpipe_tp_pp_dp_mapping": (["--pipeline-schedule", "bitpipe", "--use-tp-pp-dp-mapping"],
+                                 "--use-tp-pp-dp-mapping cannot be used with --pipeline-schedule bitpipe"),
+    "dualpipe_tied": (["--pipeline-schedule", "dualpipe"],
+                      "--pipeline-schedule dualpipe puts a pipeline's embedding and output layer on different ranks of its "
+                      "bidirectional placement: add --untie-embeddings-and-output-weights"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(INVALID))
+def test_invalid_flags_stop_every_rank_before_communication(checkout, workdir, name):
+    extra, message = INVALID[name]
+    flags = [*TINY_GPT, *extra, "--pipeline-model-parallel-size", "2"]
     run = torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir, timeout=300)
     assert run.returncode != 0
     errors = [line for line in run.output.splitlines() if line.startswith("megatron_bitpipe.run: error: ")]
-    assert len(errors) == 2, run.output[-3000:]  # one per rank
-    assert "--use-tp-pp-dp-mapping cannot be used with --pipeline-schedule bitpipe" in run.output
+    assert 1 <= len(errors) <= 2 and len(set(errors)) == 1, run.output[-3000:]  # one per rank that printed it
+    assert message in run.output
     assert "initializing torch distributed" not in run.output
 
 

@@ -10,10 +10,13 @@ choices of Megatron-LM's ``--optimizer`` (``lamb``, ``onebit_lamb``,
 :func:`validate_megatron_lm_args` runs after Megatron-LM's ``validate_args`` (which fills in
 ``data_parallel_size`` and the other derived fields) and before ``torch.distributed`` is
 initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`
-plus, when this package's plan executor runs the schedule (``bitpipe``), the Megatron-LM
-features its chunks cannot be combined with and the activation-recompute rules for its chunks of
-``--num-layers`` / stages per pipeline (``2 x --pipeline-model-parallel-size`` for bitpipe)
-layers (:func:`~megatron_bitpipe.megatron_args.recompute_problems`). It raises
+(among them the schedule's own rules and tied embeddings on a placement whose pipelines end
+apart: dualpipe, chimera) plus, when this package's plan executor runs the schedule (bitpipe,
+chimera, zb-h1, zbv, dualpipe, dualpipev), the Megatron-LM features its chunks cannot be
+combined with, Megatron-LM's weight-gradient deferral flags that contradict the schedule's
+backwards (split or whole), and the activation-recompute rules for its chunks of
+``--num-layers`` / stages per pipeline (``2 x --pipeline-model-parallel-size`` for bitpipe, zbv
+and dualpipev) layers (:func:`~megatron_bitpipe.megatron_args.recompute_problems`). It raises
 :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
 """
 
@@ -70,11 +73,25 @@ _PLAN_CONFLICTS = (
     ("use_legacy_models", "--use-legacy-models", "{schedule} builds megatron-core models"),
     ("init_model_with_meta_device", "--init-model-with-meta-device", "{schedule} initialises weights from --seed"),
     ("yaml_cfg", "--yaml-cfg", "{schedule} reads the model from command-line flags"),
+    ("gtp_weight_remat_size", "--tensor-parallel-num-weight-shards",
+     "{schedule} builds its process groups over tensor x data x pipeline ranks, without a weight-shard axis"),
+)
+# Flags that cannot be combined with split backwards (--split-backward, or a schedule that always
+# splits: ScheduleChoice.splits_backward; ``{split}`` names which), then those that cannot be
+# combined with whole backwards; same form as _PLAN_CONFLICTS.
+_SPLIT_CONFLICTS = (
+    ("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute",
+     "{split} defers every weight gradient itself, the embedding's included"),
+)
+_WHOLE_BACKWARD_CONFLICTS = (
+    ("delay_wgrad_compute", "--delay-wgrad-compute",
+     "{schedule} runs whole backwards, so nothing would compute the deferred weight gradients (add --split-backward, "
+     "or choose a schedule that splits its backwards)"),
 )
 # The layer pattern of a hybrid (Mamba) model; core_v0.19 copies the deprecated override flag
 # into hybrid_layer_pattern, so the first one set is the one the user typed.
 _HYBRID_PATTERNS = (("hybrid_override_pattern", "--hybrid-override-pattern"), ("hybrid_layer_pattern", "--hybrid-layer-pattern"))
-_PARALLEL_SIZES = {"context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances"}
+_PARALLEL_SIZES = {"context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances", "gtp_weight_remat_size"}
 
 
 def _extend_choices(parser: argparse.ArgumentParser, flag: str, extra) -> None:
@@ -123,7 +140,8 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     :attr:`~megatron_bitpipe.schedules.ScheduleChoice.plan_executed`); each message names the
     schedule."""
     problems: List[str] = bitpipe_arg_problems(args, virtual_size_flag=VIRTUAL_SIZE_FLAG)
-    choice = ScheduleChoice(resolved_schedule(args))  # the cost file, if any, is checked above
+    # the cost file, if any, is checked above
+    choice = ScheduleChoice(resolved_schedule(args), split_backward=bool(getattr(args, "split_backward", False)))
     problems += optimizer_problems(args, schedule=choice.schedule, megatron_lm=True)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(
@@ -133,7 +151,12 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     if choice.plan_executed:
         schedule, pp = choice.schedule, args.pipeline_model_parallel_size
         stages = choice.placement(pp).num_stages
-        for attribute, flag, reason in _PLAN_CONFLICTS:
+        if choice.splits_backward:
+            split = "--split-backward" if choice.split_backward else f"--pipeline-schedule {schedule} (its backwards are always split)"
+            conflicts = [(a, f, r.format(split=split)) for a, f, r in _SPLIT_CONFLICTS]
+        else:
+            conflicts = list(_WHOLE_BACKWARD_CONFLICTS)
+        for attribute, flag, reason in (*_PLAN_CONFLICTS, *conflicts):
             value = getattr(args, attribute, None)
             if (value or 0) > 1 if attribute in _PARALLEL_SIZES else value:
                 problems.append(f"{flag} cannot be used with --pipeline-schedule {schedule}: {reason.format(schedule=schedule, stages=stages)}")

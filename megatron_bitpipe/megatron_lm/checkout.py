@@ -46,10 +46,10 @@ _BITPIPE_UNSUPPORTED = {
     ("core_v0.16.1", "pretrain_bert.py"): (
         "the script imports Transformer Engine's BERT layer spec when it loads (whatever --spec says, so it does not "
         "load without transformer-engine), and its model_provider builds BertModel without the pg_collection it is "
-        "given, so bitpipe cannot build its chunks on their own process groups"
+        "given, so {schedule} cannot build its chunks on their own process groups"
     ),
 }
-"""(tag, script at the checkout root) -> why ``--pipeline-schedule bitpipe`` cannot run it."""
+"""(tag, script at the checkout root) -> why a plan schedule (``{schedule}`` in the text) cannot run it."""
 _PACKAGE_INFO = Path("megatron", "core", "package_info.py")
 _TRAINING = Path("megatron", "training")
 
@@ -116,16 +116,16 @@ def untested_warning(checkout: Checkout) -> Optional[str]:
     )
 
 
-def bitpipe_refusal(script: Path, checkout: Checkout) -> Optional[str]:
-    """Why ``--pipeline-schedule bitpipe`` cannot run ``script`` (absolute) of ``checkout``, or
-    None: Megatron-LM core_v0.16.1's ``pretrain_bert.py`` (BERT with bitpipe:
-    megatron-bitpipe's ``scripts/pretrain_bert.py``)."""
+def bitpipe_refusal(script: Path, checkout: Checkout, *, schedule: str) -> Optional[str]:
+    """Why ``--pipeline-schedule schedule`` (one this package's plan executor runs) cannot run
+    ``script`` (absolute) of ``checkout``, or None: Megatron-LM core_v0.16.1's
+    ``pretrain_bert.py`` (BERT with a plan schedule: megatron-bitpipe's ``scripts/pretrain_bert.py``)."""
     reason = _BITPIPE_UNSUPPORTED.get((checkout.tag, script.name)) if script.parent == checkout.root else None
     if reason is None:
         return None
     return (
-        f"--pipeline-schedule bitpipe cannot run Megatron-LM {checkout.tag}'s {script.name}: {reason}; "
-        "BERT with bitpipe runs in megatron-bitpipe's scripts/pretrain_bert.py"
+        f"--pipeline-schedule {schedule} cannot run Megatron-LM {checkout.tag}'s {script.name}: "
+        f"{reason.format(schedule=schedule)}; BERT with {schedule} runs in megatron-bitpipe's scripts/pretrain_bert.py"
     )
 
 

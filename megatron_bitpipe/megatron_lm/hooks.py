@@ -8,17 +8,18 @@ Megatron-LM needs six things from the plugin; both routes call the same function
    and before ``torch.distributed`` starts, checks the flags on every rank, makes the run's
    :class:`~megatron_bitpipe.run_config.RunConfig` from Megatron-LM's namespace, once, and
    installs the schedule where Megatron-LM's ``train`` and ``evaluate`` look it up (for a schedule
-   this package's plan executor runs, ``bitpipe``: the variant that hands the loss reports to the
+   this package's plan executor runs — bitpipe, chimera, zb-h1, zbv, dualpipe, dualpipev: the variant that hands the loss reports to the
    last pipeline stage, :mod:`.losses`). The installed function holds the RunConfig
    (:func:`~megatron_bitpipe.plugin.installed_schedule`): Megatron-LM calls the hooks below by
    name, and they take every decision from it (:func:`run_config`).
-3. **Model**: :func:`get_model` builds BitPipe's V chunks (:mod:`.model`) or defers to
+3. **Model**: :func:`get_model` builds the plan schedule's chunks (:mod:`.model`) or defers to
    Megatron-LM's own ``get_model``, re-initialising its chunks from the seed with
    ``--layout-independent-init``.
-4. **Batch**: :func:`broadcast_full_batch` — with BitPipe each edge rank embeds the tokens
-   *and* computes the loss, so every tensor-parallel rank there needs tokens, labels and loss
-   mask; Megatron-LM's ``get_batch_on_this_tp_rank`` broadcasts all of them on its
-   ``mtp_on_this_rank`` path and only half of them on a first or last pipeline stage.
+4. **Batch**: :func:`broadcast_full_batch` — with a plan schedule a rank that embeds the
+   tokens may compute the loss too (BitPipe's edge ranks, rank 0 of the V schedules), so every
+   tensor-parallel rank there needs tokens, labels and loss mask; Megatron-LM's
+   ``get_batch_on_this_tp_rank`` broadcasts all of them on its ``mtp_on_this_rank`` path and
+   only half of them on a first or last pipeline stage.
 5. **Optimizers and schedules** (:mod:`megatron_bitpipe.optimizers`):
    :func:`get_megatron_optimizer_config` and :func:`get_megatron_optimizer` build ``--optimizer
    lamb``, ``onebit_lamb`` and ``schedulefree_adamw`` (Megatron-LM's own optimizers otherwise);
@@ -26,7 +27,7 @@ Megatron-LM needs six things from the plugin; both routes call the same function
    warm-up of its own for Schedule-Free, which warms up itself); :func:`evaluate`,
    :func:`save_checkpoint` and :func:`load_checkpoint` run Megatron-LM's functions with
    Schedule-Free's averaged weights in the model (:func:`~megatron_bitpipe.optimizers.averaged_weights`).
-   With BitPipe and ``--use-distributed-optimizer``, :func:`get_megatron_optimizer` builds one
+   With a plan schedule and ``--use-distributed-optimizer``, :func:`get_megatron_optimizer` builds one
    distributed optimizer per chunk, over the chunk's grad-sync group
    (:mod:`megatron_bitpipe.execution.distributed_optimizer`).
 6. **Checkpoints**: :func:`load_checkpoint` runs the checks of :mod:`.checkpointing` first (any

@@ -1,15 +1,18 @@
-"""Model chunks for Megatron-LM's training loop: BitPipe's V layout, seed-only initial weights.
+"""Model chunks for Megatron-LM's training loop: a plan schedule's placement, seed-only initial weights.
 
-:func:`get_bitpipe_model` replaces Megatron-LM's ``training.get_model`` when the schedule is
-``bitpipe``. It builds this rank's four chunks of the bidirectional V
-(:func:`~megatron_bitpipe.schedules.placement.bidirectional_v`) by calling the script's own
+:func:`get_bitpipe_model` replaces Megatron-LM's ``training.get_model`` when this package's
+plan executor runs the schedule (bitpipe, chimera, zb-h1, zbv, dualpipe, dualpipev). It builds
+this rank's chunks of the schedule's placement (BitPipe: four chunks of the bidirectional V,
+:func:`~megatron_bitpipe.schedules.placement.bidirectional_v`; ZB-V and DualPipeV: two of one V;
+DualPipe and Chimera: two, one per pipeline; ZB-H1: one) by calling the script's own
 ``model_provider`` once per chunk, with
 
 * ``config``: Megatron-LM's config from the command line
   (``core_transformer_config_from_args``) with the chunk's explicit global layer range
-  (:func:`~megatron_bitpipe.model.chunks.chunk_config`), so the V's layer offsets hold;
+  (:func:`~megatron_bitpipe.model.chunks.chunk_config`), so the placement's layer offsets hold;
 * ``pre_process`` / ``post_process``: whether the chunk holds its pipeline's first / last
-  stage (embedding on stage 1, final norm + head + loss on stage 2D: both on the edge ranks);
+  stage (embedding and final norm + head + loss: on the edge ranks for BitPipe, on rank 0 for
+  the V schedules);
 * ``pg_collection``: the rank's process groups
   (:class:`~megatron_bitpipe.execution.groups.PipelineGroups` ``rank_pgs``, plain data
   parallelism, which Megatron-LM's loop reads off the model for its loss average and
@@ -19,16 +22,17 @@
 The chunk flow is the runtime's :func:`~megatron_bitpipe.model.chunks.build_chunks` (config
 and placement checks, per-chunk configs and groups, tying) with the ``model_provider`` as the
 chunk factory. Then, like :func:`~megatron_bitpipe.model.build.build_pipeline_model`: a tied
-head is made the embedding chunk's word-embedding Parameter (one weight per rank, gradient
-counted once), every weight is initialised from ``--seed`` and its full-model name (both
+head is made the embedding chunk's word-embedding Parameter where a pipeline starts and ends on
+one rank (one weight per rank, gradient counted once; ZB-H1's looped pipeline ties megatron's
+way, over the embedding group of its first and last rank), every weight is initialised from ``--seed`` and its full-model name (both
 replicas identical, equal to any other layout's; megatron's own initialisation is skipped, each
 rank draws only its shards), each chunk gets the placement-aware
 ``sharded_state_dict`` of distributed checkpoints
-(:mod:`~megatron_bitpipe.model.sharded_state`), the second replica's parameters are marked
+(:mod:`~megatron_bitpipe.model.sharded_state`), a second replica's parameters are marked
 for the non-distributed optimizer's grad norm, fp16/bf16 chunks are wrapped in the runtime's
 :class:`~megatron_bitpipe.model.precision.ChunkFloat16Module` (inputs cast where the chunk
 embeds, outputs upcast where it computes the loss) and each chunk gets its own megatron DDP
-over its grad-sync group, always with ``overlap_grad_reduce`` (BitPipe's eager per-chunk
+over its grad-sync group, always with ``overlap_grad_reduce`` (the executor's eager per-chunk
 all-reduce; with ``--use-distributed-optimizer`` a reduce-scatter, and each chunk then has its
 own distributed optimizer: :func:`megatron_bitpipe.megatron_lm.hooks.get_megatron_optimizer`).
 
@@ -67,7 +71,7 @@ __all__ = ["get_bitpipe_model", "initialize_chunks_from_seed"]
 
 
 def _ddp_config(args, run_config: RunConfig) -> DistributedDataParallelConfig:
-    """Megatron-LM's DDP settings that apply to BitPipe's per-chunk DDP (one bucket per chunk)."""
+    """Megatron-LM's DDP settings that apply to the plan schedule's per-chunk DDP (one bucket per chunk)."""
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=True,
@@ -79,26 +83,27 @@ def _ddp_config(args, run_config: RunConfig) -> DistributedDataParallelConfig:
     )
 
 
-def _check_chunk(chunk: torch.nn.Module, spec: ChunkSpec, pg_collection, builder: str) -> None:
+def _check_chunk(chunk: torch.nn.Module, spec: ChunkSpec, pg_collection, builder: str, *, schedule: str) -> None:
     """``builder`` (the script's model_provider, or a model builder) honoured ``pg_collection``
-    and ``config`` (the chunk's layer range); each failure is named on its own."""
+    and ``config`` (the chunk's layer range); each failure is named on its own, with the
+    ``--pipeline-schedule`` value ``schedule``."""
     model = unwrap_model(chunk)
     try:
         block = transformer_block_of(model)
     except ValueError as error:
-        raise BitPipeConfigError(f"--pipeline-schedule bitpipe: {error}") from None
+        raise BitPipeConfigError(f"--pipeline-schedule {schedule}: {error}") from None
     if getattr(model, "pg_collection", None) is not pg_collection:
         raise BitPipeConfigError(
-            f"--pipeline-schedule bitpipe: {builder} built {type(model).__name__} without the pg_collection it was "
-            "given (the model took megatron's global process groups), so bitpipe cannot build its chunks on their own "
+            f"--pipeline-schedule {schedule}: {builder} built {type(model).__name__} without the pg_collection it was "
+            f"given (the model took megatron's global process groups), so {schedule} cannot build its chunks on their own "
             "groups; the model must get pg_collection (and config), as Megatron-LM's gpt_builder passes them "
-            "(Megatron-LM core_v0.16.1's pretrain_bert.py does not: BERT with bitpipe runs in megatron-bitpipe's "
+            f"(Megatron-LM core_v0.16.1's pretrain_bert.py does not: BERT with {schedule} runs in megatron-bitpipe's "
             "scripts/pretrain_bert.py)"
         )
     first = block.layers[0].layer_number - 1 if len(block.layers) else None
     if first != spec.first_layer:
         raise BitPipeConfigError(
-            f"--pipeline-schedule bitpipe: {builder} did not build the chunk from the config it was given, so bitpipe "
+            f"--pipeline-schedule {schedule}: {builder} did not build the chunk from the config it was given, so {schedule} "
             f"cannot place its chunks: stage {spec.stage + 1} of pipeline {'AB'[spec.pipeline]} should start at layer "
             f"{spec.first_layer}, the model starts at {first} (the model must get config, whose layout holds the "
             "chunk's layer range, as Megatron-LM's gpt_builder passes it)"
@@ -158,13 +163,13 @@ def get_bitpipe_model(
     config=None,
     pg_collection=None,
 ) -> List[torch.nn.Module]:
-    """This rank's BitPipe chunks, with Megatron-LM ``get_model``'s signature and result
+    """This rank's chunks of the plan schedule, with Megatron-LM ``get_model``'s signature and result
     after ``run_config`` (the run's decisions: the schedule's placement, the layout, precision).
 
-    Returns the four chunks (local chunk order of the placement), wrapped like Megatron-LM's
+    Returns the placement's chunks of this rank (local chunk order), wrapped like Megatron-LM's
     (fp16/bf16 wrapper, then DDP unless ``wrap_with_ddp`` is false); see the module docstring.
     ``pg_collection`` (Megatron-LM's global groups, given since core_v0.19) is replaced by
-    BitPipe's own groups. Collective over all ranks (process groups, as Megatron-LM's ``get_model``).
+    the placement's own groups. Collective over all ranks (process groups, as Megatron-LM's ``get_model``).
     """
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
@@ -176,16 +181,17 @@ def get_bitpipe_model(
 
 
 def build_bitpipe_model_with(run_config: RunConfig, builder, megatron_build: Callable, *args, **kwargs) -> List[torch.nn.Module]:
-    """This rank's BitPipe chunks (after ``run_config``) from a Megatron-LM model builder, with the
-    signature and result of its ``build_distributed_models`` (``megatron_build``, the builder's own
-    method, whose arguments ``args`` / ``kwargs`` are). Only builders of GPTModel can place
-    BitPipe's chunks."""
+    """This rank's chunks of the plan schedule (after ``run_config``) from a Megatron-LM model
+    builder, with the signature and result of its ``build_distributed_models`` (``megatron_build``,
+    the builder's own method, whose arguments ``args`` / ``kwargs`` are). Only builders of GPTModel
+    can place the schedule's chunks."""
     from megatron.training import get_args
 
     if not isinstance(builder, megatron_compat.megatron_lm_functions().gpt_builder):
+        schedule = run_config.schedule.schedule
         raise BitPipeConfigError(
-            f"--pipeline-schedule bitpipe builds GPTModel chunks (pretrain_gpt.py); {type(builder).__name__} "
-            "picks each pipeline stage's layers in megatron's looped order and cannot hold BitPipe's V stages"
+            f"--pipeline-schedule {schedule} builds GPTModel chunks (pretrain_gpt.py); {type(builder).__name__} "
+            f"picks each pipeline stage's layers in megatron's looped order and cannot hold {schedule}'s stages"
         )
     call = inspect.signature(megatron_build).bind(*args, **kwargs)
     call.apply_defaults()
@@ -199,7 +205,7 @@ def _bitpipe_chunks(
     args, run_config: RunConfig, make: ChunkMaker, builder: str, config, model_type, wrap_with_ddp: bool
 ) -> List[torch.nn.Module]:
     if model_type != ModelType.encoder_or_decoder:
-        raise BitPipeConfigError(f"--pipeline-schedule bitpipe does not support {model_type} models (encoder-decoder)")
+        raise BitPipeConfigError(f"--pipeline-schedule {run_config.schedule.schedule} does not support {model_type} models (encoder-decoder)")
     args.model_type = model_type
     layout = run_config.layout
     grid = ParallelGrid(tp=layout.tensor, dp=layout.data, pp=layout.pipeline)
@@ -216,7 +222,7 @@ def _bitpipe_chunks(
             pg_collection=groups.rank_pgs,
             share_embeddings_and_output_weights=tie_in_chunk,
         )
-        _check_chunk(chunk, spec, groups.rank_pgs, builder)
+        _check_chunk(chunk, spec, groups.rank_pgs, builder, schedule=run_config.schedule.schedule)
         chunk.model_type = model_type
         return chunk
 
