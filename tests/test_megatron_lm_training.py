@@ -18,7 +18,9 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   and the distributed optimizer, continue the curve;
 * the other plan schedules on the runtime route: ZB-H1 (pipeline 4, tied embeddings: megatron's
   tying over its first and last rank), DualPipe (pipeline 4) and Chimera (tensor 2 x pipeline 2),
-  both with ``--untie-embeddings-and-output-weights`` against the reference with it;
+  both with ``--untie-embeddings-and-output-weights`` against the reference with it; ZB-H1 and
+  DualPipe again at pipeline 2 x data parallel 2 and Chimera at tensor 2 x pipeline 2 with
+  ``--use-distributed-optimizer``;
 * the patch route with ZB-V (pipeline 4), whose losses are computed on pipeline rank 0 only;
 * activation recompute (Megatron-LM's flags) with BitPipe, pipeline 2: full recompute with
   the split backward, selective recompute without;
@@ -190,10 +192,13 @@ def test_distributed_optimizer_checkpoint_resumes_in_another_layout_and_schedule
 
 # The other plan schedules on the runtime route, each against the one-process reference of its
 # embeddings (tied where the placement allows, else --untie-embeddings-and-output-weights).
+DISTOPT_PP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]  # x data parallel 2
 PLAN_SCHEDULE_RUNS = {
     "zb-h1_pp4": ["--pipeline-schedule", "zb-h1", *LAYOUTS["pp4"]],
+    "zb-h1_pp2_dp2_distopt": ["--pipeline-schedule", "zb-h1", *DISTOPT_PP2],
     "dualpipe_pp4": ["--pipeline-schedule", "dualpipe", *LAYOUTS["pp4"], UNTIE],
-    "chimera_tp2_pp2": ["--pipeline-schedule", "chimera", *LAYOUTS["tp2_pp2"], UNTIE],
+    "dualpipe_pp2_dp2_distopt": ["--pipeline-schedule", "dualpipe", *DISTOPT_PP2, UNTIE],
+    "chimera_tp2_pp2_distopt": ["--pipeline-schedule", "chimera", *LAYOUTS["tp2_pp2"], UNTIE, "--use-distributed-optimizer"],
 }
 
 
