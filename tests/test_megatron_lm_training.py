@@ -20,7 +20,7 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   tying over its first and last rank), DualPipe (pipeline 4) and Chimera (tensor 2 x pipeline 2),
   both with ``--untie-embeddings-and-output-weights`` against the reference with it; ZB-H1 and
   DualPipe again at pipeline 2 x data parallel 2 and Chimera at tensor 2 x pipeline 2 with
-  ``--use-distributed-optimizer``;
+  ``--use-distributed-optimizer`` (these and the distributed-optimizer runs under strict p2p);
 * the patch route with ZB-V (pipeline 4), whose losses are computed on pipeline rank 0 only;
 * activation recompute (Megatron-LM's flags) with BitPipe, pipeline 2: full recompute with
   the split backward, selective recompute without;
@@ -168,6 +168,7 @@ def test_resume_from_bitpipe_checkpoint_continues_the_curve(runtime_runs, checko
     _assert_resumed_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
+@pytest.mark.strict_p2p
 @pytest.mark.parametrize("schedule", ["bitpipe", "zbv", "dualpipev"])
 def test_runtime_route_distributed_optimizer_equals_one_process(distopt_runs, reference, schedule):
     run = distopt_runs(schedule)
@@ -202,6 +203,7 @@ PLAN_SCHEDULE_RUNS = {
 }
 
 
+@pytest.mark.strict_p2p
 @pytest.mark.parametrize("name", list(PLAN_SCHEDULE_RUNS))
 def test_runtime_route_plan_schedules_equal_one_process(checkout, workdir, request, name):
     flags = PLAN_SCHEDULE_RUNS[name]
