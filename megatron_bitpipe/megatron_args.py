@@ -69,9 +69,9 @@ def add_bitpipe_args(parser: argparse.ArgumentParser, *, virtual_size_flag: str 
     group.add_argument(
         "--split-backward",
         action="store_true",
-        help="with --pipeline-schedule bitpipe: compute each backward's input gradient first and its "
-        "weight gradients later, in the pipeline bubbles (zero-bubble style; same math). Needs "
-        "--transformer-impl local and --tensor-parallel-mode 1d.",
+        help="with --pipeline-schedule bitpipe or chimera: compute each backward's input gradient first and its "
+        "weight gradients later, in the pipeline bubbles (zero-bubble style; same math); zb-h1, zbv, dualpipe "
+        "and dualpipev always do. Needs --tensor-parallel-mode 1d.",
     )
     group.add_argument(
         "--schedule-costs",
