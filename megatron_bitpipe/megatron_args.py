@@ -260,7 +260,7 @@ def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = V
         choice = schedule_choice(args)
     except BitPipeConfigError as error:
         problems.append(str(error))
-        choice = ScheduleChoice(resolved_schedule(args), virtual_size=vp)
+        choice = ScheduleChoice(resolved_schedule(args), getattr(args, "split_backward", False), virtual_size=vp)
     if schedule == "interleaved" and vp in (None, 1):
         problems.append(f"--pipeline-schedule interleaved needs {virtual_size_flag} >= 2")
     elif schedule == "1f1b" and vp not in (None, 1):
@@ -277,11 +277,10 @@ def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = V
                 f"ranks of its {choice.placement(pp).name} placement: add --untie-embeddings-and-output-weights "
                 "(tied embeddings need both ends of every pipeline on one rank)"
             )
-    if getattr(args, "split_backward", False):
-        if not choice.plan_executed:
-            problems.append(f"--split-backward needs --pipeline-schedule {' or '.join(PLAN_SCHEDULES)} (got {schedule})")
-    if (getattr(args, "split_backward", False) or choice.splits_backward) and getattr(args, "tensor_parallel_mode", "1d") != "1d":
-        split = "--split-backward" if getattr(args, "split_backward", False) else f"--pipeline-schedule {choice.schedule} (its backwards are always split)"
+    if choice.split_backward and not choice.plan_executed:
+        problems.append(f"--split-backward needs --pipeline-schedule {' or '.join(PLAN_SCHEDULES)} (got {schedule})")
+    if choice.splits_backward and getattr(args, "tensor_parallel_mode", "1d") != "1d":
+        split = "--split-backward" if choice.split_backward else f"--pipeline-schedule {choice.schedule} (its backwards are always split)"
         problems.append(f"{split} is not supported with --tensor-parallel-mode optimus2d")
     if getattr(args, "schedule_costs", None) is not None and not choice.uses_costs:
         problems.append(
