@@ -20,6 +20,40 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+#: the ``--log-json`` fields in which a run of the scripts must equal its reference (losses,
+#: gradient norm, learning rate, validation loss, samples consumed)
+CURVE_KEYS = ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples")
+
+
+def tiny_gpt(iters: int, *, num_layers: int = 8, global_batch_size: int = 16) -> List[str]:
+    """The tiny GPT the script tests train: seed-only initial weights, mock data, ``iters``
+    iterations, evaluation every 2, every iteration logged."""
+    return [
+        "--num-layers", str(num_layers), "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", str(global_batch_size), "--vocab-size", "127", "--seed", "1234",
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--train-iters", str(iters),
+        "--adam-eps", "1e-4",  # bounds Adam's amplification of rounding noise in exactly-zero gradients (key biases)
+        "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+    ]  # fmt: skip
+
+
+class JsonLogs:
+    """The ``--log-json`` files of a module's runs, one per run name, under ``out``."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.paths: Dict[str, Path] = {}
+
+    def flags(self, name: str) -> List[str]:
+        """``--log-json`` of run ``name``."""
+        self.paths[name] = self.out / f"{name}.jsonl"
+        return ["--log-json", str(self.paths[name])]
+
+    def records(self) -> Dict[str, Dict[int, dict]]:
+        """Every run's iteration records: name -> {iteration: record}."""
+        return {name: records(path) for name, path in self.paths.items()}
+
+
 def make_task(task: str):
     """The script's :class:`~megatron_bitpipe.training.task.PretrainTask`."""
     if task == "gpt":

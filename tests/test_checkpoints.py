@@ -37,18 +37,12 @@ import pytest
 from megatron_bitpipe import megatron_compat
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import REPO, assert_same_records, main_with_output, records, train_in_process
+from .pretrain_support import CURVE_KEYS, REPO, assert_same_records, main_with_output, records, tiny_gpt, train_in_process
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.multirank]
 
 ITERS, SAVE_AT = 4, 2
-MODEL = [
-    "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-    "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "127", "--seed", "1234",
-    "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--train-iters", str(ITERS),
-    "--adam-eps", "1e-4", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
-]  # fmt: skip
-KEYS = ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples")
+MODEL = tiny_gpt(ITERS)
 DISTOPT = ["--use-distributed-optimizer"]
 BITPIPE_DP2 = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2"]
 TP2_1F1B = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"]
@@ -107,7 +101,7 @@ def runs(out) -> Dict[str, Dict[int, dict]]:
 @pytest.mark.parametrize("name", ["bitpipe_dp2_distopt", "interleaved"])
 def test_saving_runs_train_like_a_single_process(runs, name):
     assert sorted(runs[name]) == list(range(1, ITERS + 1))
-    assert_same_records(runs[name], runs["single"], range(1, ITERS + 1), KEYS)
+    assert_same_records(runs[name], runs["single"], range(1, ITERS + 1), CURVE_KEYS)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +110,7 @@ def test_saving_runs_train_like_a_single_process(runs, name):
 )
 def test_resumed_run_continues_the_uninterrupted_curve(runs, name):
     assert sorted(runs[name]) == list(range(SAVE_AT + 1, ITERS + 1)), name
-    assert_same_records(runs[name], runs["single"], range(SAVE_AT + 1, ITERS + 1), KEYS)
+    assert_same_records(runs[name], runs["single"], range(SAVE_AT + 1, ITERS + 1), CURVE_KEYS)
 
 
 # -- --no-load-optim, --no-load-rng, --finetune ------------------------------------------------
@@ -143,7 +137,7 @@ def test_no_load_optim_loads_weights_and_progress_only(runs, load_options):
 
 def test_no_load_rng_continues_the_curve(runs, load_options):
     assert sorted(load_options["no_load_rng"]) == [3, 4]
-    assert_same_records(load_options["no_load_rng"], runs["single"], [3, 4], KEYS)
+    assert_same_records(load_options["no_load_rng"], runs["single"], [3, 4], CURVE_KEYS)
 
 
 def test_finetune_loads_weights_and_restarts_at_iteration_zero(runs, load_options):
@@ -179,7 +173,7 @@ def test_longer_run_is_refused_in_samples_without_a_schedule_flag(longer):
 @pytest.mark.parametrize("name", ["use_checkpoint", "fixed_decay"])
 def test_longer_run_keeping_the_schedule_continues_the_curve(runs, longer, name):
     assert sorted(longer[name]) == [3, 4, 5, 6]
-    assert_same_records(longer[name], runs["single"], [3, 4], KEYS)
+    assert_same_records(longer[name], runs["single"], [3, 4], CURVE_KEYS)
 
 
 def test_override_takes_this_runs_schedule(runs, longer):

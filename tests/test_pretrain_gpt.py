@@ -32,6 +32,8 @@ from megatron_bitpipe.cpu.launcher import launch
 
 from . import pretrain_support
 from .pretrain_support import (
+    CURVE_KEYS,
+    JsonLogs,
     assert_same_records,
     checked,
     checkpoint_common,
@@ -39,17 +41,12 @@ from .pretrain_support import (
     events,
     main_in_process,
     records,
+    tiny_gpt,
     train_in_process,
 )
 
 ITERS, SAVE_AT = 4, 2
-MODEL = [
-    "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-    "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "127", "--seed", "1234",
-    "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--train-iters", str(ITERS),
-    "--adam-eps", "1e-4",  # bounds Adam's amplification of rounding noise in exactly-zero gradients (key biases)
-    "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
-]  # fmt: skip
+MODEL = tiny_gpt(ITERS)
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 
@@ -63,11 +60,8 @@ def runs(tmp_path_factory) -> dict:
     """Every training run, once: name -> {iteration: JSON record} (and the stdout of one)."""
     out = tmp_path_factory.mktemp("pretrain")
     ckpt_bitpipe, ckpt_single = out / "ckpt_bitpipe", out / "ckpt_single"  # (other layouts: out / f"ckpt_{name}")
-    logs = {}
-
-    def log(name: str) -> List[str]:
-        logs[name] = out / f"{name}.jsonl"
-        return ["--log-json", str(logs[name])]
+    logs = JsonLogs(out)
+    log = logs.flags
 
     save = ["--save-interval", str(SAVE_AT)]
     stdout = {}
@@ -88,12 +82,12 @@ def runs(tmp_path_factory) -> dict:
     launch(train_in_process, 1, "gpt", [*MODEL, "--load", str(ckpt_bitpipe), *resume, *log("resume_single")], timeout=300)
     launch(train_in_process, 1, "gpt", [*MODEL, "--load", str(ckpt_single), *resume, *log("resume_single_exact")], timeout=300)
     refused = launch(train_in_process, 1, "gpt", [*MODEL, "--hidden-size", "64", "--load", str(ckpt_bitpipe)], timeout=300)[0]
-    records_by_run = {name: records(path) for name, path in logs.items()}
+    records_by_run = logs.records()
     return dict(records=records_by_run, stdout=stdout, out=out, ckpt=ckpt_bitpipe, ckpt_single=ckpt_single, refused=refused)
 
 
 def _assert_same(actual: Dict[int, dict], expected: Dict[int, dict], iterations, exact: bool = False):
-    assert_same_records(actual, expected, iterations, ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples"), exact)
+    assert_same_records(actual, expected, iterations, CURVE_KEYS, exact)
 
 
 @pytest.mark.multirank

@@ -16,21 +16,16 @@ BERT (lm and sop losses).
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import assert_same_records, records, train_in_process
+from .pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, tiny_gpt, train_in_process
 
 ITERS, SAVE_AT = 4, 2
-MODEL = [
-    "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-    "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "127", "--seed", "1234",
-    "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--train-iters", str(ITERS),
-    "--adam-eps", "1e-4", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
-]  # fmt: skip
+MODEL = tiny_gpt(ITERS)
 UNTIED = ["--untie-embeddings-and-output-weights"]
 #: schedule -> whether its placement needs untied embeddings
 SCHEDULES = {"zb-h1": False, "zbv": False, "dualpipev": False, "dualpipe": True, "chimera": True}
@@ -58,12 +53,8 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.multirank, pytest.mark.stri
 def runs(tmp_path_factory) -> Dict[str, Dict[int, dict]]:
     """Every run once: name -> {iteration: JSON record}."""
     out = tmp_path_factory.mktemp("schedules")
-    logs = {}
-
-    def log(name: str) -> List[str]:
-        logs[name] = out / f"{name}.jsonl"
-        return ["--log-json", str(logs[name])]
-
+    logs = JsonLogs(out)
+    log = logs.flags
     launch(train_in_process, 1, "gpt", [*MODEL, *log("single")], timeout=300)
     launch(train_in_process, 1, "gpt", [*MODEL, *UNTIED, *log("single_untied")], timeout=300)
     for schedule, untied in SCHEDULES.items():
@@ -76,11 +67,11 @@ def runs(tmp_path_factory) -> Dict[str, Dict[int, dict]]:
     for name, (layout, source) in RESUMES.items():
         load = ["--load", str(out / f"ckpt_{source}"), "--ckpt-step", str(SAVE_AT)]
         launch(train_in_process, 4, "gpt", [*MODEL, *layout, *load, *log(name)], timeout=600)
-    return {name: records(path) for name, path in logs.items()}
+    return logs.records()
 
 
 def _assert_same(actual: Dict[int, dict], expected: Dict[int, dict], iterations) -> None:
-    assert_same_records(actual, expected, iterations, ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples"))
+    assert_same_records(actual, expected, iterations, CURVE_KEYS)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -42,7 +42,7 @@ from typing import Dict, List
 
 import pytest
 
-from .pretrain_support import REPO, assert_same_records, events, records
+from .pretrain_support import CURVE_KEYS, REPO, assert_same_records, events, records
 
 CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
 ITERS = 10
@@ -56,8 +56,7 @@ BERT = dict(COMMON, NUM_LAYERS=4, HIDDEN=32, HEADS=4, SEQ=32, GBS=8)
 CPU = ["--nodes=1", "--gpus-per-node=0", "--cpus-per-task=4", "--time=30"]
 PASSED_ON = ["--log-interval", "1"]  # after the script name: passed on to the pretrain script
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
-GPT_KEYS = ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples")
-BERT_KEYS = (*GPT_KEYS, "sop_loss", "validation_sop_loss")
+BERT_KEYS = (*CURVE_KEYS, "sop_loss", "validation_sop_loss")
 
 def cluster_test(test):
     """A test of the jobs on the cluster: multi-rank, 25 minutes at most."""
@@ -261,7 +260,7 @@ def test_launcher_follows_the_allocation(jobs):
 def test_template_with_bitpipe_logs_the_single_process_curve(jobs, task):
     bitpipe, single = records(jobs.log(f"{task}_bitpipe")), records(jobs.log(f"{task}_single"))
     assert sorted(bitpipe) == sorted(single) == list(range(1, ITERS + 1))
-    assert_same_records(bitpipe, single, range(1, ITERS + 1), GPT_KEYS if task == "gpt" else BERT_KEYS)
+    assert_same_records(bitpipe, single, range(1, ITERS + 1), CURVE_KEYS if task == "gpt" else BERT_KEYS)
 
 
 @cluster_test
@@ -276,4 +275,4 @@ def test_warning_signal_requeues_and_the_job_continues_the_curve(jobs):
     requeued, uninterrupted = records(jobs.log("gpt_requeue")), records(jobs.log("gpt_bitpipe"))
     logged = events(jobs.log("gpt_requeue"), "iteration")
     assert len(logged) == ITERS and sorted(requeued) == list(range(1, ITERS + 1))  # each iteration once
-    assert_same_records(requeued, uninterrupted, range(1, ITERS + 1), GPT_KEYS, exact=True)
+    assert_same_records(requeued, uninterrupted, range(1, ITERS + 1), CURVE_KEYS, exact=True)

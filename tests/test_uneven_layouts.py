@@ -19,15 +19,10 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import assert_same_records, events, records, train_in_process
+from .pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, events, records, tiny_gpt, train_in_process
 
 ITERS, SAVE_AT = 4, 2
-MODEL = [
-    "--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-    "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "127", "--seed", "1234",
-    "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--train-iters", str(ITERS),
-    "--adam-eps", "1e-4", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
-]  # fmt: skip
+MODEL = tiny_gpt(ITERS, num_layers=6, global_batch_size=8)
 PP2 = ["--pipeline-model-parallel-size", "2"]
 #: run -> flags
 UNEVEN = {
@@ -64,11 +59,8 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank, pytest.mark.stric
 def runs(tmp_path_factory) -> Dict[str, Dict[int, dict]]:
     """Every run once: name -> {iteration: JSON record}."""
     out = tmp_path_factory.mktemp("uneven")
-    logs = {}
-
-    def log(name: str) -> List[str]:
-        logs[name] = out / f"{name}.jsonl"
-        return ["--log-json", str(logs[name])]
+    logs = JsonLogs(out)
+    log = logs.flags
 
     def save(name: str) -> List[str]:
         return ["--save", str(out / f"ckpt_{name}"), "--save-interval", str(SAVE_AT)] if name in SAVES else []
@@ -80,10 +72,7 @@ def runs(tmp_path_factory) -> Dict[str, Dict[int, dict]]:
     for name, (flags, source) in RESUMES.items():
         load = ["--load", str(out / f"ckpt_{source}"), "--ckpt-step", str(SAVE_AT)]
         launch(train_in_process, 2, "gpt", [*MODEL, *flags, *load, *log(name)], timeout=300)
-    return {name: (records(path), events(path, "startup")[0]) for name, path in logs.items()}
-
-
-KEYS = ("lm_loss", "grad_norm", "lr", "validation_lm_loss", "consumed_samples")
+    return {name: (records(path), events(path, "startup")[0]) for name, path in logs.paths.items()}
 
 
 #: task -> its single-process run
@@ -101,7 +90,7 @@ def test_uneven_layout_trains_like_one_process(runs, name):
     assert startup["stage_layers"] == stages
     assert [r["layers"] for r in sorted(startup["ranks"], key=lambda r: r["pp_rank"])] == per_rank
     assert sorted(logged) == list(range(1, ITERS + 1))
-    keys = (*KEYS, "sop_loss") if _task(name) == "bert" else KEYS
+    keys = (*CURVE_KEYS, "sop_loss") if _task(name) == "bert" else CURVE_KEYS
     assert_same_records(logged, runs[SINGLE[_task(name)]][0], range(1, ITERS + 1), keys)
 
 
@@ -109,4 +98,4 @@ def test_uneven_layout_trains_like_one_process(runs, name):
 def test_checkpoint_resumes_across_even_and_uneven_layouts(runs, name):
     resumed, _ = runs[name]
     assert sorted(resumed) == list(range(SAVE_AT + 1, ITERS + 1))
-    assert_same_records(resumed, runs["single"][0], range(SAVE_AT + 1, ITERS + 1), KEYS)
+    assert_same_records(resumed, runs["single"][0], range(SAVE_AT + 1, ITERS + 1), CURVE_KEYS)
