@@ -177,14 +177,59 @@ def test_split_problems_without_flags_is_the_equal_stage_rule():
     assert split_problems(LayerSplitFlags(), placement, 16) == []
 
 
-def test_megatron_lm_route_refuses_the_flags_with_plan_schedules_naming_our_scripts():
-    from .test_megatron_lm_errors import megatron_lm_args
-    from megatron_bitpipe.megatron_lm.args import validate_megatron_lm_args
+def _megatron_lm_fields(**fields):
+    unset = dict(decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None, pipeline_model_parallel_layout=None,
+                 account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+    return {**unset, **fields}
 
-    args = megatron_lm_args("--pipeline-schedule", "zbv", pipeline_model_parallel_layout="E|tt|ttt|tttL")
+
+def test_megatron_lm_route_holds_the_flags_for_plan_schedules():
+    """A plan schedule splits over its own stages: the flags leave Megatron-LM's fields (its rules
+    count pipeline ranks, its TransformerConfig would split again) for the held copy the checks
+    and the RunConfig read, as plain values (Megatron-LM pickles its namespace into checkpoints)."""
+    from .test_megatron_lm_errors import megatron_lm_args
+    from megatron_bitpipe.megatron_lm.args import hold_layer_split, release_layer_split, validate_megatron_lm_args
+    from megatron_bitpipe.schedules.layer_split import HELD_ATTRIBUTE
+
+    args = megatron_lm_args("--pipeline-schedule", "zbv", **_megatron_lm_fields(pipeline_model_parallel_layout="E|tt|t|t|t|t|t|tL"))
+    hold_layer_split(args)
+    assert args.pipeline_model_parallel_layout is None and args.decoder_first_pipeline_num_layers is None  # 8 layers divide pp 4
+    held = getattr(args, HELD_ATTRIBUTE)
+    assert all(isinstance(value, (bool, int, str, type(None))) for value in held.values())
+    assert LayerSplitFlags.from_args(args) == LayerSplitFlags(layout="E|tt|t|t|t|t|t|tL")
+    release_layer_split(args)
+    validate_megatron_lm_args(args)
+
+
+def test_megatron_lm_route_lends_megatron_a_first_stage_count_where_its_equal_split_check_would_fail():
+    from .test_megatron_lm_errors import megatron_lm_args
+    from megatron_bitpipe.megatron_lm.args import hold_layer_split, release_layer_split, validate_megatron_lm_args
+
+    args = megatron_lm_args("--pipeline-schedule", "bitpipe", **_megatron_lm_fields(account_for_embedding_in_pipeline_split=True),
+                            num_layers=7, pipeline_model_parallel_size=2, world_size=2)
+    hold_layer_split(args)
+    assert not args.account_for_embedding_in_pipeline_split and args.decoder_first_pipeline_num_layers == 1  # stages 1,2,2,2
+    release_layer_split(args)
+    assert args.decoder_first_pipeline_num_layers is None
+    validate_megatron_lm_args(args)
+
+
+def test_megatron_lm_route_refuses_a_bad_split_before_megatron_lm_checks_it():
+    from .test_megatron_lm_errors import megatron_lm_args
+    from megatron_bitpipe.megatron_lm.args import hold_layer_split
+
+    args = megatron_lm_args("--pipeline-schedule", "zbv", **_megatron_lm_fields(pipeline_model_parallel_layout="E|tt|ttt|tttL"))
     with pytest.raises(BitPipeConfigError) as error:
-        validate_megatron_lm_args(args)
-    assert (
-        "--pipeline-model-parallel-layout cannot be used with --pipeline-schedule zbv: on Megatron-LM's scripts zbv "
-        "splits the layers into 8 equal stages per pipeline (megatron-bitpipe's scripts/pretrain_gpt.py"
-    ) in str(error.value)
+        hold_layer_split(args)
+    assert "--pipeline-model-parallel-layout has 4 stages, but the" in str(error.value)
+
+
+def test_megatron_lm_route_leaves_the_flags_to_megatron_with_its_own_schedules():
+    from .test_megatron_lm_errors import megatron_lm_args
+    from megatron_bitpipe.megatron_lm.args import hold_layer_split
+    from megatron_bitpipe.schedules.layer_split import HELD_ATTRIBUTE
+
+    args = megatron_lm_args(**_megatron_lm_fields(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1))
+    hold_layer_split(args)
+    assert args.decoder_first_pipeline_num_layers == 1 and not hasattr(args, HELD_ATTRIBUTE)
+

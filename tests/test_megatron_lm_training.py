@@ -21,7 +21,15 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   both with ``--untie-embeddings-and-output-weights`` against the reference with it; ZB-H1 and
   DualPipe again at pipeline 2 x data parallel 2 and Chimera at tensor 2 x pipeline 2 with
   ``--use-distributed-optimizer`` (these and the distributed-optimizer runs under strict p2p);
-* the patch route with ZB-V (pipeline 4), whose losses are computed on pipeline rank 0 only;
+* the patch route with ZB-V (pipeline 4), whose losses are computed on pipeline rank 0 only,
+  with equal stages and with a layout;
+* Megatron-LM's uneven-layout flags, split over the plan's own stages in pipeline order (under
+  strict p2p): BitPipe (pipeline 2) with first and last stage counts, ZB-V (pipeline 2) with a
+  ``--pipeline-model-parallel-layout`` holding a stage without layers (also on the patch route),
+  and BitPipe with ``--split-backward`` and ``--account-for-embedding-in-pipeline-split`` on 7
+  layers (a number Megatron-LM's equal-split check would refuse at pipeline 2), against the
+  reference of 7 layers; the uneven BitPipe run's checkpoint, resumed by the even tensor 2 x
+  pipeline 2 layout, continues the curve; a layout of the wrong number of stages is refused;
 * activation recompute (Megatron-LM's flags) with BitPipe, pipeline 2: full recompute with
   the split backward, selective recompute without;
 * Megatron-LM's interleaved schedule with its default overlapped p2p communication
@@ -215,6 +223,7 @@ PATCH_ROUTE_RUNS = {
     "bitpipe_pp4": [*BITPIPE, *LAYOUTS["pp4"]],
     "bitpipe_tp2_pp2": [*BITPIPE, *LAYOUTS["tp2_pp2"]],
     "zbv_pp4": ["--pipeline-schedule", "zbv", *LAYOUTS["pp4"]],
+    "zbv_pp4_layout": ["--pipeline-schedule", "zbv", *LAYOUTS["pp4"], "--pipeline-model-parallel-layout", "E|t*2|t|t|t|t*2||tL"],
 }
 
 
@@ -222,6 +231,52 @@ PATCH_ROUTE_RUNS = {
 def test_patch_route_equals_one_process(patched_checkout, workdir, reference, name):
     flags = [*TINY_GPT, *PATCH_ROUTE_RUNS[name]]
     _assert_same_curve(_ok(torchrun(patched_checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
+
+
+# Uneven layouts on the plan's stages (pipeline 2: BitPipe and ZB-V run 4 stages per pipeline):
+# name -> (flags, the reference's extra flags). The first one saves a checkpoint at iteration 2.
+UNEVEN = {
+    "bitpipe_first_last": (["--pipeline-schedule", "bitpipe", "--decoder-first-pipeline-num-layers", "1",
+                            "--decoder-last-pipeline-num-layers", "1"], []),
+    "zbv_layout_empty_stage": (["--pipeline-schedule", "zbv", "--pipeline-model-parallel-layout", "Ettt||tttt|tL"], []),
+    "bitpipe_split_embedding_7_layers": (["--pipeline-schedule", "bitpipe", "--split-backward", "--num-layers", "7",
+                                          "--account-for-embedding-in-pipeline-split"], ["--num-layers", "7"]),
+}  # fmt: skip
+UNEVEN_STAGES = {"bitpipe_first_last": "1,3,3,1", "zbv_layout_empty_stage": "3,0,4,1", "bitpipe_split_embedding_7_layers": "1,2,2,2"}
+
+
+@pytest.fixture(scope="module")
+def uneven_runs(checkout, workdir) -> Callable[[str], Run]:
+    """``run(name)``: the :data:`UNEVEN` run ``name`` at pipeline 2 (once per module)."""
+    runs: Dict[str, Run] = {}
+
+    def run(name: str) -> Run:
+        if name not in runs:
+            save = [] if checkpoint_writer_problem(checkout) or name != "bitpipe_first_last" else [
+                "--save", str(workdir / "checkpoint_uneven"), "--save-interval", "2"]
+            flags = [*TINY_GPT, *UNEVEN[name][0], "--pipeline-model-parallel-size", "2", *save]
+            runs[name] = _ok(torchrun(checkout / "pretrain_gpt.py", 2, flags, workdir))
+        return runs[name]
+
+    return run
+
+
+@pytest.mark.strict_p2p
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_runtime_route_uneven_layouts_equal_one_process(uneven_runs, checkout, workdir, reference, name):
+    run = uneven_runs(name)
+    extra = UNEVEN[name][1]
+    expected = _ok(torchrun(checkout / "pretrain_gpt.py", 1, [*TINY_GPT, *extra, "--layout-independent-init"], workdir)) if extra else reference
+    assert f"transformer layers per pipeline stage (pipeline order): {UNEVEN_STAGES[name]}" in run.output
+    _assert_same_curve(run, expected)
+
+
+def test_uneven_checkpoint_resumes_in_the_even_layout(uneven_runs, checkout, workdir, reference):
+    if checkpoint_writer_problem(checkout):
+        pytest.skip(checkpoint_writer_problem(checkout))
+    uneven_runs("bitpipe_first_last")
+    flags = [*TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"], "--load", str(workdir / "checkpoint_uneven"), "--ckpt-step", "2"]
+    _assert_resumed_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
 
 
 RECOMPUTE = {
@@ -290,6 +345,9 @@ INVALID = {
     "dualpipe_tied": (["--pipeline-schedule", "dualpipe"],
                       "--pipeline-schedule dualpipe puts a pipeline's embedding and output layer on different ranks of its "
                       "bidirectional placement: add --untie-embeddings-and-output-weights"),
+    "bitpipe_layout_stages": (["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-layout", "Etttt|ttttL"],
+                              "--pipeline-model-parallel-layout has 2 stages, but the bidirectional-v placement runs 2 x "
+                              "--pipeline-model-parallel-size = 4 stages per pipeline"),
 }  # fmt: skip
 
 

@@ -14,10 +14,15 @@ initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_p
 apart: dualpipe, chimera) plus, when this package's plan executor runs the schedule (bitpipe,
 chimera, zb-h1, zbv, dualpipe, dualpipev), the Megatron-LM features its chunks cannot be
 combined with, Megatron-LM's weight-gradient deferral flags that contradict the schedule's
-backwards (split or whole), and the activation-recompute rules for its chunks of
-``--num-layers`` / stages per pipeline (``2 x --pipeline-model-parallel-size`` for bitpipe, zbv
-and dualpipev) layers (:func:`~megatron_bitpipe.megatron_args.recompute_problems`). It raises
+backwards (split or whole), the uneven-layout flags' rules on the placement's stages and the
+activation-recompute rules for its chunks (``--num-layers`` / stages per pipeline layers, ``2 x
+--pipeline-model-parallel-size`` stages for bitpipe, zbv and dualpipev, or the uneven split's
+counts: :func:`~megatron_bitpipe.megatron_args.recompute_problems`). It raises
 :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
+
+:func:`hold_layer_split` runs before Megatron-LM's ``validate_args``: a plan-executed schedule
+splits the layers over its own stages, so the uneven-layout flags are kept from Megatron-LM's
+rules and TransformerConfig (:func:`release_layer_split` after it).
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from typing import Callable, List, Optional
 from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems, recompute_problems, resolved_schedule
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
+from ..schedules.layer_split import HELD_ATTRIBUTE, LayerSplitFlags, split_layers, split_problems
 
 __all__ = [
     "VIRTUAL_SIZE_FLAG",
     "add_megatron_lm_args",
     "chain_args_provider",
+    "hold_layer_split",
+    "release_layer_split",
     "validate_megatron_lm_args",
 ]
 
@@ -45,10 +53,6 @@ VIRTUAL_SIZE_FLAG = "--num-virtual-stages-per-pipeline-rank"
 _HYBRID = (
     "{schedule} builds GPTModel chunks; hybrid (Mamba) models pick each pipeline stage's layers from "
     "their layer pattern in megatron's looped order, which cannot hold {schedule}'s stages"
-)
-_UNEVEN = (
-    "on Megatron-LM's scripts {schedule} splits the layers into {stages} equal stages per pipeline "
-    "(megatron-bitpipe's scripts/pretrain_gpt.py and pretrain_bert.py take the uneven-layout flags with it)"
 )
 # (attribute, flag, why it cannot run with a plan-executed schedule, ``{schedule}`` its name); a
 # flag is set when the attribute is truthy (numbers: > 1 for the parallel sizes).
@@ -64,11 +68,6 @@ _PLAN_CONFLICTS = (
     ("num_experts", "--num-experts", "mixture-of-experts layers are not supported"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported"),
     ("use_tp_pp_dp_mapping", "--use-tp-pp-dp-mapping", "{schedule} uses megatron's default tp-dp-pp rank order"),
-    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", _UNEVEN),
-    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", _UNEVEN),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", _UNEVEN),
-    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", _UNEVEN),
-    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", _UNEVEN),
     ("rampup_batch_size", "--rampup-batch-size", "{schedule} needs a fixed number of micro-batches"),
     ("use_legacy_models", "--use-legacy-models", "{schedule} builds megatron-core models"),
     ("init_model_with_meta_device", "--init-model-with-meta-device", "{schedule} initialises weights from --seed"),
@@ -91,6 +90,14 @@ _WHOLE_BACKWARD_CONFLICTS = (
 # The layer pattern of a hybrid (Mamba) model; core_v0.19 copies the deprecated override flag
 # into hybrid_layer_pattern, so the first one set is the one the user typed.
 _HYBRID_PATTERNS = (("hybrid_override_pattern", "--hybrid-override-pattern"), ("hybrid_layer_pattern", "--hybrid-layer-pattern"))
+# Megatron-LM's fields of the five uneven-layout flags, with their unset values.
+_LAYER_SPLIT_FIELDS = (
+    ("decoder_first_pipeline_num_layers", None),
+    ("decoder_last_pipeline_num_layers", None),
+    ("account_for_embedding_in_pipeline_split", False),
+    ("account_for_loss_in_pipeline_split", False),
+    ("pipeline_model_parallel_layout", None),
+)
 _PARALLEL_SIZES = {"context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances", "gtp_weight_remat_size"}
 
 
@@ -132,6 +139,49 @@ def chain_args_provider(provider: Optional[ArgsProvider]) -> ArgsProvider:
     return extra_args_provider
 
 
+def hold_layer_split(args: argparse.Namespace) -> None:
+    """Keep the uneven-layout flags from Megatron-LM where this package's plan executor splits the
+    layers: call on every rank before Megatron-LM's ``validate_args`` (both routes). Local.
+
+    Megatron-LM counts the five flags over its looped stages (a layout's stages set its virtual
+    size; ``--num-layers`` plus the accounted embedding and loss must divide by the pipeline
+    ranks), and its TransformerConfig splits those stages by them. A plan's placement has its own
+    stages (BitPipe: ``2 x --pipeline-model-parallel-size`` per pipeline, in pipeline order), so
+    with a plan-executed schedule the flags move to ``args.``:data:`HELD_ATTRIBUTE` (the fields
+    of a :class:`~megatron_bitpipe.schedules.layer_split.LayerSplitFlags`, which the RunConfig and
+    the checks read) and Megatron-LM's fields are unset; its TransformerConfig then splits nothing.
+
+    Megatron-LM's equal-split check (``--num-layers`` divisible by the pipeline ranks) is
+    skipped by Megatron-LM when a first-stage count is given; where the split is uneven and that
+    check would fail, ``decoder_first_pipeline_num_layers`` holds the first stage's count of the
+    plan's split until :func:`release_layer_split`. A split that breaks its rules is refused here,
+    before Megatron-LM's checks (:class:`BitPipeConfigError`, one line per rule naming the flag).
+    Other schedules (megatron's own) keep the flags: Megatron-LM applies them.
+    """
+    flags = LayerSplitFlags.from_args(args)
+    choice = ScheduleChoice(resolved_schedule(args))
+    if not flags.given or not choice.plan_executed or getattr(args, HELD_ATTRIBUTE, None) is not None:
+        return
+    setattr(args, HELD_ATTRIBUTE, flags.as_dict())
+    for field, unset in _LAYER_SPLIT_FIELDS:
+        setattr(args, field, unset)
+    pp, num_layers = args.pipeline_model_parallel_size, args.num_layers
+    if num_layers is None or choice.problems(pp):
+        return  # the schedule's rules report these after validate_args
+    problems = split_problems(flags, choice.placement(pp), num_layers, VIRTUAL_SIZE_FLAG)
+    if problems:
+        raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))
+    if num_layers % pp:
+        args.decoder_first_pipeline_num_layers = split_layers(flags, choice.placement(pp), num_layers).counts[0]
+
+
+def release_layer_split(args: argparse.Namespace) -> None:
+    """Unset the first-stage count :func:`hold_layer_split` lent Megatron-LM's ``validate_args``
+    (after it ran, before the TransformerConfig is built). Local."""
+    if getattr(args, HELD_ATTRIBUTE, None) is not None:
+        args.decoder_first_pipeline_num_layers = None
+
+
 def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     """Raise :class:`BitPipeConfigError` naming every flag that breaks a rule (no communication).
 
@@ -163,7 +213,16 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
         hybrid = next((flag for attribute, flag in _HYBRID_PATTERNS if getattr(args, attribute, None)), None)
         if hybrid is not None:
             problems.append(f"{hybrid} cannot be used with --pipeline-schedule {schedule}: {_HYBRID.format(schedule=schedule)}")
-        problems += recompute_problems(args, args.num_layers // stages)
+        flags = LayerSplitFlags.from_args(args)
+        placement = None if choice.problems(pp) else choice.placement(pp)
+        split = flags.given and placement is not None
+        problems += split_problems(flags, placement, args.num_layers, VIRTUAL_SIZE_FLAG) if split else []
+        if split and not split_problems(flags, placement, args.num_layers, VIRTUAL_SIZE_FLAG):
+            chunk_sizes = sorted({c for c in split_layers(flags, placement, args.num_layers).counts if c})
+        else:
+            chunk_sizes = [max(args.num_layers // stages, 1)]
+        for size in chunk_sizes:
+            problems += [p for p in recompute_problems(args, size) if p not in problems]
         checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
         if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
             problems.append(

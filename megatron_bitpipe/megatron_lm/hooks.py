@@ -4,7 +4,9 @@ Megatron-LM needs six things from the plugin; both routes call the same function
 
 1. **Flags**: :func:`~megatron_bitpipe.megatron_lm.args.chain_args_provider` adds the plugin's
    flags after the script's own ``extra_args_provider``.
-2. **Checks, decisions and schedule**: :func:`setup`, right after Megatron-LM's ``validate_args``
+2. **Checks, decisions and schedule**: :func:`~megatron_bitpipe.megatron_lm.args.hold_layer_split`
+   right before Megatron-LM's ``validate_args`` (a plan schedule splits the layers over its own
+   stages: the uneven-layout flags are kept from Megatron-LM's rules), and :func:`setup`, right after it
    and before ``torch.distributed`` starts, checks the flags on every rank, makes the run's
    :class:`~megatron_bitpipe.run_config.RunConfig` from Megatron-LM's namespace, once, and
    installs the schedule where Megatron-LM's ``train`` and ``evaluate`` look it up (for a schedule
@@ -56,11 +58,12 @@ from ..megatron_compat import megatron_lm_functions, with_keyword
 from ..optimizers import OWN_OPTIMIZERS, ParamScheduler, averaged_weights, build_megatron_optimizer
 from ..plugin import installed_schedule, register
 from ..run_config import RunConfig
-from .args import chain_args_provider, validate_megatron_lm_args
+from .args import chain_args_provider, hold_layer_split, release_layer_split, validate_megatron_lm_args
 from .losses import make_megatron_lm_forward_backward_func
 
 __all__ = [
     "PATCH_MARKER",
+    "hold_layer_split",
     "setup",
     "run_config",
     "get_model",
@@ -94,6 +97,7 @@ def setup(args: argparse.Namespace) -> RunConfig:
     (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``, which its checkpointing reads, is
     switched on, with a note).
     """
+    release_layer_split(args)
     validate_megatron_lm_args(args)
     config = RunConfig.from_args(args)
     if config.executes_plan and config.distributed_optimizer and not args.dist_ckpt_optim_fully_reshardable:
@@ -104,6 +108,8 @@ def setup(args: argparse.Namespace) -> RunConfig:
                 "its optimizer state fully reshardable (--dist-ckpt-optim-fully-reshardable)",
                 flush=True,
             )
+    if config.stage_layers is not None and not config.stage_layers.is_even and args.rank == 0:
+        print(f"megatron_bitpipe: transformer layers per pipeline stage (pipeline order): {config.stage_layers}", flush=True)
     plan_func = make_megatron_lm_forward_backward_func(config.schedule) if config.executes_plan else None
     register(config.schedule.schedule, plan_func=plan_func, run_config=config)
     _route_optimizer_functions(config, args.rex_beta)
@@ -286,6 +292,7 @@ def install() -> None:
         return parse_args(chain_args_provider(extra_args_provider), ignore_unknown_args)
 
     def validate_args_with_plugin(args, defaults={}):  # noqa: B006 - Megatron-LM's signature
+        hold_layer_split(args)
         args = validate_args(args, defaults)
         setup(args)
         return args

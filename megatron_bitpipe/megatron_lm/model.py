@@ -101,7 +101,7 @@ def _check_chunk(chunk: torch.nn.Module, spec: ChunkSpec, pg_collection, builder
             "scripts/pretrain_bert.py)"
         )
     first = block.layers[0].layer_number - 1 if len(block.layers) else None
-    if first != spec.first_layer:
+    if spec.num_layers and first != spec.first_layer:
         raise BitPipeConfigError(
             f"--pipeline-schedule {schedule}: {builder} did not build the chunk from the config it was given, so {schedule} "
             f"cannot place its chunks: stage {spec.stage + 1} of pipeline {'AB'[spec.pipeline]} should start at layer "
@@ -235,10 +235,12 @@ def _bitpipe_chunks(
         make_chunk,
         vocab_size=args.padded_vocab_size,
         share_embeddings_and_output_weights=tied,
+        stage_layers=run_config.stage_layers,
     )
     for param in (p for chunk in chunks for p in chunk.parameters()):
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    specs = chunk_specs(groups.placement, config.num_layers, groups.pp_rank, tied)
+    layers = config.num_layers if run_config.stage_layers is None else run_config.stage_layers
+    specs = chunk_specs(groups.placement, layers, groups.pp_rank, tied)
     initialize_from_seed(chunks, specs, args.seed, groups.tp)
     attach_sharded_state_dicts(chunks, specs, groups)
     if not run_config.distributed_optimizer:

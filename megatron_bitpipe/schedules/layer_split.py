@@ -30,7 +30,7 @@ The layout excludes the other four; the first / last counts exclude the two
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
 from .errors import VP_FLAG
@@ -38,6 +38,7 @@ from .placement import Placement
 
 __all__ = [
     "FIRST_FLAG",
+    "HELD_ATTRIBUTE",
     "LAST_FLAG",
     "EMBEDDING_FLAG",
     "LOSS_FLAG",
@@ -54,6 +55,12 @@ LAST_FLAG = "--decoder-last-pipeline-num-layers"
 EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
 LOSS_FLAG = "--account-for-loss-in-pipeline-split"
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+
+HELD_ATTRIBUTE = "bitpipe_layer_split"
+"""Attribute of a Megatron-LM namespace holding the flags a plan-executed schedule applies
+itself, as the dict of a :class:`LayerSplitFlags`'s fields (plain values: Megatron-LM saves its
+namespace in checkpoints and loads them weights-only); Megatron-LM's own fields for them are then
+unset (:func:`megatron_bitpipe.megatron_lm.args.hold_layer_split`)."""
 
 _GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")
 _CHAR = re.compile(r"(.)\*(\d+)")
@@ -73,7 +80,12 @@ class LayerSplitFlags:
 
     @classmethod
     def from_args(cls, args) -> "LayerSplitFlags":
-        """The flags of a parsed namespace (either route's; absent fields are unset)."""
+        """The flags of a parsed namespace (either route's; absent fields are unset). Where the
+        Megatron-LM route has moved them out of Megatron-LM's fields (:data:`HELD_ATTRIBUTE`),
+        the flags held there."""
+        held = getattr(args, HELD_ATTRIBUTE, None)
+        if held is not None:
+            return cls(**held)
         return cls(
             first=getattr(args, "decoder_first_pipeline_num_layers", None),
             last=getattr(args, "decoder_last_pipeline_num_layers", None),
@@ -81,6 +93,10 @@ class LayerSplitFlags:
             loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
             layout=getattr(args, "pipeline_model_parallel_layout", None),
         )
+
+    def as_dict(self) -> dict:
+        """The fields by name (plain values), as :data:`HELD_ATTRIBUTE` holds them."""
+        return asdict(self)
 
     @property
     def given(self) -> bool:
