@@ -27,7 +27,9 @@ reported and the next one runs):
    ``delay_wgrad_compute`` / ``backward_dw``, against ``ref-gpt-te-fp32``, the same TE model in
    one process), then one item per family of the zero-bubble and DualPipe schedules: ZB-V and
    DualPipeV on 4 pipeline ranks (``zbv-pp4``, ``dualpipev-pp4``; the tiny model's 8
-   micro-batches are the ``2 x 4`` DualPipeV needs). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
+   micro-batches are the ``2 x 4`` DualPipeV needs), and DualPipeV with an uneven
+   ``--pipeline-model-parallel-layout`` whose embedding and loss stages on rank 0 hold no layer
+   (``dualpipev-pp4-layout``). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
    fp32, 2e-2 in bf16. The two Transformer Engine items run only where ``transformer_engine``
    is importable; elsewhere they are ``skipped (Transformer Engine not importable)``.
 
@@ -98,6 +100,9 @@ DUMP_GRACE_S = 3.0
 WARMUP_ITERATIONS = 3
 
 RTOL = {"fp32": 1e-4, "bf16": 2e-2}
+# The tiny model's 8 layers over DualPipeV PP 4's 8 stages (pipeline order; rank 0 holds stages 0
+# and 7, so it holds the embedding and the loss and no transformer layer).
+UNEVEN_LAYOUT = "E|tt|t|t|t|t|tt|L"
 NCCL_MULTI_RANK_MIN = (2, 30, 0)
 
 OK, MISMATCH = "ok", "mismatch"
@@ -451,6 +456,9 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
         ("zbv-pp4", gpt, ["--pipeline-schedule", "zbv", "--pipeline-model-parallel-size", "4"], "ref-gpt-fp32", "ZB-V PP4"),
         ("dualpipev-pp4", gpt, ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "4"], "ref-gpt-fp32",
          "DualPipeV PP4"),
+        ("dualpipev-pp4-layout", gpt, ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "4",
+                                       "--pipeline-model-parallel-layout", UNEVEN_LAYOUT], "ref-gpt-fp32",
+         "DualPipeV PP4, uneven layout (rank 0: embedding and loss stages without layers)"),
     ]  # fmt: skip
     launcher = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPTS / "gpu_rank.py"), *wrapper_flags]
     for name, script, layout, reference, what in runs:
