@@ -87,7 +87,10 @@ def _count_deferred_work(counter: LiveBytes):
     return lambda: setattr(WeightGradQueue, "push", original)
 
 
-def measure_step(schedule: str, split_backward: bool, pp: int, stage_layers: Tuple[int, ...], num_microbatches: int, tied: bool) -> dict:
+def measure_step(
+    schedule: str, split_backward: bool, pp: int, stage_layers: Tuple[int, ...], num_microbatches: int, tied: bool,
+    distributed_optimizer: bool = False,
+) -> dict:
     """On this rank: build the GPT of ``stage_layers`` for ``schedule`` on ``pp`` pipeline
     ranks, train one step of ``num_microbatches`` and measure (module docstring)."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -111,9 +114,11 @@ def measure_step(schedule: str, split_backward: bool, pp: int, stage_layers: Tup
     model = build_pipeline_model(
         config, ParallelGrid(tp=1, dp=1, pp=pp), choice.placement(pp), vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED,
         share_embeddings_and_output_weights=tied, stage_layers=layers,
-        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True, delay_wgrad_compute=choice.splits_backward),
+        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True, delay_wgrad_compute=choice.splits_backward,
+                                                use_distributed_optimizer=distributed_optimizer),
     )  # fmt: skip
-    optimizer = build_optimizer(model, OptimizerConfig(optimizer="adam", lr=1e-3, bf16=False, fp16=False, clip_grad=0.0))
+    optimizer = build_optimizer(model, OptimizerConfig(optimizer="adam", lr=1e-3, bf16=False, fp16=False, clip_grad=0.0,
+                                                       use_distributed_optimizer=distributed_optimizer))  # fmt: skip
     params = list({id(p): p for chunk in model.chunks for p in chunk.parameters()}.values())
     excluded = {p.untyped_storage().data_ptr() for p in params} | {p.main_grad.untyped_storage().data_ptr() for p in params}
     counter = LiveBytes(excluded)
