@@ -156,6 +156,8 @@ def test_bad_model_flags_are_one_line_naming_the_flag(capsys, extra, message):
 
 def test_model_flags_need_num_layers(capsys):
     assert main(["simulate", "--schedule", "zbv", "-D", "2", "-N", "4", "--hidden-size", "64"]) == 2
-    assert "--hidden-size need --num-layers" in capsys.readouterr().err
+    assert "--hidden-size: the model's flags need --num-layers" in capsys.readouterr().err
+    assert main(["simulate", "--schedule", "zbv", "-D", "2", "-N", "4", *MODEL_FLAGS, "--forward-only"]) == 2
+    assert "--forward-only: the model's flags cost a training step" in capsys.readouterr().err
     assert main(["simulate", "--schedule", "zbv", "-D", "2", "-N", "4", "--num-layers", "4"]) == 2
     assert "--num-layers needs --hidden-size, --num-attention-heads, --seq-length, --vocab-size too" in capsys.readouterr().err

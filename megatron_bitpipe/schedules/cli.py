@@ -64,6 +64,8 @@ _COST_FLAGS = {
 _COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME", "data_parallel_size": "N"}
 #: the command's one-line description (--help)
 DESCRIPTION = "Plan, validate and simulate pipeline schedules: per-rank actions, makespan, bubble, peak activations."
+#: bytes of a GiB, the unit of the memory the commands print and of --max-memory
+GIB = 2**30
 #: what installs --plot's library
 PLOT_EXTRA = "pip install 'megatron-bitpipe[plot]' (in a checkout: pip install -e '.[plot]')"
 
@@ -278,14 +280,13 @@ def _model_step(args: argparse.Namespace, plan, costs: CostModel) -> Optional[Mo
     model = model_shape(args)
     if model is None:
         return None
+    if args.forward_only:
+        raise ScheduleConfigError("--forward-only: the model's flags cost a training step (memory included); drop one of them")
     try:
         layers = split_layers(layer_split_flags(args), plan.placement, model.num_layers)
         return simulate_model(plan, costs, model, training_memory(args, costs.data_parallel_size), layers)
     except ValueError as error:
         raise ScheduleConfigError(str(error)) from None
-
-
-GIB = 2**30
 
 
 def format_model_step(step: ModelStep) -> str:

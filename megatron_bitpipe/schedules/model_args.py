@@ -70,7 +70,7 @@ def model_shape(args: argparse.Namespace) -> Optional[ModelShape]:
     if args.num_layers is None:
         given = [f"--{k.replace('_', '-')}" for k in _REQUIRED if getattr(args, k) is not None]
         if given or layer_split_flags(args).given:
-            raise ScheduleConfigError(f"{', '.join(given + layer_split_flags(args).names)} need --num-layers")
+            raise ScheduleConfigError(f"{', '.join(given + layer_split_flags(args).names)}: the model's flags need --num-layers")
         return None
     missing = [f"--{k.replace('_', '-')}" for k in _REQUIRED if getattr(args, k) is None]
     if missing:
