@@ -29,6 +29,16 @@ def test_gpt2_small_has_its_published_parameter_count():
     assert ModelShape(**{**SMALL, "vocab_size": 1000}).padded_vocab_size == 1024
 
 
+def test_the_analytic_cost_models_layer_is_the_same_layer():
+    """costs.TransformerShape (scripts/predict_throughput.py) counts a plain GPT layer as ModelShape does."""
+    from megatron_bitpipe.schedules.costs import TransformerShape
+
+    for sizes in ((96, 3072, 32, 1024, 1, None), (4, 64, 8, 32, 2, 256)):
+        analytic = TransformerShape(*sizes)
+        model = ModelShape(*sizes[:4], vocab_size=1000, micro_batch_size=sizes[4], ffn_hidden_size=sizes[5])
+        assert (analytic.layer_forward_flops(), analytic.layer_parameters()) == (model.layer_forward_flops(), model.layer_parameters())
+
+
 def test_layer_activations_are_korthikantis_formula_for_unfused_bf16_attention_with_dropout():
     shape = ModelShape(**SMALL, attention_backend="unfused")
     s, b, h, a = 32, 2, 64, 4
