@@ -96,3 +96,5 @@ def test_layout_search_command(capsys):
     assert "no split fits the budget" in capsys.readouterr().out
     assert main(["layout-search", "--schedule", "zbv", "-D", "4", "-N", "8"]) == 2
     assert "layout-search needs the model" in capsys.readouterr().err
+    assert main(["layout-search", "--schedule", "zbv", "-D", "4", "-N", "8", *MODEL, "--costs", "/nonexistent/costs.json"]) == 2
+    assert "/nonexistent/costs.json" in capsys.readouterr().err

@@ -36,11 +36,11 @@ from . import ScheduleChoice
 from .costs import CostModel, read_cost_file
 from .errors import MICROBATCH_FLAG, PlanError, ScheduleConfigError
 from .layer_split import split_layers
+from .layout_search import LayoutSearch, search_layouts
 from .lower import lower
 from .model_args import add_model_arguments, layer_split_flags, model_shape, training_memory
 from .model_step import ModelStep, simulate_model
 from .nccl import check_nccl
-from .layout_search import LayoutSearch, search_layouts
 from .recommend import Budget, Recommendation, format_recommendation, recommend
 from .registry import REGISTRY, schedule_names
 from .simulate import simulate
@@ -326,7 +326,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     if args.command == "layout-search":
         try:
             search = layout_search(args)
-        except ScheduleConfigError as exc:
+        except (ScheduleConfigError, OSError, json.JSONDecodeError) as exc:
             print(f"{parser.prog}: error: {exc}", file=sys.stderr)
             return USAGE_EXIT_STATUS
         print(json.dumps(search.summary()) if args.json else format_layout_search(search))
