@@ -406,6 +406,45 @@ def produce_schedule_recommend(check: bool) -> Dict[Tuple[str, str], str]:
             ("docs/schedules.md", "recommend-d4-n8"): _recommend_block(RECOMMEND_SCHEDULES)}
 
 
+#: docs/balanced_stages.md's worked example: a GPT with a 128k vocabulary at D = 8
+BALANCED_MODEL = ("--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096",
+                  "--vocab-size", "131072", "--untie-embeddings-and-output-weights", "--bf16", "--use-distributed-optimizer")
+BALANCED_SCHEDULES = ("bitpipe", "zbv")
+BALANCED_SEARCH = ("-D", "8", "-N", "32", *BALANCED_MODEL, "--max-memory", "45")
+GIB = 2**30
+
+
+def _schedule_json(argv: Sequence[str]) -> dict:
+    """What ``python -m megatron_bitpipe.schedules ARGV --json`` prints, parsed."""
+    from megatron_bitpipe.schedules.cli import main as schedule_command
+
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.chdir(ROOT):
+        status = schedule_command([*argv, "--json"], prog="python -m megatron_bitpipe.schedules")
+    if status != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited with {status}")
+    return json.loads(output.getvalue())
+
+
+def produce_balanced_stages(check: bool) -> Dict[Tuple[str, str], str]:
+    """docs/balanced_stages.md's worked example: equal stages and the layout search's split of a
+    128k-vocabulary GPT under BitPipe and ZB-V at D = 8 (pure Python; seconds)."""
+    commands = [("layout-search", "--schedule", name, *BALANCED_SEARCH) for name in BALANCED_SCHEDULES]
+    rows = []
+    for argv in commands:
+        found = _schedule_json(argv)
+        for what, split in (("equal stages", found["even"]), ("layout search", found["best"])):
+            memory = ", ".join(f"{rank['total'] / GIB:.1f}" for rank in split["memory_bytes"])
+            flags = " ".join(split["flags"]).replace("|", "\\|") or "(none)"  # a table cell's pipes escaped
+            rows.append(f"| {found['schedule']} | {what} | {','.join(map(str, split['stage_layers']))} | "
+                        f"{split['makespan']:.1f} | {memory} | {'yes' if split['fits'] else 'no'} | `{flags}` |")
+    console = "\n".join(f"$ python -m megatron_bitpipe.schedules {' '.join(argv)} --json" for argv in commands)
+    table = "\n".join([
+        "| schedule | split | layers per stage (pipeline order) | step time (t_F) | memory per rank 0..7 (GiB) | within 45 GiB | flags |",
+        "|---|---|---|---|---|---|---|", *rows])
+    return {("docs/balanced_stages.md", "worked-example"): fenced(console, "console") + "\n\n" + table + "\n\n" + _pure_stamp("balanced-stages")}
+
+
 SAMPLES: Dict[str, Sample] = {s.name: s for s in (
     Sample("quick-start", True, "docs/running.md's laptop run (4 ranks, 20 iterations)",
            (QUICK_START,), render_quick_start),
@@ -415,6 +454,8 @@ SAMPLES: Dict[str, Sample] = {s.name: s for s in (
            produce=produce_schedule_list),
     Sample("schedule-recommend", True, "README's and docs/schedules.md's `recommend` outputs (simulated; a second)",
            produce=produce_schedule_recommend),
+    Sample("balanced-stages", True, "docs/balanced_stages.md's worked example: equal stages and the layout search's "
+           "split of a 128k-vocabulary GPT at D = 8 (simulated; seconds)", produce=produce_balanced_stages),
     Sample("bert", False, "docs/running.md's BERT run (4 ranks, 20 iterations)", (BERT,), render_bert),
     Sample("real-text", False, "README's and docs/running.md's real-text run: preprocessing, 4 ranks and a single "
            "process, 200 iterations each (minutes)", (PREPROCESS, REAL_TEXT, REAL_TEXT_SINGLE), render_real_text,

@@ -40,7 +40,7 @@ def test_readmes_simulated_rows_say_how_they_were_made(block):
     assert text.splitlines()[-1] == "(`python scripts/doc_samples.py readme-results`: simulated, the same on every machine)"
 
 
-@pytest.mark.parametrize("sample", ["schedule-recommend", "schedule-list"])
+@pytest.mark.parametrize("sample", ["schedule-recommend", "schedule-list", "balanced-stages"])
 def test_pure_samples_match_the_documents(sample):
     """The samples that are pure Python (no processes) print what the documents show."""
     for (path, block), fresh in doc_samples.SAMPLES[sample].blocks(check=True).items():

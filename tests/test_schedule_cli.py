@@ -94,7 +94,7 @@ def test_console_script_help(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/venv/bin/bitpipe-schedule", "--help"])
     top, simulate_help, plan_help = _help(capsys), _help(capsys, "simulate"), _help(capsys, "plan")
     recommend_help = _help(capsys, "recommend")
-    assert top.startswith("usage: bitpipe-schedule [-h] {list,simulate,plan,recommend}")
+    assert top.startswith("usage: bitpipe-schedule [-h] {list,simulate,plan,recommend,layout-search}")
     assert simulate_help.startswith("usage: bitpipe-schedule simulate ") and plan_help.startswith("usage: bitpipe-schedule plan ")
     assert recommend_help.startswith("usage: bitpipe-schedule recommend ")
     assert "``" not in top + simulate_help + plan_help + recommend_help

@@ -1,9 +1,14 @@
-"""Command line: ``bitpipe-schedule {list,simulate,recommend,plan} ...`` (or ``python -m megatron_bitpipe.schedules``).
+"""Command line: ``bitpipe-schedule {list,simulate,recommend,plan,layout-search} ...`` (or ``python -m megatron_bitpipe.schedules``).
 
 ``list`` prints every registered schedule (:mod:`.registry`) with what runs it in training
 and whether its own order splits the backward.
 ``simulate`` validates and simulates one schedule and prints a summary (or one JSON
-object with ``--json``); ``--plot`` writes a Gantt PNG, ``--trace`` a Chrome trace.
+object with ``--json``); ``--plot`` writes a Gantt PNG, ``--trace`` a Chrome trace. With a
+model's shape (Megatron-LM's flags, :mod:`.model_args`) it costs each stage from its layers,
+the embedding and the head (uneven with Megatron-LM's five layout flags) and reports
+``stage_layers`` and ``memory_bytes`` per rank (:mod:`.model_step`).
+``layout-search`` finds the fastest split of a model's layers over a schedule's stages within
+a memory budget per rank and prints the flags that select it (:mod:`.layout_search`).
 ``recommend`` simulates every training schedule for one ``D`` and ``N`` and prints them
 ranked by step time with their peak activations, weight copies, whether they fit a memory
 budget, and the training flags that select them (:mod:`.recommend`; ``--json``: one object).
@@ -30,7 +35,11 @@ from ..usage import USAGE_EXIT_STATUS, FlagParser, UsageError, quiet_on_broken_p
 from . import ScheduleChoice
 from .costs import CostModel, read_cost_file
 from .errors import MICROBATCH_FLAG, PlanError, ScheduleConfigError
+from .layer_split import split_layers
+from .layout_search import LayoutSearch, search_layouts
 from .lower import lower
+from .model_args import add_model_arguments, layer_split_flags, model_shape, training_memory
+from .model_step import ModelStep, simulate_model
 from .nccl import check_nccl
 from .recommend import Budget, Recommendation, format_recommendation, recommend
 from .registry import REGISTRY, schedule_names
@@ -55,6 +64,8 @@ _COST_FLAGS = {
 _COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME", "data_parallel_size": "N"}
 #: the command's one-line description (--help)
 DESCRIPTION = "Plan, validate and simulate pipeline schedules: per-rank actions, makespan, bubble, peak activations."
+#: bytes of a GiB, the unit of the memory the commands print and of --max-memory
+GIB = 2**30
 #: what installs --plot's library
 PLOT_EXTRA = "pip install 'megatron-bitpipe[plot]' (in a checkout: pip install -e '.[plot]')"
 
@@ -92,7 +103,9 @@ def _parser(prog: Optional[str] = None) -> FlagParser:
             sub.add_argument("--json", action="store_true", help="print one JSON object")
             sub.add_argument("--plot", metavar="FILE.png", help=f"write a Gantt chart; needs matplotlib: {PLOT_EXTRA}")
             sub.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace")
+            add_model_arguments(sub)
     _add_recommend_parser(commands)
+    _add_layout_search_parser(commands)
     return parser
 
 
@@ -131,6 +144,58 @@ def _add_recommend_parser(commands) -> None:
                         help="copies of the model's weights (with their gradients and optimizer state) a rank may hold: "
                         "BitPipe, Chimera and DualPipe hold 2 (default: no limit)")
     sub.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_layout_search_parser(commands) -> None:
+    sub = commands.add_parser(
+        "layout-search", help="the fastest split of a model's layers over a schedule's stages within a memory budget per rank"
+    )
+    add_plan_arguments(sub)
+    add_cost_arguments(sub)
+    add_model_arguments(sub, layout_flags=False)
+    sub.add_argument("--max-memory", type=float, default=None, metavar="GIB",
+                     help="memory budget of every pipeline rank in GiB (2^30 bytes; default: no limit)")
+    sub.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def layout_search(args: argparse.Namespace) -> LayoutSearch:
+    """What ``layout-search`` prints for its parsed flags; ScheduleConfigError naming the flag."""
+    costs = cost_model(args)
+    model = model_shape(args)
+    if model is None:
+        raise ScheduleConfigError("layout-search needs the model: --num-layers, --hidden-size, --num-attention-heads, --seq-length, --vocab-size")
+    if args.max_memory is not None and args.max_memory <= 0:
+        raise ScheduleConfigError(f"--max-memory must be > 0 GiB (got {args.max_memory:g})")
+    plan = ScheduleChoice(args.schedule, args.split_backward, costs, args.vp).plan(args.pp, args.num_microbatches)
+    budget = None if args.max_memory is None else args.max_memory * GIB
+    try:
+        return search_layouts(plan, costs, model, training_memory(args, costs.data_parallel_size), budget)
+    except ValueError as error:
+        raise ScheduleConfigError(str(error)) from None
+
+
+def format_layout_search(search: LayoutSearch) -> str:
+    """The equal split and the fastest within the budget: step time, memory, flags."""
+    plan = search.plan
+    budget = "no memory limit" if search.max_memory is None else f"at most {search.max_memory / GIB:g} GiB per rank"
+    lines = [f"{plan.name}: D={plan.num_ranks} N={plan.num_microbatches}, {search.tried} splits simulated, {budget}"]
+
+    def describe(what: str, candidate) -> None:
+        step = candidate.step
+        rank = max(range(len(step.memory)), key=lambda r: step.memory[r].total)
+        lines.append(f"{what}: layers per stage {step.stage_layers}; step time {step.makespan:g}; "
+                     f"largest rank {rank}: {step.peak_memory / GIB:.2f} GiB{'' if candidate.fits else ' (over the budget)'}")
+        lines.append(f"  flags: {candidate.command_line or '(none: equal stages)'}")
+
+    if search.even:
+        describe("equal stages", search.even)
+    if search.best:
+        describe("fastest within the budget", search.best)
+        if search.even:
+            lines.append(f"  step time {100 * (search.best.step.makespan / search.even.step.makespan - 1):+.1f}% vs equal stages")
+    else:
+        lines.append("no split fits the budget")
+    return "\n".join(lines)
 
 
 def schedule_listing() -> str:
@@ -210,6 +275,31 @@ def _recommend(prog: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_step(args: argparse.Namespace, plan, costs: CostModel) -> Optional[ModelStep]:
+    """The model's step when the flags give a model (None without ``--num-layers``)."""
+    model = model_shape(args)
+    if model is None:
+        return None
+    if args.forward_only:
+        raise ScheduleConfigError("--forward-only: the model's flags cost a training step (memory included); drop one of them")
+    try:
+        layers = split_layers(layer_split_flags(args), plan.placement, model.num_layers)
+        return simulate_model(plan, costs, model, training_memory(args, costs.data_parallel_size), layers)
+    except ValueError as error:
+        raise ScheduleConfigError(str(error)) from None
+
+
+def format_model_step(step: ModelStep) -> str:
+    """The stage layers and one line of memory (GiB) per rank."""
+    lines = [f"layers per stage (pipeline order): {step.stage_layers}", "memory per rank (GiB): parameters + gradients + optimizer state + peak activations = total"]
+    lines += [
+        f"  rank {r}: {m.parameters / GIB:.2f} + {m.gradients / GIB:.2f} + {m.optimizer_state / GIB:.2f} + "
+        f"{m.activations / GIB:.2f} = {m.total / GIB:.2f}"
+        for r, m in enumerate(step.memory)
+    ]
+    return "\n".join(lines)
+
+
 def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
@@ -233,6 +323,14 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         return 0
     if args.command == "recommend":
         return _recommend(parser.prog, args)
+    if args.command == "layout-search":
+        try:
+            search = layout_search(args)
+        except (ScheduleConfigError, OSError, json.JSONDecodeError) as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return USAGE_EXIT_STATUS
+        print(json.dumps(search.summary()) if args.json else format_layout_search(search))
+        return 0 if search.best else 1
     try:
         if args.command == "simulate" and args.plot:
             _require_matplotlib()
@@ -243,7 +341,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
             print(lower(plan, args.receive_lookahead).format() if args.communication else plan.compute_only().format())
             return 0
         validate_plan(plan, nccl=False)  # reported below, as nccl_deadlock_free
-        result = simulate(plan, costs)
+        step = _model_step(args, plan, costs)
+        result = step.result if step else simulate(plan, costs)
     except BrokenPipeError:  # the reader went away (plan | head): not a usage error
         raise
     except (ScheduleConfigError, OSError, json.JSONDecodeError) as exc:
@@ -263,7 +362,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         write_chrome_trace(result, args.trace)
         print(f"{parser.prog}: wrote the Chrome trace to {args.trace}", file=sys.stderr)
     nccl = check_nccl(plan)
-    summary = {**result.summary(), "nccl_deadlock_free": nccl.ok}
+    summary = {**result.summary(), **(step.summary() if step else {}), "nccl_deadlock_free": nccl.ok}
     if args.json:
         print(json.dumps(summary))
     else:
@@ -272,5 +371,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
             f"makespan={result.makespan:g} bubble={100 * result.bubble_ratio:.2f}%"
         )
         print("peak activations (Ma) per rank: " + " ".join(f"{p:g}" for p in result.peak_activations))
+        if step:
+            print(format_model_step(step))
         print(nccl.message())
     return 0 if nccl.ok else 1

@@ -38,6 +38,12 @@ layers — so a forward of a stage adds ``stage_weight`` Ma until its backward. 
 backward keeps them counted until its ``W``: an upper bound (the deferred weight
 gradients need the inputs and output gradients of the linear layers, not everything the
 forward saved), and exactly what the emulated layers of the benchmark hold.
+
+Stages cost what their :class:`~.stage_costs.StageCosts` say: by default equal stages of
+``stage_weight`` device shares (:meth:`~.stage_costs.StageCosts.uniform`), or each stage its
+own for a model of uneven stages (:meth:`~.stage_costs.StageCosts.for_model`), whose
+activations are also counted in bytes: a forward's saved tensors until its ``B`` or ``I``, an
+``I``'s kept inputs and output gradients until its ``W`` (``peak_activation_bytes``).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from .comm import received_by
 from .costs import CostModel
 from .errors import PlanError
 from .lower import lower
+from .stage_costs import StageCosts
 
 
 ENDS_BACKWARD = frozenset(kind for kind in ActionType if kind.ends_backward)
@@ -93,6 +100,9 @@ class SimulationResult:
         busy: per-rank compute time.
         bubble_ratio: mean over ranks of ``1 - busy / makespan``.
         peak_activations: per-rank maximum of in-flight activations, in Ma.
+        stage_costs: what each stage of a pipeline cost.
+        peak_activation_bytes: per-rank maximum of in-flight activation bytes (0 where the
+            stage costs count no bytes).
         events: compute intervals, in start order per rank.
         sync_events: all-reduce intervals (one per participating rank).
     """
@@ -103,6 +113,8 @@ class SimulationResult:
     busy: List[float]
     bubble_ratio: float
     peak_activations: List[float]
+    stage_costs: StageCosts = field(repr=False)
+    peak_activation_bytes: List[float]
     events: List[Event] = field(repr=False)
     sync_events: List[Event] = field(repr=False)
 
@@ -124,8 +136,14 @@ class SimulationResult:
         }
 
 
-def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> SimulationResult:
+def simulate(
+    plan: SchedulePlan, costs: Optional[CostModel] = None, stage_costs: Optional[StageCosts] = None
+) -> SimulationResult:
     """Simulate one step of ``plan``; raise :class:`PlanError` on a deadlock.
+
+    ``stage_costs`` gives each stage of a pipeline its own times and activations (default:
+    equal stages, :meth:`~.stage_costs.StageCosts.uniform`); ``costs`` the messages and
+    all-reduces.
 
     A compute-only plan is lowered first (:func:`~.lower.lower`, default policy); the
     result's ``plan`` is the plan simulated. The plan is assumed valid (see
@@ -136,12 +154,15 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     if not plan.has_communication:
         plan = lower(plan)
     placement = plan.placement
-    weight = placement.stage_weight
+    stage_costs = stage_costs or StageCosts.uniform(costs, placement)
+    if len(stage_costs.stages) != placement.num_stages:
+        raise ValueError(f"{len(stage_costs.stages)} stage costs for the {placement.num_stages} stages of the {placement.name} placement")
     message_time = costs.message_time
     num_ranks = plan.num_ranks
 
     F, B, W = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT
-    duration = {kind: costs.compute_time(Action(kind, 0, 0), weight) for kind in (F, B, W, ActionType.BACKWARD_INPUT)}
+    I = ActionType.BACKWARD_INPUT
+    slot_cost = [[stage_costs.stages[placement.role(r, c).stage] for c in range(placement.chunks_per_rank)] for r in range(num_ranks)]
     # Keys are (rank, type, chunk, micro-batch) tuples: ``F``/``B`` (``B`` for ``I`` too) of
     # finished compute actions, ``SEND_F``/``SEND_B`` of issued sends.
     finish: Dict[Tuple[int, ActionType, int, int], float] = {}  # -> end of a compute action
@@ -153,6 +174,8 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     busy = [0.0] * num_ranks
     in_flight = [0.0] * num_ranks
     peak = [0.0] * num_ranks
+    in_flight_bytes = [0.0] * num_ranks
+    peak_bytes = [0.0] * num_ranks
     events: List[Event] = []
     sync_issue: Dict[Tuple[int, int], float] = {}
 
@@ -207,15 +230,23 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
                         break
                     ready = max(readies)
                     start = max(clock[rank], ready)
-                    end = start + sum(duration[part.type] for part in action.parts)
+                    end = start + sum(slot_cost[rank][part.chunk].time(part.type) for part in action.parts)
                     for part in action.parts:  # an overlapped pair: both outputs at its end
-                        kind = B if part.type is ActionType.BACKWARD_INPUT else part.type
+                        kind = B if part.type is I else part.type
                         finish[(rank, kind, part.chunk, part.microbatch)] = end
+                        stage = slot_cost[rank][part.chunk]
                         if part.type is F:
-                            in_flight[rank] += weight
+                            in_flight[rank] += stage.activation_shares
                             peak[rank] = max(peak[rank], in_flight[rank])
                         elif part.type in ENDS_BACKWARD:
-                            in_flight[rank] -= weight
+                            in_flight[rank] -= stage.activation_shares
+                        in_flight_bytes[rank] += {
+                            F: stage.activation_bytes,
+                            B: -stage.activation_bytes,
+                            I: stage.weight_grad_bytes - stage.activation_bytes,
+                            W: -stage.weight_grad_bytes,
+                        }[part.type]
+                        peak_bytes[rank] = max(peak_bytes[rank], in_flight_bytes[rank])
                     clock[rank] = end
                     busy[rank] += end - start
                     events.append(Event(rank, action, start, end, pipeline_of[rank][action.chunk], ready))
@@ -226,15 +257,15 @@ def simulate(plan: SchedulePlan, costs: Optional[CostModel] = None) -> Simulatio
     if blocked:
         raise PlanError(_deadlock_message(plan, blocked, cursor, finish, input_ready))
 
-    sync_events = _schedule_syncs(plan, costs, sync_issue)
+    sync_events = _schedule_syncs(plan, costs, stage_costs, sync_issue)
     end_of_step = max([max(clock)] + [e.end for e in sync_events])
     bubble = sum(1.0 - b / end_of_step for b in busy) / num_ranks if end_of_step > 0 else 0.0
     events.sort(key=lambda e: (e.rank, e.start))
-    return SimulationResult(plan, costs, end_of_step, busy, bubble, peak, events, sync_events)
+    return SimulationResult(plan, costs, end_of_step, busy, bubble, peak, stage_costs, peak_bytes, events, sync_events)
 
 
 def _schedule_syncs(
-    plan: SchedulePlan, costs: CostModel, issued: Dict[Tuple[int, int], float]
+    plan: SchedulePlan, costs: CostModel, stage_costs: StageCosts, issued: Dict[Tuple[int, int], float]
 ) -> List[Event]:
     """Place every all-reduce: after all replicas issued it, serialised per rank's comm lane."""
     placement = plan.placement
@@ -249,7 +280,8 @@ def _schedule_syncs(
         missing = [m for m in members if m not in issued]
         if missing:
             raise PlanError(f"SYNC of rank {members[0][0]} chunk {members[0][1]} never issued by replica(s) {missing}")
-        duration = costs.sync_time(placement.stage_weight, len(members))
+        stage = placement.role(*members[0]).stage
+        duration = costs.sync_time(stage_costs.stages[stage].sync_weight, len(members))
         start = max(max(issued[m] for m in members), max(lane_free[r] for r, _ in members))
         for rank, chunk in members:
             lane_free[rank] = start + duration
