@@ -15,6 +15,9 @@ lets through (:mod:`megatron_bitpipe.cpu.strict_p2p`):
   communicator, whose creation on first use is a rendezvous of the two ranks: two ranks whose
   first unbatched operations with each other are on different groups deadlock (the old
   executor's pattern hung BitPipe on a GPU this way), the batched runtime does not;
+* a group's communicator is created at its first collective, a rendezvous of all its
+  members: two ranks that start two groups' first collectives in opposite orders fail at once
+  naming both groups (plain gloo runs them; NCCL hangs), in one order they complete;
 * megatron-core's own schedules (1F1B batched and unbatched, interleaved with overlapped p2p)
   still equal single-process training under the mode.
 """
@@ -452,6 +455,52 @@ def test_bitpipes_runtime_pattern_batched_after_warm_up_completes(batched, env):
         assert rank_facts["wrong"] == [] and rank_facts["left"] == []
         assert rank_facts["pairs_after_set_up"] == []  # the warm-up is batched
         assert rank_facts["pairs"] == []
+
+
+# ------------------------------------------------------------------ a group's communicator at its first use
+
+FIRST_USE = "the two ranks reach these groups' first collectives in different orders"
+
+
+def _reordered_first_collectives(reordered: bool) -> dict:
+    """2 ranks, groups ``a`` and ``b`` of both. Rank 0 starts an all-reduce on ``a``, then one
+    on ``b``; rank 1 on ``b`` first when ``reordered``. Each group's collectives match, so gloo
+    runs both orders; NCCL creates each group's communicator at its first collective, a
+    rendezvous of both ranks, so the reordered one hangs there."""
+    import torch.distributed as dist
+
+    from megatron_bitpipe.cpu import strict_p2p
+
+    _enable()
+    rank = dist.get_rank()
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    order = [("a", a), ("b", b)] if rank == 0 or not reordered else [("b", b), ("a", a)]
+    tensors = {name: torch.full((2,), float(rank + 1)) for name, _ in order}
+    for work in [dist.all_reduce(tensors[name], group=group, async_op=True) for name, group in order]:
+        work.wait()
+    return {"sums": {name: t.tolist() for name, t in tensors.items()}, "created": strict_p2p.created_communicators()}
+
+
+def test_groups_first_collectives_in_different_orders_fail_at_once_naming_both_groups():
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        launch(_reordered_first_collectives, 2, True, timeout=60, env={**STRICT, "MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT": "30"})
+    text = str(failure.value)
+    assert re.search(
+        r"strict p2p: rank (\d) creates the communicator of group \[0, 1\] \(process group \d+\) for its first all_reduce "
+        r"there, while rank (\d) creates the one of group \[0, 1\] \(process group \d+\) for its first all_reduce there, "
+        r"which waits for rank \1: " + re.escape(FIRST_USE),
+        text,
+    ), text
+    assert time.monotonic() - started < 25  # at once, not after the 30 s bound
+
+
+@pytest.mark.parametrize("reordered, env", [(False, STRICT), (True, PLAIN)], ids=["one_order_strict", "reordered_plain_gloo"])
+def test_groups_first_collectives_in_one_order_or_without_the_mode_complete(reordered, env):
+    facts = launch(_reordered_first_collectives, 2, reordered, timeout=60, env=env)
+    assert all(f["sums"] == {"a": [3.0, 3.0], "b": [3.0, 3.0]} for f in facts)
+    if env is STRICT:
+        assert all([0, 1] in f["created"] for f in facts)
 
 
 # ------------------------------------------------------------------ megatron-core's schedules
