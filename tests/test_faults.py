@@ -128,4 +128,4 @@ def test_a_slow_rank_shows_in_the_per_rank_times_and_one_straggler_line(tmp_path
     assert all(slow >= 300.0 > fast for fast, slow in times), times
     lines = [line for line in stdout.splitlines() if line.startswith(" straggler:")]
     assert len(lines) == 1 and "rank 1 (relative score" in lines[0] and "iterations 1-5" in lines[0], stdout[-3000:]
-    assert "forward ms per rank:" in stdout
+    assert "forward time per rank (ms, rank 0 first): " in stdout

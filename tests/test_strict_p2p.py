@@ -88,6 +88,17 @@ class _Waiter:
             raise self.error
 
 
+def _warm_up(*groups) -> None:
+    """Create the default group's and ``groups``' communicators, in this order on every rank (as
+    the runtime does at set-up): under NCCL without eager initialisation a group's first
+    collective or batched p2p creates them, a rendezvous of all its members."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    for group in groups:
+        dist.barrier(group=group)
+
+
 def _batched(kind: str, tensor, peer: int, group):
     """One operation issued as a ``batch_isend_irecv`` of its own (on the group's communicator,
     as the runtime's executor issues them); returns its work."""
@@ -106,6 +117,7 @@ def _send_behind_a_blocked_receive() -> dict:
     log = _enable()
     rank = dist.get_rank()
     group = dist.new_group([0, 1, 2])
+    _warm_up(group)
     facts = {"log": log}
     if rank == 0:
         send = _batched("send", torch.arange(4.0), 1, group)
@@ -159,6 +171,7 @@ def _fifo_per_group() -> dict:
     rank = dist.get_rank()
     g = dist.new_group([0, 1, 2])
     h = dist.new_group([0, 1, 2])
+    _warm_up(g, h)
     facts: dict = {}
     if rank == 0:
         on_g, on_h = torch.zeros(3), torch.zeros(3)
@@ -273,6 +286,7 @@ def _crossing_first_use(batched: bool) -> dict:
     _enable()
     rank = dist.get_rank()
     g1, g2 = dist.new_group([0, 1, 2]), dist.new_group([0, 1, 2])
+    _warm_up(g1, g2)
 
     def issue(kind, tensor, group):
         if batched:
@@ -330,6 +344,7 @@ def _pair_fifo_is_its_own() -> dict:
     _enable()
     rank = dist.get_rank()
     group = dist.new_group([0, 1, 2])
+    _warm_up(group)
     facts: dict = {}
     if rank == 0:
         received = torch.zeros(3)

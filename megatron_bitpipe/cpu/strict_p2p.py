@@ -369,7 +369,7 @@ def _create_communicator(group, what: str) -> None:
             missing = [r for r in ranks if r != rank and not store.check([f"group {name}/rank {r}"])]
             if not missing:
                 break
-            crossing = _crossing(store, missing, rank)
+            crossing = _crossing(store, missing, rank, name)
             if crossing is not None:
                 member, theirs = crossing
                 raise RuntimeError(
@@ -391,9 +391,10 @@ def _create_communicator(group, what: str) -> None:
             _communicators[name] = ranks
 
 
-def _crossing(store, missing: List[int], rank: int):
+def _crossing(store, missing: List[int], rank: int, name: str):
     """``(member, what it creates)`` for a missing member creating another group's
-    communicator that this rank has not created and belongs to (a certain deadlock), else None."""
+    communicator (not group ``name``'s) that this rank has not created and belongs to (a
+    certain deadlock), else None."""
     for member in missing:
         key = f"rank {member} creates"
         if not store.check([key]):
@@ -402,7 +403,7 @@ def _crossing(store, missing: List[int], rank: int):
         if not text:
             continue
         theirs = json.loads(text)
-        if rank in theirs["ranks"] and theirs["group"] not in _communicators:
+        if theirs["group"] != name and rank in theirs["ranks"] and theirs["group"] not in _communicators:
             return member, theirs
     return None
 

@@ -137,7 +137,7 @@ class Trainer:
         record = self.data_parallel.train_step()
         if self.forward_timer is not None:
             times = self.forward_timer.gather(self.env.world_size)
-            record.extra["forward_ms_per_rank"] = [round(t, 1) for t in times]
+            record.forward_ms_per_rank = [round(t, 2) for t in times]
             line = self.stragglers.add(record.iteration, times)
             if line is not None:
                 distributed.log(line)

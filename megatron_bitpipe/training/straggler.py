@@ -8,8 +8,9 @@ starts). With tensor parallelism the forward holds the TP group's collectives, s
 is timed together.
 
 :class:`ForwardTimer` times them; :meth:`ForwardTimer.gather` (collective over the job) gives
-every rank's milliseconds of the iteration, logged as ``forward_ms_per_rank`` (``--log-json``,
-and ``forward ms per rank: a/b/...`` on the progress line).
+every rank's milliseconds of the iteration, logged as ``forward_ms_per_rank`` (``--log-json``)
+and, after each progress line, as ``forward time per rank (ms, rank 0 first): a b ...`` (the
+interval's mean).
 
 :class:`StragglerDetector` keeps the last :data:`WINDOW` iterations and, as NVRx's
 straggler detection does, scores each rank relative to the median rank: ``score = median /
