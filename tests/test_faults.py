@@ -77,7 +77,7 @@ def fault_ended(args: List[str], fault: str) -> Tuple[int, str, float]:
     everything = "\n".join(line for _, line in lines)
     assert faulted and len(reports) == 1, everything[-4000:]
     seconds = ended - faulted[0]
-    print(f"\n--inject-fault {fault}: the job ended {seconds:.1f} s after the fault (timeout {60 * TIMEOUT_MIN:g} s)")
+    print(f"\n--inject-fault {fault}: the job ended {seconds:.1f} s after the fault (timeout {60 * TIMEOUT_MIN:g} s)\n{reports[0]}")
     return status, reports[0], seconds
 
 
@@ -129,3 +129,4 @@ def test_a_slow_rank_shows_in_the_per_rank_times_and_one_straggler_line(tmp_path
     lines = [line for line in stdout.splitlines() if line.startswith(" straggler:")]
     assert len(lines) == 1 and "rank 1 (relative score" in lines[0] and "iterations 1-5" in lines[0], stdout[-3000:]
     assert "forward time per rank (ms, rank 0 first): " in stdout
+    print("\n" + "\n".join(line for line in stdout.splitlines() if "iteration        5/" in line or "straggler" in line or "forward time" in line))

@@ -264,6 +264,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "--distributed-timeout-minutes",
         type=float,
         default=10.0,
+        metavar="MINUTES",
         help="a rank that waits this long in one communication ends the whole job with one line naming the hung or "
         "failed rank, the iteration and where the others waited (exit status 3); fractions are allowed, e.g. 0.1 "
         "(6 s) in tests (default 10)",

@@ -49,11 +49,12 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
         help="make one rank fail: hang (stops for good), crash (killed with SIGKILL) or slow (sleeps "
         "--inject-fault-sleep seconds per iteration); for testing how the job ends or reports a straggler",
     )
-    group.add_argument("--inject-fault-rank", type=int, default=0, help="global rank of the fault (default 0)")
+    group.add_argument("--inject-fault-rank", type=int, default=0, metavar="RANK", help="global rank of the fault (default 0)")
     group.add_argument(
         "--inject-fault-iteration",
         type=int,
         default=1,
+        metavar="ITERATION",
         help="iteration (counted from 1) in which the fault starts; slow: and every one after (default 1)",
     )
     group.add_argument(
@@ -63,7 +64,7 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
         help="hang or crash at the start of the iteration's training step (step, default) or inside the checkpoint "
         "save after it (save: after every rank's shards are written, before the checkpoint's index)",
     )
-    group.add_argument("--inject-fault-sleep", type=float, default=1.0, help="slow: seconds of sleep per iteration (default 1)")
+    group.add_argument("--inject-fault-sleep", type=float, default=1.0, metavar="SECONDS", help="slow: seconds of sleep per iteration (default 1)")
 
 
 def fault_problems(args: argparse.Namespace) -> List[str]:
