@@ -42,15 +42,19 @@ def test_every_rank_waiting_is_reported_as_a_deadlock():
     assert "every rank waits in a communication (a deadlock" in fault_line(states, 2, 6.0)
 
 
-def test_a_thread_blocked_on_a_wait_is_waiting_and_a_sleeping_one_is_not():
+def test_a_thread_blocked_on_a_wait_or_the_device_is_waiting_and_a_sleeping_one_is_not():
     def blocked_in_wait():
         work = types.SimpleNamespace(wait=functools.partial(time.sleep, 0.6))  # a C wait, as a request's is
         work.wait()
 
+    def blocked_on_the_device():
+        loss = types.SimpleNamespace(item=functools.partial(time.sleep, 0.6))  # NCCL: the host waits for the GPU
+        loss.item()
+
     def asleep():
         time.sleep(0.6)
 
-    for body, waiting in ((blocked_in_wait, True), (asleep, False)):
+    for body, waiting in ((blocked_in_wait, True), (blocked_on_the_device, True), (asleep, False)):
         thread = threading.Thread(target=body)
         thread.start()
         time.sleep(0.2)

@@ -75,9 +75,9 @@ class ForwardTimer:
             torch.cuda.synchronize()
             ms += sum(start.elapsed_time(end) for start, end in self._events)
         self._seconds, self._events = 0.0, []
-        mine = torch.tensor([ms], dtype=torch.float64, device=self.device)
         everyone = torch.zeros(world_size, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(everyone, mine)
+        everyone[dist.get_rank()] = ms
+        dist.all_reduce(everyone)  # each rank fills its own slot
         return everyone.tolist()
 
 

@@ -5,7 +5,9 @@ rank (a daemon thread that looks at the main thread's Python stack every
 :attr:`Watchdog.poll_s` seconds; nothing in the step is instrumented). The main thread is
 *waiting* when its innermost Python frame is inside ``torch.distributed`` (a collective or a
 p2p call) or on a line that calls ``.wait(`` (a request's wait, a C call that leaves no frame
-of its own), and *stalled* while that frame and its position do not change.
+of its own) or waits for the device (``.item(``, ``synchronize(``...: with NCCL the
+communication is queued on the GPU and the host blocks where it next needs a result), and
+*stalled* while that frame and its position do not change.
 
 Two things raise the alarm on a rank:
 
@@ -85,6 +87,12 @@ class RankState:
     error: Optional[str] = None
 
 
+#: calls that wait for other ranks without a Python frame of their own: a request's wait, and
+#: the host waiting for the device (with NCCL the communication is queued on the GPU, and the
+#: host blocks where it next needs a result: a copy to the host, a synchronisation)
+_WAITING_CALLS = (".wait(", ".item(", ".tolist(", ".cpu(", "synchronize(")
+
+
 def _short_path(path: str) -> str:
     """``path`` from the package it belongs to (``megatron_bitpipe/...``, ``megatron/...``, ``torch/...``)."""
     parts = path.replace(os.sep, "/").split("/")
@@ -105,8 +113,8 @@ def _in_torch_distributed(frame: FrameType) -> bool:
 def describe_stack(frame: Optional[FrameType]) -> tuple:
     """``(waiting, where)`` of a thread whose innermost Python frame is ``frame``: in a
     ``torch.distributed`` call (its innermost ``torch.distributed`` function, and the first
-    frame outside torch that called it) or on a line calling ``.wait(``; else not waiting, at
-    that frame."""
+    frame outside torch that called it) or on a line with one of :data:`_WAITING_CALLS`;
+    else not waiting, at that frame."""
     if frame is None:
         return False, "no Python frame"
     if _in_torch_distributed(frame):
@@ -119,7 +127,7 @@ def describe_stack(frame: Optional[FrameType]) -> tuple:
         name = op.f_code.co_name
         return True, f"torch.distributed {name} called from {_place(caller)}" if caller is not None else name
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    if ".wait(" in line:
+    if any(call in line for call in _WAITING_CALLS):
         return True, f"`{line}` in {_place(frame)}"
     return False, _place(frame)
 
