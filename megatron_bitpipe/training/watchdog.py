@@ -26,6 +26,7 @@ when — hands it to torchrun's error file, and exits with :data:`FAULT_EXIT_STA
 rank exits with the same status once the line is out (so a job ends even without a launcher
 that stops the rest). A hang thus ends the job ``timeout_s`` plus at most two polls and a
 second after the last rank started waiting; a crash that gloo reports, about two polls after it.
+Until an alarm, each rank looks at the store once per poll.
 
 The process group's own timeout (:func:`process_group_timeout`) is a little longer than
 ``timeout_s``, so that the watchdog, not a backend's timeout error, reports.
@@ -202,11 +203,11 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
-                if self._key_set("done"):
-                    os._exit(FAULT_EXIT_STATUS)
                 state = self._state()
-                if self._key_set("alarm"):
+                if self._key_set("alarm"):  # one look at the store per poll until an alarm
                     self._answer(state)
+                    if self._key_set("done"):
+                        os._exit(FAULT_EXIT_STATUS)
                 elif state.waiting and state.stalled_s >= self.timeout_s:
                     self._alarm(state)
             except Exception:  # noqa: BLE001 - the store is gone: the launcher is ending the job
