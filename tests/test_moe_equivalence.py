@@ -64,6 +64,12 @@ def _cases() -> List[MoECase]:
             name = f"{schedule}{'_split' if split else ''}_{dispatcher}_pp2_dp2_ep2"
             cases.append(MoECase(name, schedule, pp=2, n=4 if schedule == "dualpipev" else 2, dp=2, ep=2, split_backward=split, dispatcher=dispatcher,
                                  tied=schedule != "1f1b"))
+    # megatron's distributed optimizer, one per chunk: dense state over the stage's grad-sync
+    # group, expert state over its expert grad-sync group
+    cases.append(MoECase("bitpipe_split_alltoall_pp2_dp2_ep2_distopt", "bitpipe", pp=2, n=2, dp=2, ep=2, split_backward=True,
+                         distributed_optimizer=True, clip_grad=0.5))
+    cases.append(MoECase("dualpipev_allgather_pp2_dp2_ep2_distopt", "dualpipev", pp=2, n=4, dp=2, ep=2, dispatcher="allgather",
+                         distributed_optimizer=True))
     return cases
 
 
