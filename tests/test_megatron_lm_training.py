@@ -37,7 +37,8 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
 * ``--optimizer lamb --lr-decay-style rex`` and ``--optimizer schedulefree_adamw``: BitPipe
   (pipeline 4) trains like the reference with the same optimizer;
 * a mixture-of-experts GPT at pipeline 2 x data parallel 2 x expert parallel 2 (strict p2p):
-  BitPipe (± split backward) and ZB-V on the runtime route, BitPipe and ZB-V on the patch route,
+  BitPipe (± split backward), ZB-V and DualPipeV with the distributed optimizer on the runtime
+  route, BitPipe and ZB-V on the patch route,
   both token dispatchers, and Megatron-LM's own 1F1B with ``--layout-independent-init``, equal
   to one process at expert parallelism 1; the logged auxiliary losses equal that 1F1B run's.
 
@@ -352,6 +353,7 @@ MOE_RUNS = {
     "runtime_bitpipe_allgather": ("runtime", [*BITPIPE, *ALLGATHER]),
     "runtime_bitpipe_split_alltoall": ("runtime", [*BITPIPE, "--split-backward", *ALLTOALL]),
     "runtime_zbv_alltoall": ("runtime", ["--pipeline-schedule", "zbv", *ALLTOALL]),
+    "runtime_dualpipev_distopt_allgather": ("runtime", ["--pipeline-schedule", "dualpipev", "--use-distributed-optimizer", *ALLGATHER]),
     "patch_bitpipe_alltoall": ("patch", [*BITPIPE, *ALLTOALL]),
     "patch_zbv_allgather": ("patch", ["--pipeline-schedule", "zbv", *ALLGATHER]),
 }

@@ -94,8 +94,6 @@ _PARALLEL_SIZES = {"context_parallel_size", "num_distributed_optimizer_instances
 # Mixture-of-experts flags a plan-executed schedule cannot be combined with (with --num-experts);
 # same form as _PLAN_CONFLICTS.
 _MOE_CONFLICTS = (
-    ("use_distributed_optimizer", "--use-distributed-optimizer",
-     "{schedule}'s per-chunk distributed optimizers do not shard expert state"),
     ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
      "the overlap is megatron's own combined 1F1B schedule, not {schedule}'s"),
     ("save", "--save", "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
