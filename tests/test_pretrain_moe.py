@@ -1,7 +1,9 @@
 """A mixture-of-experts GPT through scripts/pretrain_gpt.py's training loop on CPU ranks (gloo,
 strict p2p): expert parallelism 2 inside PP 2 x DP 2 under BitPipe with the split backward,
-ZB-V (with megatron's distributed optimizer) and DualPipeV, with the alltoall and allgather
-token dispatchers, logs the single
+ZB-V (with megatron's distributed optimizer), DualPipeV, ZB-H1, megatron's interleaved
+schedule, and Chimera and DualPipe (two replicas whose pipelines end away from their start:
+untied embeddings, against an untied single process), with the alltoall and allgather token
+dispatchers, logs the single
 process's per-iteration losses, grad norms, learning rates, validation losses and Megatron-LM's
 auxiliary-loss fields (``load_balancing_loss``, ``z_loss``; rtol 1e-5, from ``--log-json``).
 A run with ``--moe-expert-capacity-factor`` (tokens beyond an expert's capacity dropped) trains
@@ -32,6 +34,14 @@ RUNS = {
     "bitpipe_split_alltoall": ["--pipeline-schedule", "bitpipe", "--split-backward", "--moe-token-dispatcher-type", "alltoall"],
     "zbv_allgather_distopt": ["--pipeline-schedule", "zbv", "--moe-token-dispatcher-type", "allgather", "--use-distributed-optimizer"],
     "dualpipev_alltoall": ["--pipeline-schedule", "dualpipev", "--moe-token-dispatcher-type", "alltoall"],
+    "zb-h1_alltoall": ["--pipeline-schedule", "zb-h1", "--moe-token-dispatcher-type", "alltoall"],
+    "interleaved_alltoall": ["--virtual-pipeline-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+}
+UNTIED = ["--untie-embeddings-and-output-weights"]
+#: runs of two replicas whose pipelines end away from their start, against the untied single process
+UNTIED_RUNS = {
+    "chimera_split_allgather": ["--pipeline-schedule", "chimera", "--split-backward", "--moe-token-dispatcher-type", "allgather"],
+    "dualpipe_alltoall": ["--pipeline-schedule", "dualpipe", "--moe-token-dispatcher-type", "alltoall"],
 }
 CAPACITY = ["--pipeline-schedule", "bitpipe", "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.0"]
 
@@ -43,16 +53,20 @@ def runs(tmp_path_factory) -> Dict[str, Dict[int, dict]]:
     """Every run once: name -> {iteration: JSON record}."""
     logs = JsonLogs(tmp_path_factory.mktemp("moe"))
     launch(train_in_process, 1, "gpt", [*MODEL, *MOE, *logs.flags("single")], timeout=300)
+    launch(train_in_process, 1, "gpt", [*MODEL, *MOE, *UNTIED, *logs.flags("single_untied")], timeout=300)
     for name, flags in RUNS.items():
         launch(train_in_process, 4, "gpt", [*MODEL, *MOE, *PP2_EP2, *flags, *logs.flags(name)], timeout=600)
+    for name, flags in UNTIED_RUNS.items():
+        launch(train_in_process, 4, "gpt", [*MODEL, *MOE, *UNTIED, *PP2_EP2, *flags, *logs.flags(name)], timeout=600)
     launch(train_in_process, 4, "gpt", [*MODEL, *MOE, *PP2_EP2, *CAPACITY, *logs.flags("capacity")], timeout=600)
     return logs.records()
 
 
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", [*RUNS, *UNTIED_RUNS])
 def test_moe_run_trains_like_one_process(runs, name):
+    reference = runs["single_untied" if name in UNTIED_RUNS else "single"]
     assert sorted(runs[name]) == list(range(1, ITERS + 1))
-    assert_same_records(runs[name], runs["single"], range(1, ITERS + 1), MOE_KEYS)
+    assert_same_records(runs[name], reference, range(1, ITERS + 1), MOE_KEYS)
 
 
 def test_auxiliary_losses_are_logged(runs):
