@@ -382,7 +382,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
 TIMEOUTS = {"environment": 60, "gpt-small-bf16": 90, "gpt-0.5b-bf16": 120, "gpt-0.5b-bf16-sdpa": 120, "attention-sdpa": 60,
             "hfta-bench": 300,
             "calibrate-fp32": 90, "calibrate-bf16": 90, "calibrate-bf16-sdpa": 90,
-            "reference": 60, "multirank": 50, "1f1b-control": 75}  # fmt: skip
+            "reference": 60, "multirank": 50, "1f1b-control": 75,
+            "optimus2d-q2": 130}  # fmt: skip  (Optimus 2D: ~9.3 s/iteration over loopback sockets, 5 iterations)
 #: the control run of several ranks; the later ones get at least CONTROL_FACTOR x its time
 CONTROL, CONTROL_FACTOR = "1f1b-control", 2.0
 #: per-item timeouts (seconds) of the dry run on a CPU

@@ -11,7 +11,10 @@ communication is queued on the GPU and the host blocks where it next needs a res
 
 Two things raise the alarm on a rank:
 
-* its main thread has waited at the same place for ``timeout_s`` (``--distributed-timeout-minutes``);
+* its main thread has stood at the same place for ``timeout_s`` (``--distributed-timeout-minutes``),
+  waiting or not: a rank stalled outside any communication is hung itself, and with NCCL a
+  waiting host may block anywhere its next kernel launch or host copy has to wait for the
+  device, at a line that names no wait;
 * a communication raised in its main thread (gloo reports a peer that has exited at once;
   :meth:`Watchdog.failed`), unless the job's output reader has gone (``| head``), which the
   scripts end quietly.
@@ -208,7 +211,7 @@ class Watchdog:
                     self._answer(state)
                     if self._key_set("done"):
                         os._exit(FAULT_EXIT_STATUS)
-                elif state.waiting and state.stalled_s >= self.timeout_s:
+                elif state.stalled_s >= self.timeout_s:
                     self._alarm(state)
             except Exception:  # noqa: BLE001 - the store is gone: the launcher is ending the job
                 return
