@@ -60,8 +60,10 @@ _COST_FLAGS = {
     "grad_bytes": ("--grad-bytes", "bytes of the gradients of L/D layers that one all-reduce moves (default 0)"),
     "sync_bandwidth": ("--sync-bandwidth", "all-reduce bus bandwidth in bytes per TIME unit (as nccl-tests reports it); with --grad-bytes adds the ring's bandwidth term to --t-sync (default 0: none)"),
     "data_parallel_size": ("--data-parallel-size", "data-parallel ranks each stage's gradients are averaged over, besides BitPipe's two replicas (default 1)"),
+    "t_a2a": ("--t-a2a", "latency of one all-to-all (dispatch or combine) of a mixture-of-experts layer among --expert-model-parallel-size ranks, in TIME units (default 0)"),
+    "a2a_bandwidth": ("--a2a-bandwidth", "bytes per TIME unit one rank's all-to-all sends off the rank; adds bytes/bandwidth to each all-to-all of an MoE layer (default 0: none)"),
 }
-_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME", "data_parallel_size": "N"}
+_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME", "data_parallel_size": "N", "a2a_bandwidth": "BYTES_PER_TIME"}
 #: the command's one-line description (--help)
 DESCRIPTION = "Plan, validate and simulate pipeline schedules: per-rank actions, makespan, bubble, peak activations."
 #: bytes of a GiB, the unit of the memory the commands print and of --max-memory
