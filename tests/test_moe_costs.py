@@ -150,10 +150,16 @@ def test_simulate_and_layout_search_cost_the_experts(capsys, schedule):
     dense = _json(capsys, "simulate", *plan, *MODEL_FLAGS, "--json")
     moe = _json(capsys, "simulate", *plan, *MODEL_FLAGS, *MOE_FLAGS, "--json")
     assert moe["makespan"] > dense["makespan"]
+    assert "moe_layers" not in dense
+    # 4 stages of one layer; --moe-layer-freq [1,0,1,0]; fp32: s b k h 4 (EP - 1) / EP bytes, over 1000 bytes per TIME
+    assert moe["moe_layers"] == [1, 0, 1, 0]
+    assert moe["all_to_all_bytes"] == 32 * 1 * 2 * 64 * 4 / 2 and moe["all_to_all_time"] == pytest.approx(moe["all_to_all_bytes"] / 1000)
     for d, m in zip(dense["memory_bytes"], moe["memory_bytes"]):
         assert m["parameters"] > d["parameters"] and m["activations"] > d["activations"]
     search = _json(capsys, "layout-search", *plan, *MODEL_FLAGS, *MOE_FLAGS, "--json")
     assert search["best"]["peak_memory_bytes"] == max(r["total"] for r in search["best"]["memory_bytes"])
+    best = search["best"]
+    assert sum(best["moe_layers"]) == 2 and len(best["moe_layers"]) == len(best["stage_layers"])
 
 
 @pytest.mark.parametrize("extra, message", [
