@@ -36,8 +36,9 @@ all-to-alls, ``--moe-a2a-bytes / --moe-a2a-bandwidth`` ms each, on the emulated 
 p2p message's time is its bytes over the link); the simulator's costs get the same
 ``2 x layers-per-rank`` all-to-alls in ``t_F``, ``t_B`` and ``t_I`` (what
 ``StageCosts.for_model`` adds per MoE layer), and the split schedules are ordered for them.
-The default schedules are then megatron-core's interleaved, BitPipe, DualPipe, DualPipeV and
-ZB-V, and the closing note adds every schedule's speedup over BitPipe.
+The default schedules are then megatron-core's interleaved, BitPipe (whole and split
+backward), DualPipe, DualPipeV and ZB-V, and the closing note adds every schedule's speedup
+over BitPipe.
 
 Per (schedule, D, N) it reports the median (and best) step time of ``--repeats`` steps (one
 ``forward_backward_func`` call including gradient finalisation; the optimizer step is not
@@ -75,7 +76,7 @@ PLAN_SCHEDULES = ("bitpipe", "bitpipe+split-backward", "chimera", "zbv", "dualpi
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 SCHEDULES = MEGATRON_SCHEDULES + PLAN_SCHEDULES
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward", "zbv", "dualpipev")
-MOE_SCHEDULES = ("interleaved", "bitpipe", "dualpipe", "dualpipev", "zbv")
+MOE_SCHEDULES = ("interleaved", "bitpipe", "bitpipe+split-backward", "dualpipe", "dualpipev", "zbv")
 BASELINE = "interleaved"
 #: the schedule the MoE closing note compares the others with
 MOE_REFERENCE = "bitpipe"
@@ -488,7 +489,7 @@ def run_conditions(rows: List[dict], elapsed: float) -> str:
     moe = ""
     if rows[0].get("t_a2a"):
         moe = (f"Every layer an MoE layer: each forward, backward and I of a layer waits two all-to-alls of "
-               f"{rows[0]['t_a2a']:g} ms (included in these costs); ")  # fmt: skip
+               f"{rows[0]['t_a2a']:g} ms, included in the costs below. ")  # fmt: skip
     return (
         f"{moe}Costs per device share: t_F = {costs['t_forward']:g} ms, t_B = {costs['t_backward']:g} ms "
         f"(split backward: t_I = {CostModel(**costs).input_time:g} ms, t_W = {CostModel(**costs).weight_time:g} ms); measured p2p "
@@ -514,10 +515,11 @@ def closing_note(rows: List[dict]) -> str:
         if reference is not None and reference.get("t_a2a"):
             ratios = ", ".join(
                 f"{_label(r)} {reference['step_time'] / r['step_time']:.3f}x "
-                f"(simulator {reference['predicted_step_time'] / r['predicted_step_time']:.3f}x)"
+                f"(best steps {reference['best_step_time'] / r['best_step_time']:.3f}x, "
+                f"simulator {reference['predicted_step_time'] / r['predicted_step_time']:.3f}x)"
                 for r in case if r is not reference
             )  # fmt: skip
-            lines.append(f"- D={pipeline_size}, N={num_microbatches}, speedup over {_label(reference)}: {ratios}.")
+            lines.append(f"- D={pipeline_size}, N={num_microbatches}, speedup over {_label(reference)} (medians): {ratios}.")
     for label in dict.fromkeys(_label(r) for r in rows):
         errors = [100 * r["error"] for r in rows if _label(r) == label]
         peaks: Dict[int, float] = {}

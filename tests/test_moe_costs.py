@@ -171,3 +171,20 @@ def test_bad_moe_flags_are_one_line_naming_the_flag(capsys, extra, message):
     assert main(["simulate", "--schedule", "bitpipe", "-D", "2", "-N", "4", *MODEL_FLAGS, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+MIXTRAL = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--num-query-groups", "8",
+           "--ffn-hidden-size", "14336", "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+           "--position-embedding-type", "rope", "--seq-length", "4096", "--vocab-size", "32000",
+           "--untie-embeddings-and-output-weights", "--bf16", "--use-distributed-optimizer", "--hidden-dropout", "0",
+           "--attention-dropout", "0", "--data-parallel-size", "8", "--num-experts", "8", "--moe-router-topk", "2",
+           "--expert-model-parallel-size", "8", "--t-forward", "41.6", "--t-backward", "83.2", "--a2a-bandwidth", "5e7"]  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule, makespan, largest_gib", [("bitpipe", 4186, 67.4), ("dualpipe", 4235, 74.8), ("dualpipev", 4366, 61.6)])
+def test_the_documented_mixtral_example(capsys, schedule, makespan, largest_gib):
+    """docs/balanced_stages.md's mixture-of-experts table, 50 GB/s column."""
+    step = _json(capsys, "simulate", "--schedule", schedule, "-D", "4", "-N", "16", *MIXTRAL, "--json")
+    assert round(step["makespan"]) == makespan
+    assert round(max(m["total"] for m in step["memory_bytes"]) / 2**30, 1) == largest_gib
+    assert step["all_to_all_bytes"] == 4096 * 2 * 4096 * 2 * 7 / 8 and round(step["all_to_all_time"], 2) == 1.17
