@@ -127,13 +127,10 @@ class Settings:
         from megatron_bitpipe.schedules import CostModel
 
         costs = CostModel(
-            t_forward=self.t_forward, t_backward=self.t_backward, t_weight=self.t_weight, t_input=self.t_input, **communication
+            t_forward=self.t_forward, t_backward=self.t_backward, t_weight=self.t_weight, t_input=self.t_input,
+            a2a_bandwidth=self.a2a_bandwidth, **communication,
         )
-        if not self.t_a2a:
-            return costs
-        exchange = 2 * self.layers_per_rank * self.t_a2a
-        return replace(costs, t_forward=self.t_forward + exchange, t_backward=self.t_backward + exchange,
-                       t_weight=costs.weight_time, t_input=costs.input_time + exchange)  # fmt: skip
+        return costs.with_all_to_alls(self.layers_per_rank, self.a2a_bytes)
 
     @property
     def message_bytes(self) -> int:

@@ -24,7 +24,7 @@ Units: milliseconds, bytes, GB/s = 1e9 bytes/s = 1e6 bytes/ms, TFLOP/s = 1e12 FL
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Dict, Optional
 
 from .actions import Action, ActionType
@@ -128,6 +128,17 @@ class CostModel:
         if bytes_sent <= 0:
             return 0.0
         return self.t_a2a + (bytes_sent / self.a2a_bandwidth if self.a2a_bandwidth > 0 else 0.0)
+
+    def with_all_to_alls(self, moe_layers: float, bytes_sent: float) -> "CostModel":
+        """These costs with a device share's mixture-of-experts exchange folded in: each of its
+        ``moe_layers`` MoE layers adds two all-to-alls of ``bytes_sent`` (dispatch and combine,
+        :meth:`all_to_all_time`) to ``F``, ``B`` and ``I``, none to ``W``. Unchanged without
+        all-to-all time."""
+        exchange = 2 * moe_layers * self.all_to_all_time(bytes_sent)
+        if exchange == 0:
+            return self
+        return replace(self, t_forward=self.t_forward + exchange, t_backward=self.t_backward + exchange,
+                       t_weight=self.weight_time, t_input=self.input_time + exchange)  # fmt: skip
 
     def sync_time(self, stage_weight: float, replicas: int) -> float:
         """All-reduce time of the gradients of a stage of ``stage_weight`` device shares held

@@ -133,9 +133,8 @@ class ModelShape:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(self, name)})")
-        freq = self.moe.moe_layer_freq if self.moe else 1
-        if not isinstance(freq, int) and len(freq) != self.num_layers:
-            raise ValueError(f"--moe-layer-freq: the list holds {len(freq)} entries, one per layer of --num-layers {self.num_layers}")
+        if self.moe:
+            self.moe.layer_count(self.num_layers)  # a list frequency holds one entry per layer
 
     # sizes
     @property
@@ -196,9 +195,7 @@ class ModelShape:
     def all_to_all_bytes(self, element_bytes: int) -> float:
         """Bytes one all-to-all (dispatch or combine) of one MoE layer sends off each rank for
         one micro-batch: ``(EP - 1) / EP x R h e`` (0 without MoE layers)."""
-        if self.moe is None:
-            return 0.0
-        return self.moe.sent_fraction * self._routed_tokens * self.hidden_size * element_bytes
+        return self.moe.all_to_all_bytes(self._tokens, self.hidden_size, element_bytes) if self.moe else 0.0
 
     def expert_parameters(self) -> int:
         """The experts of one MoE layer on one expert-parallel rank (``E / EP`` MLPs); 0

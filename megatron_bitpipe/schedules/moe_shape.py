@@ -122,3 +122,18 @@ class MoEShape:
     def sent_fraction(self) -> float:
         """Of the tokens dispatched, those that go to another expert-parallel rank: ``(EP - 1) / EP``."""
         return (self.expert_model_parallel_size - 1) / self.expert_model_parallel_size
+
+    def all_to_all_bytes(self, tokens: int, hidden_size: int, element_bytes: int) -> float:
+        """Bytes one all-to-all (dispatch or combine) of one MoE layer sends off each rank for a
+        micro-batch of ``tokens`` tokens (``s b``) of ``hidden_size`` elements of
+        ``element_bytes``: ``(EP - 1) / EP x s b K c' h e``."""
+        return self.sent_fraction * tokens * self.moe_router_topk * self.kept_fraction * hidden_size * element_bytes
+
+    def layer_count(self, num_layers: int) -> int:
+        """MoE layers among ``num_layers`` layers; ValueError for a list frequency of another
+        length."""
+        if not isinstance(self.moe_layer_freq, int) and len(self.moe_layer_freq) != num_layers:
+            raise ValueError(
+                f"--moe-layer-freq: the list holds {len(self.moe_layer_freq)} entries, one per layer of --num-layers {num_layers}"
+            )
+        return sum(self.is_moe_layer(layer) for layer in range(num_layers))
