@@ -43,6 +43,8 @@ __all__ = [
     "find_checkpoint",
     "checkpoint_format",
     "missing_files",
+    "interrupted_save",
+    "complete_checkpoints",
     "COMMON_STATE_KEY",
     "model_flag_problems",
     "request_problems",
@@ -113,10 +115,35 @@ def checkpoint_format(directory: str) -> Optional[str]:
     return None
 
 
+def interrupted_save(directory: str) -> bool:
+    """Whether ``directory`` holds a ``torch_dist`` save that never finished: shard files or
+    ``common.pt`` written, but not ``metadata.json``, which megatron-core writes last."""
+    names = os.listdir(directory)
+    started = "common.pt" in names or any(name.endswith(".distcp") for name in names)
+    return started and "metadata.json" not in names
+
+
+def complete_checkpoints(root: str) -> List[int]:
+    """The iterations of the ``iter_*`` directories under ``root`` whose save finished (``metadata.json`` written)."""
+    done = []
+    for name in incomplete_saves(root):
+        if os.path.isfile(os.path.join(root, name, "metadata.json")) and name[len("iter_"):].isdigit():
+            done.append(int(name[len("iter_"):]))
+    return sorted(done)
+
+
 def format_problem(directory: str, found: Optional[str]) -> Optional[str]:
     """Why a directory of format ``found`` cannot be loaded as ``torch_dist`` (None if it can)."""
     if found == "torch_dist":
         return None
+    if interrupted_save(directory):
+        complete = complete_checkpoints(os.path.dirname(directory))
+        others = f"the complete ones here are iterations {', '.join(map(str, complete))}" if complete else "there is no complete one here"
+        return (
+            f"{directory} is an incomplete checkpoint: its save never finished (shards written, metadata.json "
+            f"missing: the job ended during the save); {others} (--ckpt-step N, or --load without --ckpt-step for "
+            f"the one {TRACKER} names)"
+        )
     if found == "logical":
         return (
             f"{directory} is a checkpoint in megatron-bitpipe's earlier logical format; convert it with "

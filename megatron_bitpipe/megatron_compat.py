@@ -34,6 +34,10 @@ patch release in the range behaves like its neighbours:
   **extra_kwargs)``, empty for self-attention), which
   :class:`~megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention` accepts and
   refuses when not empty. Nothing to adapt here.
+* :func:`enable_moe_without_transformer_engine` — megatron-core 0.16's ``moe_utils`` imports
+  ``te_general_gemm`` only with Transformer Engine but its router GEMM reads the name in any
+  case (NameError without TE); defining it as None, as later releases do, selects the router's
+  plain-torch GEMM.
 * :func:`megatron_lm_functions` — where Megatron-LM's training code looks up what the runtime
   route wraps (argument parsing, batch broadcast, model builders), and :func:`with_keyword`
   for calls whose arguments moved between positions and keywords.
@@ -58,6 +62,7 @@ __all__ = [
     "linear_call_is_plain",
     "reads_common_state_in_index",
     "enable_delay_wgrad_compute",
+    "enable_moe_without_transformer_engine",
     "MegatronLMFunctions",
     "megatron_lm_functions",
     "builder_model_config",
@@ -140,6 +145,16 @@ def enable_delay_wgrad_compute(config) -> None:
     model: megatron's TE linears read it in their constructor), bypassing
     ``TransformerConfig.__post_init__``'s MoE-overlap-only check (see the module docstring)."""
     config.delay_wgrad_compute = True
+
+
+def enable_moe_without_transformer_engine() -> None:
+    """Give megatron-core's ``moe_utils`` the ``te_general_gemm = None`` it reads when
+    Transformer Engine is absent (see the module docstring); idempotent, and nothing changes
+    where the name exists (TE installed, or a release that defines it)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 # Megatron-LM's training code (a checkout's ``megatron.training``) -------------------------

@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 # Parameters of the post-process part (final norm, heads): GPT's and BERT's.
 _POST_PROCESS = (
     "output_layer.",
@@ -81,6 +82,9 @@ class ChunkLayers:
     is a copy of the word embeddings (megatron's tying with
     ``share_embeddings_and_output_weights`` when the head sits on another rank than the
     embedding; see :attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`).
+    ``experts``: with expert parallelism, the global indices of the routed experts the chunk
+    holds in each of its MoE layers (local expert ``i``, ``...mlp.experts.local_experts.{i}``,
+    is global expert ``experts[i]``); None when it holds every expert or the model has none.
     """
 
     first_layer: int
@@ -88,6 +92,7 @@ class ChunkLayers:
     pre_process: bool
     post_process: bool
     tied: bool = False
+    experts: Optional[range] = None
 
     @property
     def layers(self) -> range:
@@ -104,7 +109,7 @@ class ChunkSpec(ChunkLayers):
 
 
 def chunk_specs(
-    placement: Placement, layers: Union[int, StageLayers], rank: int, tied: bool = False
+    placement: Placement, layers: Union[int, StageLayers], rank: int, tied: bool = False, experts: Optional[range] = None
 ) -> List[ChunkSpec]:
     """The chunks pipeline rank ``rank`` holds, indexed by local chunk id.
 
@@ -115,7 +120,8 @@ def chunk_specs(
     (:attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`). Raises
     ValueError naming ``--num-layers`` if a number of layers does not fill the placement's
     equal stages (:meth:`~megatron_bitpipe.schedules.placement.Placement.layer_problem`), and
-    for a split of another number of stages.
+    for a split of another number of stages. ``experts``: the routed experts this rank holds
+    (:attr:`ChunkLayers.experts`; None: all).
     """
     if not isinstance(layers, StageLayers):
         problem = placement.layer_problem(layers)
@@ -136,6 +142,7 @@ def chunk_specs(
                 pre_process=role.stage == 0,
                 post_process=role.stage == stages - 1,
                 tied=head_copy and role.stage == stages - 1,
+                experts=experts,
                 pipeline=role.pipeline,
                 stage=role.stage,
             )
@@ -162,7 +169,18 @@ def chunk_layers_of(model: torch.nn.Module) -> ChunkLayers:
         pre_process=inner.pre_process,
         post_process=inner.post_process,
         tied=inner.share_embeddings_and_output_weights,
+        experts=_local_experts(inner),
     )
+
+
+def _local_experts(model: torch.nn.Module) -> Optional[range]:
+    """The global indices of the routed experts ``model``'s MoE layers hold, None for all or none."""
+    for module in model.modules():
+        indices = getattr(module, "local_expert_indices", None)
+        num_experts = getattr(getattr(module, "config", None), "num_moe_experts", None)
+        if indices is not None and num_experts is not None:
+            return None if len(indices) == num_experts else range(indices[0], indices[0] + len(indices))
+    return None
 
 
 def to_global_name(local_name: str, chunk: ChunkLayers) -> str:
@@ -172,7 +190,7 @@ def to_global_name(local_name: str, chunk: ChunkLayers) -> str:
         block, local, rest = match.group(1), int(match.group(2)), match.group(3)
         if local >= chunk.num_layers:
             raise KeyError(f"{local_name}: chunk has {chunk.num_layers} layers")
-        return f"{block}.layers.{chunk.first_layer + local}.{rest}"
+        return f"{block}.layers.{chunk.first_layer + local}.{_expert_name(rest, chunk.experts, global_index=True)}"
     if local_name == _HEAD and chunk.tied and not chunk.pre_process:
         return _WORD_EMBEDDING
     return local_name
@@ -189,7 +207,8 @@ def to_local_name(global_name: str, chunk: ChunkLayers) -> Optional[str]:
         block, layer, rest = match.group(1), int(match.group(2)), match.group(3)
         if layer not in chunk.layers:
             return None
-        return f"{block}.layers.{layer - chunk.first_layer}.{rest}"
+        rest = _expert_name(rest, chunk.experts, global_index=False)
+        return None if rest is None else f"{block}.layers.{layer - chunk.first_layer}.{rest}"
     if global_name.startswith("embedding."):
         if chunk.pre_process:
             return global_name
@@ -199,6 +218,22 @@ def to_local_name(global_name: str, chunk: ChunkLayers) -> Optional[str]:
     if global_name.startswith(_POST_PROCESS):
         return global_name if chunk.post_process else None
     raise KeyError(f"{global_name}: not a GPT or BERT parameter name")
+
+
+def _expert_name(rest: str, experts: Optional[range], global_index: bool) -> Optional[str]:
+    """``rest`` of a layer's parameter name with its routed expert's local index made global
+    (``global_index``) or the global one local (None: the chunk lacks that expert)."""
+    match = _EXPERT.match(rest) if experts is not None else None
+    if match is None:
+        return rest
+    index = int(match.group(2))
+    if global_index:
+        if index >= len(experts):
+            raise KeyError(f"{rest}: the chunk holds {len(experts)} experts")
+        return f"{match.group(1)}{experts[index]}{match.group(3)}"
+    if index not in experts:
+        return None
+    return f"{match.group(1)}{experts.index(index)}{match.group(3)}"
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:

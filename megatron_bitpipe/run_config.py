@@ -9,7 +9,7 @@ decisions made from the flags, each made once here: the resolved
 resolved to megatron-core's choice, ``--schedule-costs`` read), who runs it (megatron-core's
 forward_backward function or this package's plan executor), the parallel layout, the
 layers of each pipeline stage (:class:`~megatron_bitpipe.schedules.layer_split.StageLayers` of
-Megatron-LM's uneven-layout flags), the precision, the batch shape, the data-parallel mode and the optimizer choice. Everything
+Megatron-LM's uneven-layout flags), the mixture of experts, the precision, the batch shape, the data-parallel mode and the optimizer choice. Everything
 downstream of the parser takes the :class:`RunConfig` for these decisions; the model's
 hyper-parameters (layers, hidden size, ...) stay Megatron-LM's namespace fields, read in one
 place per consumer (the ``TransformerConfig`` builder).
@@ -27,6 +27,7 @@ from typing import Optional, Tuple
 from .data_parallel_modes import DataParallelMode, selected_mode
 from .hfta.settings import HftaSettings, hfta_settings
 from .megatron_args import schedule_choice
+from .moe_settings import MoESettings, moe_settings
 from .optimizers import OptimizerChoice
 from .schedules import REGISTRY, ScheduleChoice
 from .schedules.layer_split import LayerSplitFlags, StageLayers, split_layers, split_problems
@@ -49,6 +50,8 @@ class ParallelLayout:
         virtual: chunks per rank of megatron-core's interleaved schedule; ``None`` otherwise.
         sequence_parallel: megatron's sequence parallelism (off with TP 1).
         tensor_parallel_mode: ``1d`` (megatron's) or ``optimus2d`` (SUMMA).
+        expert: expert-parallel size (``--expert-model-parallel-size``): each MoE layer's
+            experts split over that many consecutive data-parallel ranks; divides ``data``.
     """
 
     tensor: int
@@ -57,6 +60,7 @@ class ParallelLayout:
     virtual: Optional[int]
     sequence_parallel: bool
     tensor_parallel_mode: str
+    expert: int = 1
 
     @property
     def world(self) -> int:
@@ -115,6 +119,8 @@ class RunConfig:
             data-parallel mode: its step is the mode's update).
         schedule_costs_path: the ``--schedule-costs`` file the split's plan is made for (logs name it).
         hfta: the fused array of ``--hfta-models`` (None: one model).
+        moe: the mixture-of-experts choice of ``--num-experts`` and its flags
+            (:class:`~megatron_bitpipe.moe_settings.MoESettings`; None: a dense model).
         distributed_optimizer: ``--use-distributed-optimizer`` (optimizer state sharded over
             data parallelism; with a plan-executed schedule one distributed optimizer per chunk).
         layout_independent_init: ``--layout-independent-init`` (Megatron-LM's route: its own
@@ -144,6 +150,7 @@ class RunConfig:
     optimizer: OptimizerChoice
     schedule_costs_path: Optional[str] = None
     hfta: Optional[HftaSettings] = None
+    moe: Optional[MoESettings] = None
     distributed_optimizer: bool = False
     layout_independent_init: bool = False
     overlap_grad_reduce: bool = False
@@ -212,6 +219,7 @@ class RunConfig:
                 virtual=schedule.virtual_chunks if interleaved else None,
                 sequence_parallel=bool(args.sequence_parallel) and tensor > 1,
                 tensor_parallel_mode=getattr(args, "tensor_parallel_mode", "1d"),
+                expert=getattr(args, "expert_model_parallel_size", 1),
             ),
             precision=Precision(bf16=bool(args.bf16), fp16=bool(args.fp16)),
             batches=Batches(
@@ -223,6 +231,7 @@ class RunConfig:
             optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode.decentralized),
             schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.uses_costs else None,
             hfta=hfta_settings(args),
+            moe=moe_settings(args),
             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
             layout_independent_init=bool(getattr(args, "layout_independent_init", False)),
             overlap_grad_reduce=schedule.plan_executed or bool(getattr(args, "overlap_grad_reduce", False)),

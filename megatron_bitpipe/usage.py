@@ -12,7 +12,8 @@ scripts parse before they import torch or megatron-core.
 away (``... | head -2``): the rest of the output goes to ``/dev/null``, no ``BrokenPipeError``
 traceback, exit status 0. :func:`reader_gone` tells a process whether that has happened to its
 standard output without writing to it (the pretrain scripts' ranks other than rank 0, which
-never print, learn so when rank 0 has ended).
+never print, learn so when rank 0 has ended). :func:`hand_to_torchrun` puts a failure's one
+line at the end of torchrun's failure report.
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ import argparse
 import copy
 import difflib
 import functools
+import json
 import os
 import select
 import stat
 import sys
+import time
 from typing import Callable, Iterable, List, Optional, Sequence
 
 __all__ = [
-    "USAGE_EXIT_STATUS", "DefaultsHelpFormatter", "FlagParser", "UsageError", "closest_flag", "quiet_on_broken_pipe",
-    "reader_gone",
+    "USAGE_EXIT_STATUS", "DefaultsHelpFormatter", "FlagParser", "UsageError", "closest_flag", "hand_to_torchrun",
+    "quiet_on_broken_pipe", "reader_gone",
 ]  # fmt: skip
 
 #: exit status of a command line that cannot be parsed or breaks a rule (argparse's)
@@ -166,3 +169,18 @@ def quiet_on_broken_pipe(command: Callable[..., int]) -> Callable[..., int]:
             return 0
 
     return wrapped
+
+
+def hand_to_torchrun(message: str) -> None:
+    """Under torchrun, ``message`` for the last lines of its failure report: the "traceback"
+    entry of the root cause, which torchrun reads from the error file it names in
+    ``TORCHELASTIC_ERROR_FILE`` (its ``record`` format, without a Python call stack);
+    otherwise that entry is a link to torch's documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, handle)
+    except OSError:
+        pass  # the line on stderr above is the report then

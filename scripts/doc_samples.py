@@ -131,7 +131,8 @@ def stamp(name: str, runs: Sequence[Run]) -> str:
 
 def excerpt(lines: Sequence[str], keep: Sequence[str]) -> str:
     """The lines matching one of the ``keep`` patterns, ``...`` where others were left out
-    (the rules of dashes around a validation loss are dropped silently)."""
+    (the rules of dashes around a validation loss and the per-rank forward times after a
+    progress line are dropped silently)."""
     out: List[str] = []
     gap = False
     for line in lines:
@@ -140,7 +141,7 @@ def excerpt(lines: Sequence[str], keep: Sequence[str]) -> str:
                 out.append("...")
             out.append(line)
             gap = False
-        elif not re.fullmatch(r"-+", line.strip()):
+        elif not (re.fullmatch(r"-+", line.strip()) or line.startswith(" forward time per rank (ms")):
             gap = True
     return "\n".join(out)
 

@@ -27,9 +27,11 @@ reported and the next one runs):
    ``delay_wgrad_compute`` / ``backward_dw``, against ``ref-gpt-te-fp32``, the same TE model in
    one process), then one item per family of the zero-bubble and DualPipe schedules: ZB-V and
    DualPipeV on 4 pipeline ranks (``zbv-pp4``, ``dualpipev-pp4``; the tiny model's 8
-   micro-batches are the ``2 x 4`` DualPipeV needs), and DualPipeV with an uneven
+   micro-batches are the ``2 x 4`` DualPipeV needs), DualPipeV with an uneven
    ``--pipeline-model-parallel-layout`` whose embedding and loss stages on rank 0 hold no layer
-   (``dualpipev-pp4-layout``). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
+   (``dualpipev-pp4-layout``), and a mixture-of-experts GPT under BitPipe
+   PP 2 x EP 2 (``moe-bitpipe-pp2-ep2``: the experts split over the two data-parallel ranks of
+   each pipeline rank, the alltoall dispatcher, against ``ref-moe-gpt-fp32``). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
    fp32, 2e-2 in bf16. The two Transformer Engine items run only where ``transformer_engine``
    is importable; elsewhere they are ``skipped (Transformer Engine not importable)``.
 
@@ -158,7 +160,8 @@ def read_log_json(text: str) -> Dict[str, object]:
 
 
 def loss_keys(record: dict) -> List[str]:
-    """The training losses of an iteration record (``lm_loss``, BERT's ``sop_loss``)."""
+    """The training losses of an iteration record (``lm_loss``, BERT's ``sop_loss``, a mixture of
+    experts' ``load_balancing_loss`` and ``z_loss``)."""
     return sorted(k for k in record if k.endswith("_loss") and not k.startswith("validation_"))
 
 
@@ -371,6 +374,10 @@ DRY_SIZES = Sizes(
 COMMON = ["--seed", "1234", "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--adam-eps", "1e-4",
           "--eval-iters", "0", "--log-interval", "1"]  # fmt: skip
 
+#: the mixture-of-experts GPT of the MoE items: 4 experts, top-2, load-balancing and z-losses
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+       "--disable-bias-linear"]  # fmt: skip
+
 #: per-item timeouts (seconds) on the GPU
 TIMEOUTS = {"environment": 60, "gpt-small-bf16": 90, "gpt-0.5b-bf16": 120, "gpt-0.5b-bf16-sdpa": 120, "attention-sdpa": 60,
             "hfta-bench": 300,
@@ -432,9 +439,11 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
         "ref-gpt-bf16": (gpt, ["--bf16"], "bf16"),
         "ref-bert-fp32": (bert, [], "fp32"),
         "ref-gpt-te-fp32": (gpt, te_layers, "fp32"),
+        "ref-moe-gpt-fp32": (gpt, MOE, "fp32"),
     }
     for name, (script, extra, precision) in references.items():
-        model = ("BERT" if script == bert else "GPT") + (" on Transformer Engine layers" if extra == te_layers else "")
+        model = ("BERT" if script == bert else "MoE GPT" if extra == MOE else "GPT")
+        model += " on Transformer Engine layers" if extra == te_layers else ""
         items.append(Item(name, "reference", [py, script, *tiny, *extra, *log_json(name)], timeout(name, "reference"),
                           f"{model} tiny, one process, {precision} (the reference)",
                           needs_gpu=precision == "bf16" or extra == te_layers, needs_te=extra == te_layers,
@@ -459,6 +468,9 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
         ("dualpipev-pp4-layout", gpt, ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "4",
                                        "--pipeline-model-parallel-layout", UNEVEN_LAYOUT], "ref-gpt-fp32",
          "DualPipeV PP4, uneven layout (rank 0: embedding and loss stages without layers)"),
+        ("moe-bitpipe-pp2-ep2", gpt, [*MOE, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2",
+                                      "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+         "ref-moe-gpt-fp32", "MoE GPT, BitPipe PP2 x EP2 (alltoall)"),
     ]  # fmt: skip
     launcher = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPTS / "gpu_rank.py"), *wrapper_flags]
     for name, script, layout, reference, what in runs:

@@ -56,6 +56,7 @@ class Case:
     split_backward: bool = False
     distributed_optimizer: bool = False
     swiglu: bool = False  # a gated MLP (--swiglu): linear_fc1 is [gate; up], split with stride 2
+    ep: int = 1  # expert-parallel ranks inside the data-parallel ones (a mixture-of-experts case's)
     t_p2p: float = 0.0  # the message time (in t_F) the plan is ordered for
 
     @property
@@ -128,13 +129,18 @@ def train_single_process(model, config, pg, clip_grad: float, run, batches, glob
 
     ``run(ddp, micro_batch) -> (loss, recorded value)``; ``batches(step, count)`` gives a step's
     micro-batches (``step=None``: the evaluation batch). Each micro-batch's loss is divided by
-    ``global_microbatches``, as megatron's schedules do.
+    ``global_microbatches``, as megatron's schedules do (and a mixture-of-experts model's
+    auxiliary losses scaled by its inverse).
     """
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.testing.weights import collect_full
 
+    if config.num_moe_experts:  # the auxiliary losses' gradients, scaled as megatron's schedules scale them
+        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / global_microbatches)
     [ddp] = baseline.wrap_looped_ddp([model], config, pg)
     optimizer = baseline.build_baseline_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
     record = {"initial": collect_full(ddp), "steps": []}
@@ -171,17 +177,31 @@ def _loss(model, tokens, labels, fp32_cross_entropy: bool) -> torch.Tensor:
 
 def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross_entropy: bool = False, swiglu: bool = False) -> dict:
     """Single-process training of the stock megatron-core GPTModel (``swiglu``: with a gated MLP)."""
+    from megatron_bitpipe.training.config import mlp_fields
+
+    return reference_training(tied, global_microbatches, clip_grad, model_config(**mlp_fields(swiglu)), fp32_cross_entropy)
+
+
+def reference_training(tied: bool, global_microbatches: int, clip_grad: float, config, fp32_cross_entropy: bool = False) -> dict:
+    """Single-process training of the stock megatron-core GPTModel of ``config`` (its local layer
+    spec; with ``config.num_moe_experts`` megatron's local MoE layer in every layer)."""
+    from megatron_bitpipe import megatron_compat
     from megatron_bitpipe.model.build import init_megatron_state
+    from megatron_bitpipe.model.experts import moe_gpt_layer_specs
     from megatron_bitpipe.model.init import initialize_from_seed
     from megatron_bitpipe.model_partition import ChunkLayers
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.execution.groups import ParallelGrid
-    from megatron_bitpipe.training.config import mlp_fields
 
     pg = baseline.build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, SEED)
-    config = model_config(**mlp_fields(swiglu))
-    model = baseline.build_megatron_gpt_model(config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
+    layer_spec = None
+    if config.num_moe_experts:
+        megatron_compat.enable_moe_without_transformer_engine()
+        layer_spec = moe_gpt_layer_specs(config)[0]
+    model = baseline.build_megatron_gpt_model(
+        config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied, layer_spec=layer_spec
+    )
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
 
     def run(ddp, batch):
@@ -225,7 +245,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         megatron_compat.enable_delay_wgrad_compute(config)
     model = build_pipeline_model(
         config,
-        ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp),
+        ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp, ep=case.ep),
         choice.placement(case.pp),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,

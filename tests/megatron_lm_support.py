@@ -39,6 +39,7 @@ TINY_GPT = (
 ).split()
 
 _TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|.*?\| grad norm: ([0-9.]+) \|")
+_AUX = re.compile(r"\| (load_balancing_loss|seq_load_balancing_loss|z_loss): ([0-9.E+-]+) ")
 _EVAL = re.compile(r"validation loss at iteration (\d+)( on validation set| on test set)? \| lm loss value: ([0-9.E+-]+) \|")
 
 
@@ -68,14 +69,16 @@ def checkout_or_skip() -> Path:
 
 @dataclass
 class Run:
-    """What one torchrun printed: ``losses[i]`` and ``grad_norms[i]`` of iteration ``i``, and
-    ``evals[(i, split)]`` the loss evaluated after iteration ``i`` (split ``""`` during training,
-    ``"validation"`` / ``"test"`` at the end)."""
+    """What one torchrun printed: ``losses[i]`` and ``grad_norms[i]`` of iteration ``i``,
+    ``aux_losses[i]`` its mixture-of-experts auxiliary losses by Megatron-LM's log name (none for
+    a dense model), and ``evals[(i, split)]`` the loss evaluated after iteration ``i`` (split ``""``
+    during training, ``"validation"`` / ``"test"`` at the end)."""
 
     returncode: int
     output: str
     losses: Dict[int, float] = field(default_factory=dict)
     grad_norms: Dict[int, float] = field(default_factory=dict)
+    aux_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
     evals: Dict[Tuple[int, str], float] = field(default_factory=dict)
 
 
@@ -105,6 +108,8 @@ def torchrun(script: Path, nproc: int, flags: List[str], cwd: Path, timeout: int
     for match in _TRAIN.finditer(result.stdout):
         run.losses[int(match.group(1))] = float(match.group(2))
         run.grad_norms[int(match.group(1))] = float(match.group(3))
+        line = result.stdout[match.start() : result.stdout.find("\n", match.start())]
+        run.aux_losses[int(match.group(1))] = {name: float(value) for name, value in _AUX.findall(line)}
     for match in _EVAL.finditer(result.stdout):
         split = (match.group(2) or "").replace(" on ", "").replace(" set", "")
         run.evals[(int(match.group(1)), split)] = float(match.group(3))

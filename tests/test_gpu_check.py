@@ -159,7 +159,7 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
     items = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 27, 7))
     names = [i.name for i in items]
-    assert names[0] == "environment" and len(names) == len(set(names)) == 24
+    assert names[0] == "environment" and len(names) == len(set(names)) == 26
     multirank = [i for i in items if i.kind == "multirank"]
     assert multirank[0].name == gpu_check.CONTROL and "--pipeline-schedule" not in multirank[0].command
     assert {i.reference for i in multirank} <= {i.name for i in items if i.kind == "reference"}
@@ -194,6 +194,8 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
             f"--pipeline-schedule {schedule} --pipeline-model-parallel-size 4") == 1
     layout = next(i for i in items if i.name == "dualpipev-pp4-layout")
     assert layout.reference == "ref-gpt-fp32" and f"--pipeline-model-parallel-layout {gpu_check.UNEVEN_LAYOUT}" in " ".join(layout.command)
+    moe = next(i for i in items if i.name == "moe-bitpipe-pp2-ep2")
+    assert moe.reference == "ref-moe-gpt-fp32" and " ".join(moe.command).count("--expert-model-parallel-size 2") == 1
     gpt = next(i for i in items if i.name == "gpt-0.5b-bf16").command
     assert " ".join(gpt).count("--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048") == 1
     new = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 30, 1))

@@ -9,6 +9,7 @@
   ``python -m megatron_bitpipe.run`` refuses Megatron-LM core_v0.16.1's pretrain_bert.py with
   bitpipe before loading it, saying why;
 * the zero-bubble family's refusals on Megatron-LM's route, each naming its flag;
+* the mixture-of-experts rules of the plan schedules, all named at once;
 * the loss reports of every rank holding a pipeline's last stage (BitPipe's two edge ranks,
   the V's rank 0, the looped pipeline's last rank) reach the last pipeline stage in micro-batch
   order, with their dtypes (2 gloo ranks).
@@ -171,7 +172,7 @@ def test_flags_on_megatron_lm_parser():
 def test_incompatible_megatron_lm_flags_are_named_at_once():
     args = megatron_lm_args(
         "--pipeline-schedule", "bitpipe",
-        overlap_param_gather=True, context_parallel_size=2, world_size=8, num_experts=4,
+        overlap_param_gather=True, context_parallel_size=2, world_size=8,
         encoder_num_layers=4, decoder_num_layers=4, global_batch_size=6, use_legacy_models=True,
         save="/checkpoints", ckpt_format="torch",
     )
@@ -181,7 +182,6 @@ def test_incompatible_megatron_lm_flags_are_named_at_once():
     for expected in (
         "--overlap-param-gather cannot be used with --pipeline-schedule bitpipe",
         "--context-parallel-size cannot be used",
-        "--num-experts cannot be used",
         "--use-legacy-models cannot be used",
         "bitpipe does not support encoder-decoder models",
         "even number of micro-batches",
@@ -219,6 +219,51 @@ def test_plan_schedules_refuse_what_they_cannot_run_on_megatron_lm(schedule):
     if not choice.splits_backward:
         with pytest.raises(BitPipeConfigError, match=f"--defer-embedding-wgrad-compute cannot be used with --pipeline-schedule {schedule}: --split-backward defers"):
             validate_megatron_lm_args(megatron_lm_args(*flags, "--split-backward", **untie, defer_embedding_wgrad_compute=True))
+
+
+def moe_args(*argv, **fields) -> argparse.Namespace:
+    """:func:`megatron_lm_args` of a mixture-of-experts GPT as Megatron-LM's ``validate_args``
+    leaves it: 4 experts, pipeline 2 x data parallel 2."""
+    moe = dict(
+        num_experts=4, expert_model_parallel_size=2, expert_tensor_parallel_size=1, moe_router_load_balancing_type="aux_loss",
+        moe_token_dispatcher_type="alltoall", pipeline_model_parallel_size=2, data_parallel_size=2,
+    )
+    return megatron_lm_args(*argv, **dict(moe, **fields))
+
+
+@pytest.mark.parametrize("schedule", ["bitpipe", "zbv", "dualpipev"])
+def test_plan_schedules_state_the_mixture_of_experts_rules(schedule):
+    """Expert parallelism within the data-parallel copies of a pipeline rank, expert tensor
+    parallelism equal to tensor parallelism; what the plan executor's chunks cannot hold is named
+    by its flag, all at once; Megatron-LM's own schedule keeps Megatron-LM's rules."""
+    flags = ("--pipeline-schedule", schedule)
+    validate_megatron_lm_args(moe_args(*flags))
+    validate_megatron_lm_args(moe_args(*flags, moe_token_dispatcher_type="allgather", moe_router_load_balancing_type=["aux_loss"]))
+    validate_megatron_lm_args(moe_args(*flags, use_distributed_optimizer=True))
+    two_pipelines = schedule == "bitpipe"
+    refused = dict(
+        expert_model_parallel_size=4, num_experts=8, expert_tensor_parallel_size=2, moe_router_load_balancing_type=["global_aux_loss"],
+        moe_token_dispatcher_type="flex", moe_router_enable_expert_bias=True,
+        overlap_moe_expert_parallel_comm=True, save="/checkpoints", load="/checkpoints",
+    )
+    with pytest.raises(BitPipeConfigError) as info:
+        validate_megatron_lm_args(moe_args(*flags, **refused))
+    text = str(info.value)
+    expected = [
+        f"--expert-model-parallel-size 4 must divide the data-parallel size 2 with --pipeline-schedule {schedule}",
+        f"--expert-tensor-parallel-size 2 must equal --tensor-model-parallel-size 1 with --pipeline-schedule {schedule}",
+        f"--moe-router-load-balancing-type global_aux_loss cannot be used with --pipeline-schedule {schedule}",
+        f"--moe-token-dispatcher-type flex cannot be used with --pipeline-schedule {schedule}",
+        f"--overlap-moe-expert-parallel-comm cannot be used with --num-experts and --pipeline-schedule {schedule}",
+        f"--save cannot be used with --num-experts and --pipeline-schedule {schedule}",
+        f"--load cannot be used with --num-experts and --pipeline-schedule {schedule}",
+    ]
+    bias = f"--moe-router-enable-expert-bias cannot be used with --pipeline-schedule {schedule}: each layer has a copy in each of its 2 pipelines"
+    for line in expected + ([bias] if two_pipelines else []):
+        assert line in text, text
+    assert two_pipelines or "--moe-router-enable-expert-bias" not in text
+    assert text.count("\n") == len(expected) + two_pipelines  # one line per rule, after the heading
+    validate_megatron_lm_args(moe_args(**refused))  # Megatron-LM's own schedule: its own rules
 
 
 def test_bitpipe_recompute_layers_must_fit_its_chunks():

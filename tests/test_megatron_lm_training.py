@@ -43,7 +43,12 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   before torch.distributed starts, and
   ``pretrain_bert.py`` (core_v0.16.1) with BitPipe is refused before it loads, saying why;
 * ``--optimizer lamb --lr-decay-style rex`` and ``--optimizer schedulefree_adamw``: BitPipe
-  (pipeline 4) trains like the reference with the same optimizer.
+  (pipeline 4) trains like the reference with the same optimizer;
+* a mixture-of-experts GPT at pipeline 2 x data parallel 2 x expert parallel 2 (strict p2p):
+  BitPipe (± split backward), ZB-V and DualPipeV with the distributed optimizer on the runtime
+  route, BitPipe and ZB-V on the patch route,
+  both token dispatchers, and Megatron-LM's own 1F1B with ``--layout-independent-init``, equal
+  to one process at expert parallelism 1; the logged auxiliary losses equal that 1F1B run's.
 
 (pretrain_bert.py at core_v0.16.1 imports Transformer Engine's BERT layer spec when it is
 loaded, so it cannot run on a CPU machine at all; core_v0.19.0 has no pretrain_bert.py.)
@@ -55,7 +60,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import pytest
 
@@ -384,3 +389,75 @@ def test_runtime_route_optimizers_bitpipe_equals_default_schedule(checkout, work
     default = _ok(torchrun(checkout / "pretrain_gpt.py", 2, [*TINY_GPT, *optimizer, "--pipeline-model-parallel-size", "2", "--layout-independent-init"], workdir))
     bitpipe = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*TINY_GPT, *optimizer, *BITPIPE, "--pipeline-model-parallel-size", "4"], workdir))
     _assert_same_curve(bitpipe, default)
+
+
+
+# A mixture-of-experts GPT: every layer an MoE layer of 4 routed experts, top-2, dropless (no
+# capacity factor), no linear biases (megatron's MoE experts), with a load-balancing loss and a
+# z-loss whose coefficients are large enough that a mis-scaled auxiliary gradient shows in the
+# curve. The runs are pipeline 2 x data parallel 2 with each MoE layer's experts split over the
+# two data-parallel ranks (EP 2), under strict p2p. Their curve must equal one process's (expert
+# parallelism 1: expert k starts from the same weights on whichever rank holds it), and the
+# auxiliary losses Megatron-LM logs must equal those of its own 1F1B run in the same layout
+# (Megatron-LM averages the load-balancing loss over data parallelism, but logs the z-loss of the
+# logging rank's data-parallel share only).
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1", "--moe-z-loss-coeff", "0.1",
+       "--disable-bias-linear"]  # fmt: skip
+MOE_PP2_EP2 = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]  # x data parallel 2
+ALLGATHER = ["--moe-token-dispatcher-type", "allgather"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+# (route, flags): the runtime route (python -m megatron_bitpipe.run) or the patch route
+MOE_RUNS = {
+    "runtime_bitpipe_allgather": ("runtime", [*BITPIPE, *ALLGATHER]),
+    "runtime_bitpipe_split_alltoall": ("runtime", [*BITPIPE, "--split-backward", *ALLTOALL]),
+    "runtime_zbv_alltoall": ("runtime", ["--pipeline-schedule", "zbv", *ALLTOALL]),
+    "runtime_dualpipev_distopt_allgather": ("runtime", ["--pipeline-schedule", "dualpipev", "--use-distributed-optimizer", *ALLGATHER]),
+    "patch_bitpipe_alltoall": ("patch", [*BITPIPE, *ALLTOALL]),
+    "patch_zbv_allgather": ("patch", ["--pipeline-schedule", "zbv", *ALLGATHER]),
+}
+
+
+def _moe_run(root, workdir, flags) -> Run:
+    """The MoE GPT at pipeline 2 x data parallel 2 x EP 2 with ``flags``, under strict p2p."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEGATRON_BITPIPE_STRICT_P2P", "1")
+        return _ok(torchrun(root / "pretrain_gpt.py", 4, [*TINY_GPT, *MOE, *MOE_PP2_EP2, *flags], workdir))
+
+
+@pytest.fixture(scope="module")
+def moe_reference(checkout, workdir) -> Run:
+    run = _ok(torchrun(checkout / "pretrain_gpt.py", 1, [*TINY_GPT, *MOE, "--layout-independent-init"], workdir))
+    assert sorted(run.aux_losses[1]) == ["load_balancing_loss", "z_loss"]
+    return run
+
+
+@pytest.fixture(scope="module")
+def moe_megatron_1f1b(checkout, workdir) -> Run:
+    """Megatron-LM's own 1F1B on the MoE GPT in the runs' layout, re-initialised from the seed."""
+    return _moe_run(checkout, workdir, ["--layout-independent-init", *ALLTOALL])
+
+
+def _assert_moe_curve(run: Run, one_process: Run, megatron_1f1b: Optional[Run] = None) -> None:
+    """``run``'s curve and load-balancing losses are ``one_process``'s; with ``megatron_1f1b``
+    its logged auxiliary losses are that run's."""
+    _assert_same_curve(run, one_process)
+    for i, losses in one_process.aux_losses.items():
+        balancing = run.aux_losses[i]["load_balancing_loss"]
+        assert balancing == pytest.approx(losses["load_balancing_loss"], rel=RTOL), f"load-balancing loss, iteration {i}"
+        if megatron_1f1b is not None:
+            assert run.aux_losses[i] == pytest.approx(megatron_1f1b.aux_losses[i], rel=RTOL), f"auxiliary losses, iteration {i}"
+
+
+def test_moe_megatron_1f1b_with_expert_parallelism_equals_one_process(moe_megatron_1f1b, moe_reference):
+    """``--layout-independent-init`` gives Megatron-LM's own chunks each expert by its global index."""
+    _assert_moe_curve(moe_megatron_1f1b, moe_reference)
+
+
+@pytest.mark.strict_p2p
+@pytest.mark.parametrize("name", list(MOE_RUNS))
+def test_moe_plan_schedules_equal_one_process(request, workdir, moe_reference, moe_megatron_1f1b, name):
+    """Training and validation losses and grad norms equal one process's; the auxiliary losses
+    Megatron-LM logs (``load_balancing_loss``, ``z_loss``) equal its own 1F1B run's."""
+    route, flags = MOE_RUNS[name]
+    root = request.getfixturevalue("checkout" if route == "runtime" else "patched_checkout")
+    _assert_moe_curve(_moe_run(root, workdir, flags), moe_reference, moe_megatron_1f1b)

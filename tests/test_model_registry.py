@@ -29,8 +29,8 @@ def chosen(task, *flags, world_size=1):
 
 
 def test_every_kind_is_registered_under_its_task_in_listing_order():
-    assert list(REGISTRY) == ["gpt", "hfta-gpt", "optimus-gpt", "bert", "hfta-bert"]
-    assert [kind.name for kind in task_kinds("gpt")] == ["gpt", "hfta-gpt", "optimus-gpt"]
+    assert list(REGISTRY) == ["gpt", "moe-gpt", "hfta-gpt", "optimus-gpt", "bert", "hfta-bert"]
+    assert [kind.name for kind in task_kinds("gpt")] == ["gpt", "moe-gpt", "hfta-gpt", "optimus-gpt"]
     assert [kind.name for kind in task_kinds("bert")] == ["bert", "hfta-bert"]
 
 
@@ -43,6 +43,8 @@ def test_the_flags_choose_the_kind_and_the_kind_states_losses_and_attention():
     shapes = fused.p2p_shapes(run, None)
     assert shapes([(16, 2, 32)], [(16, 2, 32)]) == ([(16, 6, 32)], [(16, 6, 32)])
     assert chosen(GPTTask(), *OPTIMUS, world_size=4)[0].name == "optimus-gpt"
+    moe, args, run = chosen(GPTTask(), "--num-experts", "4", "--moe-z-loss-coeff", "1e-3")
+    assert moe.name == "moe-gpt" and moe.loss_names(args, run) == ("lm loss",) and moe.causal_attention
     bert, args, run = chosen(BertTask())
     assert bert.name == "bert" and bert.loss_names(args, run) == ("lm loss", "sop loss") and not bert.causal_attention
     bert, args, run = chosen(BertTask(), "--bert-no-binary-head")
@@ -62,8 +64,8 @@ def test_a_run_asking_for_two_kinds_is_refused():
 
 def test_lookup_names_the_kinds_and_registration_refuses_clashes():
     assert model_kind("hfta-bert") is REGISTRY["hfta-bert"]
-    with pytest.raises(ValueError, match="unknown model kind 'moe-gpt'; choose from gpt, hfta-gpt, optimus-gpt, bert, hfta-bert"):
-        model_kind("moe-gpt")
+    with pytest.raises(ValueError, match="unknown model kind 'vit'; choose from gpt, moe-gpt, hfta-gpt, optimus-gpt, bert, hfta-bert"):
+        model_kind("vit")
     with pytest.raises(ValueError, match="already registered"):
         register(REGISTRY["gpt"])
     with pytest.raises(ValueError, match="has a plain model kind already"):

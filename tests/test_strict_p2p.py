@@ -15,6 +15,9 @@ lets through (:mod:`megatron_bitpipe.cpu.strict_p2p`):
   communicator, whose creation on first use is a rendezvous of the two ranks: two ranks whose
   first unbatched operations with each other are on different groups deadlock (the old
   executor's pattern hung BitPipe on a GPU this way), the batched runtime does not;
+* a group's communicator is created at its first collective, a rendezvous of all its
+  members: two ranks that start two groups' first collectives in opposite orders fail at once
+  naming both groups (plain gloo runs them; NCCL hangs), in one order they complete;
 * megatron-core's own schedules (1F1B batched and unbatched, interleaved with overlapped p2p)
   still equal single-process training under the mode.
 """
@@ -85,6 +88,17 @@ class _Waiter:
             raise self.error
 
 
+def _warm_up(*groups) -> None:
+    """Create the default group's and ``groups``' communicators, in this order on every rank (as
+    the runtime does at set-up): under NCCL without eager initialisation a group's first
+    collective or batched p2p creates them, a rendezvous of all its members."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    for group in groups:
+        dist.barrier(group=group)
+
+
 def _batched(kind: str, tensor, peer: int, group):
     """One operation issued as a ``batch_isend_irecv`` of its own (on the group's communicator,
     as the runtime's executor issues them); returns its work."""
@@ -103,6 +117,7 @@ def _send_behind_a_blocked_receive() -> dict:
     log = _enable()
     rank = dist.get_rank()
     group = dist.new_group([0, 1, 2])
+    _warm_up(group)
     facts = {"log": log}
     if rank == 0:
         send = _batched("send", torch.arange(4.0), 1, group)
@@ -156,6 +171,7 @@ def _fifo_per_group() -> dict:
     rank = dist.get_rank()
     g = dist.new_group([0, 1, 2])
     h = dist.new_group([0, 1, 2])
+    _warm_up(g, h)
     facts: dict = {}
     if rank == 0:
         on_g, on_h = torch.zeros(3), torch.zeros(3)
@@ -270,6 +286,7 @@ def _crossing_first_use(batched: bool) -> dict:
     _enable()
     rank = dist.get_rank()
     g1, g2 = dist.new_group([0, 1, 2]), dist.new_group([0, 1, 2])
+    _warm_up(g1, g2)
 
     def issue(kind, tensor, group):
         if batched:
@@ -327,6 +344,7 @@ def _pair_fifo_is_its_own() -> dict:
     _enable()
     rank = dist.get_rank()
     group = dist.new_group([0, 1, 2])
+    _warm_up(group)
     facts: dict = {}
     if rank == 0:
         received = torch.zeros(3)
@@ -452,6 +470,52 @@ def test_bitpipes_runtime_pattern_batched_after_warm_up_completes(batched, env):
         assert rank_facts["wrong"] == [] and rank_facts["left"] == []
         assert rank_facts["pairs_after_set_up"] == []  # the warm-up is batched
         assert rank_facts["pairs"] == []
+
+
+# ------------------------------------------------------------------ a group's communicator at its first use
+
+FIRST_USE = "the two ranks reach these groups' first collectives in different orders"
+
+
+def _reordered_first_collectives(reordered: bool) -> dict:
+    """2 ranks, groups ``a`` and ``b`` of both. Rank 0 starts an all-reduce on ``a``, then one
+    on ``b``; rank 1 on ``b`` first when ``reordered``. Each group's collectives match, so gloo
+    runs both orders; NCCL creates each group's communicator at its first collective, a
+    rendezvous of both ranks, so the reordered one hangs there."""
+    import torch.distributed as dist
+
+    from megatron_bitpipe.cpu import strict_p2p
+
+    _enable()
+    rank = dist.get_rank()
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    order = [("a", a), ("b", b)] if rank == 0 or not reordered else [("b", b), ("a", a)]
+    tensors = {name: torch.full((2,), float(rank + 1)) for name, _ in order}
+    for work in [dist.all_reduce(tensors[name], group=group, async_op=True) for name, group in order]:
+        work.wait()
+    return {"sums": {name: t.tolist() for name, t in tensors.items()}, "created": strict_p2p.created_communicators()}
+
+
+def test_groups_first_collectives_in_different_orders_fail_at_once_naming_both_groups():
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        launch(_reordered_first_collectives, 2, True, timeout=60, env={**STRICT, "MEGATRON_BITPIPE_STRICT_P2P_TIMEOUT": "30"})
+    text = str(failure.value)
+    assert re.search(
+        r"strict p2p: rank (\d) creates the communicator of group \[0, 1\] \(process group \d+\) for its first all_reduce "
+        r"there, while rank (\d) creates the one of group \[0, 1\] \(process group \d+\) for its first all_reduce there, "
+        r"which waits for rank \1: " + re.escape(FIRST_USE),
+        text,
+    ), text
+    assert time.monotonic() - started < 25  # at once, not after the 30 s bound
+
+
+@pytest.mark.parametrize("reordered, env", [(False, STRICT), (True, PLAIN)], ids=["one_order_strict", "reordered_plain_gloo"])
+def test_groups_first_collectives_in_one_order_or_without_the_mode_complete(reordered, env):
+    facts = launch(_reordered_first_collectives, 2, reordered, timeout=60, env=env)
+    assert all(f["sums"] == {"a": [3.0, 3.0], "b": [3.0, 3.0]} for f in facts)
+    if env is STRICT:
+        assert all([0, 1] in f["created"] for f in facts)
 
 
 # ------------------------------------------------------------------ megatron-core's schedules

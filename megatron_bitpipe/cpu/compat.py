@@ -25,8 +25,9 @@ and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` before clipping.
     (``batch_p2p_comm`` with ``batch_p2p_sync``, megatron's defaults).
   - ``torch.cuda.Stream``, ``torch.cuda.current_stream`` and ``torch.cuda.stream`` -> a
     stand-in stream that orders nothing (:class:`CpuStream`; the CPU runs in program order):
-    megatron DDP's gradient reduction waits on the current stream (0.19) and Megatron-LM's
-    ``get_model`` builds DDP on a side stream.
+    megatron DDP's gradient reduction waits on the current stream (0.19), Megatron-LM's
+    ``get_model`` builds DDP on a side stream, and the MoE all-to-all dispatcher records an
+    event on its device-to-host stream (:class:`CpuEvent`) and synchronises on it.
   - ``torch.cuda.get_rng_state`` / ``torch.cuda.random.get_rng_state`` ->
     ``torch.get_rng_state``, ``torch.cuda.manual_seed`` -> ``torch.manual_seed`` of the CPU
     default generator, and megatron's ``tensor_parallel.random._set_cuda_rng_state`` ->
@@ -45,6 +46,10 @@ and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` before clipping.
     memory: NaN or wrong numbers, depending on timing. The copy lives as long as the send's
     handle, which megatron waits on before it sends again. The batched path waits before it
     returns and is left alone.
+  - the MoE all-to-all dispatcher's ``maybe_move_tensor_to_cpu`` -> the same that also
+    converts a CPU tensor to numpy where asked (:func:`_host_copy`): megatron converts only
+    CUDA tensors, keeping the all-to-all split sizes a CPU run computes as tensors, which
+    ``all_to_all_single`` refuses (it takes lists of ints or arrays).
   - ``torch._dynamo.config.disable = True``: megatron's ``jit_fuser`` is ``torch.compile``
     (the native fused cross entropy, some activations); compiling them on the CPU costs
     about ten seconds per process, and eager execution gives the same values.
@@ -96,7 +101,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from . import device_audit, strict_p2p
 
-__all__ = ["CpuDeviceMode", "CpuStream", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
+__all__ = ["CpuDeviceMode", "CpuEvent", "CpuStream", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
 
 _CPU = torch.device("cpu")
 _CUDA_TYPE_NAMES = {
@@ -251,6 +256,19 @@ def _megatron_calls() -> bool:
     return sys._getframe(2).f_globals.get("__name__", "").startswith("megatron.core.")
 
 
+class CpuEvent:
+    """Stand-in for a CUDA event recorded on a :class:`CpuStream`: already complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class CpuStream:
     """Stand-in for a CUDA stream: the CPU executes everything in program order, so every
     wait and synchronisation is already satisfied."""
@@ -263,6 +281,9 @@ class CpuStream:
 
     def wait_event(self, event) -> None:
         pass
+
+    def record_event(self, event=None) -> CpuEvent:
+        return event if event is not None else CpuEvent()
 
     def synchronize(self) -> None:
         pass
@@ -323,12 +344,29 @@ def _sending_private_copies(p2p_ops: Callable) -> Callable:
     return p2p_ops_sending_copies
 
 
+def _host_copy(move_to_cpu: Callable) -> Callable:
+    """megatron's ``maybe_move_tensor_to_cpu(tensor, as_numpy, record_stream)`` that also gives
+    a CPU tensor as numpy when ``as_numpy`` asks (the host copy a GPU run would have)."""
+
+    def host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return host_copy
+
+
 def _patches() -> list:
     """(owner, attribute, replacement) triples; the comment says why each is needed."""
     import megatron.core.pipeline_parallel.p2p_communication as mcore_p2p
     import megatron.core.tensor_parallel.random as mcore_random
+    import megatron.core.transformer.moe.token_dispatcher as mcore_dispatcher
 
-    return [
+    moe = []
+    if hasattr(mcore_dispatcher, "maybe_move_tensor_to_cpu"):
+        # The all-to-all dispatcher's split sizes must reach all_to_all_single as host arrays.
+        moe.append((mcore_dispatcher, "maybe_move_tensor_to_cpu", _host_copy(mcore_dispatcher.maybe_move_tensor_to_cpu)))
+    return moe + [
         # Buffers, p2p receive and shape tensors are allocated on current_device().
         (torch.cuda, "current_device", lambda: 0),
         # Called after batched p2p (batch_p2p_sync) and when freeing / allocating buffers.

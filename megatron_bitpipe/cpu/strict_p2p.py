@@ -47,7 +47,8 @@ rules (the model of NCCL the project uses, see ``docs/execution.md``):
 
 How: :func:`install` replaces ``torch.distributed.isend``, ``irecv``, ``send``, ``recv`` and
 ``batch_isend_irecv`` (``P2POp`` accepts the replacements, and ``batch_isend_irecv`` the
-originals). On a group whose backend is not gloo (or of which this rank is not a member)
+originals), and wraps the collectives (:data:`COLLECTIVES`, in ``torch.distributed`` and in
+``torch.distributed.distributed_c10d``, whose object collectives call them) with rule 5. On a group whose backend is not gloo (or of which this rank is not a member)
 they call the originals. On a gloo group, the call only enqueues the operation on a
 *channel*, a worker thread that runs this rank's operations one entry (a call) at a time, in
 issue order: the group's channel, or for an unbatched operation on a group of more than two
@@ -67,14 +68,26 @@ concurrently (one helper thread per further peer), as NCCL runs the operations o
 NCCL has none either. :func:`strict_groups` and :func:`pair_communicators` say which groups
 and pairs ran strict operations.
 
+5. **A group's communicator is created at its first use.** NCCL without eager
+   initialisation creates a group's communicator lazily, at the first operation that runs on
+   it — a collective, a ``batch_isend_irecv``, an unbatched operation on a 2-rank group — and
+   creating it is a blocking rendezvous of all the group's members. So here: the first such
+   operation of this rank on a gloo group blocks the calling thread until every member's first
+   such operation on that group has arrived (the store's keys under the group's name). Ranks
+   that reach two groups' first uses in different orders wait for each other forever on GPUs;
+   here the rank that sees it (a missing member is itself creating another group's
+   communicator, one that waits for this rank) raises at once a RuntimeError naming both
+   groups, both operations and both ranks; a member that never arrives fails the wait after
+   the bound. The runtime creates and warms up its groups at set-up, in one order on every
+   rank (and with NCCL the scripts initialise eagerly, where creation happens in
+   ``new_group``).
+
 Not modelled: collectives are not ordered with the point-to-point operations of their
-group (NCCL would queue them on the same stream), and a group's first collective does not
-wait for every member (on NCCL it creates a lazily initialised group's communicator, a
-rendezvous of all members; the runtime creates and warms up its groups at set-up, and with
-NCCL the scripts initialise eagerly); the pair communicators of rule 3 are the only
-communicator creation emulated — it is applied to every gloo group of more than two ranks
-(torch versions or settings that run unbatched p2p on the group's own communicator are not
-distinguished); tags are still honoured (NCCL ignores them). A wait that times out leaves the
+group (NCCL would queue them on the same stream); the pair communicators of rule 3 are
+applied to every gloo group of more than two ranks (torch versions or settings that run
+unbatched p2p on the group's own communicator are not distinguished); a collective that a
+module imported by name before :func:`install` (``from torch.distributed import
+all_reduce``) does not count as a first use; tags are still honoured (NCCL ignores them). A wait that times out leaves the
 channel's worker blocked: the process is expected to fail.
 
 The mode is process-wide and idempotent; it says so once, in one line on stderr, when it
@@ -85,9 +98,13 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
+import inspect
+import json
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
@@ -97,7 +114,8 @@ import torch.distributed.distributed_c10d as c10d
 
 from . import device_audit
 
-__all__ = ["ENV", "TIMEOUT_ENV", "TOKEN_TAG", "DEFAULT_TIMEOUT_S", "install", "install_from_env", "is_installed", "requested", "strict_groups", "pair_communicators"]
+__all__ = ["COLLECTIVES", "ENV", "TIMEOUT_ENV", "TOKEN_TAG", "DEFAULT_TIMEOUT_S", "created_communicators", "install",
+           "install_from_env", "is_installed", "requested", "strict_groups", "pair_communicators"]
 
 #: turns the mode on (``1``; ``0`` or empty: off)
 ENV = "MEGATRON_BITPIPE_STRICT_P2P"
@@ -114,6 +132,14 @@ _originals: Dict[str, Any] = {}
 _channels: Dict[Any, "_Channel"] = {}  # gloo group -> its channel (None: not a strict group)
 _pairs: Dict[Any, "_PairChannel"] = {}  # (gloo group, peer) -> the pair's unbatched channel
 _pair_locks: Dict[Any, threading.Lock] = {}  # held while that pair's communicator is created
+_communicators: Dict[str, List[int]] = {}  # group name -> its global ranks, once its communicator was created here
+_communicator_locks: Dict[str, threading.Lock] = {}  # held while that group's communicator is created
+#: torch.distributed's collectives: each runs on its group's communicator (rule 5)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single", "barrier",
+               "broadcast", "gather", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+               "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+#: seconds between looks at the store while a communicator is created
+_CREATION_POLL_S = 0.02
 
 
 def requested() -> bool:
@@ -136,6 +162,12 @@ def pair_communicators() -> List[List[List[int]]]:
     ``[group's global ranks, [lower rank, higher rank]]``."""
     with _lock:
         return [[pair.ranks, sorted((pair.rank, pair.peer))] for pair in _pairs.values()]
+
+
+def created_communicators() -> List[List[int]]:
+    """The groups (their global ranks) whose communicator this process created so far (rule 5)."""
+    with _lock:
+        return list(_communicators.values())
 
 
 def install_from_env() -> bool:
@@ -166,12 +198,21 @@ def install(timeout_s: Optional[float] = None) -> None:
         dist.send, dist.recv = _strict_send, _strict_recv
         dist.batch_isend_irecv = _strict_batch_isend_irecv
         c10d._check_op = _check_op  # P2POp(...) validates its op function with it
+        for name in COLLECTIVES:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapped = _creating_on_first_use(name, original)
+            setattr(c10d, name, wrapped)
+            if getattr(dist, name, None) is original:
+                setattr(dist, name, wrapped)
         _installed = True
     # One write, so that the lines of several ranks sharing a terminal do not interleave.
     sys.stderr.write(
         f"megatron_bitpipe: strict p2p mode ({ENV}=1): gloo point-to-point follows NCCL's rules "
         f"(per-group issue order, a send completes only when its receive is active, unbatched p2p on a group of more "
-        f"than two ranks on the pair's communicator, created on first use by both), waits bounded at {_timeout_s:g} s\n"
+        f"than two ranks on the pair's communicator, created on first use by both, a group's communicator created at its "
+        f"first collective or batched p2p by all its members), waits bounded at {_timeout_s:g} s\n"
     )
     sys.stderr.flush()
 
@@ -223,6 +264,8 @@ def _unbatched(channel: "_Channel", op: "_Op") -> "StrictWork":
     the channel of the pair's 2-rank communicator (created on first use, a rendezvous)."""
     if len(channel.ranks) > 2 and op.peer != channel.rank:
         channel = _pair_channel(channel, op)
+    else:
+        _create_communicator(channel.group, f"unbatched {op.describe()}")
     return channel.submit([op])[0]
 
 
@@ -240,6 +283,7 @@ def _strict_batch_isend_irecv(p2p_op_list):
     ops = [
         channel.op("send" if _is_send(p.op) else "recv", p.tensor, None, p.group_peer, p.tag) for p in p2p_op_list
     ]
+    _create_communicator(channel.group, f"batch_isend_irecv ({', '.join(op.describe() for op in ops)})")
     return channel.submit(ops)
 
 
@@ -274,6 +318,94 @@ def _pair_channel(channel: "_Channel", op: "_Op") -> "_PairChannel":
             with _lock:
                 _pairs[key] = pair
     return pair
+
+
+# --------------------------------------------------------------------------- group communicators (rule 5)
+
+
+def _creating_on_first_use(name: str, collective):
+    """``collective`` (torch's ``name``), creating its group's communicator on first use."""
+    parameters = list(inspect.signature(collective).parameters)
+    position = parameters.index("group") if "group" in parameters else None
+
+    @functools.wraps(collective)
+    def first_use_creates(*args, **kwargs):
+        group = kwargs.get("group")
+        if group is None and position is not None and len(args) > position:
+            group = args[position]
+        _create_communicator(group, name)
+        return collective(*args, **kwargs)
+
+    return first_use_creates
+
+
+def _communicator_store():
+    return dist.PrefixStore("megatron_bitpipe.strict_p2p/communicators/", c10d._get_default_store())
+
+
+def _create_communicator(group, what: str) -> None:
+    """Rule 5: before this rank's first operation ``what`` on ``group``'s own communicator,
+    wait until every member has reached its first one there (bounded); raise at once when a
+    missing member is creating another group's communicator that waits for this rank."""
+    group = group if group is not None else c10d._get_default_group()
+    name = group.group_name
+    if name in _communicators:
+        return
+    if c10d._rank_not_in_group(group) or dist.get_backend(group) != "gloo":
+        return
+    with _lock:
+        creating = _communicator_locks.setdefault(name, threading.Lock())
+    with creating:
+        if name in _communicators:
+            return
+        ranks = dist.get_process_group_ranks(group)
+        rank = dist.get_rank()
+        label = _label(group, ranks)
+        store = _communicator_store()
+        store.set(f"rank {rank} creates", json.dumps({"group": name, "ranks": ranks, "label": label, "what": what}))
+        store.set(f"group {name}/rank {rank}", "1")
+        deadline = time.monotonic() + _timeout_s
+        while True:
+            missing = [r for r in ranks if r != rank and not store.check([f"group {name}/rank {r}"])]
+            if not missing:
+                break
+            crossing = _crossing(store, missing, rank, name)
+            if crossing is not None:
+                member, theirs = crossing
+                raise RuntimeError(
+                    f"strict p2p: rank {rank} creates the communicator of {label} for its first {what} there, while rank "
+                    f"{member} creates the one of {theirs['label']} for its first {theirs['what']} there, which waits for "
+                    f"rank {rank}: the two ranks reach these groups' first collectives in different orders (NCCL creates a "
+                    "group's communicator lazily at its first collective or batched p2p, a blocking rendezvous of all its "
+                    "members: this deadlocks on GPUs; create or warm up the groups in one order on every rank)"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"strict p2p: rank {rank} waited {_timeout_s:g} s creating the communicator of {label} for its first "
+                    f"{what} there: rank(s) {missing} have not reached their first collective or batched p2p on that "
+                    "group (NCCL creates a group's communicator lazily at its first use, blocking until every member arrives)"
+                )
+            time.sleep(_CREATION_POLL_S)
+        store.set(f"rank {rank} creates", "")
+        with _lock:
+            _communicators[name] = ranks
+
+
+def _crossing(store, missing: List[int], rank: int, name: str):
+    """``(member, what it creates)`` for a missing member creating another group's
+    communicator (not group ``name``'s) that this rank has not created and belongs to (a
+    certain deadlock), else None."""
+    for member in missing:
+        key = f"rank {member} creates"
+        if not store.check([key]):
+            continue
+        text = store.get(key).decode()
+        if not text:
+            continue
+        theirs = json.loads(text)
+        if theirs["group"] != name and rank in theirs["ranks"] and theirs["group"] not in _communicators:
+            return member, theirs
+    return None
 
 
 # --------------------------------------------------------------------------- channels

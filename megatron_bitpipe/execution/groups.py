@@ -38,8 +38,17 @@ deadlock).
   groups) laid over the tp group (:class:`~megatron_bitpipe.optimus.mesh.OptimusMesh`);
   ``None`` with megatron's 1-D tensor parallelism.
 
-Context, expert and expert-tensor parallel sizes are 1 (``cp``, ``ep``, ``expt_tp`` are
-this rank alone).
+* expert parallelism (``grid.ep`` > 1: a mixture-of-experts model's experts split over ``ep``
+  consecutive data-parallel ranks): ``ep`` is this rank's expert-parallel group, ``tp_ep`` its
+  tensor x expert-parallel ranks, ``tp_ep_pp`` the ranks holding one copy of every expert (the
+  expert optimizer's grad-norm group); in ``model_pgs[c]`` ``expt_dp`` is the chunk's
+  *expert* grad-sync group (:meth:`PipelineGroups.expert_grad_sync_group`), in ``rank_pgs``
+  the plain expert data-parallel group. The ranks of one expert-parallel group share the
+  pipeline rank and run one plan, so they reach every MoE layer's collectives together.
+  Expert tensor parallelism equals tensor parallelism (``expt_tp = tp``).
+
+Context parallelism is off (``cp`` is this rank alone); with ``grid.ep == 1`` so is expert
+parallelism (``ep`` this rank alone, ``expt_dp = dp``).
 """
 
 from __future__ import annotations
@@ -62,15 +71,26 @@ __all__ = ["ParallelGrid", "new_groups", "process_group_collection", "PipelineGr
 
 @dataclass(frozen=True)
 class ParallelGrid:
-    """A tp x dp x pp rank grid in megatron's default order.
+    """A tp x dp x pp rank grid in megatron's default order, with ``ep`` expert-parallel ranks
+    inside the data-parallel ones.
 
-    Invariant: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, so a tensor-parallel group
-    is a run of ``tp`` consecutive ranks and pipeline ranks are ``tp * dp`` apart.
+    Invariants: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, so a tensor-parallel group
+    is a run of ``tp`` consecutive ranks and pipeline ranks are ``tp * dp`` apart; ``ep``
+    divides ``dp``, and data-parallel rank ``d`` is expert-parallel rank ``d % ep`` of the
+    expert-parallel group ``d // ep`` (megatron's expert order: ep faster than expert dp).
     """
 
     tp: int = 1
     dp: int = 1
     pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(
+                f"--expert-model-parallel-size {self.ep} must divide the data-parallel size {self.dp} "
+                "(expert-parallel ranks are data-parallel copies of one pipeline rank)"
+            )
 
     @property
     def world_size(self) -> int:
@@ -96,6 +116,33 @@ class ParallelGrid:
         """Model-parallel (tp x pp) groups: all ranks holding one data-parallel replica."""
         return [[self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
 
+    def _expert(self, t: int, block: int, e: int, p: int) -> int:
+        return self.rank(t, block * self.ep + e, p)
+
+    def ep_groups(self) -> List[List[int]]:
+        """Expert-parallel groups: ``ep`` consecutive data-parallel ranks."""
+        blocks = range(self.dp // self.ep)
+        return [[self._expert(t, b, e, p) for e in range(self.ep)] for p in range(self.pp) for b in blocks for t in range(self.tp)]
+
+    def tp_ep_groups(self) -> List[List[int]]:
+        """Tensor x expert-parallel groups (tp fastest)."""
+        blocks = range(self.dp // self.ep)
+        return [
+            [self._expert(t, b, e, p) for e in range(self.ep) for t in range(self.tp)] for p in range(self.pp) for b in blocks
+        ]
+
+    def tp_ep_pp_groups(self) -> List[List[int]]:
+        """The ranks holding one copy of every expert and of every stage: tp x ep x pp."""
+        return [
+            [self._expert(t, b, e, p) for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
+            for b in range(self.dp // self.ep)
+        ]
+
+    def expert_dp_groups(self) -> List[List[int]]:
+        """Expert data-parallel groups: the data-parallel ranks of one expert-parallel rank."""
+        blocks = range(self.dp // self.ep)
+        return [[self._expert(t, b, e, p) for b in blocks] for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
+
 
 def new_groups(rank_lists: Sequence[Sequence[int]], rank: int) -> Optional[dist.ProcessGroup]:
     """Create one group per list of ``rank_lists``; a collective call (same lists on every rank).
@@ -120,14 +167,23 @@ def process_group_collection(
     world: dist.ProcessGroup,
     embd: Optional[dist.ProcessGroup] = None,
     pos_embd: Optional[dist.ProcessGroup] = None,
+    ep: Optional[dist.ProcessGroup] = None,
+    tp_ep: Optional[dist.ProcessGroup] = None,
+    tp_ep_pp: Optional[dist.ProcessGroup] = None,
+    expt_dp: Optional[dist.ProcessGroup] = None,
 ) -> ProcessGroupCollection:
     """Every group megatron-core's GPTModel, DDP, optimizer and ``finalize_model_grads`` read.
 
-    Context, expert and expert-tensor parallelism are off: ``cp``, ``ep``, ``expt_tp`` are
-    ``solo`` (this rank alone), ``dp_cp = expt_dp = dp``, ``tp_cp = tp_ep = tp``,
-    ``tp_ep_pp = mp``; one distributed-optimizer instance, whose gradient statistics
-    (``intra_dist_opt``) span ``world``, every rank. ``embd``/``pos_embd`` None means "not in
-    such a group" (megatron treats None as a group of one and skips the all-reduce).
+    Context parallelism is off: ``cp`` is ``solo`` (this rank alone), ``dp_cp = dp``,
+    ``tp_cp = tp``. Expert parallelism: ``ep``, ``tp_ep``, ``tp_ep_pp``, ``expt_dp`` as given,
+    each defaulting to expert parallelism off (``solo``, ``tp``, ``mp``, ``dp``); expert tensor
+    parallelism is tensor parallelism (``expt_tp = tp``). ``tp_dp_cp`` is ``tp``: the MoE router
+    reduces over it only for megatron's ``global_aux_loss`` (statistics across the data-parallel
+    ranks and micro-batches of a step), which is refused
+    (:func:`~megatron_bitpipe.model.experts.check_expert_layout`). One distributed-optimizer instance,
+    whose gradient statistics (``intra_dist_opt``) span ``world``, every rank.
+    ``embd``/``pos_embd`` None means "not in such a group" (megatron treats None as a group of
+    one and skips the all-reduce).
     """
     return ProcessGroupCollection(
         tp=tp,
@@ -139,11 +195,12 @@ def process_group_collection(
         pos_embd=pos_embd,
         cp=solo,
         tp_cp=tp,
-        ep=solo,
-        expt_tp=solo,
-        tp_ep=tp,
-        expt_dp=dp,
-        tp_ep_pp=mp,
+        ep=ep or solo,
+        expt_tp=tp,
+        tp_ep=tp_ep or tp,
+        expt_dp=expt_dp or dp,
+        tp_ep_pp=tp_ep_pp or mp,
+        tp_dp_cp=tp,
         intra_dist_opt=world,
     )
 
@@ -218,6 +275,7 @@ class PipelineGroups:
     stage_groups: Dict[int, dist.ProcessGroup]
     mesh: Optional[OptimusMesh] = None
     replica_groups: Optional[Dict[int, dist.ProcessGroup]] = None
+    expert_stage_groups: Optional[Dict[int, dist.ProcessGroup]] = None
 
     @property
     def tp_rank(self) -> int:
@@ -230,6 +288,20 @@ class PipelineGroups:
     @property
     def pp_rank(self) -> int:
         return self.grid.coords(self.rank)[2]
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's expert-parallel rank (:class:`ParallelGrid`: data-parallel rank mod ``ep``)."""
+        return self.dp_rank % self.grid.ep
+
+    def local_experts(self, num_experts: Optional[int]) -> Optional[range]:
+        """The global indices of the routed experts this rank holds of each MoE layer's
+        ``num_experts`` (a contiguous block per expert-parallel rank, as megatron's MoE layer
+        assigns them); None without expert parallelism (every expert, or none)."""
+        if num_experts is None or self.grid.ep == 1:
+            return None
+        per_rank = num_experts // self.grid.ep
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
     def pp_global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this rank's (tp, dp) slice."""
@@ -271,6 +343,15 @@ class PipelineGroups:
         every rank: by stage (:func:`megatron_bitpipe.execution.replicas.stage_order`).
         """
         return self.stage_groups[self.placement.role(self.pp_rank, chunk).stage]
+
+    def expert_grad_sync_group(self, chunk: int) -> dist.ProcessGroup:
+        """Group over which local chunk ``chunk``'s *expert* gradients are reduced: the ranks
+        holding this rank's experts of the chunk's stage — every replica of the stage (both
+        pipelines of BitPipe) x the data-parallel ranks of this expert-parallel rank, at this
+        tensor-parallel rank: size ``num_pipelines * dp / ep``. The grad-sync group itself
+        without expert parallelism."""
+        stage = self.placement.role(self.pp_rank, chunk).stage
+        return self.stage_groups[stage] if self.expert_stage_groups is None else self.expert_stage_groups[stage]
 
     def replica_group(self, chunk: int) -> dist.ProcessGroup:
         """Group over which local chunk ``chunk``'s gradients are averaged *within* this
@@ -331,6 +412,28 @@ class PipelineGroups:
             if pp_rank in holders:
                 stage_groups[stage] = group
 
+        expert_stage_groups, expert_dp = None, None
+        experts = {}
+        if grid.ep > 1:
+            expert_dp = new_groups(grid.expert_dp_groups(), rank)
+            experts = dict(
+                ep=new_groups(grid.ep_groups(), rank),
+                tp_ep=new_groups(grid.tp_ep_groups(), rank),
+                tp_ep_pp=new_groups(grid.tp_ep_pp_groups(), rank),
+            )
+            expert_stage_groups = {}
+            blocks = range(grid.dp // grid.ep)
+            for stage in range(placement.num_stages):
+                holders = sorted({loc.rank for loc in placement.replicas(stage)})
+                lists = [
+                    sorted(grid.rank(t, b * grid.ep + e, p) for p in holders for b in blocks)
+                    for e in range(grid.ep)
+                    for t in range(grid.tp)
+                ]
+                group = new_groups(lists, rank)
+                if pp_rank in holders:
+                    expert_stage_groups[stage] = group
+
         replicas = None
         if replica_groups:
             replicas = {}
@@ -345,6 +448,11 @@ class PipelineGroups:
                     replicas[stage] = group
 
         warm_up(placement, pp_rank, lambda p: grid.rank(*grid.coords(rank)[:2], p), channels, stage_groups)
+        if experts:  # the expert groups' communicators, in one order on every rank
+            for name in ("ep", "tp_ep"):
+                dist.all_reduce(torch.zeros(1, device=_device()), group=experts[name])
+            for stage in sorted(expert_stage_groups):
+                dist.all_reduce(torch.zeros(1, device=_device()), group=expert_stage_groups[stage])
         for stage in sorted(replicas or {}):  # a mirror pair holds the same stages: one order
             if placement.num_pipelines > 1:
                 dist.all_reduce(torch.zeros(1, device=_device()), group=replicas[stage])
@@ -354,10 +462,14 @@ class PipelineGroups:
             ends = (placement.location(0, 0).rank, placement.location(0, placement.num_stages - 1).rank)
             slices = [(t, d) for d in range(grid.dp) for t in range(grid.tp)]
             embd = new_groups([sorted(grid.rank(t, d, p) for p in ends) for t, d in slices], rank) or solo
-        common = dict(tp=tp, pp=pp, mp=mp, solo=solo, world=world, embd=embd, pos_embd=solo)
+        common = dict(tp=tp, pp=pp, mp=mp, solo=solo, world=world, embd=embd, pos_embd=solo, **experts)
         model_pgs = tuple(
-            process_group_collection(dp=stage_groups[placement.role(pp_rank, c).stage], **common)
-            for c in range(placement.chunks_per_rank)
+            process_group_collection(
+                dp=stage_groups[stage],
+                expt_dp=None if expert_stage_groups is None else expert_stage_groups[stage],
+                **common,
+            )
+            for stage in (placement.role(pp_rank, c).stage for c in range(placement.chunks_per_rank))
         )
         return cls(
             grid=grid,
@@ -365,10 +477,11 @@ class PipelineGroups:
             rank=rank,
             tp=tp,
             pp=pp,
-            rank_pgs=process_group_collection(dp=dp, **common),
+            rank_pgs=process_group_collection(dp=dp, expt_dp=expert_dp, **common),
             model_pgs=model_pgs,
             channels=channels,
             stage_groups=stage_groups,
             mesh=mesh,
             replica_groups=replicas,
+            expert_stage_groups=expert_stage_groups,
         )

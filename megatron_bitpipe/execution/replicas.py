@@ -32,7 +32,7 @@ megatron sums the owners' squares over all ranks.
 from __future__ import annotations
 
 import copy
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -179,24 +179,33 @@ def stage_order(groups: PipelineGroups) -> List[int]:
     return sorted(range(placement.chunks_per_rank), key=lambda c: placement.role(groups.pp_rank, c).stage)
 
 
-def _flat(chunk: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in unwrap_model(chunk).parameters()])
+def _flat(chunk: torch.nn.Module, experts: Optional[bool] = None) -> torch.Tensor:
+    """The chunk's parameters in one flat tensor: all, or only the dense ones (``experts``
+    False) or the expert-parallel ones (True); a zero when there are none."""
+    params = [p for p in unwrap_model(chunk).parameters() if experts is None or getattr(p, "allreduce", True) != experts]
+    return torch.cat([p.detach().reshape(-1).float() for p in params]) if params else torch.zeros(1)
 
 
 def max_replica_difference(chunks: Sequence[torch.nn.Module], groups: PipelineGroups) -> float:
     """Largest ``|difference|`` between any parameter and its copy on the lowest rank of its
-    grad-sync group (other replicas and data-parallel copies), over this rank's chunks.
+    grad-sync group (other replicas and data-parallel copies; an expert-parallel parameter: of
+    its expert grad-sync group), over this rank's chunks.
 
     Collective over all ranks; 0.0 means every replica on this rank is bit-identical to its
     reference copy.
     """
     worst = 0.0
+    if groups.expert_stage_groups is None:
+        kinds = [(None, groups.grad_sync_group)]
+    else:
+        kinds = [(False, groups.grad_sync_group), (True, groups.expert_grad_sync_group)]
     for c in stage_order(groups):
-        group = groups.grad_sync_group(c)
-        mine = _flat(chunks[c])
-        reference = mine.clone()
-        dist.broadcast(reference, src=dist.get_global_rank(group, 0), group=group)
-        diff = (mine - reference).abs().max()
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
-        worst = max(worst, diff.item())
+        for experts, group_of in kinds:
+            group = group_of(c)
+            mine = _flat(chunks[c], experts)
+            reference = mine.clone()
+            dist.broadcast(reference, src=dist.get_global_rank(group, 0), group=group)
+            diff = (mine - reference).abs().max()
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+            worst = max(worst, diff.item())
     return worst

@@ -12,7 +12,8 @@ The contract, as megatron-core 0.16-0.19 wire it for TE's linears:
 * every deferring linear keeps a FIFO of that work, one entry per backward it ran;
   ``linear.backward_dw()`` runs the oldest entry;
 * megatron-core rolls ``backward_dw()`` up: ``SelfAttention.backward_dw`` (QKV, output
-  projection), ``MLP.backward_dw`` (fc2, fc1); :class:`ChunkWeightGrad` rolls those up per
+  projection), ``MLP.backward_dw`` (fc2, fc1), ``MoELayer.backward_dw`` (each routed expert's
+  MLP, and its shared experts when asked: asked here); :class:`ChunkWeightGrad` rolls those up per
   transformer layer and, with the deferring linears outside layers (the LM head), per chunk.
   One ``ChunkWeightGrad.backward_dw()`` = one micro-batch's weight gradients of the chunk, the
   oldest (the validator makes each chunk's ``W``'s follow its ``I``'s micro-batch order).
@@ -55,6 +56,8 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
@@ -326,7 +329,7 @@ class ChunkWeightGrad:
                 unit = getattr(layer, part, None)
                 inside = {id(m) for m in unit.modules()} & deferring if isinstance(unit, torch.nn.Module) else set()
                 if inside and callable(getattr(unit, "backward_dw", None)):
-                    self.units.append((f"{name}.{part}", unit.backward_dw))
+                    self.units.append((f"{name}.{part}", _layer_part_backward_dw(unit)))
                     covered |= inside
         self.units += [(name, module.backward_dw) for name, module in self.modules if id(module) not in covered]
 
@@ -361,6 +364,14 @@ class ChunkWeightGrad:
         """The parameters the queued work will add gradients to."""
         for _, module in self.modules:
             yield from _queued_parameters(module)
+
+
+def _layer_part_backward_dw(unit: torch.nn.Module) -> Callable[[], None]:
+    """``unit.backward_dw`` reaching all its deferring modules: a mixture-of-experts layer's
+    (``MoELayer.backward_dw(routed_experts, shared_experts)``) for its routed and shared experts."""
+    if "shared_experts" in inspect.signature(unit.backward_dw).parameters:
+        return functools.partial(unit.backward_dw, routed_experts=True, shared_experts=True)
+    return unit.backward_dw
 
 
 def _deferring(module: torch.nn.Module) -> bool:

@@ -14,10 +14,11 @@ initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_p
 apart: dualpipe, chimera) plus, when this package's plan executor runs the schedule (bitpipe,
 chimera, zb-h1, zbv, dualpipe, dualpipev), the Megatron-LM features its chunks cannot be
 combined with, Megatron-LM's weight-gradient deferral flags that contradict the schedule's
-backwards (split or whole), the uneven-layout flags' rules on the placement's stages and the
+backwards (split or whole), the uneven-layout flags' rules on the placement's stages, the
 activation-recompute rules for its chunks (``--num-layers`` / stages per pipeline layers, ``2 x
 --pipeline-model-parallel-size`` stages for bitpipe, zbv and dualpipev, or the uneven split's
-counts: :func:`~megatron_bitpipe.megatron_args.recompute_problems`). It raises
+counts: :func:`~megatron_bitpipe.megatron_args.recompute_problems`) and, with
+``--num-experts``, the mixture-of-experts rules (:func:`moe_problems`). It raises
 :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
 
 :func:`hold_layer_split` runs before Megatron-LM's ``validate_args``: a plan-executed schedule
@@ -64,8 +65,6 @@ _PLAN_CONFLICTS = (
     ("context_parallel_size", "--context-parallel-size", "context parallelism is not supported"),
     ("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances",
      "{schedule} shards each chunk's optimizer state over its replica x data-parallel group"),
-    ("expert_model_parallel_size", "--expert-model-parallel-size", "expert parallelism is not supported"),
-    ("num_experts", "--num-experts", "mixture-of-experts layers are not supported"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported"),
     ("use_tp_pp_dp_mapping", "--use-tp-pp-dp-mapping", "{schedule} uses megatron's default tp-dp-pp rank order"),
     ("rampup_batch_size", "--rampup-batch-size", "{schedule} needs a fixed number of micro-batches"),
@@ -98,7 +97,17 @@ _LAYER_SPLIT_FIELDS = (
     ("account_for_loss_in_pipeline_split", False),
     ("pipeline_model_parallel_layout", None),
 )
-_PARALLEL_SIZES = {"context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances", "gtp_weight_remat_size"}
+_PARALLEL_SIZES = {"context_parallel_size", "num_distributed_optimizer_instances", "gtp_weight_remat_size"}
+# Mixture-of-experts flags a plan-executed schedule cannot be combined with (with --num-experts);
+# same form as _PLAN_CONFLICTS.
+_MOE_CONFLICTS = (
+    ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
+     "the overlap is megatron's own combined 1F1B schedule, not {schedule}'s"),
+    ("save", "--save", "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
+    ("load", "--load", "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
+    ("pretrained_checkpoint", "--pretrained-checkpoint",
+     "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
+)
 
 
 def _extend_choices(parser: argparse.ArgumentParser, flag: str, extra) -> None:
@@ -223,6 +232,8 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             chunk_sizes = [max(args.num_layers // stages, 1)]
         for size in chunk_sizes:
             problems += [p for p in recompute_problems(args, size) if p not in problems]
+        if getattr(args, "num_experts", None) and placement is not None:
+            problems += moe_problems(args, schedule, placement.num_pipelines)
         checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
         if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
             problems.append(
@@ -231,3 +242,54 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             )
     if problems:
         raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def moe_problems(args: argparse.Namespace, schedule: str, num_pipelines: int) -> List[str]:
+    """The mixture-of-experts rules of a plan-executed ``schedule`` (``num_pipelines`` pipelines
+    in its placement) on Megatron-LM's namespace after ``validate_args``, one line per broken rule.
+
+    The ranks of one expert-parallel group exchange tokens inside every MoE layer, so they must
+    run the same stage at the same time: they are consecutive data-parallel ranks of one pipeline
+    rank (``--expert-model-parallel-size`` divides the data-parallel size; megatron's expert rank
+    order then gives the same groups as the placement's), with expert tensor parallelism equal to
+    tensor parallelism.
+    """
+    ep, dp, tp = args.expert_model_parallel_size, args.data_parallel_size, args.tensor_model_parallel_size
+    problems = []
+    if dp % ep:
+        problems.append(
+            f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} with --pipeline-schedule {schedule}: "
+            "an expert-parallel group's ranks exchange tokens in every MoE layer, so they must be data-parallel copies of "
+            "one pipeline rank, which run each stage at the same time"
+        )
+    expert_tp = getattr(args, "expert_tensor_parallel_size", None)
+    if expert_tp not in (None, tp):
+        problems.append(
+            f"--expert-tensor-parallel-size {expert_tp} must equal --tensor-model-parallel-size {tp} with "
+            f"--pipeline-schedule {schedule} (its groups split the experts like the dense layers)"
+        )
+    if "global_aux_loss" in _as_list(args.moe_router_load_balancing_type):
+        problems.append(
+            f"--moe-router-load-balancing-type global_aux_loss cannot be used with --pipeline-schedule {schedule}: its "
+            "statistics span the data-parallel ranks and micro-batches of a step, which the placement's pipelines run "
+            "at different times"
+        )
+    if args.moe_token_dispatcher_type == "flex":
+        problems.append(
+            f"--moe-token-dispatcher-type flex cannot be used with --pipeline-schedule {schedule}: use allgather or alltoall, "
+            "which exchange tokens over the chunk's expert-parallel group"
+        )
+    if num_pipelines > 1 and getattr(args, "moe_router_enable_expert_bias", False):
+        problems.append(
+            f"--moe-router-enable-expert-bias cannot be used with --pipeline-schedule {schedule}: each layer has a copy in "
+            f"each of its {num_pipelines} pipelines, and megatron updates a router's expert bias from the tokens its own "
+            "copy routed, so the copies would drift apart"
+        )
+    for attribute, flag, reason in _MOE_CONFLICTS:
+        if getattr(args, attribute, None):
+            problems.append(f"{flag} cannot be used with --num-experts and --pipeline-schedule {schedule}: {reason.format(schedule=schedule)}")
+    return problems

@@ -54,7 +54,7 @@ import argparse
 import functools
 from typing import Callable
 
-from ..megatron_compat import megatron_lm_functions, with_keyword
+from ..megatron_compat import enable_moe_without_transformer_engine, megatron_lm_functions, with_keyword
 from ..optimizers import OWN_OPTIMIZERS, ParamScheduler, averaged_weights, build_megatron_optimizer
 from ..plugin import installed_schedule, register
 from ..run_config import RunConfig
@@ -92,6 +92,10 @@ def setup(args: argparse.Namespace) -> RunConfig:
     the run's :class:`RunConfig` and install ``--pipeline-schedule``'s forward_backward_func,
     which holds it. Local: no communication. Returns the RunConfig.
 
+    With ``--num-experts`` megatron-core's MoE utilities get what they read without Transformer
+    Engine (:func:`~megatron_bitpipe.megatron_compat.enable_moe_without_transformer_engine`),
+    for every schedule.
+
     With a plan-executed schedule and ``--use-distributed-optimizer`` the optimizer state is
     checkpointed in the ``fully_reshardable`` form, the only one its per-chunk optimizers have
     (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``, which its checkpointing reads, is
@@ -100,6 +104,8 @@ def setup(args: argparse.Namespace) -> RunConfig:
     release_layer_split(args)
     validate_megatron_lm_args(args)
     config = RunConfig.from_args(args)
+    if config.moe is not None:
+        enable_moe_without_transformer_engine()
     if config.executes_plan and config.distributed_optimizer and not args.dist_ckpt_optim_fully_reshardable:
         args.dist_ckpt_optim_fully_reshardable = True
         if args.rank == 0:

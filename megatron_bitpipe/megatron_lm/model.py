@@ -16,8 +16,10 @@ DualPipe and Chimera: two, one per pipeline; ZB-H1: one) by calling the script's
 * ``pg_collection``: the rank's process groups
   (:class:`~megatron_bitpipe.execution.groups.PipelineGroups` ``rank_pgs``, plain data
   parallelism, which Megatron-LM's loop reads off the model for its loss average and
-  checkpoints); each chunk's DDP reduces over its grad-sync group, the mirror pair x data
-  parallel.
+  checkpoints; with ``--expert-model-parallel-size`` its expert-parallel groups, which a
+  mixture-of-experts layer's token dispatcher uses); each chunk's DDP reduces over its
+  grad-sync group, the mirror pair x data parallel, and expert gradients over the chunk's
+  expert grad-sync group (the mirror pair x the data-parallel ranks holding the same experts).
 
 The chunk flow is the runtime's :func:`~megatron_bitpipe.model.chunks.build_chunks` (config
 and placement checks, per-chunk configs and groups, tying) with the ``model_provider`` as the
@@ -25,8 +27,8 @@ chunk factory. Then, like :func:`~megatron_bitpipe.model.build.build_pipeline_mo
 head is made the embedding chunk's word-embedding Parameter where a pipeline starts and ends on
 one rank (one weight per rank, gradient counted once; ZB-H1's looped pipeline ties megatron's
 way, over the embedding group of its first and last rank), every weight is initialised from ``--seed`` and its full-model name (both
-replicas identical, equal to any other layout's; megatron's own initialisation is skipped, each
-rank draws only its shards), each chunk gets the placement-aware
+replicas identical, equal to any other layout's; a routed expert's name holds its global index;
+megatron's own initialisation is skipped, each rank draws only its shards), each chunk gets the placement-aware
 ``sharded_state_dict`` of distributed checkpoints
 (:mod:`~megatron_bitpipe.model.sharded_state`), a second replica's parameters are marked
 for the non-distributed optimizer's grad norm, fp16/bf16 chunks are wrapped in the runtime's
@@ -62,6 +64,7 @@ from ..execution.groups import ParallelGrid, PipelineGroups
 from ..model.init import initialize_from_seed, without_megatron_init
 from ..model_partition import ChunkSpec, chunk_layers_of, chunk_specs
 from ..model.chunks import build_chunks, transformer_block_of
+from ..model.experts import check_expert_layout
 from ..model.precision import ChunkFloat16Module
 from ..execution.replicas import mark_replica_parameters, wrap_ddp
 from ..model.sharded_state import attach_sharded_state_dicts
@@ -208,7 +211,8 @@ def _bitpipe_chunks(
         raise BitPipeConfigError(f"--pipeline-schedule {run_config.schedule.schedule} does not support {model_type} models (encoder-decoder)")
     args.model_type = model_type
     layout = run_config.layout
-    grid = ParallelGrid(tp=layout.tensor, dp=layout.data, pp=layout.pipeline)
+    grid = ParallelGrid(tp=layout.tensor, dp=layout.data, pp=layout.pipeline, ep=layout.expert)
+    check_expert_layout(config, grid)
     groups = PipelineGroups.build(grid, run_config.placement)
 
     def make_chunk(chunk_config, spec: ChunkSpec, chunk_pgs, tie_in_chunk: bool) -> torch.nn.Module:
@@ -240,7 +244,7 @@ def _bitpipe_chunks(
     for param in (p for chunk in chunks for p in chunk.parameters()):
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     layers = config.num_layers if run_config.stage_layers is None else run_config.stage_layers
-    specs = chunk_specs(groups.placement, layers, groups.pp_rank, tied)
+    specs = chunk_specs(groups.placement, layers, groups.pp_rank, tied, groups.local_experts(config.num_moe_experts))
     initialize_from_seed(chunks, specs, args.seed, groups.tp)
     attach_sharded_state_dicts(chunks, specs, groups)
     if not run_config.distributed_optimizer:

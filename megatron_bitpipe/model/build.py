@@ -22,6 +22,7 @@ from ..optimus.validation import check_optimus_model_config
 from ..schedules.layer_split import StageLayers
 from ..schedules.placement import Placement
 from ..execution.groups import ParallelGrid, PipelineGroups
+from .experts import check_expert_layout
 from .init import initialize_from_seed, without_megatron_init
 from ..model_partition import ChunkSpec, chunk_specs
 from .chunks import build_gpt_chunks
@@ -36,15 +37,19 @@ def init_megatron_state(pg_collection: ProcessGroupCollection, seed: int) -> Non
     """Set the megatron-core module state that explicit process groups do not cover.
 
     The global memory buffer (DotProductAttention takes scratch tensors from it) and the RNG
-    tracker's streams (``model_parallel_cuda_manual_seed`` with this rank's tp rank: the
-    model-parallel stream differs per tp rank, the default stream is ``seed`` everywhere).
+    tracker's streams (``model_parallel_cuda_manual_seed`` with this rank's tp, ep and expert
+    tp ranks: the model-parallel and expert streams differ per rank, the default stream is
+    ``seed`` everywhere).
     Also seeds torch's generator with ``seed``. Call once per rank before building models;
     calling it again re-seeds.
     """
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed, tp_rank=pg_collection.tp.rank(), ep_rank=0, etp_rank=0, force_reset_rng=True)
+    model_parallel_cuda_manual_seed(
+        seed, tp_rank=pg_collection.tp.rank(), ep_rank=pg_collection.ep.rank(), etp_rank=pg_collection.expt_tp.rank(),
+        force_reset_rng=True,
+    )
 
 
 @dataclass
@@ -120,6 +125,7 @@ def build_pipeline_model(
     """
     if tensor_parallel_mode == "optimus2d":
         check_optimus_model_config(config, grid.tp, vocab_size)
+    check_expert_layout(config, grid)
     groups = PipelineGroups.build(grid, placement, tensor_parallel_mode, replica_groups=gradient_reduction == "replicas")
     init_megatron_state(groups.rank_pgs, seed)
     chunks = chunk_builder(
@@ -134,7 +140,8 @@ def build_pipeline_model(
     if groups.mesh is not None:  # summed once per iteration by finalize_model_grads_func(groups.mesh)
         defer_column_sums(chunks)
     layers = config.num_layers if stage_layers is None else stage_layers
-    specs = chunk_specs(placement, layers, groups.pp_rank, share_embeddings_and_output_weights)
+    experts = groups.local_experts(config.num_moe_experts)
+    specs = chunk_specs(placement, layers, groups.pp_rank, share_embeddings_and_output_weights, experts)
     initialize_from_seed(chunks, specs, seed, groups.tp)
     attach_sharded_state_dicts(chunks, specs, groups)
     ddp_config = ddp_config or DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)

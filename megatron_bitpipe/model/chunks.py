@@ -62,8 +62,7 @@ groups, tying) for any megatron-core language model whose block is a ``Transform
 from __future__ import annotations
 
 import copy
-import dataclasses
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -91,7 +90,8 @@ from ..optimus.spec import get_optimus_gpt_block_spec
 from ..execution.groups import PipelineGroups
 from ..model_partition import ChunkLayers, ChunkSpec, chunk_specs
 from ..schedules.layer_split import StageLayers
-from .norms import SequenceParallelTorchNorm
+from .experts import layer_specs_of, moe_gpt_layer_specs
+from .norms import SequenceParallelTorchNorm, with_sequence_parallel_norms
 
 __all__ = [
     "ChunkLayerLayout",
@@ -177,39 +177,24 @@ def default_gpt_layer_spec(config: TransformerConfig) -> ModuleSpec:
     return with_sequence_parallel_norms(spec)
 
 
-def with_sequence_parallel_norms(spec: ModuleSpec) -> ModuleSpec:
-    """``spec`` with every ``WrappedTorchNorm`` submodule swapped for :class:`SequenceParallelTorchNorm`."""
-    submodules = spec.submodules
-    updates = {
-        f.name: SequenceParallelTorchNorm
-        for f in dataclasses.fields(submodules)
-        if getattr(submodules, f.name) is WrappedTorchNorm
-    }
-    for f in dataclasses.fields(submodules):
-        child = getattr(submodules, f.name)
-        if isinstance(child, ModuleSpec) and dataclasses.is_dataclass(child.submodules):
-            replaced = with_sequence_parallel_norms(child)
-            if replaced is not child:
-                updates[f.name] = replaced
-    if not updates:
-        return spec
-    return dataclasses.replace(spec, submodules=dataclasses.replace(submodules, **updates))
-
-
 def is_layer_spec(spec) -> bool:
     """Whether ``spec`` describes one transformer layer (as opposed to a whole block)."""
     return isinstance(spec, ModuleSpec) and issubclass(spec.module, BaseTransformerLayer)
 
 
-def chunk_block_spec(layer_spec: ModuleSpec, num_layers: int) -> ModuleSpec:
-    """Block spec of ``num_layers`` copies of ``layer_spec``; the final norm matches the layers'
-    (torch norms get :class:`SequenceParallelTorchNorm`, so sequence parallelism works without apex)."""
+def chunk_block_spec(layer_spec: Union[ModuleSpec, Sequence[ModuleSpec]], num_layers: int) -> ModuleSpec:
+    """Block spec of ``num_layers`` copies of ``layer_spec`` (or of the ``num_layers`` specs of a
+    sequence, one per layer); the final norm matches the layers' (torch norms get
+    :class:`SequenceParallelTorchNorm`, so sequence parallelism works without apex)."""
     final_norm = gpt_layer_specs.LNImpl
     if final_norm is WrappedTorchNorm:
         final_norm = SequenceParallelTorchNorm
+    layer_specs = [layer_spec] * num_layers if isinstance(layer_spec, ModuleSpec) else list(layer_spec)
+    if len(layer_specs) != num_layers:
+        raise ValueError(f"{len(layer_specs)} layer specs for a block of {num_layers} layers")
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm),
+        submodules=TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=final_norm),
     )
 
 
@@ -332,21 +317,28 @@ def gpt_chunk_factory(
     *,
     vocab_size: int,
     max_sequence_length: int,
-    layer_spec: Optional[ModuleSpec] = None,
+    layer_spec: Union[None, ModuleSpec, Sequence[ModuleSpec]] = None,
     position_embedding_type: str = "learned_absolute",
     model_class: type = GPTModel,
     **gpt_kwargs,
 ) -> ChunkFactory:
     """The :data:`ChunkFactory` making :func:`build_gpt_chunks`' GPTModel chunks (``OptimusGPTModel``
     over ``mesh`` when given): a chunk holds ``spec``'s layers and its ``pre_process`` /
-    ``post_process`` ends. ``layer_spec`` defaults to :func:`default_gpt_layer_spec` of ``config``
-    (none with a mesh); ``gpt_kwargs`` go to the model class, ``model_class`` (a ``GPTModel``
-    subclass such as :class:`~megatron_bitpipe.hfta.HftaGPTModel`) without a mesh."""
-    spec = layer_spec or (None if mesh else default_gpt_layer_spec(config))
+    ``post_process`` ends. ``layer_spec`` is one layer spec for every layer, a block spec, or a
+    sequence of one layer spec per layer of the full model (a chunk takes those of its global
+    layers); it defaults to :func:`default_gpt_layer_spec` of ``config``, or with
+    ``config.num_moe_experts`` to :func:`~.experts.moe_gpt_layer_specs` (none with a mesh);
+    ``gpt_kwargs`` go to the model class, ``model_class`` (a ``GPTModel`` subclass such as
+    :class:`~megatron_bitpipe.hfta.HftaGPTModel`) without a mesh."""
+    default = moe_gpt_layer_specs if config.num_moe_experts else default_gpt_layer_spec
+    spec = layer_spec or (None if mesh else default(config))
 
     def make_chunk(chunk_config: TransformerConfig, chunk: ChunkLayers, pgs: ProcessGroupCollection, tie: bool):
         if mesh is None:
-            block = chunk_block_spec(spec, chunk.num_layers) if is_layer_spec(spec) else spec
+            if isinstance(spec, (list, tuple)):  # one spec per layer of the full model
+                block = chunk_block_spec(layer_specs_of(spec, chunk.first_layer, chunk.num_layers), chunk.num_layers)
+            else:
+                block = chunk_block_spec(spec, chunk.num_layers) if is_layer_spec(spec) else spec
             model_kwargs = dict(transformer_layer_spec=block)
         else:
             block = get_optimus_gpt_block_spec(chunk_config, mesh, chunk.num_layers, layer_spec=spec)

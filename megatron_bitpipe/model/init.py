@@ -21,7 +21,8 @@ Init rules follow megatron-core's conventions, using the config's own init calla
 ``layernorm_zero_centered_gamma``); embeddings ``config.embedding_init_method``; the
 attention output projection and second MLP linear (``linear_proj``, ``linear_fc2``)
 ``config.output_layer_init_method`` (by default N(0, std / sqrt(2 * num_layers))); every other
-weight ``config.init_method`` (by default N(0, std)). For BERT that covers, as in
+weight ``config.init_method`` (by default N(0, std)); a mixture-of-experts layer's router like
+any other weight, its routed and shared experts' linears like the MLP's. For BERT that covers, as in
 megatron-core's BertModel: token-type embeddings (an embedding), the MLM head's dense layer
 and norm (``lm_head.dense``, ``lm_head.layer_norm``), the output layer's weight and bias, the
 pooler and the binary head (weights ``init_method``, biases 0).
@@ -216,7 +217,9 @@ def initialize_from_seed(
     :func:`~megatron_bitpipe.model.chunks.build_gpt_chunks` is the embedding's Parameter and
     changes with it. A parameter with ``model_seeds`` (a fused array's, :mod:`megatron_bitpipe.hfta`)
     has a leading model dimension: slice ``k`` gets the value its parameter has in the unfused
-    model of seed ``model_seeds[k]``. Expert-parallel parameters are not supported (NotImplementedError).
+    model of seed ``model_seeds[k]``. A routed expert's parameter is named by its global expert
+    index (:attr:`~megatron_bitpipe.model_partition.ChunkLayers.experts`), so expert ``k`` starts
+    the same on whichever expert-parallel rank holds it.
     """
     if len(chunks) != len(layers):
         raise ValueError(f"{len(chunks)} chunks but {len(layers)} layer ranges")
@@ -225,8 +228,6 @@ def initialize_from_seed(
         for chunk, chunk_layers in zip(chunks, layers):
             model = unwrap_model(chunk)
             for local_name, param in model.named_parameters():
-                if not getattr(param, "allreduce", True):
-                    raise NotImplementedError(f"{local_name}: expert-parallel parameters are not supported")
                 name = to_global_name(local_name, chunk_layers)
                 init = init_method_for(name, model.config)
                 # A fused array's parameter (megatron_bitpipe.hfta): slice k is model k's tensor, from its seed.

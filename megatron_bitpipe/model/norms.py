@@ -10,10 +10,14 @@ parameter marked ``sequence_parallel = True``, which this class does.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-__all__ = ["SequenceParallelTorchNorm"]
+__all__ = ["SequenceParallelTorchNorm", "with_sequence_parallel_norms"]
 
 
 class SequenceParallelTorchNorm:
@@ -41,3 +45,22 @@ class SequenceParallelTorchNorm:
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+def with_sequence_parallel_norms(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with every ``WrappedTorchNorm`` submodule swapped for :class:`SequenceParallelTorchNorm`."""
+    submodules = spec.submodules
+    updates = {
+        f.name: SequenceParallelTorchNorm
+        for f in dataclasses.fields(submodules)
+        if getattr(submodules, f.name) is WrappedTorchNorm
+    }
+    for f in dataclasses.fields(submodules):
+        child = getattr(submodules, f.name)
+        if isinstance(child, ModuleSpec) and dataclasses.is_dataclass(child.submodules):
+            replaced = with_sequence_parallel_norms(child)
+            if replaced is not child:
+                updates[f.name] = replaced
+    if not updates:
+        return spec
+    return dataclasses.replace(spec, submodules=dataclasses.replace(submodules, **updates))

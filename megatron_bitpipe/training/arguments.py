@@ -56,6 +56,7 @@ from ..usage import FlagParser
 from ..data_parallel_modes import add_data_parallel_mode_arg
 from .abs_sgd.args import abs_sgd_problems, add_abs_sgd_args
 from .decentralized.args import add_decentralized_args, decentralized_problems
+from .faults import add_fault_args, fault_problems
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -259,7 +260,15 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None, help="default nccl with a GPU, gloo without")
-    group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    group.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        metavar="MINUTES",
+        help="a rank that waits this long in one communication ends the whole job with one line naming the hung or "
+        "failed rank, the iteration and where the others waited (exit status 3); fractions are allowed, e.g. 0.1 "
+        "(6 s) in tests (default 10)",
+    )
     group.add_argument(
         "--overlap-p2p-comm",
         action="store_true",
@@ -331,6 +340,7 @@ def build_parser(task=None, prog: Optional[str] = None) -> FlagParser:
         add(parser)
     add_optimizer_args(parser)
     add_hfta_args(parser)
+    add_fault_args(parser)
     if task is not None:
         task.add_arguments(parser)
     return parser
@@ -526,6 +536,8 @@ def _schedule_problems(args) -> List[str]:
         problems.append("--eval-iters must be >= 0")
     if args.eval_iters > 0 and args.eval_interval <= 0:
         problems.append("--eval-interval must be positive (or set --eval-iters 0)")
+    if args.distributed_timeout_minutes <= 0:
+        problems.append(f"--distributed-timeout-minutes must be positive (got {args.distributed_timeout_minutes:g})")
     for name in ("exit_interval", "exit_duration_in_mins"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             problems.append(f"{_flag(name)} must be positive")
@@ -616,6 +628,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
     problems += optimizer_problems(args, schedule=resolved_schedule(args))
     problems += _data_problems(args)
     problems += hfta_problems(args)
+    problems += fault_problems(args)
     if task is not None:
         problems += task.validate(args)
     if problems:

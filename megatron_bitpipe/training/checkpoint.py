@@ -24,7 +24,7 @@ import argparse
 import os
 import random
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -152,14 +152,21 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optimizer, scheduler, args, task) -> str:
+def save_checkpoint(
+    root: str, state: TrainingState, model: PipelineModel, optimizer, scheduler, args, task,
+    shards_written: Optional[Callable[[], None]] = None,
+) -> str:
     """Write the checkpoint of ``state.iteration`` under ``root``; returns its directory.
 
     Collective over the job. Without ``--no-save-optim`` the optimizer state (in its sharded
     form) and the learning-rate schedule are included, without ``--no-save-rng`` every
-    rank's random generators. ``latest_checkpointed_iteration.txt`` is replaced last
-    (atomically, after every rank has written), so an interrupted save never becomes the
-    checkpoint ``--load`` picks.
+    rank's random generators. The order makes a save atomic for ``--load``: every rank writes
+    its shards (and rank 0 ``common.pt``); then the tensor index (``.metadata``) and
+    ``metadata.json`` are written once every rank has; then, after a barrier, rank 0 replaces
+    ``latest_checkpointed_iteration.txt`` (write and rename). A save interrupted anywhere
+    before that leaves the tracker on the previous checkpoint, and its own directory without
+    ``metadata.json``, which :func:`load_checkpoint` refuses as incomplete. ``shards_written``
+    is called on each rank between its shards and the index (the fault injection's point).
     """
     directory = checkpoint_dir(root, state.iteration)
     if dist.get_rank() == 0:
@@ -180,7 +187,12 @@ def save_checkpoint(root: str, state: TrainingState, model: PipelineModel, optim
     if not args.no_save_rng:
         state_dict["rng_state"] = _rng_object(model)
     with without_deprecation_notes():
-        dist_checkpointing.save(state_dict, directory, content_metadata=metadata)
+        # megatron-core's synchronous save, as its request: write the shards, then finalise
+        request = dist_checkpointing.save(state_dict, directory, content_metadata=metadata, async_sharded_save=True)
+        if shards_written is not None:
+            request.finalize_fns.insert(0, shards_written)
+        request.execute_sync()
+    dist.barrier()  # every rank's shards, the index and metadata.json are written
     if dist.get_rank() == 0:
         tracker = os.path.join(root, TRACKER)
         with open(tracker + ".tmp", "w", encoding="utf-8") as f:

@@ -4,7 +4,8 @@ Each function takes the namespace for the values the flags give (sizes, rates) a
 :class:`~megatron_bitpipe.run_config.RunConfig` for what the run decided (schedule, layout,
 precision, optimizer choice):
 
-* :func:`transformer_config` — the ``TransformerConfig`` of the model;
+* :func:`transformer_config` — the ``TransformerConfig`` of the model (a mixture of experts'
+  fields from :attr:`~megatron_bitpipe.run_config.RunConfig.moe`);
 * :func:`ddp_config`, :func:`optimizer_config`, :func:`lr_scheduler` — DDP, the optimizer
   (``--optimizer``: megatron's Adam or SGD, or one of :mod:`megatron_bitpipe.optimizers`) and Megatron's
   learning-rate / weight-decay schedule (counted in samples, like Megatron-LM; ``--lr-decay-style
@@ -62,7 +63,8 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
     gpu = torch.cuda.is_available()
     dtype = run.precision.dtype
     # the split defers local layers' W; --attention-backend local/sdpa replace local layers' core attention
-    local_only = run.schedule.splits_backward or getattr(args, "attention_backend", "auto") != "auto"
+    # megatron-core's local MoE layers (experts as a SequentialMLP) too
+    local_only = run.schedule.splits_backward or getattr(args, "attention_backend", "auto") != "auto" or run.moe is not None
     te_default = gpu and _have_transformer_engine() and not local_only
     impl = args.transformer_impl or ("transformer_engine" if te_default else "local")
     fields = dict(
@@ -98,6 +100,8 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
         cuda_graph_scope=[],  # the whole layer; megatron's default spelling "full" is deprecated
         **kernel_fields(gpu, transformer_engine=impl == "transformer_engine", bias_activation=args.swiglu or args.add_bias_linear),
     )
+    if run.moe is not None:
+        fields.update(run.moe.transformer_fields())
     fields.update(overrides)
     config = TransformerConfig(**fields)
     if run.schedule.splits_backward:  # the weight-gradient deferral contract, before the model is built

@@ -6,7 +6,8 @@ environment; a plain ``python scripts/pretrain_gpt.py`` is a job of one rank on 
 in-memory store; a default group that already exists (a test launcher's) is used as it is.
 With CUDA, each rank takes GPU ``LOCAL_RANK`` (modulo the GPUs it sees: several ranks share a
 GPU when there are more ranks than GPUs, as ``scripts/gpu_check.py`` does on one GPU), and
-NCCL is initialised eagerly on it (``device_id``). Without CUDA the job runs
+NCCL is initialised eagerly on it (``device_id``). The group's timeout is a few seconds longer
+than ``--distributed-timeout-minutes``, which :mod:`.watchdog` applies itself. Without CUDA the job runs
 on the CPU with gloo, after the caller's ``cpu_fallback`` (the scripts pass megatron-bitpipe's
 test/demo CPU compatibility layer) has been applied, with one torch thread per rank unless
 ``OMP_NUM_THREADS`` is set (torchrun's default); rank 0 says so in one log line.
@@ -17,13 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..megatron_args import BitPipeConfigError
+from .watchdog import process_group_timeout
 
 __all__ = ["Distributed", "initialize", "log"]
 
@@ -73,7 +74,8 @@ def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Opt
             device = torch.device("cpu")
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)  # torchrun's default; more threads only contend on busy cores
-    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    # the watchdog (.watchdog) ends a job stalled for --distributed-timeout-minutes; the group's own timeout is its backstop
+    timeout = process_group_timeout(60.0 * args.distributed_timeout_minutes)
     if dist.is_initialized():  # a caller (e.g. the test launcher) started it: use it
         if dist.get_world_size() != world_size:
             raise BitPipeConfigError(f"torch.distributed has {dist.get_world_size()} ranks, the job {world_size}")

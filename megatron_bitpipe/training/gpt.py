@@ -1,7 +1,8 @@
 """GPT pretraining on megatron-core: :class:`GPTTask` for the training loop.
 
-* **Model.** Three kinds (:class:`~.model_kind.ModelKind`): megatron-core ``GPTModel`` chunks
-  of the schedule's placement (:data:`GPT`), ``OptimusGPTModel`` with
+* **Model.** Four kinds (:class:`~.model_kind.ModelKind`): megatron-core ``GPTModel`` chunks
+  of the schedule's placement (:data:`GPT`), a mixture-of-experts ``GPTModel`` with
+  ``--num-experts`` (:data:`MOE_GPT`), ``OptimusGPTModel`` with
   ``--tensor-parallel-mode optimus2d`` (:data:`OPTIMUS_GPT`), a fused array of GPTs with
   ``--hfta-models`` (:data:`HFTA_GPT`). Initial weights come from ``--seed`` alone, so every
   layout and schedule starts from the single-process model.
@@ -32,6 +33,7 @@ from .distributed import log
 from .coreset.identity import CoresetSettings
 from .coreset.training import CoresetDataset, weighted_gpt_loss
 from .gpt_args import GPTArguments
+from .moe import moe_iteration_losses, moe_layer_specs
 from .model_kind import (
     ModelKind, builder_layer_spec, core_attention, fused_p2p_shapes, is_fused_array, local_layer_spec, no_p2p_adjustment,
     own_iteration_losses,
@@ -39,7 +41,8 @@ from .model_kind import (
 from .task import PretrainTask
 
 __all__ = [
-    "GPT", "GPTTask", "GPT_LOSSES", "HFTA_GPT", "KINDS", "MockGPTDataset", "OPTIMUS_GPT", "gpt_forward_step", "gpt_loss",
+    "GPT", "GPTTask", "GPT_LOSSES", "HFTA_GPT", "KINDS", "MOE_GPT", "MockGPTDataset", "OPTIMUS_GPT", "gpt_forward_step",
+    "gpt_loss",
     "hfta_forward_step",
 ]  # fmt: skip
 
@@ -113,8 +116,9 @@ def hfta_forward_step(num_models: int, data_iterator, model):
 
 
 class GPTTask(GPTArguments, PretrainTask):
-    """GPT with megatron-core; see the module docstring. Its kinds: :data:`GPT`,
-    :data:`HFTA_GPT` (``--hfta-models``), :data:`OPTIMUS_GPT` (``--tensor-parallel-mode optimus2d``)."""
+    """GPT with megatron-core; see the module docstring. Its kinds: :data:`GPT`, :data:`MOE_GPT`
+    (``--num-experts``), :data:`HFTA_GPT` (``--hfta-models``), :data:`OPTIMUS_GPT`
+    (``--tensor-parallel-mode optimus2d``)."""
 
     name = "gpt"
 
@@ -193,5 +197,16 @@ HFTA_GPT = replace(
     p2p_shapes=fused_p2p_shapes,
 )
 
+#: a mixture-of-experts GPT (``--num-experts``, :mod:`.moe`): megatron-core ``GPTModel`` chunks of
+#: megatron-core's local MoE layers (experts split over ``--expert-model-parallel-size``
+#: data-parallel ranks), the auxiliary losses logged as Megatron-LM logs them
+MOE_GPT = replace(
+    GPT,
+    name="moe-gpt",
+    chosen_when=lambda run: run.moe is not None,
+    layer_spec=moe_layer_specs,
+    iteration_losses=moe_iteration_losses,
+)
+
 #: the GPT task's kinds, for :mod:`.model_registry`
-KINDS = (GPT, HFTA_GPT, OPTIMUS_GPT)
+KINDS = (GPT, MOE_GPT, HFTA_GPT, OPTIMUS_GPT)

@@ -1,8 +1,9 @@
 """``scripts/pretrain_gpt.py``'s own flags and their checks (pure Python).
 
 :class:`GPTArguments` adds ``--coreset`` (:mod:`.coreset`: train on a CRAIG weighted subset of
-the training samples) and checks it with the common flags; :class:`~.gpt.GPTTask` inherits
-these methods.
+the training samples) and Megatron-LM's mixture-of-experts flags
+(:mod:`megatron_bitpipe.moe_settings`), and checks them with the common flags;
+:class:`~.gpt.GPTTask` inherits these methods.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import List
 
+from ..moe_settings import add_moe_args, moe_problems
 from .coreset.identity import add_coreset_args, coreset_problems
 from .task import TaskArguments
 
@@ -17,10 +19,11 @@ __all__ = ["GPTArguments"]
 
 
 class GPTArguments(TaskArguments):
-    """GPT's own flags: ``--coreset``."""
+    """GPT's own flags: ``--coreset`` and the mixture-of-experts flags."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_coreset_args(parser)
+        add_moe_args(parser)
 
     def validate(self, args: argparse.Namespace) -> List[str]:
-        return coreset_problems(args)
+        return coreset_problems(args) + moe_problems(args)

@@ -25,7 +25,7 @@ output:
 ``data_parallel_size``, ``num_microbatches``, ``padded_vocab_size``, ``memory``,
 ``model_flops_per_iteration``, ``stage_layers``: the transformer layers of each pipeline stage
 in pipeline order, ``ranks``: a list of ``rank``, ``tp_rank``, ``pp_rank``,
-``dp_rank``, ``parameters``, ``memory_mib``, ``layers``), ``"iteration"`` (:meth:`IterationRecord.to_json`)
+``dp_rank``, ``parameters``, ``memory_mib``, ``layers``), ``"iteration"`` (:meth:`IterationRecord.to_json`; ``forward_ms_per_rank`` in a multi-rank job)
 or ``"summary"`` (``iterations``, ``iterations_this_run``, ``total_time_s``,
 ``train_time_s``, ``max_memory_mib`` and ``validation_<loss>`` / ``test_<loss>`` where
 evaluated). A resumed run appends.
@@ -73,7 +73,9 @@ class IterationRecord:
     (:mod:`.report`); ``tflops_per_device`` model TFLOP/s per device (None without a GPU);
     ``time`` when the iteration ended (``time.time()``); ``validation`` the losses of an
     evaluation run right after this iteration, if any; ``extra`` further JSON fields of a data-parallel
-    mode, also shown on the progress line (lists as ``a/b/c``).
+    mode, also shown on the progress line (lists as ``a/b/c``); ``forward_ms_per_rank`` every
+    rank's milliseconds in its forward steps (multi-rank jobs, :mod:`.straggler`), in the JSON
+    and on a compact line of its own after the progress line (the interval's mean per rank).
     """
 
     iteration: int
@@ -90,6 +92,7 @@ class IterationRecord:
     time: float = field(default_factory=time.time)
     validation: Dict[str, float] = field(default_factory=dict)
     extra: Dict[str, object] = field(default_factory=dict)
+    forward_ms_per_rank: Optional[List[float]] = None
 
     @property
     def nan(self) -> bool:
@@ -115,6 +118,8 @@ class IterationRecord:
         out.update({json_key(name): value for name, value in self.losses.items()})
         out.update({f"validation_{json_key(name)}": value for name, value in self.validation.items()})
         out.update(self.extra)
+        if self.forward_ms_per_rank is not None:
+            out["forward_ms_per_rank"] = self.forward_ms_per_rank
         return out
 
 
@@ -252,6 +257,10 @@ class TrainingLogger:
             fields.append(f"max memory (MiB): {max(r.max_memory_mib for r in records):.1f}")
         fields += [f"{key.replace('_', ' ')}: {_shown(value)}" for key, value in last.extra.items() if value is not None]
         log(" " + " | ".join(fields) + " |")
+        timed = [r.forward_ms_per_rank for r in records if r.forward_ms_per_rank is not None]
+        if timed:
+            means = [sum(ms) / len(timed) for ms in zip(*timed)]
+            log(f" forward time per rank (ms, rank 0 first): {' '.join(f'{ms:.1f}' for ms in means)}")
 
     def evaluation(self, label: str, losses: Dict[str, float]) -> None:
         """Megatron-LM's block of an evaluation, e.g. ``label`` ``iteration 20 on test set``."""

@@ -27,6 +27,7 @@ BitPipe's edge ranks); they are summed over the job so every rank holds the glob
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..optimizers import averaged_weights
+from ..usage import reader_gone
 from ..run_config import RunConfig
 from .optimizer import build_optimizer
 from . import distributed
@@ -42,13 +44,16 @@ from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_che
 from .config import lr_scheduler, optimizer_config, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .exit_conditions import ExitConditions
+from .faults import FaultInjection
 from .logs import IterationRecord, TrainingLogger
 from .mode import TrainingParts, reduce_losses
 from .mode_registry import build_strategy, resume_mode
 from .model_registry import model_kind_for
 from .report import gather_rank_reports, memory_kind, model_flops_per_iteration
 from .schedule import Schedule
+from .straggler import ForwardTimer, StragglerDetector
 from .task import PretrainTask
+from .watchdog import Watchdog
 
 __all__ = ["run_training", "Trainer"]
 
@@ -77,6 +82,13 @@ class Trainer:
         self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
         models = 1 if run.hfta is None else run.hfta.num_models
         self.flops_per_iteration = model_flops_per_iteration(args, self.kind.causal_attention, models)
+        #: the ``--inject-fault`` of this rank (none on the other ranks)
+        self.fault = FaultInjection.from_args(args, env.rank)
+        #: this rank's forward-step time per iteration, and the stragglers among the ranks (multi-rank jobs)
+        self.forward_timer = ForwardTimer(env.device) if env.world_size > 1 else None
+        self.stragglers = StragglerDetector()
+        #: ends the job when a rank hangs or dies inside the loop (set by :meth:`train`)
+        self.watchdog: Optional[Watchdog] = None
         parts = TrainingParts(
             args=args,
             run=run,
@@ -89,6 +101,7 @@ class Trainer:
             train_data=self.train_data,
             state=self.state,
             flops_per_iteration=self.flops_per_iteration,
+            wrap_forward_step=self._training_forward_step,
         )
         #: the data-parallel mode's strategy: the iteration, evaluated weights, log fields, saved state
         self.data_parallel = build_strategy(run.data_parallel_mode, parts)
@@ -106,9 +119,29 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------------
 
+    def _training_forward_step(self, forward_step: Callable) -> Callable:
+        """The training forward step: slowed by an injected ``slow`` fault, timed per rank."""
+        forward_step = self.fault.slowed(forward_step, lambda: self.state.iteration + 1)
+        return forward_step if self.forward_timer is None else self.forward_timer.wrap(forward_step)
+
+    def _at(self, iteration: int, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.at(iteration, phase)
+
     def train_step(self) -> IterationRecord:
-        """One iteration of the data-parallel mode (collective)."""
-        return self.data_parallel.train_step()
+        """One iteration of the data-parallel mode (collective), with the per-rank forward
+        times (``forward_ms_per_rank``) and the straggler report of a multi-rank job."""
+        iteration = self.state.iteration + 1
+        self._at(iteration, "training step")
+        self.fault.before_step(iteration)
+        record = self.data_parallel.train_step()
+        if self.forward_timer is not None:
+            times = self.forward_timer.gather(self.env.world_size)
+            record.forward_ms_per_rank = [round(t, 2) for t in times]
+            line = self.stragglers.add(record.iteration, times)
+            if line is not None:
+                distributed.log(line)
+        return record
 
     def evaluate(self, dataset=None) -> Dict[str, float]:
         """Mean losses over the first ``--eval-iters`` global batches of ``dataset`` (default:
@@ -134,9 +167,14 @@ class Trainer:
         return bool(interval) and self.state.iteration % interval == 0
 
     def save(self) -> None:
-        self.data_parallel.save(checkpoint_dir(self.args.save, self.state.iteration))
+        iteration = self.state.iteration
+        self._at(iteration, "checkpoint save")
+        self.data_parallel.save(checkpoint_dir(self.args.save, iteration))
         with averaged_weights(self.optimizer):  # Schedule-Free saves its averaged weights
-            directory = save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task)
+            directory = save_checkpoint(
+                self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task,
+                shards_written=lambda: self.fault.during_save(iteration),
+            )
         distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
 
     def finish(self, first_iteration: int, train_started: float, validation: Dict[str, float], evaluate: bool = True) -> None:
@@ -164,9 +202,20 @@ class Trainer:
         self.logger.final_evaluation(label, self.args.eval_iters, time.perf_counter() - started)
         return losses
 
-    def train(self, exits: ExitConditions) -> None:
+    def train(self, exits: ExitConditions, watchdog: Optional[Watchdog] = None) -> None:
         """Train to ``--train-iters`` or until one of ``exits`` says stop; save at the end
-        unless this iteration was just saved."""
+        unless this iteration was just saved. ``watchdog`` (multi-rank jobs) runs meanwhile and
+        ends the job when a rank hangs or a communication fails."""
+        self.watchdog = watchdog
+        with watchdog if watchdog is not None else contextlib.nullcontext():
+            try:
+                self._train(exits)
+            except Exception as error:
+                if watchdog is not None and not reader_gone():
+                    watchdog.failed(error)  # a communication error: reports and ends the job
+                raise
+
+    def _train(self, exits: ExitConditions) -> None:
         args = self.args
         stopped = False
         saved = first = self.state.iteration  # nothing new to save unless an iteration runs
@@ -174,6 +223,7 @@ class Trainer:
         while self.state.iteration < args.train_iters:
             record = self.train_step()
             if self.valid_data is not None and self._due(args.eval_interval):
+                self._at(self.state.iteration, "evaluation")
                 record.validation = self.evaluate()
                 record.extra.update(self.data_parallel.evaluation_fields())
             self.logger.record(record)
@@ -190,6 +240,7 @@ class Trainer:
                 break
         if args.save and saved != self.state.iteration:
             self.save()
+        self._at(self.state.iteration, "the end of training")
         self.data_parallel.finish()
         self.finish(first, started, validation, evaluate=not stopped)
         self.logger.close()
@@ -215,6 +266,7 @@ def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: 
             f"PP {layout.pipeline} x DP {layout.data}, {batches.num_microbatches} micro-batches "
             f"of {batches.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
         )
-        Trainer(task, args, run, tokenizer, env).train(exits)
+        trainer = Trainer(task, args, run, tokenizer, env)
+        trainer.train(exits, Watchdog.for_job(env.rank, env.world_size, 60.0 * args.distributed_timeout_minutes))
     dist.destroy_process_group()
 

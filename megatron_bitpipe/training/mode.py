@@ -69,6 +69,8 @@ class TrainingParts:
         train_data: the training dataset (sample index -> sample).
         state: the progress counters the strategy advances (iterations, samples applied).
         flops_per_iteration: model FLOPs of one global batch (the logs' TFLOP/s).
+        wrap_forward_step: applied to the model kind's forward step for training (timing,
+            an injected slow rank); the identity by default.
     """
 
     args: argparse.Namespace
@@ -82,11 +84,13 @@ class TrainingParts:
     train_data: Any
     state: "TrainingState"
     flops_per_iteration: float
+    wrap_forward_step: Callable[[Callable], Callable] = lambda forward_step: forward_step
 
     @property
     def forward_step(self) -> Callable:
-        """megatron's ``forward_step_func`` of the run's model kind."""
-        return self.kind.forward_step(self.args, self.run)
+        """megatron's ``forward_step_func`` of the run's model kind, for training (wrapped by
+        :attr:`wrap_forward_step`)."""
+        return self.wrap_forward_step(self.kind.forward_step(self.args, self.run))
 
     @property
     def loss_names(self) -> Tuple[str, ...]:

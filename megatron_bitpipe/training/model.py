@@ -53,7 +53,7 @@ def build_model(
         chunk_kwargs["layer_spec"] = spec
     return build_pipeline_model(
         config,
-        ParallelGrid(run.layout.tensor, run.layout.data, run.layout.pipeline),
+        ParallelGrid(run.layout.tensor, run.layout.data, run.layout.pipeline, run.layout.expert),
         run.placement,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,

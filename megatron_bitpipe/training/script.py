@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 from ..megatron_args import BitPipeConfigError
-from ..usage import USAGE_EXIT_STATUS, UsageError, quiet_on_broken_pipe, reader_gone
+from ..usage import USAGE_EXIT_STATUS, UsageError, hand_to_torchrun, quiet_on_broken_pipe, reader_gone
 from .arguments import parse_args
 from ..checkpoint_rules import CheckpointError
 from .task import TaskArguments
@@ -81,22 +80,7 @@ def report_user_error(prog: str, error: Exception) -> None:
         time.sleep(PEER_REPORT_WAIT_S)  # torchrun ends this rank here when rank 0 reported
         message = f"[rank {rank}] {message}"
     print(message, file=sys.stderr, flush=True)
-    _hand_to_torchrun(message)
-
-
-def _hand_to_torchrun(message: str) -> None:
-    """Under torchrun, ``message`` for the last lines of its failure report: the "traceback"
-    entry of the root cause, which torchrun reads from the error file it names in
-    ``TORCHELASTIC_ERROR_FILE`` (its ``record`` format, without a Python call stack);
-    otherwise that entry is a link to torch's documentation."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, handle)
-    except OSError:
-        pass  # the line on stderr above is the report then
+    hand_to_torchrun(message)
 
 
 def run_script(
