@@ -18,7 +18,8 @@ from .errors import ScheduleConfigError
 from .layer_split import EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LOSS_FLAG, LayerSplitFlags
 from .memory import OPTIMIZERS, TrainingMemory
 from .model_shape import ATTENTION_BACKENDS, NORMALIZATIONS, POSITION_EMBEDDINGS, ModelShape
-from .moe_shape import MoEShape, parse_moe_layer_freq
+from ..moe_settings import parse_moe_layer_freq
+from .moe_shape import MoEShape
 
 __all__ = ["add_model_arguments", "layer_split_flags", "model_shape", "training_memory"]
 
@@ -81,7 +82,7 @@ def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
     moe.add_argument("--num-experts", type=int, default=None, metavar="E", help="experts of every MoE layer (default: no MoE layers)")
     moe.add_argument("--moe-router-topk", type=int, default=2, metavar="K", help="experts each token goes to (default 2)")
     moe.add_argument("--moe-ffn-hidden-size", type=int, default=None, metavar="F", help="an expert's hidden size (default --ffn-hidden-size)")
-    moe.add_argument("--moe-layer-freq", type=_layer_freq, default=1, metavar="N|LIST",
+    moe.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1, metavar="N|LIST",
                      help="every N-th layer is an MoE layer, or one 0/1 per layer as Megatron-LM's list, e.g. '([1]*3+[0])*2' (default 1)")
     moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None, metavar="F",
                      help="the shared expert's hidden size (default: no shared expert)")
@@ -89,13 +90,6 @@ def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
                      help="tokens an expert keeps, as a fraction of its expected tokens; below 1 the rest are dropped (default: dropless)")
     moe.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="EP",
                      help="ranks the experts are spread over (E/EP each), within the data-parallel copies of a stage (default 1)")
-
-
-def _layer_freq(text: str):
-    try:
-        return parse_moe_layer_freq(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error).removeprefix("--moe-layer-freq: ")) from None
 
 
 def _moe_shape(args: argparse.Namespace) -> Optional[MoEShape]:
@@ -106,7 +100,10 @@ def _moe_shape(args: argparse.Namespace) -> Optional[MoEShape]:
         if given:
             raise ScheduleConfigError(f"{', '.join(given)}: the MoE flags need --num-experts")
         return None
-    return MoEShape(args.num_experts, **{k: getattr(args, k) for k in _MOE_DEFAULTS})
+    fields = {k: getattr(args, k) for k in _MOE_DEFAULTS}
+    if not isinstance(fields["moe_layer_freq"], int):
+        fields["moe_layer_freq"] = tuple(fields["moe_layer_freq"])
+    return MoEShape(args.num_experts, **fields)
 
 
 def model_shape(args: argparse.Namespace) -> Optional[ModelShape]:

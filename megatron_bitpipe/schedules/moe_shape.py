@@ -16,40 +16,10 @@ imbalance is left out. Pure Python, no torch.
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
-__all__ = ["MoEShape", "parse_moe_layer_freq"]
-
-
-def parse_moe_layer_freq(text: str) -> Union[int, Tuple[int, ...]]:
-    """``--moe-layer-freq``: an integer ``N`` (every ``N``-th layer, from layer 0, is an MoE
-    layer) or Megatron-LM's list form, one 0/1 per layer written as a Python list expression of
-    lists, ``+`` and ``* int`` (``[1,0,1,0]``, ``([1]*3+[0])*2``); ValueError otherwise."""
-    text = text.strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        pattern = _list_expression(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError):
-        raise ValueError(f"--moe-layer-freq: an integer or a list of 0/1 per layer, e.g. [1,0,1,0] or ([1]*3+[0])*2 (got {text!r})") from None
-    return tuple(pattern)
-
-
-def _list_expression(node: ast.AST) -> list:
-    """The list a node of lists of 0/1, ``+`` and ``* int`` makes; ValueError for anything else."""
-    if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and e.value in (0, 1) and type(e.value) is int for e in node.elts):
-        return [e.value for e in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        return _list_expression(node.left) + _list_expression(node.right)
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-        for items, times in ((node.left, node.right), (node.right, node.left)):
-            if isinstance(times, ast.Constant) and type(times.value) is int and times.value >= 0:
-                return _list_expression(items) * times.value
-    raise ValueError("not a list of 0/1")
+__all__ = ["MoEShape"]
 
 
 @dataclass(frozen=True)
