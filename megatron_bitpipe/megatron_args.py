@@ -15,7 +15,10 @@
   ``delay_wgrad_compute`` contract (local layers and Transformer Engine's); the zero-bubble
   and DualPipe schedules split every backward with or without it;
 * ``--schedule-costs FILE`` — the cost file ``scripts/calibrate_gpu.py`` writes: the split
-  places its weight-gradient actions, and ZB-V plans its order, for these measured costs;
+  places its weight-gradient actions, and ZB-V plans its order, for these measured costs; with
+  Megatron-LM's MoE flags and the file's ``t_a2a`` / ``a2a_bandwidth``, every device share's
+  forward, backward and input gradient also wait for its MoE layers' all-to-alls
+  (:meth:`~megatron_bitpipe.schedules.CostModel.with_all_to_alls`);
 * ``--tensor-parallel-mode {1d,optimus2d}`` (:mod:`megatron_bitpipe.optimus.args`).
 
 :func:`validate_bitpipe_args` checks a parsed namespace (Megatron-LM's argument names)
@@ -42,6 +45,7 @@ from .schedules.errors import VP_FLAG
 from .schedules.layer_split import LayerSplitFlags
 from .schedules.registry import REGISTRY, plan_executed_schedules, training_schedules
 from .schedules.costs import CostModel, read_cost_file
+from .schedules.moe_shape import MoEShape
 
 #: ``--pipeline-schedule`` values: megatron-core's own choice, then every schedule the registry
 #: says training runs (``1f1b``, ``interleaved``: megatron-core's functions; the others: the plan executor)
@@ -224,9 +228,31 @@ def schedule_costs(args: argparse.Namespace) -> Optional[CostModel]:
     if path is None:
         return None
     try:
-        return CostModel(**read_cost_file(path))
+        costs = CostModel(**read_cost_file(path))
     except (OSError, json.JSONDecodeError, ValueError, TypeError) as error:
         raise BitPipeConfigError(f"--schedule-costs {path}: {error}") from None
+    return _with_expert_all_to_alls(costs, args)
+
+
+def _with_expert_all_to_alls(costs: CostModel, args: argparse.Namespace) -> CostModel:
+    """``costs`` with the all-to-alls of the MoE layers of one device share folded in (none
+    without ``--num-experts``): their average count per pipeline rank, each layer's bytes from
+    the shapes (:meth:`~megatron_bitpipe.schedules.moe_shape.MoEShape.all_to_all_bytes`)."""
+    if getattr(args, "num_experts", None) is None:
+        return costs
+    freq = getattr(args, "moe_layer_freq", 1)
+    try:
+        moe = MoEShape(
+            args.num_experts, getattr(args, "moe_router_topk", 2), getattr(args, "moe_ffn_hidden_size", None),
+            freq if isinstance(freq, int) else tuple(freq), getattr(args, "moe_shared_expert_intermediate_size", None),
+            getattr(args, "moe_expert_capacity_factor", None), getattr(args, "expert_model_parallel_size", 1) or 1,
+        )  # fmt: skip
+        moe_layers = moe.layer_count(args.num_layers)
+    except ValueError as error:
+        raise BitPipeConfigError(f"--schedule-costs with --num-experts: {error}") from None
+    element_bytes = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
+    sent = moe.all_to_all_bytes(args.seq_length * args.micro_batch_size, args.hidden_size, element_bytes)
+    return costs.with_all_to_alls(moe_layers / args.pipeline_model_parallel_size, sent)
 
 
 def resolved_schedule(args: argparse.Namespace) -> str:

@@ -26,8 +26,19 @@ schedule runs on the same emulated model, built the way each runtime builds it:
 * ``zbv``, ``dualpipev`` — the zero-bubble V and DeepSeek's DualPipeV (one replica on a V,
   split backwards of their own, ordered for the same costs) on the same executor;
   DualPipeV runs only where ``N >= 2D``;
-* optionally ``plan-1f1b``, ``plan-interleaved`` — megatron's schedules as plans on this
-  package's executor (separates the schedule from the runtime executing it).
+* optionally ``dualpipe`` (DeepSeek's two-pipeline DualPipe, ``N`` even and ``>= 2D``), and
+  ``plan-1f1b``, ``plan-interleaved`` — megatron's schedules as plans on this package's
+  executor (separates the schedule from the runtime executing it).
+
+Mixture of experts (``--moe-a2a-bandwidth``): every emulated layer is an MoE layer whose
+forward and backward (a split backward's ``I``) also wait for its dispatch and combine
+all-to-alls, ``--moe-a2a-bytes / --moe-a2a-bandwidth`` ms each, on the emulated device (as a
+p2p message's time is its bytes over the link); the simulator's costs get the same
+``2 x layers-per-rank`` all-to-alls in ``t_F``, ``t_B`` and ``t_I`` (what
+``StageCosts.for_model`` adds per MoE layer), and the split schedules are ordered for them.
+The default schedules are then megatron-core's interleaved, BitPipe (whole and split
+backward), DualPipe, DualPipeV and ZB-V, and the closing note adds every schedule's speedup
+over BitPipe.
 
 Per (schedule, D, N) it reports the median (and best) step time of ``--repeats`` steps (one
 ``forward_backward_func`` call including gradient finalisation; the optimizer step is not
@@ -44,6 +55,7 @@ Times are milliseconds. Usage::
     python scripts/bench_emulated.py --quick            # D in {4, 8}, N in {D, 4D}: < 5 min
     python scripts/bench_emulated.py --json             # one JSON list on stdout
     python scripts/bench_emulated.py --costs costs.json # t_forward / t_backward from a cost file
+    python scripts/bench_emulated.py --grid 4:8 --moe-a2a-bandwidth 1024 # MoE layers, 4 ms all-to-alls
     python scripts/bench_emulated.py --quick --plot docs/images/bench_emulated.png \\
         --update-doc docs/performance.md                # regenerate the documentation
 """
@@ -60,11 +72,14 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
-PLAN_SCHEDULES = ("bitpipe", "bitpipe+split-backward", "chimera", "zbv", "dualpipev", "plan-1f1b", "plan-interleaved")
+PLAN_SCHEDULES = ("bitpipe", "bitpipe+split-backward", "chimera", "zbv", "dualpipev", "dualpipe", "plan-1f1b", "plan-interleaved")
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 SCHEDULES = MEGATRON_SCHEDULES + PLAN_SCHEDULES
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward", "zbv", "dualpipev")
+MOE_SCHEDULES = ("interleaved", "bitpipe", "bitpipe+split-backward", "dualpipe", "dualpipev", "zbv")
 BASELINE = "interleaved"
+#: the schedule the MoE closing note compares the others with
+MOE_REFERENCE = "bitpipe"
 SEED = 1234
 
 
@@ -75,7 +90,9 @@ class Settings:
     ``t_forward`` / ``t_backward``: one micro-batch through one device's share of the model
     (``layers_per_rank`` layers), the simulator's cost unit; ``t_weight``: the part of
     ``t_backward`` a split backward defers to ``W``; ``t_input``: its ``I`` (None: as
-    :class:`~megatron_bitpipe.schedules.CostModel`'s defaults).
+    :class:`~megatron_bitpipe.schedules.CostModel`'s defaults). ``a2a_bytes`` /
+    ``a2a_bandwidth`` (bytes, bytes per ms): one all-to-all of an emulated MoE layer
+    (:attr:`t_a2a`); a bandwidth of 0 makes the layers dense.
     """
 
     t_forward: float = 30.0
@@ -92,17 +109,28 @@ class Settings:
     repeats: int = 3
     warmup: int = 1
     calibration_rounds: int = 20
+    a2a_bytes: float = 0.0
+    a2a_bandwidth: float = 0.0
+
+    @property
+    def t_a2a(self) -> float:
+        """ms of one all-to-all (dispatch or combine) of one MoE layer; 0: dense layers."""
+        return self.a2a_bytes / self.a2a_bandwidth if self.a2a_bandwidth > 0 else 0.0
 
     def num_layers(self, pipeline_size: int) -> int:
         return self.layers_per_rank * pipeline_size
 
     def compute_costs(self, **communication):
-        """CostModel of the emulated compute (and ``communication`` fields, e.g. t_p2p)."""
+        """CostModel of the emulated compute (and ``communication`` fields, e.g. t_p2p); with
+        MoE layers every forward, backward and ``I`` of a device share also waits its layers'
+        two all-to-alls each."""
         from megatron_bitpipe.schedules import CostModel
 
-        return CostModel(
-            t_forward=self.t_forward, t_backward=self.t_backward, t_weight=self.t_weight, t_input=self.t_input, **communication
+        costs = CostModel(
+            t_forward=self.t_forward, t_backward=self.t_backward, t_weight=self.t_weight, t_input=self.t_input,
+            a2a_bandwidth=self.a2a_bandwidth, **communication,
         )
+        return costs.with_all_to_alls(self.layers_per_rank, self.a2a_bytes)
 
     @property
     def message_bytes(self) -> int:
@@ -135,7 +163,9 @@ def _layer_spec(settings: Settings):
     per_layer = 1e-3 / settings.layers_per_rank
     weight = None if settings.t_weight is None else settings.t_weight * per_layer
     input_ = None if settings.t_input is None else settings.t_input * per_layer
-    return emulated_layer_spec(settings.t_forward * per_layer, settings.t_backward * per_layer, weight, input_)
+    return emulated_layer_spec(
+        settings.t_forward * per_layer, settings.t_backward * per_layer, weight, input_, all_to_all_seconds=1e-3 * settings.t_a2a
+    )
 
 
 def _config(settings: Settings, pipeline_size: int, **overrides):
@@ -377,6 +407,7 @@ def summarize(settings: Settings, pipeline_size: int, per_rank: List[dict]) -> L
                 predicted_peak_activations=simulated.peak_activations,
                 peak_saved_bytes=[r["peak_saved_bytes"] for r in records],
                 costs=asdict(costs),
+                t_a2a=settings.t_a2a,
                 device="async" if settings.asynchronous else "blocking",
             )
         )
@@ -452,8 +483,12 @@ def run_conditions(rows: List[dict], elapsed: float) -> str:
     loads = [x for r in rows for x in r["load_average"]]
     p2p = {r["pp"]: r["costs"]["t_p2p"] for r in rows}
     p2p_text = ", ".join(f"{t:.2f} ms (D={d})" for d, t in sorted(p2p.items()))
+    moe = ""
+    if rows[0].get("t_a2a"):
+        moe = (f"Every layer an MoE layer: each forward, backward and I of a layer waits two all-to-alls of "
+               f"{rows[0]['t_a2a']:g} ms, included in the costs below. ")  # fmt: skip
     return (
-        f"Costs per device share: t_F = {costs['t_forward']:g} ms, t_B = {costs['t_backward']:g} ms "
+        f"{moe}Costs per device share: t_F = {costs['t_forward']:g} ms, t_B = {costs['t_backward']:g} ms "
         f"(split backward: t_I = {CostModel(**costs).input_time:g} ms, t_W = {CostModel(**costs).weight_time:g} ms); measured p2p "
         f"one-way time {p2p_text}. "
         f"Median of {len(rows[0]['step_times'])} steps per run, {rows[0]['device']} emulated device, "
@@ -473,6 +508,15 @@ def closing_note(rows: List[dict]) -> str:
             if r["speedup_vs_interleaved"] is not None and not (r["schedule"] == BASELINE and r["runtime"] == "megatron-core")
         )
         lines.append(f"- D={pipeline_size}, N={num_microbatches}, vs megatron-core interleaved: {speedups}.")
+        reference = next((r for r in case if r["schedule"] == MOE_REFERENCE and r["runtime"] != "megatron-core"), None)
+        if reference is not None and reference.get("t_a2a"):
+            ratios = ", ".join(
+                f"{_label(r)} {reference['step_time'] / r['step_time']:.3f}x "
+                f"(best steps {reference['best_step_time'] / r['best_step_time']:.3f}x, "
+                f"simulator {reference['predicted_step_time'] / r['predicted_step_time']:.3f}x)"
+                for r in case if r is not reference
+            )  # fmt: skip
+            lines.append(f"- D={pipeline_size}, N={num_microbatches}, speedup over {_label(reference)} (medians): {ratios}.")
     for label in dict.fromkeys(_label(r) for r in rows):
         errors = [100 * r["error"] for r in rows if _label(r) == label]
         peaks: Dict[int, float] = {}
@@ -536,13 +580,21 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"grid {QUICK_GRID} (default: {FULL_GRID})")
     parser.add_argument("--grid", type=_parse_grid, help='pipeline sizes and micro-batch counts, e.g. "4:4,16;8:8,32"')
-    parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help=f"comma list from {', '.join(SCHEDULES)}")
+    parser.add_argument("--schedules", default=None,
+                        help=f"comma list from {', '.join(SCHEDULES)} (default {','.join(DEFAULT_SCHEDULES)}; "
+                        f"with --moe-a2a-bandwidth {','.join(MOE_SCHEDULES)})")
     parser.add_argument("--costs", metavar="FILE", help="JSON cost file: t_forward / t_backward (ms) are emulated")
     parser.add_argument("--t-forward", type=float, help=f"ms per micro-batch and device share (default {Settings.t_forward})")
     parser.add_argument("--t-backward", type=float, help=f"ms (default {Settings.t_backward})")
     parser.add_argument("--t-weight", type=float, help="ms of --t-backward that bitpipe+split-backward defers to W (default half)")
     parser.add_argument("--t-input", type=float,
                         help="ms of the input-gradient pass I of a split backward (default --t-backward minus --t-weight)")
+    parser.add_argument("--moe-a2a-bandwidth", type=float, default=0.0, metavar="BYTES_PER_MS",
+                        help="make every layer an MoE layer whose forward and backward each wait two all-to-alls of "
+                        "--moe-a2a-bytes at this bandwidth (default 0: dense layers)")
+    parser.add_argument("--moe-a2a-bytes", type=float, default=None, metavar="BYTES",
+                        help="bytes one all-to-all sends off a rank (default: the emulated model's top-2 dispatch over "
+                        "2 expert-parallel ranks, s*b*2*h*4/2)")
     parser.add_argument("--layers-per-rank", type=int, default=Settings.layers_per_rank, help="even; L = this x D")
     parser.add_argument("--device", choices=("async", "blocking"), default="async",
                         help="emulated device: CUDA-stream semantics (default) or a blocking sleep per layer")
@@ -556,9 +608,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def doc_blocks(device: str) -> tuple:
-    """Names of the blocks ``--update-doc`` rewrites: command and conditions, table, ratios."""
-    return tuple(f"emulated-{device}-{part}" for part in ("command", "table", "ratios"))
+def doc_blocks(device: str, moe: bool = False) -> tuple:
+    """Names of the blocks ``--update-doc`` rewrites: command and conditions, table, ratios
+    (``emulated-moe-DEVICE-*`` for MoE layers)."""
+    return tuple(f"emulated-{'moe-' if moe else ''}{device}-{part}" for part in ("command", "table", "ratios"))
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -581,6 +634,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
     if repeats < 1 or args.warmup < 0:
         raise ValueError("--repeats/--warmup: need repeats >= 1 and warmup >= 0")
+    a2a_bytes = args.moe_a2a_bytes
+    if a2a_bytes is None:
+        a2a_bytes = Settings.seq_length * Settings.micro_batch_size * 2 * Settings.hidden_size * 4 / 2
+    if args.moe_a2a_bandwidth < 0 or a2a_bytes < 0:
+        raise ValueError("--moe-a2a-bandwidth/--moe-a2a-bytes: must be >= 0")
     return replace(
         Settings(),
         t_forward=t_forward,
@@ -591,13 +649,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         asynchronous=args.device == "async",
         repeats=repeats,
         warmup=args.warmup,
+        a2a_bytes=a2a_bytes if args.moe_a2a_bandwidth > 0 else 0.0,
+        a2a_bandwidth=args.moe_a2a_bandwidth,
     )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    schedule_names = tuple(s for s in args.schedules.split(",") if s)
+    default = MOE_SCHEDULES if args.moe_a2a_bandwidth > 0 else DEFAULT_SCHEDULES
+    schedule_names = tuple(s for s in args.schedules.split(",") if s) if args.schedules else default
     unknown = [s for s in schedule_names if s not in SCHEDULES]
     if unknown:
         parser.error(f"--schedules: unknown {', '.join(unknown)}; choose from {', '.join(SCHEDULES)}")
@@ -613,7 +674,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from doc_blocks import check_file
 
         try:
-            check_file(args.update_doc, doc_blocks(args.device))
+            check_file(args.update_doc, doc_blocks(args.device, settings.t_a2a > 0))
         except (ValueError, OSError) as error:
             parser.error(f"--update-doc: {error}")
     started = time.perf_counter()
@@ -633,7 +694,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.update_doc,
             dict(
                 zip(
-                    doc_blocks(args.device),
+                    doc_blocks(args.device, settings.t_a2a > 0),
                     (f"```bash\n{command}\n```\n\n{run_conditions(rows, elapsed)}", table, closing_note(rows)),
                 )
             ),

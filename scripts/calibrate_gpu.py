@@ -45,7 +45,8 @@ Writes ``--output`` (default ``costs.json``): one JSON object whose keys are fie
 :class:`megatron_bitpipe.schedules.CostModel` (milliseconds, bytes, bytes/ms): ``t_forward``
 (F), ``t_backward`` (B), ``t_weight`` (W) and ``t_input`` (I) when the split was measured,
 ``t_p2p``, ``p2p_bytes``, ``p2p_bandwidth``, ``t_sync``, ``grad_bytes``, ``sync_bandwidth``,
-``data_parallel_size``. ``python -m megatron_bitpipe.schedules simulate --costs FILE``,
+``data_parallel_size``, and ``t_a2a`` and ``a2a_bandwidth`` at 0 (set them to cost the
+all-to-alls of a mixture-of-experts model). ``python -m megatron_bitpipe.schedules simulate --costs FILE``,
 ``--schedule-costs FILE`` of the pretrain scripts, ``scripts/bench_emulated.py --costs FILE``
 and ``scripts/predict_throughput.py --costs FILE`` read it. What was measured and how is
 printed; the last line is ``wrote FILE``.

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,34 @@ def test_benchmark_smoke_json():
         assert row["peak_activations"] == row["predicted_peak_activations"]  # split: held until W
         assert all(b > 0 for b in row["peak_saved_bytes"])
     assert rows[2]["speedup_vs_interleaved"] == rows[3]["speedup_vs_interleaved"] == 1.0
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_benchmark_moe_smoke_json():
+    """MoE layers: every layer waits its all-to-alls; the predictions are the simulator's for the
+    same costs and the step times no shorter than the emulated compute and all-to-alls."""
+    from megatron_bitpipe.schedules import CostModel, ScheduleChoice, simulate
+
+    t_forward, t_backward, bandwidth = 4.0, 8.0, 2048.0
+    done = _run_script(
+        "--grid", "2:4", "--t-forward", str(t_forward), "--t-backward", str(t_backward), "--moe-a2a-bandwidth", str(bandwidth),
+        "--schedules", "bitpipe,dualpipe,dualpipev", "--repeats", "1", "--warmup", "0", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    assert [r["schedule"] for r in rows] == ["bitpipe", "dualpipe", "dualpipev"]
+    t_a2a = 16 * 2 * 2 * 32 * 4 / 2 / bandwidth
+    exchange = 2 * 2 * t_a2a  # two layers per rank, dispatch and combine each
+    for row in rows:
+        assert row["t_a2a"] == pytest.approx(t_a2a)
+        costs = CostModel(**row["costs"])
+        assert (costs.t_forward, costs.t_backward) == pytest.approx((t_forward + exchange, t_backward + exchange))
+        choice = ScheduleChoice.from_label(row["schedule"])
+        if choice.splits_backward:
+            choice = replace(choice, costs=CostModel(**{**row["costs"], "t_p2p": 0.0}))  # ordered for the compute
+        assert row["predicted_step_time"] == pytest.approx(simulate(choice.plan(2, 4), costs).makespan)
+        assert row["step_time"] >= 0.99 * 4 * (t_forward + t_backward + 2 * exchange)
 
 
 @pytest.mark.multirank

@@ -91,7 +91,7 @@ def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
     calibrate.write_cost_file(str(path), costs)
     written = json.loads(path.read_text())
     assert set(written) == {"t_forward", "t_backward", "t_p2p", "p2p_bytes", "p2p_bandwidth", "t_sync", "grad_bytes",
-                            "sync_bandwidth", "data_parallel_size"}
+                            "sync_bandwidth", "data_parallel_size", "t_a2a", "a2a_bandwidth"}
     assert CostModel(**written) == costs
 
     from megatron_bitpipe.schedules.cli import main as schedules_cli
@@ -255,3 +255,19 @@ def test_predict_throughput_needs_model_with_costs(capsys):
         predict.main(["--costs", "x.json"])
     assert stop.value.code == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_emulated_moe_layers_wait_their_all_to_alls_in_f_b_and_i():
+    """bench_emulated.py --moe-a2a-bandwidth: two all-to-alls of bytes / bandwidth per layer in
+    every forward, backward and I of a device share, none in W; dense without it."""
+    parse = bench._parser().parse_args
+    dense = bench.settings_from_args(parse(["--t-forward", "30", "--t-backward", "60"]))
+    assert dense.t_a2a == 0 and dense.compute_costs() == CostModel(30.0, 60.0)
+    moe = bench.settings_from_args(parse(["--t-forward", "30", "--t-backward", "60", "--moe-a2a-bandwidth", "1024"]))
+    assert moe.t_a2a == pytest.approx(16 * 2 * 2 * 32 * 4 / 2 / 1024)  # the emulated top-2 dispatch over EP 2: 4 ms
+    costs, exchange = moe.compute_costs(), 2 * 2 * moe.t_a2a  # two layers per rank, two all-to-alls each
+    assert (costs.t_forward, costs.t_backward) == pytest.approx((30 + exchange, 60 + exchange))
+    assert (costs.input_time, costs.weight_time) == pytest.approx((30 + exchange, 30))
+    assert bench.doc_blocks("async", True) == ("emulated-moe-async-command", "emulated-moe-async-table", "emulated-moe-async-ratios")
+    spec = bench._layer_spec(moe)
+    assert spec.params["all_to_all_seconds"] == pytest.approx(1e-3 * moe.t_a2a)

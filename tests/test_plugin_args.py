@@ -138,6 +138,29 @@ def test_schedule_costs_reach_the_schedule_choice(tmp_path):
     assert schedule_choice(parse(virtual_pipeline_model_parallel_size=2)) == ScheduleChoice("interleaved", virtual_size=2)
 
 
+def test_schedule_costs_wait_for_the_all_to_alls_of_moe_layers(tmp_path):
+    """With Megatron-LM's MoE flags, a share's F, B and I wait two all-to-alls per MoE layer:
+    (EP - 1) / EP x s b K h e bytes over the file's a2a_bandwidth, plus its t_a2a."""
+    from megatron_bitpipe.megatron_args import schedule_choice
+    from megatron_bitpipe.schedules import CostModel
+
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"t_forward": 3.0, "t_backward": 7.0, "t_weight": 2.0, "t_a2a": 0.01, "a2a_bandwidth": 1e6}')
+    moe = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=None, moe_layer_freq=[1, 0] * 4,
+               moe_shared_expert_intermediate_size=None, moe_expert_capacity_factor=None, expert_model_parallel_size=4,
+               seq_length=64, micro_batch_size=2, bf16=True)  # fmt: skip
+    args = parse("--pipeline-schedule", "bitpipe", "--split-backward", "--schedule-costs", str(costs), **moe)
+    one = 0.01 + 3 / 4 * 64 * 2 * 2 * 32 * 2 / 1e6  # 8 layers, 4 MoE, over 4 ranks: 1 MoE layer per share
+    planned = schedule_choice(args).costs
+    assert planned == CostModel(t_forward=3.0 + 2 * one, t_backward=7.0 + 2 * one, t_weight=2.0, t_input=5.0 + 2 * one,
+                                t_a2a=0.01, a2a_bandwidth=1e6)  # fmt: skip
+    dense = schedule_choice(parse("--pipeline-schedule", "bitpipe", "--split-backward", "--schedule-costs", str(costs))).costs
+    assert (dense.t_forward, dense.t_backward) == (3.0, 7.0)
+    with pytest.raises(BitPipeConfigError, match="--moe-layer-freq: the list holds 3 entries"):
+        schedule_choice(parse("--pipeline-schedule", "bitpipe", "--split-backward", "--schedule-costs", str(costs),
+                              **{**moe, "moe_layer_freq": [1, 0, 1]}))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "content,message",
     [

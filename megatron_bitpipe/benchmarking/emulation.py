@@ -11,7 +11,10 @@ like devices that compute for the configured time.
 
 * :func:`emulated_layer_spec` — a megatron-core ``ModuleSpec`` for the layer: pass it as the
   GPT layer spec (``layer_spec=`` of the chunk builders), so the chunk building that trains
-  real models builds the emulated one.
+  real models builds the emulated one. With ``all_to_all_seconds`` every layer is an emulated
+  mixture-of-experts layer: its forward, and its backward (a split backward's ``I``), also
+  wait for two all-to-alls (dispatch and combine) of that time each on the emulated device, as
+  the device would wait for them on its stream (a weight-gradient ``W`` exchanges nothing).
 * :class:`EmulatedDevice` — where the layer time goes: a blocking sleep per layer, or a
   CUDA-stream-like timeline that the CPU runs ahead of (see the class).
 * :class:`ReplicaSlowdown` — a data-parallel replica made a constant factor slower than the
@@ -204,6 +207,13 @@ def _compute(seconds: float, launched_at: float) -> None:
         device.launch(seconds, launched_at)
 
 
+def _exchange(seconds: float, after: float) -> None:
+    """An MoE layer's all-to-alls: ``seconds`` on the device once its compute (ending at
+    ``after``) is done; nothing for a dense layer."""
+    if seconds > 0:
+        _compute(seconds, after)
+
+
 class ReplicaSlowdown:
     """A device ``factor`` times slower than this process: after each piece of work that
     began at ``started`` (``time.perf_counter()`` seconds), :meth:`after` adds ``(factor - 1)``
@@ -243,12 +253,14 @@ class _TimedLayer(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, forward_s: float, backward_s: float, weight_s: float, input_s: float, deferral):
+    def forward(ctx, x, weight, forward_s: float, backward_s: float, weight_s: float, input_s: float, deferral, exchange_s: float):
         launched_at = time.perf_counter()
         ctx.save_for_backward(x, weight)
         ctx.backward_s, ctx.weight_s, ctx.input_s, ctx.deferral = backward_s, weight_s, input_s, deferral
+        ctx.exchange_s = exchange_s
         y = x + x * weight
         _compute(forward_s, launched_at)
+        _exchange(exchange_s, launched_at + forward_s)
         return y
 
     @staticmethod
@@ -258,7 +270,8 @@ class _TimedLayer(torch.autograd.Function):
         grad_x = grad + grad * weight
         if ctx.deferral is None:
             _compute(ctx.backward_s, launched_at)
-            return grad_x, _weight_grad(grad, x), None, None, None, None, None
+            _exchange(ctx.exchange_s, launched_at + ctx.backward_s)
+            return grad_x, _weight_grad(grad, x), None, None, None, None, None, None
         param, queue = ctx.deferral
         weight_s = ctx.weight_s
         meter = LiveActivationMeter.current()
@@ -273,7 +286,8 @@ class _TimedLayer(torch.autograd.Function):
 
         queue.push(param, weight_grad)
         _compute(ctx.input_s, launched_at)
-        return grad_x, None, None, None, None, None, None
+        _exchange(ctx.exchange_s, launched_at + ctx.input_s)
+        return grad_x, None, None, None, None, None, None, None
 
 
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -300,6 +314,7 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         backward_seconds: float = 0.0,
         weight_seconds: float = 0.0,
         input_seconds: Optional[float] = None,
+        all_to_all_seconds: float = 0.0,
         **unused,
     ):
         super().__init__(config)
@@ -309,6 +324,8 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         self.backward_seconds = backward_seconds
         self.weight_seconds = weight_seconds
         self.input_seconds = backward_seconds - weight_seconds if input_seconds is None else input_seconds
+        #: one all-to-all (an MoE layer's dispatch or combine); each pass but W waits for two
+        self.all_to_all_seconds = all_to_all_seconds
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype, device=device))
         #: the split backward's FIFO (megatron-core's ``delay_wgrad_compute`` contract, as the
@@ -327,7 +344,7 @@ class EmulatedTransformerLayer(MegatronModule, BaseTransformerLayer):
         if getattr(self.config, "delay_wgrad_compute", False) and torch.is_grad_enabled():
             weight, deferral = self.weight.detach(), (self.weight, self.wgrad_queue)
         times = (self.forward_seconds, self.backward_seconds, self.weight_seconds, self.input_seconds)
-        return _TimedLayer.apply(hidden_states, weight, *times, deferral), context
+        return _TimedLayer.apply(hidden_states, weight, *times, deferral, 2 * self.all_to_all_seconds), context
 
 
 def emulated_layer_spec(
@@ -335,8 +352,12 @@ def emulated_layer_spec(
     backward_seconds: float,
     weight_seconds: Optional[float] = None,
     input_seconds: Optional[float] = None,
+    all_to_all_seconds: float = 0.0,
 ) -> ModuleSpec:
     """GPT layer spec whose every layer sleeps ``forward_seconds`` / ``backward_seconds``.
+
+    ``all_to_all_seconds > 0`` makes every layer an MoE layer whose forward and backward (or
+    ``I``) each also wait for two all-to-alls of that time (module docstring).
 
     With a split backward ``I`` takes ``input_seconds`` and ``W`` ``weight_seconds``; a whole
     backward takes ``backward_seconds``. Defaults as :class:`~megatron_bitpipe.schedules.CostModel`'s
@@ -347,7 +368,7 @@ def emulated_layer_spec(
         weight_seconds = backward_seconds / 2 if input_seconds is None else backward_seconds - input_seconds
     if input_seconds is None:
         input_seconds = backward_seconds - weight_seconds
-    if forward_seconds < 0 or backward_seconds < 0 or input_seconds < 0 or not 0 <= weight_seconds <= backward_seconds:
+    if min(forward_seconds, backward_seconds, input_seconds, all_to_all_seconds) < 0 or not 0 <= weight_seconds <= backward_seconds:
         raise ValueError(
             f"sleep times must be >= 0 with weight_seconds <= backward_seconds, got "
             f"{forward_seconds}, {backward_seconds}, {weight_seconds}, {input_seconds}"
@@ -359,5 +380,6 @@ def emulated_layer_spec(
             "backward_seconds": backward_seconds,
             "weight_seconds": weight_seconds,
             "input_seconds": input_seconds,
+            "all_to_all_seconds": all_to_all_seconds,
         },
     )

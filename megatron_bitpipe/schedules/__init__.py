@@ -16,7 +16,8 @@ weight-gradient action (:mod:`.split_backward`; BitPipe's is ordered for the cos
 :mod:`.list_scheduling`). The zero-bubble and DualPipe peers (``zb-h1``, ``zbv``,
 ``dualpipe``, ``dualpipev``) always split their backwards.
 
-For a model's shape (:class:`~.model_shape.ModelShape`), :func:`~.model_step.simulate_model`
+For a model's shape (:class:`~.model_shape.ModelShape`, mixture-of-experts layers included:
+:class:`~.moe_shape.MoEShape`), :func:`~.model_step.simulate_model`
 costs each stage from its own layers, the embedding and the head (:mod:`.stage_costs`) and
 reports every rank's memory (:mod:`.memory`); :mod:`.layout_search` finds the fastest split of the
 layers within a memory budget per rank.

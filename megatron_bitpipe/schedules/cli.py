@@ -6,7 +6,8 @@ and whether its own order splits the backward.
 object with ``--json``); ``--plot`` writes a Gantt PNG, ``--trace`` a Chrome trace. With a
 model's shape (Megatron-LM's flags, :mod:`.model_args`) it costs each stage from its layers,
 the embedding and the head (uneven with Megatron-LM's five layout flags) and reports
-``stage_layers`` and ``memory_bytes`` per rank (:mod:`.model_step`).
+``stage_layers`` and ``memory_bytes`` per rank (:mod:`.model_step`); with Megatron-LM's MoE flags also
+``moe_layers`` per stage and one all-to-all's ``all_to_all_bytes`` and ``all_to_all_time``.
 ``layout-search`` finds the fastest split of a model's layers over a schedule's stages within
 a memory budget per rank and prints the flags that select it (:mod:`.layout_search`).
 ``recommend`` simulates every training schedule for one ``D`` and ``N`` and prints them
@@ -60,8 +61,10 @@ _COST_FLAGS = {
     "grad_bytes": ("--grad-bytes", "bytes of the gradients of L/D layers that one all-reduce moves (default 0)"),
     "sync_bandwidth": ("--sync-bandwidth", "all-reduce bus bandwidth in bytes per TIME unit (as nccl-tests reports it); with --grad-bytes adds the ring's bandwidth term to --t-sync (default 0: none)"),
     "data_parallel_size": ("--data-parallel-size", "data-parallel ranks each stage's gradients are averaged over, besides BitPipe's two replicas (default 1)"),
+    "t_a2a": ("--t-a2a", "latency of one all-to-all (dispatch or combine) of a mixture-of-experts layer among --expert-model-parallel-size ranks, in TIME units (default 0)"),
+    "a2a_bandwidth": ("--a2a-bandwidth", "bytes per TIME unit one rank's all-to-all sends off the rank; adds bytes/bandwidth to each all-to-all of an MoE layer (default 0: none)"),
 }
-_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME", "data_parallel_size": "N"}
+_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME", "data_parallel_size": "N", "a2a_bandwidth": "BYTES_PER_TIME"}
 #: the command's one-line description (--help)
 DESCRIPTION = "Plan, validate and simulate pipeline schedules: per-rank actions, makespan, bubble, peak activations."
 #: bytes of a GiB, the unit of the memory the commands print and of --max-memory
@@ -291,7 +294,11 @@ def _model_step(args: argparse.Namespace, plan, costs: CostModel) -> Optional[Mo
 
 def format_model_step(step: ModelStep) -> str:
     """The stage layers and one line of memory (GiB) per rank."""
-    lines = [f"layers per stage (pipeline order): {step.stage_layers}", "memory per rank (GiB): parameters + gradients + optimizer state + peak activations = total"]
+    lines = [f"layers per stage (pipeline order): {step.stage_layers}"]
+    if step.moe_layers is not None:
+        lines.append(f"MoE layers per stage: {','.join(map(str, step.moe_layers))}; one all-to-all (dispatch or combine) sends "
+                     f"{step.all_to_all_bytes:g} bytes off a rank in {step.all_to_all_time:g} TIME")
+    lines.append("memory per rank (GiB): parameters + gradients + optimizer state + peak activations = total")
     lines += [
         f"  rank {r}: {m.parameters / GIB:.2f} + {m.gradients / GIB:.2f} + {m.optimizer_state / GIB:.2f} + "
         f"{m.activations / GIB:.2f} = {m.total / GIB:.2f}"

@@ -24,7 +24,7 @@ Units: milliseconds, bytes, GB/s = 1e9 bytes/s = 1e6 bytes/ms, TFLOP/s = 1e12 FL
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Dict, Optional
 
 from .actions import Action, ActionType
@@ -65,6 +65,12 @@ class CostModel:
         data_parallel_size: data-parallel ranks each stage's gradients are averaged over
             besides its replicas: the group of a stage held by ``R`` replicas is
             ``R x data_parallel_size`` ranks.
+        t_a2a: latency of one all-to-all of a mixture-of-experts layer (its dispatch or its
+            combine) among expert-parallel ranks; none at expert parallelism 1.
+        a2a_bandwidth: bytes per time unit that one rank's all-to-all sends off the rank (its
+            share of the group's all-to-all bandwidth); with the bytes of a model's MoE layer
+            (:meth:`~.model_shape.ModelShape.all_to_all_bytes`) gives the bandwidth term. 0:
+            no bandwidth term.
     """
 
     t_forward: float = 1.0
@@ -78,6 +84,8 @@ class CostModel:
     grad_bytes: float = 0.0
     sync_bandwidth: float = 0.0
     data_parallel_size: int = 1
+    t_a2a: float = 0.0
+    a2a_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -112,6 +120,25 @@ class CostModel:
         """Time from a ``SEND`` (issued when its producer ends) to the arrival of its message."""
         bandwidth_term = self.p2p_bytes / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
         return self.t_p2p + bandwidth_term
+
+    def all_to_all_time(self, bytes_sent: float) -> float:
+        """Time of one all-to-all that sends ``bytes_sent`` bytes off each rank: ``t_a2a``
+        plus ``bytes_sent / a2a_bandwidth``; 0 when nothing leaves the rank (expert
+        parallelism 1)."""
+        if bytes_sent <= 0:
+            return 0.0
+        return self.t_a2a + (bytes_sent / self.a2a_bandwidth if self.a2a_bandwidth > 0 else 0.0)
+
+    def with_all_to_alls(self, moe_layers: float, bytes_sent: float) -> "CostModel":
+        """These costs with a device share's mixture-of-experts exchange folded in: each of its
+        ``moe_layers`` MoE layers adds two all-to-alls of ``bytes_sent`` (dispatch and combine,
+        :meth:`all_to_all_time`) to ``F``, ``B`` and ``I``, none to ``W``. Unchanged without
+        all-to-all time."""
+        exchange = 2 * moe_layers * self.all_to_all_time(bytes_sent)
+        if exchange == 0:
+            return self
+        return replace(self, t_forward=self.t_forward + exchange, t_backward=self.t_backward + exchange,
+                       t_weight=self.weight_time, t_input=self.input_time + exchange)  # fmt: skip
 
     def sync_time(self, stage_weight: float, replicas: int) -> float:
         """All-reduce time of the gradients of a stage of ``stage_weight`` device shares held

@@ -11,7 +11,9 @@ candidates come in). The candidates are
 * for every first and last stage count from 0 to twice the equal share (plus one), the middle
   stages filled one layer at a time, each to the stage whose rank has the least compute so far
   (forward and backward of every stage it holds, the embedding and head included; ties: the
-  stage with fewer layers, then the earlier one).
+  stage with fewer layers, then the earlier one). The fill counts every layer at layer 0's
+  time: an estimate where ``--moe-layer-freq`` mixes dense and mixture-of-experts layers (the
+  simulation of each candidate costs every layer as it is).
 
 Every split is printed as the Megatron-LM flags that select it (:func:`layout_flags`: none for
 equal stages, the account-for or first/last flags where they make it, else

@@ -14,6 +14,12 @@ moments (8 bytes) or SGD's momentum (4 bytes), plus an fp32 main copy of a bf16 
 (4 bytes) — divided, with ``--use-distributed-optimizer``, over the stage's gradient-sync group
 (its replicas x ``--data-parallel-size`` ranks). Megatron's padding of its buffers is left out.
 
+Mixture-of-experts layers (:mod:`.moe_shape`) hold their router and shared expert like any
+weight and ``E / EP`` experts per expert-parallel rank
+(:meth:`~.model_shape.ModelShape.expert_parameters`); the distributed optimizer shards the
+experts' state over their expert-data-parallel group, ``EP`` times smaller (the ranks holding
+the same experts: replicas x ``--data-parallel-size / EP``).
+
 Activations come from the simulated schedule
 (:attr:`~.simulate.SimulationResult.peak_activation_bytes`): the largest sum, over the step, of
 the saved activations of the micro-batches in flight on the rank.
@@ -22,7 +28,7 @@ the saved activations of the micro-batches in flight on the rank.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 from .layer_split import StageLayers
 from .model_shape import ModelShape
@@ -90,7 +96,13 @@ class RankMemory:
 
 def rank_parameters(model: ModelShape, placement: Placement, layers: StageLayers) -> List[List[int]]:
     """Parameters of every chunk of every rank: ``[rank][chunk]`` (a tied output layer sharing
-    its rank's embedding counted with the embedding only)."""
+    its rank's embedding counted with the embedding only; an MoE layer's experts those of one
+    expert-parallel rank)."""
+    return [[total for total, _ in chunks] for chunks in _chunk_parameters(model, placement, layers)]
+
+
+def _chunk_parameters(model: ModelShape, placement: Placement, layers: StageLayers) -> List[List[Tuple[int, int]]]:
+    """``[rank][chunk]``: (all parameters, the experts among them)."""
     if not model.untie_embeddings_and_output_weights and not placement.ties_embeddings:
         raise ValueError(
             f"the {placement.name} placement cannot tie the embeddings and the output layer: "
@@ -102,13 +114,14 @@ def rank_parameters(model: ModelShape, placement: Placement, layers: StageLayers
         chunks = []
         for chunk in range(placement.chunks_per_rank):
             stage = placement.role(rank, chunk).stage
-            count = layers.counts[stage] * model.layer_parameters()
+            moe = model.moe_layer_count(layers.first_layer(stage), layers.counts[stage])
+            count = (layers.counts[stage] - moe) * model.layer_parameters() + (moe * model.layer_parameters(moe=True) if moe else 0)
             if stage == 0:
                 count += model.embedding_parameters()
             if stage == last:
                 separate = model.untie_embeddings_and_output_weights or placement.head_copies_embedding
                 count += model.norm_parameters() + (model.output_layer_parameters() if separate else 0)
-            chunks.append(count)
+            chunks.append((count, moe * model.expert_parameters()))
         out.append(chunks)
     return out
 
@@ -121,15 +134,24 @@ def rank_memory(
     peak_activation_bytes: Sequence[float],
 ) -> List[RankMemory]:
     """The memory of every pipeline rank (module docstring); ValueError for tied embeddings on a
-    placement that cannot tie them (Chimera)."""
+    placement that cannot tie them (Chimera), or an expert-parallel size that does not divide
+    ``--data-parallel-size``."""
+    expert_parallel = model.moe.expert_model_parallel_size if model.moe else 1
+    if training.data_parallel_size % expert_parallel:
+        raise ValueError(
+            f"--expert-model-parallel-size {expert_parallel} must divide --data-parallel-size {training.data_parallel_size}: "
+            "an expert-parallel group is data-parallel copies of one stage"
+        )
     shards = placement.num_pipelines * training.data_parallel_size if training.distributed_optimizer else 1
+    expert_shards = max(1, shards // expert_parallel)
     out = []
-    for rank, chunks in enumerate(rank_parameters(model, placement, layers)):
-        parameters = sum(chunks)
+    for rank, chunks in enumerate(_chunk_parameters(model, placement, layers)):
+        parameters = sum(total for total, _ in chunks)
+        experts = sum(expert for _, expert in chunks)
         out.append(RankMemory(
             parameters=parameters * training.element_bytes,
             gradients=parameters * _FP32_BYTES,
-            optimizer_state=parameters * training.optimizer_bytes / shards,
+            optimizer_state=((parameters - experts) / shards + experts / expert_shards) * training.optimizer_bytes,
             activations=peak_activation_bytes[rank],
         ))  # fmt: skip
     return out

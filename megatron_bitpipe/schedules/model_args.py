@@ -4,7 +4,9 @@ and the uneven-layout flags (:class:`~.layer_split.LayerSplitFlags`).
 
 The model is optional: without ``--num-layers`` the simulator costs equal stages from the cost
 model alone; with it, ``--hidden-size``, ``--num-attention-heads``, ``--seq-length`` and
-``--vocab-size`` are required too. Defaults are Megatron-LM's.
+``--vocab-size`` are required too. Defaults are Megatron-LM's. ``--num-experts`` makes the
+layers ``--moe-layer-freq`` selects mixture-of-experts layers (:class:`~.moe_shape.MoEShape`;
+the other MoE flags need it).
 """
 
 from __future__ import annotations
@@ -16,11 +18,17 @@ from .errors import ScheduleConfigError
 from .layer_split import EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LOSS_FLAG, LayerSplitFlags
 from .memory import OPTIMIZERS, TrainingMemory
 from .model_shape import ATTENTION_BACKENDS, NORMALIZATIONS, POSITION_EMBEDDINGS, ModelShape
+from ..moe_settings import parse_moe_layer_freq
+from .moe_shape import MoEShape
 
 __all__ = ["add_model_arguments", "layer_split_flags", "model_shape", "training_memory"]
 
 #: the flags a model needs besides --num-layers
 _REQUIRED = ("hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+#: the MoE flags besides --num-experts, with the defaults that mean "not given"
+_MOE_DEFAULTS = {"moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_layer_freq": 1,
+                 "moe_shared_expert_intermediate_size": None, "moe_expert_capacity_factor": None,
+                 "expert_model_parallel_size": 1}  # fmt: skip
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, layout_flags: bool = True) -> None:
@@ -54,6 +62,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, layout_flags: bool = Tr
     model.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
     model.add_argument("--use-distributed-optimizer", action="store_true",
                        help="shard the optimizer state over each stage's replicas x data-parallel ranks")
+    _add_moe_arguments(parser)
     if not layout_flags:
         return
     layout = parser.add_argument_group("uneven stages", "Megatron-LM's flags, counted over one pipeline's stages in pipeline order")
@@ -64,6 +73,39 @@ def add_model_arguments(parser: argparse.ArgumentParser, layout_flags: bool = Tr
     layout.add_argument(LAYOUT_FLAG, default=None, metavar="LAYOUT", help="e.g. 'Et|tt|tt|tL': every stage's layers")
 
 
+def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    moe = parser.add_argument_group(
+        "mixture of experts", "Megatron-LM's MoE flags: with --num-experts, each MoE layer costs its router, top-k experts "
+        "and shared expert, its dispatch and combine all-to-alls (--t-a2a, --a2a-bandwidth) and its experts' memory per rank; "
+        "tokens per expert are the balanced expectation"
+    )
+    moe.add_argument("--num-experts", type=int, default=None, metavar="E", help="experts of every MoE layer (default: no MoE layers)")
+    moe.add_argument("--moe-router-topk", type=int, default=2, metavar="K", help="experts each token goes to (default 2)")
+    moe.add_argument("--moe-ffn-hidden-size", type=int, default=None, metavar="F", help="an expert's hidden size (default --ffn-hidden-size)")
+    moe.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1, metavar="N|LIST",
+                     help="every N-th layer is an MoE layer, or one 0/1 per layer as Megatron-LM's list, e.g. '([1]*3+[0])*2' (default 1)")
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None, metavar="F",
+                     help="the shared expert's hidden size (default: no shared expert)")
+    moe.add_argument("--moe-expert-capacity-factor", type=float, default=None, metavar="C",
+                     help="tokens an expert keeps, as a fraction of its expected tokens; below 1 the rest are dropped (default: dropless)")
+    moe.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="EP",
+                     help="ranks the experts are spread over (E/EP each), within the data-parallel copies of a stage (default 1)")
+
+
+def _moe_shape(args: argparse.Namespace) -> Optional[MoEShape]:
+    """The MoE layers the flags describe, None without ``--num-experts``; ScheduleConfigError
+    for MoE flags without it."""
+    if args.num_experts is None:
+        given = [f"--{k.replace('_', '-')}" for k, default in _MOE_DEFAULTS.items() if getattr(args, k) != default]
+        if given:
+            raise ScheduleConfigError(f"{', '.join(given)}: the MoE flags need --num-experts")
+        return None
+    fields = {k: getattr(args, k) for k in _MOE_DEFAULTS}
+    if not isinstance(fields["moe_layer_freq"], int):
+        fields["moe_layer_freq"] = tuple(fields["moe_layer_freq"])
+    return MoEShape(args.num_experts, **fields)
+
+
 def model_shape(args: argparse.Namespace) -> Optional[ModelShape]:
     """The model the flags describe, None without ``--num-layers``; ScheduleConfigError naming
     a missing or bad flag."""
@@ -71,11 +113,14 @@ def model_shape(args: argparse.Namespace) -> Optional[ModelShape]:
         given = [f"--{k.replace('_', '-')}" for k in _REQUIRED if getattr(args, k) is not None]
         if given or layer_split_flags(args).given:
             raise ScheduleConfigError(f"{', '.join(given + layer_split_flags(args).names)}: the model's flags need --num-layers")
+        if args.num_experts is not None:
+            raise ScheduleConfigError("--num-experts: the model's flags need --num-layers")
         return None
     missing = [f"--{k.replace('_', '-')}" for k in _REQUIRED if getattr(args, k) is None]
     if missing:
         raise ScheduleConfigError(f"--num-layers needs {', '.join(missing)} too")
     try:
+        moe = _moe_shape(args)
         return ModelShape(
             num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
             seq_length=args.seq_length, vocab_size=args.vocab_size, micro_batch_size=args.micro_batch_size,
@@ -84,7 +129,7 @@ def model_shape(args: argparse.Namespace) -> Optional[ModelShape]:
             position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, attention_backend=args.attention_backend,
-            hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+            hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout, moe=moe,
         )  # fmt: skip
     except ValueError as error:
         raise ScheduleConfigError(str(error)) from None

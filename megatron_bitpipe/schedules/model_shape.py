@@ -36,6 +36,26 @@ weight gradients (``W``), every linear's input and output gradient
 (:meth:`ModelShape.layer_weight_grad_bytes`: ``s b (6h + 2gd + (k + 1) f)`` elements per
 layer; the head: ``s b (h + V)``).
 
+Mixture-of-experts layers (``moe``, :class:`~.moe_shape.MoEShape`; the methods' ``moe=True``)
+replace the MLP by a router, ``E / EP`` experts per expert-parallel rank and an optional shared
+expert. With ``K`` the top-k, ``c`` the kept fraction of an expert's tokens
+(:attr:`~.moe_shape.MoEShape.kept_fraction`), ``m`` the expert's hidden size and ``r`` the
+shared expert's (0 without one), ``R = s b K c`` expert inputs per rank and micro-batch:
+
+* parameters per rank: the attention and norms as above, the router ``E h``, ``E / EP``
+  experts of ``h m k + m h`` (plus ``m k + h`` biases) and the shared expert ``h r k + r h``
+  (plus biases); the experts alone: :meth:`ModelShape.expert_parameters`;
+* forward FLOPs: the attention as above, the router ``2 s b h E``, the experts
+  ``2 R h m (k + 1)``, the shared expert ``2 s b h r (k + 1)``;
+* saved activations: the attention's as above, the router's input (``s b h``) and fp32
+  probabilities (``4 s b E`` bytes), every expert input, its first linear's output and its
+  second linear's input (``R (h + (k + 1) m)``: top-k times an MLP's), the shared expert's
+  ``s b (k + 1) r``; an ``I`` keeps the linears' inputs and output gradients, router
+  included (``s b (h + E) + R (h + (k + 1) m) + s b (k + 1) r`` besides the attention's);
+* all-to-all: the dispatch sends the ``R`` expert inputs (``R h`` elements) to the experts'
+  ranks and the combine sends their outputs back, each moving the part that leaves the rank,
+  ``(EP - 1) / EP`` of it (:meth:`ModelShape.all_to_all_bytes`); a backward runs both again.
+
 Pure Python, no torch.
 """
 
@@ -43,6 +63,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from .moe_shape import MoEShape
 
 __all__ = ["ATTENTION_BACKENDS", "NORMALIZATIONS", "POSITION_EMBEDDINGS", "ModelShape"]
 
@@ -64,7 +86,9 @@ class ModelShape:
     Invariants (checked): every size ``>= 1``; ``num_attention_heads`` divides ``hidden_size``
     and ``num_query_groups`` divides ``num_attention_heads``; dropouts in ``[0, 1)``.
     ``ffn_hidden_size`` defaults to ``4h``, ``num_query_groups`` to the heads,
-    ``max_position_embeddings`` to ``seq_length``.
+    ``max_position_embeddings`` to ``seq_length``. ``moe`` (None: every layer dense) makes
+    the layers its frequency selects mixture-of-experts layers; a list frequency holds one
+    entry per layer.
     """
 
     num_layers: int
@@ -85,6 +109,7 @@ class ModelShape:
     attention_backend: str = "auto"
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    moe: Optional[MoEShape] = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size",
@@ -108,6 +133,8 @@ class ModelShape:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(self, name)})")
+        if self.moe:
+            self.moe.layer_count(self.num_layers)  # a list frequency holds one entry per layer
 
     # sizes
     @property
@@ -139,18 +166,57 @@ class ModelShape:
     def _tokens(self) -> int:
         return self.seq_length * self.micro_batch_size
 
+    # mixture of experts
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global (0-based) layer ``layer`` is a mixture-of-experts layer."""
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    def moe_layer_count(self, first: int, count: int) -> int:
+        """MoE layers among the global layers ``[first, first + count)``."""
+        return sum(self.is_moe_layer(layer) for layer in range(first, first + count))
+
+    @property
+    def _expert_ffn(self) -> int:
+        return self.moe.moe_ffn_hidden_size or self.ffn
+
+    @property
+    def _shared_ffn(self) -> int:
+        return self.moe.moe_shared_expert_intermediate_size or 0
+
+    @property
+    def _routed_tokens(self) -> float:
+        """``R = s b K c``: expert inputs per rank and micro-batch."""
+        return self._tokens * self.moe.moe_router_topk * self.moe.kept_fraction
+
+    def _mlp_parameters(self, ffn: int) -> int:
+        h = self.hidden_size
+        return h * ffn * self._gate + ffn * h + ((ffn * self._gate + h) if self.add_bias_linear else 0)
+
+    def all_to_all_bytes(self, element_bytes: int) -> float:
+        """Bytes one all-to-all (dispatch or combine) of one MoE layer sends off each rank for
+        one micro-batch: ``(EP - 1) / EP x R h e`` (0 without MoE layers)."""
+        return self.moe.all_to_all_bytes(self._tokens, self.hidden_size, element_bytes) if self.moe else 0.0
+
+    def expert_parameters(self) -> int:
+        """The experts of one MoE layer on one expert-parallel rank (``E / EP`` MLPs); 0
+        without MoE layers."""
+        return self.moe.experts_per_rank * self._mlp_parameters(self._expert_ffn) if self.moe else 0
+
     # parameters (counts)
     def norm_parameters(self) -> int:
         """One layer norm (``2h``) or RMS norm (``h``)."""
         return NORMALIZATIONS[self.normalization] * self.hidden_size
 
-    def layer_parameters(self) -> int:
+    def layer_parameters(self, moe: bool = False) -> int:
         """One transformer layer: QKV, output projection, the MLP's two linears (biases unless
-        ``--disable-bias-linear``) and two norms."""
-        h, f, qkv = self.hidden_size, self.ffn, self.hidden_size + 2 * self.kv_size
-        weights = h * qkv + h * h + h * f * self._gate + f * h
-        biases = (qkv + h + f * self._gate + h) if self.add_bias_linear else 0
-        return weights + biases + 2 * self.norm_parameters()
+        ``--disable-bias-linear``) and two norms; ``moe``: an MoE layer's on one
+        expert-parallel rank, the router, its experts and the shared expert instead of the MLP."""
+        h, qkv = self.hidden_size, self.hidden_size + 2 * self.kv_size
+        attention = h * qkv + h * h + ((qkv + h) if self.add_bias_linear else 0) + 2 * self.norm_parameters()
+        if not moe:
+            return attention + self._mlp_parameters(self.ffn)
+        shared = self._mlp_parameters(self._shared_ffn) if self._shared_ffn else 0
+        return attention + self.moe.num_experts * h + self.expert_parameters() + shared
 
     def embedding_parameters(self) -> int:
         """Word embeddings ``V h`` plus learned absolute position embeddings."""
@@ -164,25 +230,39 @@ class ModelShape:
         return self.padded_vocab_size * self.hidden_size
 
     # FLOPs (one micro-batch)
-    def layer_forward_flops(self) -> int:
+    def layer_forward_flops(self, moe: bool = False) -> float:
         """Matrix-multiply FLOPs of one layer's forward: QKV ``2 s b h (h + 2gd)``, scores and
-        context ``4 b s^2 h``, projection ``2 s b h^2``, MLP ``2 s b h f (k + 1)``."""
-        t, s, h, f = self._tokens, self.seq_length, self.hidden_size, self.ffn
-        return 2 * t * h * (h + 2 * self.kv_size) + 4 * t * s * h + 2 * t * h * h + 2 * t * h * f * (self._gate + 1)
+        context ``4 b s^2 h``, projection ``2 s b h^2``, MLP ``2 s b h f (k + 1)``; ``moe``: an
+        MoE layer's on one rank, router, experts and shared expert instead of the MLP (module
+        docstring)."""
+        t, s, h = self._tokens, self.seq_length, self.hidden_size
+        attention = 2 * t * h * (h + 2 * self.kv_size) + 4 * t * s * h + 2 * t * h * h
+        if not moe:
+            return attention + 2 * t * h * self.ffn * (self._gate + 1)
+        experts = 2 * self._routed_tokens * h * self._expert_ffn * (self._gate + 1)
+        return attention + 2 * t * h * self.moe.num_experts + experts + 2 * t * h * self._shared_ffn * (self._gate + 1)
 
     def head_forward_flops(self) -> int:
         """The output layer's forward, ``2 s b h V`` (the loss's elementwise work left out)."""
         return 2 * self._tokens * self.hidden_size * self.padded_vocab_size
 
     # activations (bytes of one micro-batch)
-    def _linear_activation_elements(self) -> int:
-        h, f = self.hidden_size, self.ffn
-        return self._tokens * (6 * h + 2 * self.kv_size + (self._gate + 1) * f)
+    def _linear_activation_elements(self, moe: bool = False) -> float:
+        """Every linear's input and output kept for the backward (the MLP's first input, ``h``,
+        being the router's and the shared expert's too), router output included for ``moe``."""
+        t, h = self._tokens, self.hidden_size
+        attention = t * (6 * h + 2 * self.kv_size)
+        if not moe:
+            return attention + t * (self._gate + 1) * self.ffn
+        experts = self._routed_tokens * (h + (self._gate + 1) * self._expert_ffn)
+        return attention + t * self.moe.num_experts + experts + t * (self._gate + 1) * self._shared_ffn
 
-    def layer_activation_bytes(self, element_bytes: int) -> int:
-        """What one layer's forward saves for its backward (module docstring)."""
+    def layer_activation_bytes(self, element_bytes: int, moe: bool = False) -> float:
+        """What one layer's forward saves for its backward (module docstring); ``moe``: an MoE
+        layer's, whose router probabilities are fp32."""
         t, s, a = self._tokens, self.seq_length, self.num_attention_heads
-        total = element_bytes * self._linear_activation_elements()
+        router = t * self.moe.num_experts if moe else 0  # fp32 probabilities
+        total = element_bytes * (self._linear_activation_elements(moe) - router) + _FP32_BYTES * router
         if self.attention_backend in _MATERIALISED_SCORES:
             scores = a * t * s
             total += element_bytes * scores
@@ -194,10 +274,10 @@ class ModelShape:
             total += 2 * t * self.hidden_size
         return total
 
-    def layer_weight_grad_bytes(self, element_bytes: int) -> int:
-        """What a split backward's ``I`` of one layer keeps for its ``W``: every linear's input
-        and output gradient."""
-        return element_bytes * self._linear_activation_elements()
+    def layer_weight_grad_bytes(self, element_bytes: int, moe: bool = False) -> float:
+        """What a split backward's ``I`` of one layer (``moe``: an MoE layer) keeps for its
+        ``W``: every linear's input and output gradient."""
+        return element_bytes * self._linear_activation_elements(moe)
 
     def embedding_activation_bytes(self) -> int:
         """The embedding's saved indices (token, and position with learned absolute positions)

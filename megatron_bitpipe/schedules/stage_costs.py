@@ -13,8 +13,15 @@ and the head and loss (the last stage):
   forward FLOPs (:meth:`~.model_shape.ModelShape.head_forward_flops`); its backward twice
   that, half input gradient (``I``) and half weight gradient (``W``); the embedding's lookup
   and the loss's elementwise work count no time;
+* a mixture-of-experts layer (:mod:`.moe_shape`) costs a dense layer's times the FLOP ratio
+  of the two (:meth:`~.model_shape.ModelShape.layer_forward_flops`), plus its all-to-alls
+  (:meth:`~.costs.CostModel.all_to_all_time` of
+  :meth:`~.model_shape.ModelShape.all_to_all_bytes`): the dispatch and the combine in ``F``,
+  both again in ``B`` and in a split backward's ``I`` (the input gradients travel back), none
+  in ``W``;
 * a stage's gradient all-reduce scales with its parameters (in device shares: ``L / D``
-  layers' parameters = 1).
+  dense layers' parameters = 1; an MoE layer counts its experts on one expert-parallel rank,
+  all timed over the stage's group).
 
 Activations are counted twice: in ``Ma`` (one micro-batch through ``L / D`` layers: a stage
 of ``n`` layers holds ``n / (L / D)`` Ma from its forward until its backward ends, a split
@@ -90,6 +97,8 @@ class StageCosts:
     ) -> "StageCosts":
         """Each stage of ``layers`` (pipeline order) for ``model`` on ``num_ranks`` pipeline
         ranks (module docstring); ``element_bytes`` is the activations' element size."""
+        moe_ratio = model.layer_forward_flops(moe=True) / model.layer_forward_flops() if model.moe else 0.0
+        all_to_all = costs.all_to_all_time(model.all_to_all_bytes(element_bytes))  # one dispatch or combine
         share = model.num_layers / num_ranks  # layers of one device share
         per_layer = {kind: costs.compute_time(Action(kind, 0, 0), 1.0 / share) for kind in
                      (ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)}  # fmt: skip
@@ -99,25 +108,32 @@ class StageCosts:
         stages = []
         for stage, count in enumerate(layers.counts):
             has_head = stage == last
-            parameters = count * model.layer_parameters()
+            moe = model.moe_layer_count(layers.first_layer(stage), count)
+            dense = count - moe
+            computed = dense + moe * moe_ratio  # the stage's layers in dense layers' compute
+            exchange = 2 * moe * all_to_all  # dispatch and combine of every MoE layer
+            parameters = dense * model.layer_parameters() + (moe * model.layer_parameters(moe=True) if moe else 0)
             if stage == 0:
                 parameters += model.embedding_parameters()
             if has_head:
                 parameters += model.norm_parameters() + (
                     model.output_layer_parameters() if model.untie_embeddings_and_output_weights else 0
                 )
-            activation = count * model.layer_activation_bytes(element_bytes)
+            activation = dense * model.layer_activation_bytes(element_bytes)
+            weight_grad = dense * model.layer_weight_grad_bytes(element_bytes)
+            if moe:
+                activation += moe * model.layer_activation_bytes(element_bytes, moe=True)
+                weight_grad += moe * model.layer_weight_grad_bytes(element_bytes, moe=True)
             if stage == 0:
                 activation += model.embedding_activation_bytes()
             stages.append(StageCost(
-                forward=count * per_layer[ActionType.FORWARD] + (head if has_head else 0.0),
-                backward=count * per_layer[ActionType.BACKWARD] + (2 * head if has_head else 0.0),
-                input=count * per_layer[ActionType.BACKWARD_INPUT] + (head if has_head else 0.0),
-                weight=count * per_layer[ActionType.BACKWARD_WEIGHT] + (head if has_head else 0.0),
+                forward=computed * per_layer[ActionType.FORWARD] + exchange + (head if has_head else 0.0),
+                backward=computed * per_layer[ActionType.BACKWARD] + exchange + (2 * head if has_head else 0.0),
+                input=computed * per_layer[ActionType.BACKWARD_INPUT] + exchange + (head if has_head else 0.0),
+                weight=computed * per_layer[ActionType.BACKWARD_WEIGHT] + (head if has_head else 0.0),
                 sync_weight=parameters / share_parameters,
                 activation_shares=count / share,
                 activation_bytes=activation + (model.head_activation_bytes(element_bytes) if has_head else 0),
-                weight_grad_bytes=count * model.layer_weight_grad_bytes(element_bytes)
-                + (model.head_weight_grad_bytes(element_bytes) if has_head else 0),
+                weight_grad_bytes=weight_grad + (model.head_weight_grad_bytes(element_bytes) if has_head else 0),
             ))  # fmt: skip
         return cls(tuple(stages))
