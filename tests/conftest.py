@@ -27,7 +27,9 @@ and takes the fixtures
 **Strict p2p.** The multi-rank schedule-equivalence modules (:data:`STRICT_P2P_MODULES`, and
 any module marked ``strict_p2p``) run with ``MEGATRON_BITPIPE_STRICT_P2P=1``: their ranks'
 gloo point-to-point communication follows NCCL's rules (:mod:`megatron_bitpipe.cpu.strict_p2p`),
-so an order that would hang on GPUs fails there. The launcher passes the variable on; setting
+so an order that would hang on GPUs fails there. A test marked ``strict_p2p`` in an unmarked
+module runs its body with it (a module-scoped fixture it takes is set up before, without it:
+mark the module when such a fixture launches). The launcher passes the variable on; setting
 it in the environment (``=0`` too) overrides this.
 """
 
@@ -64,7 +66,7 @@ def pytest_configure(config) -> None:
         "megatron-core version (CI runs it once)",
     )
     config.addinivalue_line(
-        "markers", "strict_p2p: the module's launches run with MEGATRON_BITPIPE_STRICT_P2P=1 (NCCL's p2p rules on gloo)"
+        "markers", "strict_p2p: the module's (or the test's) launches run with MEGATRON_BITPIPE_STRICT_P2P=1 (NCCL's p2p rules on gloo)"
     )
 
 
@@ -79,6 +81,14 @@ def _strict_p2p_modules(request):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(_STRICT_P2P_ENV, "1")
         yield
+
+
+@pytest.fixture(autouse=True)
+def _strict_p2p_tests(request, monkeypatch):
+    """``MEGATRON_BITPIPE_STRICT_P2P=1`` while a test marked ``strict_p2p`` runs (unless the
+    environment, or its module's strictness, sets it already)."""
+    if request.node.get_closest_marker("strict_p2p") is not None and _STRICT_P2P_ENV not in os.environ:
+        monkeypatch.setenv(_STRICT_P2P_ENV, "1")
 
 
 class _ProcessGuard:

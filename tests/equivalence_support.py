@@ -140,7 +140,9 @@ def train_single_process(model, config, pg, clip_grad: float, run, batches, glob
     if config.num_moe_experts:  # the auxiliary losses' gradients, scaled as megatron's schedules scale them
         from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
-        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / global_microbatches)
+        # on the model's device, as megatron's schedules make it (a GPU run cannot scale by a host tensor)
+        device = next(model.parameters()).device
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device) / global_microbatches)
     [ddp] = baseline.wrap_looped_ddp([model], config, pg)
     optimizer = baseline.build_baseline_optimizer([ddp], pg, lr=LR, adam_eps=ADAM_EPS, clip_grad=clip_grad)
     record = {"initial": collect_full(ddp), "steps": []}

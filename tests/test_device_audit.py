@@ -58,6 +58,26 @@ def test_device_tensors_do_not_convert_to_numpy(audit):
     torch.ones(2).numpy()
 
 
+def test_dispatcher_split_sizes_reach_numpy_through_a_host_copy(audit):
+    """The all-to-all dispatcher's split sizes, on the device, become numpy through the CPU
+    layer's ``maybe_move_tensor_to_cpu`` as on a GPU (a host copy first); the device tensor
+    itself still refuses to convert."""
+    import numpy as np
+
+    from megatron_bitpipe.cpu.compat import _host_copy
+
+    def megatron_move(*args, **kwargs):  # megatron's own moves CUDA tensors only: never reached on CPU
+        raise AssertionError("a CPU tensor went to megatron's maybe_move_tensor_to_cpu")
+
+    splits = torch.tensor([3, 1], device="cuda")
+    assert audit.on_device(splits)
+    host = _host_copy(megatron_move)(splits, as_numpy=True)
+    assert isinstance(host, np.ndarray) and host.tolist() == [3, 1]
+    assert audit.on_device(splits)
+    with pytest.raises(DeviceMixError, match="Tensor.numpy"):
+        splits.numpy()
+
+
 def test_device_of_a_device_tensor_names_the_device(audit):
     x = torch.ones(2).cuda()
     assert x.device.type == "cuda"  # so device=x.device and .to(x.device) follow it

@@ -346,11 +346,12 @@ def _sending_private_copies(p2p_ops: Callable) -> Callable:
 
 def _host_copy(move_to_cpu: Callable) -> Callable:
     """megatron's ``maybe_move_tensor_to_cpu(tensor, as_numpy, record_stream)`` that also gives
-    a CPU tensor as numpy when ``as_numpy`` asks (the host copy a GPU run would have)."""
+    a CPU tensor as numpy when ``as_numpy`` asks: through ``.cpu()``, the host copy a GPU run
+    makes first (under the device audit the tensor may be on the device)."""
 
     def host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
-            return tensor.numpy()
+            return tensor.cpu().numpy()
         return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     return host_copy
