@@ -156,10 +156,10 @@ class OptimizerLoad:
                 "(save with --dist-ckpt-optim-fully-reshardable, or load the weights with --no-load-optim)"
             )
         same_kind = (saved_sharding is not None) == is_distributed(optimizer)
-        #: whether the checkpoint holds this run's form (kind and chain of parts): megatron loads it
-        self.same_form = same_kind and _saved_part_count(common.get("optimizer")) == len(_parts(optimizer))
         metadata = {**saved_metadata, "dp_cp_group": own_metadata["dp_cp_group"]} if same_kind else own_metadata
         state = optimizer.sharded_state_dict(model_request, is_loading=True, metadata=metadata)
+        #: whether the checkpoint holds this run's form (kind and parts): megatron loads it
+        self.same_form = same_kind and _part_count(common.get("optimizer")) == _part_count(state)
         if not self.same_form:
             self._rename_main_weights(state, saved, model_request)
         self.key = "optimizer" if self.same_form else _REQUEST
@@ -192,9 +192,9 @@ class OptimizerLoad:
         state = _fill(self.request[self.key], loaded.get(self.key))
         saved = self.common.get("optimizer")
         step, scaler = _saved_step(saved), _saved_entry(saved, "grad_scaler")
-        parts = _parts(self.optimizer)
-        for index, part in enumerate(parts):
-            part_state = state if len(parts) == 1 else state[index]
+        count = _part_count(state)
+        parts = zip(_parts(self.optimizer), (state[i] for i in range(count))) if count > 1 else [(self.optimizer, state)]
+        for part, part_state in parts:
             _set_step(part, part_state, step)
             if scaler is not None:
                 part_state["grad_scaler"] = scaler
@@ -206,11 +206,13 @@ def _parts(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _saved_part_count(saved) -> int:
-    """How many chained optimizers wrote a checkpoint's plain optimizer values: a chain of
-    several saves one state per part under the keys 0, 1...; one part saves its own state."""
-    if isinstance(saved, dict) and saved and all(isinstance(key, int) for key in saved):
-        return len(saved)
+def _part_count(state) -> int:
+    """How many parts an optimizer state (sharded, or a checkpoint's plain values) holds: a
+    chain of several saves one state per part under the keys 0, 1...; one optimizer (or a
+    :class:`~megatron_bitpipe.execution.distributed_optimizer.ChunkDistributedOptimizer`,
+    whatever its chunks) one state."""
+    if isinstance(state, dict) and state and all(isinstance(key, int) for key in state):
+        return len(state)
     return 1
 
 
