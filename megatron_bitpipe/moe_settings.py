@@ -231,7 +231,4 @@ def moe_problems(args: argparse.Namespace) -> List[str]:
         problems.append("--num-experts builds megatron-core's local MoE layers: drop --transformer-impl transformer_engine")
     if getattr(args, "data_parallel_mode", "sync") != "sync":
         problems.append(f"--num-experts trains with --data-parallel-mode sync, not {args.data_parallel_mode}")
-    for flag, name in (("--save", "save"), ("--load", "load")):
-        if getattr(args, name, None):
-            problems.append(f"{flag}: checkpoints of a model with --num-experts are not supported")
     return problems

@@ -89,7 +89,6 @@ BAD = [
     ([*MOE, "--tensor-parallel-mode", "optimus2d", "--tensor-model-parallel-size", "4"], 4, "--num-experts needs --tensor-parallel-mode 1d"),
     ([*MOE, "--hfta-models", "2"], 1, "--num-experts cannot be combined with --hfta-models"),
     ([*MOE, "--data-parallel-mode", "abs-sgd"], 2, "--num-experts trains with --data-parallel-mode sync"),
-    ([*MOE, "--save", "/tmp/x"], 1, "--save: checkpoints of a model with --num-experts are not supported"),
     ([*MOE, "--transformer-impl", "transformer_engine"], 1, "drop --transformer-impl transformer_engine"),
 ]
 

@@ -5,13 +5,21 @@ global (single-process) tensor, this rank's block of it, and a ``replica_id`` th
 zeros on exactly one copy of each block in the job (the copy that is written). A chunk's own
 ``sharded_state_dict`` already uses global keys, whatever the placement: layer keys come from
 the layers' global numbers (:func:`megatron_bitpipe.model.chunks.chunk_config`), tensor
-parallel blocks carry their offsets, and data-parallel copies their data-parallel rank. Two
+parallel blocks carry their offsets, and data-parallel copies their data-parallel rank. Three
 things are the placement's and are added here, by :func:`attach_sharded_state_dicts`:
 
 * **Weight replicas.** The chunks of every pipeline but the first (BitPipe's pipeline B,
   Chimera's second pipeline) hold copies of pipeline 0's stages: the first ``replica_id``
   coordinate of all their entries is the pipeline index, so only pipeline 0 writes, and
   loading fills both replicas with the same values.
+* **Routed experts' replicas.** An MoE layer's routed experts are one tensor per weight,
+  indexed by the global expert number (megatron's ``SequentialMLP``; this rank's experts are
+  :attr:`megatron_bitpipe.model_partition.ChunkLayers.experts`). The copies of an expert are
+  the data-parallel ranks of one expert-parallel rank: the last ``replica_id`` coordinate of
+  its entries is this rank's place among them (its rank in ``rank_pgs.expt_dp``, one
+  pipeline's copies; the pipeline index is the first coordinate, as for every entry), so
+  each expert is written once — megatron's own coordinate is the rank in the chunk's expert
+  grad-sync group, which spans both pipelines of BitPipe.
 * **Tied output layer.** A head chunk whose ``output_layer.weight`` is the word embedding of
   another chunk (BitPipe's V: the embedding chunk on the same rank, see
   :mod:`megatron_bitpipe.model.chunks`) has no entry of its own: the embedding chunk's
@@ -44,6 +52,8 @@ __all__ = ["attach_sharded_state_dicts", "chunk_sharded_state_dict"]
 
 _HEAD = "output_layer.weight"
 _WORD_EMBEDDING = "embedding.word_embeddings.weight"
+#: in the key of every routed expert's entry (megatron's ``SequentialMLP``: ``...mlp.experts.experts.<name>``)
+_ROUTED_EXPERT = ".experts.experts."
 
 
 def _replica_id(replica_id, pipeline: int) -> Tuple[int, ...]:
@@ -102,10 +112,13 @@ def chunk_sharded_state_dict(
         # megatron's own tying: this head holds a copy of the first stage's embedding
         state[head].key = f"{prefix}{_WORD_EMBEDDING}"
         state[head].replica_id = _replica_id(state[head].replica_id, 1)
-    if spec.pipeline:
-        for entry in nested_values(state):
-            if isinstance(entry, ShardedBase):
-                entry.replica_id = _replica_id(entry.replica_id, spec.pipeline)
+    for entry in nested_values(state):
+        if not isinstance(entry, ShardedBase):
+            continue
+        if _ROUTED_EXPERT in entry.key:
+            entry.replica_id = (*tuple(entry.replica_id)[:-1], groups.rank_pgs.expt_dp.rank())
+        if spec.pipeline:
+            entry.replica_id = _replica_id(entry.replica_id, spec.pipeline)
     return state
 
 

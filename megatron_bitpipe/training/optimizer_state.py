@@ -5,7 +5,13 @@ megatron-core's optimizers describe their state for distributed checkpoints them
 (``optimizer.state.exp_avg.<name>``...), plus plain values (parameter groups, step, loss
 scale). A checkpoint written by the same kind of optimizer (both non-distributed, or both
 distributed: :class:`~megatron_bitpipe.execution.distributed_optimizer.ChunkDistributedOptimizer`
-writes one optimizer's form whatever the number of chunks) loads the way Megatron-LM loads it.
+writes one optimizer's form whatever the number of chunks) and the same chain of parts loads the
+way Megatron-LM loads it.
+
+The chain of parts depends on the layout: a mixture-of-experts model's optimizer is one part at
+expert parallelism 1 and two at expert parallelism > 1 (the dense parameters', and the experts'
+with ``is_expert_parallel`` parameter groups), and megatron matches each part's saved parameter
+groups to its own. Another chain is read like another kind: in this run's form.
 
 Across kinds the tensors are the same but named and grouped differently:
 
@@ -17,9 +23,9 @@ fp32 main weight       the fp32 weight ``<name>`` / ``fp32_param.<name>``  ``par
 Adam step              ``common_step`` in the state            ``step`` of every parameter group
 =====================  ======================================  =====================================
 
-:class:`OptimizerLoad` then asks for this run's own form under the names the checkpoint uses
-(the main weight from the fp32 weight when the checkpoint has no separate one) and carries
-the step and the loss scale over. Either way, the other plain values (Adam's betas and
+:class:`OptimizerLoad` then asks for this run's own form (its parts and parameter groups)
+under the names the checkpoint uses (the main weight from the fp32 weight when the checkpoint
+has no separate one) and carries the step and the loss scale over to every part. Either way, the other plain values (Adam's betas and
 epsilon, SGD's momentum, each parameter group's learning-rate bounds) are then set from this run's flags and
 loaded schedule (:func:`use_run_hyperparameters`).
 """
@@ -149,12 +155,14 @@ class OptimizerLoad:
                 f"its distributed-optimizer state is in the {saved_sharding!r} form, which only the saving layout reads "
                 "(save with --dist-ckpt-optim-fully-reshardable, or load the weights with --no-load-optim)"
             )
-        self.same_kind = (saved_sharding is not None) == is_distributed(optimizer)
-        metadata = {**saved_metadata, "dp_cp_group": own_metadata["dp_cp_group"]} if self.same_kind else own_metadata
+        same_kind = (saved_sharding is not None) == is_distributed(optimizer)
+        metadata = {**saved_metadata, "dp_cp_group": own_metadata["dp_cp_group"]} if same_kind else own_metadata
         state = optimizer.sharded_state_dict(model_request, is_loading=True, metadata=metadata)
-        if not self.same_kind:
+        #: whether the checkpoint holds this run's form (kind and parts): megatron loads it
+        self.same_form = same_kind and _part_count(common.get("optimizer")) == _part_count(state)
+        if not self.same_form:
             self._rename_main_weights(state, saved, model_request)
-        self.key = "optimizer" if self.same_kind else _REQUEST
+        self.key = "optimizer" if self.same_form else _REQUEST
         self.request = {self.key: state}
 
     def _rename_main_weights(self, state: Dict, saved: Dict, model_request: Dict) -> None:
@@ -178,16 +186,34 @@ class OptimizerLoad:
     def apply(self, loaded: Dict) -> None:
         """Load the optimizer from ``loaded`` (the result of ``dist_checkpointing.load``),
         after the model's weights."""
-        if self.same_kind:
+        if self.same_form:
             self.optimizer.load_state_dict(loaded["optimizer"])
             return
         state = _fill(self.request[self.key], loaded.get(self.key))
         saved = self.common.get("optimizer")
-        _set_step(self.optimizer, state, _saved_step(saved))
-        scaler = _saved_entry(saved, "grad_scaler")
-        if scaler is not None:
-            state["grad_scaler"] = scaler
+        step, scaler = _saved_step(saved), _saved_entry(saved, "grad_scaler")
+        count = _part_count(state)
+        parts = zip(_parts(self.optimizer), (state[i] for i in range(count))) if count > 1 else [(self.optimizer, state)]
+        for part, part_state in parts:
+            _set_step(part, part_state, step)
+            if scaler is not None:
+                part_state["grad_scaler"] = scaler
         self.optimizer.load_state_dict(state)
+
+
+def _parts(optimizer) -> list:
+    """The optimizers ``optimizer`` chains (itself if it chains none)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _part_count(state) -> int:
+    """How many parts an optimizer state (sharded, or a checkpoint's plain values) holds: a
+    chain of several saves one state per part under the keys 0, 1...; one optimizer (or a
+    :class:`~megatron_bitpipe.execution.distributed_optimizer.ChunkDistributedOptimizer`,
+    whatever its chunks) one state."""
+    if isinstance(state, dict) and state and all(isinstance(key, int) for key in state):
+        return len(state)
+    return 1
 
 
 def use_run_hyperparameters(optimizer, scheduler) -> None:
@@ -197,7 +223,7 @@ def use_run_hyperparameters(optimizer, scheduler) -> None:
     current learning rate and weight decay recomputed from it. (A loaded megatron optimizer
     keeps the saving run's values, and its scheduler reads each group's own bounds.)"""
     max_lr_of = getattr(optimizer, "max_lr_of", lambda part: scheduler.max_lr)  # a fused array's: each model's own
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for part in _parts(optimizer):
         config = part.config
         max_lr = max_lr_of(part)
         for group in part.optimizer.param_groups:
@@ -212,7 +238,8 @@ def use_run_hyperparameters(optimizer, scheduler) -> None:
 
 
 def _set_step(optimizer, state, step: Optional[int]) -> None:
-    """Put Adam's ``step`` where this run's kind of optimizer state keeps it."""
+    """Put Adam's ``step`` where this run's kind of optimizer state keeps it (``optimizer``
+    one part of a chain, ``state`` its state)."""
     if step is None:
         return
     for group in _param_groups(state):
