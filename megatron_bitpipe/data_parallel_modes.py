@@ -54,12 +54,16 @@ class DataParallelMode:
         decentralized: every data-parallel replica keeps weights of its own and the
             optimizer's step is the mode's update (``--optimizer sgd``).
         help: what the mode does, for ``--help`` (modes with the same text are listed together).
+        lockstep: the replicas end every iteration together, so a collective over all ranks
+            at an iteration's end makes none of them wait (ABS-SGD's replicas run micro-batch
+            counts of their own and never wait for one another: false).
     """
 
     name: str
     gradient_reduction: str
     decentralized: bool
     help: str
+    lockstep: bool = True
 
     def __post_init__(self):
         if self.gradient_reduction not in GRADIENT_REDUCTIONS:
@@ -112,6 +116,7 @@ ABS_SGD = register(
         help="each iteration applies the previous iteration's gradients, Σ gradient sums / Σ samples over the "
         "replicas, while their all-reduce overlaps this iteration's compute, and each replica processes as many "
         "micro-batches as its speed allows (heterogeneous clusters; see docs/heterogeneous.md).",
+        lockstep=False,
     )
 )
 _DECENTRALIZED_HELP = (

@@ -84,8 +84,9 @@ class Trainer:
         self.flops_per_iteration = model_flops_per_iteration(args, self.kind.causal_attention, models)
         #: the ``--inject-fault`` of this rank (none on the other ranks)
         self.fault = FaultInjection.from_args(args, env.rank)
-        #: this rank's forward-step time per iteration, and the stragglers among the ranks (multi-rank jobs)
-        self.forward_timer = ForwardTimer(env.device) if env.world_size > 1 else None
+        #: this rank's forward-step time per iteration, and the stragglers among the ranks (multi-rank
+        #: jobs whose replicas step together: the gather is a collective over all ranks)
+        self.forward_timer = ForwardTimer(env.device) if env.world_size > 1 and run.data_parallel_mode.lockstep else None
         self.stragglers = StragglerDetector()
         #: ends the job when a rank hangs or dies inside the loop (set by :meth:`train`)
         self.watchdog: Optional[Watchdog] = None
