@@ -218,6 +218,18 @@ def standard_param_group_overrides(config):
     return None if standard is None else standard(config)
 
 
+def sharded_save_request(state_dict, directory, **kwargs):
+    """megatron-core's ``dist_checkpointing.save(..., async_sharded_save=True)``: the save as a
+    request to execute. Since 0.19 its default async strategy is NVIDIA Resiliency Extension's
+    (``nvrx``), an optional package; megatron-core's own (``mcore``) is asked for where the
+    function takes ``async_strategy`` (0.16.1 has only its own)."""
+    from megatron.core import dist_checkpointing
+
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        kwargs["async_strategy"] = "mcore"
+    return dist_checkpointing.save(state_dict, directory, async_sharded_save=True, **kwargs)
+
+
 def reads_common_state_in_index() -> bool:
     """Whether megatron-core's ``load_common_state_dict`` reads plain values stored in the
     checkpoint's index (0.19's layout) besides a ``common.pt``."""

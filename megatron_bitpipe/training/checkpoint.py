@@ -35,6 +35,7 @@ from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
+from .. import megatron_compat
 from ..run_config import RunConfig
 from ..model.build import PipelineModel
 from ..execution.distributed_optimizer import SHARDING_TYPE
@@ -188,7 +189,7 @@ def save_checkpoint(
         state_dict["rng_state"] = _rng_object(model)
     with without_deprecation_notes():
         # megatron-core's synchronous save, as its request: write the shards, then finalise
-        request = dist_checkpointing.save(state_dict, directory, content_metadata=metadata, async_sharded_save=True)
+        request = megatron_compat.sharded_save_request(state_dict, directory, content_metadata=metadata)
         if shards_written is not None:
             request.finalize_fns.insert(0, shards_written)
         request.execute_sync()
