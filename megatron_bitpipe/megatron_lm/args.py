@@ -34,7 +34,7 @@ from typing import Callable, List, Optional
 from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems, recompute_problems, resolved_schedule
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
-from ..schedules.layer_split import HELD_ATTRIBUTE, LayerSplitFlags, split_layers, split_problems
+from ..schedules.layer_split import HELD_ATTRIBUTE, LayerSplitFlags, chunk_layer_counts, split_layers, split_problems
 
 __all__ = [
     "VIRTUAL_SIZE_FLAG",
@@ -224,13 +224,9 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             problems.append(f"{hybrid} cannot be used with --pipeline-schedule {schedule}: {_HYBRID.format(schedule=schedule)}")
         flags = LayerSplitFlags.from_args(args)
         placement = None if choice.problems(pp) else choice.placement(pp)
-        split = flags.given and placement is not None
-        problems += split_problems(flags, placement, args.num_layers, VIRTUAL_SIZE_FLAG) if split else []
-        if split and not split_problems(flags, placement, args.num_layers, VIRTUAL_SIZE_FLAG):
-            chunk_sizes = sorted({c for c in split_layers(flags, placement, args.num_layers).counts if c})
-        else:
-            chunk_sizes = [max(args.num_layers // stages, 1)]
-        for size in chunk_sizes:
+        if flags.given and placement is not None:
+            problems += split_problems(flags, placement, args.num_layers, VIRTUAL_SIZE_FLAG)
+        for size in chunk_layer_counts(flags, placement, args.num_layers, stages, VIRTUAL_SIZE_FLAG):
             problems += [p for p in recompute_problems(args, size) if p not in problems]
         if getattr(args, "num_experts", None) and placement is not None:
             problems += moe_problems(args, schedule, placement.num_pipelines)

@@ -45,6 +45,7 @@ __all__ = [
     "LAYOUT_FLAG",
     "LayerSplitFlags",
     "StageLayers",
+    "chunk_layer_counts",
     "parse_layout",
     "split_problems",
     "split_layers",
@@ -284,3 +285,14 @@ def split_layers(flags: LayerSplitFlags, placement: Placement, num_layers: int, 
     if problems:
         raise ValueError(problems[0])
     return StageLayers(counts)
+
+
+def chunk_layer_counts(
+    flags: LayerSplitFlags, placement: Optional[Placement], num_layers: int, stages: int, virtual_size_flag: str = VP_FLAG
+) -> List[int]:
+    """The distinct non-zero numbers of layers a chunk holds (ascending), for the rules that
+    depend on them (activation recompute): those of the split the flags give on ``placement``
+    where it holds, else ``num_layers`` over ``stages`` equal stages (at least 1)."""
+    if flags.given and placement is not None and not split_problems(flags, placement, num_layers, virtual_size_flag):
+        return sorted({c for c in split_layers(flags, placement, num_layers, virtual_size_flag).counts if c})
+    return [max(num_layers // stages, 1)]

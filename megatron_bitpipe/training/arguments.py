@@ -50,7 +50,7 @@ from ..megatron_args import (
 from ..hfta.settings import add_hfta_args, hfta_problems
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
-from ..schedules.layer_split import LayerSplitFlags, split_layers, split_problems
+from ..schedules.layer_split import LayerSplitFlags, chunk_layer_counts, split_problems
 from ..schedules.placement import Placement
 from ..usage import FlagParser
 from ..data_parallel_modes import add_data_parallel_mode_arg
@@ -474,11 +474,7 @@ def _recompute_problems(args) -> List[str]:
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     choice = ScheduleChoice(resolved_schedule(args), virtual_size=vp)
     stages = pp if choice.problems(pp) else choice.placement(pp).num_stages  # the schedule's rules report a bad pp
-    flags, placement = LayerSplitFlags.from_args(args), _checked_placement(args)
-    if flags.given and placement is not None and not split_problems(flags, placement, args.num_layers):
-        chunk_sizes = sorted({c for c in split_layers(flags, placement, args.num_layers).counts if c})
-    else:
-        chunk_sizes = [max(args.num_layers // stages, 1)]
+    chunk_sizes = chunk_layer_counts(LayerSplitFlags.from_args(args), _checked_placement(args), args.num_layers, stages)
     for size in chunk_sizes:
         problems += [p for p in recompute_problems(args, size) if p not in problems]
     return problems
