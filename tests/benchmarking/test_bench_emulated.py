@@ -23,7 +23,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_emulated.py"
 FIELDS = {
     "schedule",

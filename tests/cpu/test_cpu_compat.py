@@ -29,7 +29,7 @@ from megatron_bitpipe.testing.weights import merge_full
 
 # The tiny GPT, Adam settings and tolerance (for layouts whose float operations differ from
 # the reference's, see Case.exact) of every runtime test.
-from .equivalence_support import ADAM_EPS, ATOL, LR, MICRO_BATCH, RTOL, SEQ, VOCAB, model_config
+from ..equivalence_support import ADAM_EPS, ATOL, LR, MICRO_BATCH, RTOL, SEQ, VOCAB, model_config
 
 NUM_MICROBATCHES = 8  # global batch, split over data-parallel ranks
 STEPS = 3
@@ -342,7 +342,7 @@ def test_only_tests_import_the_testing_package():
     integration) never imports the CPU layer, which entry points opt into."""
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     package = root / "megatron_bitpipe"
     sources = [p for p in package.rglob("*.py") if "testing" not in p.relative_to(package).parts]
     sources += list((root / "scripts").rglob("*.py"))

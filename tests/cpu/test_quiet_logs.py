@@ -13,7 +13,7 @@ import torch
 
 from megatron_bitpipe.cpu.compat import CpuDeviceMode
 
-from .pretrain_support import run_script
+from ..pretrain_support import run_script
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--vocab-size", "256", "--train-iters", "1",
@@ -59,7 +59,7 @@ def test_extracting_a_model_of_a_fused_array_writes_nothing_on_stderr(tmp_path):
     import subprocess
     import sys
 
-    from .pretrain_support import REPO
+    from ..pretrain_support import REPO
 
     array = run_script("pretrain_gpt.py", 1, [*TINY, "--hfta-models", "2", "--hfta-lr", "1e-3,5e-4", "--save", str(tmp_path / "array")])
     assert array.returncode == 0, array.stderr[-3000:]

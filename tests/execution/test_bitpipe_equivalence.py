@@ -21,7 +21,7 @@ import torch
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .equivalence_support import ATOL, RTOL, STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
+from ..equivalence_support import ATOL, RTOL, STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 pytestmark = pytest.mark.multirank
 
@@ -112,7 +112,7 @@ def test_eager_sync_overlaps_remaining_backwards(launched):
 def _bf16(case):
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
-    from .equivalence_support import bf16_losses
+    from ..equivalence_support import bf16_losses
 
     enable_cpu_megatron()
     return bf16_losses(case)

@@ -21,7 +21,7 @@ import torch
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
+from ..equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 
@@ -59,7 +59,7 @@ def test_distributed_optimizer_equals_single_process_training(case, references, 
 def _bf16(case):
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
-    from .equivalence_support import bf16_losses
+    from ..equivalence_support import bf16_losses
 
     enable_cpu_megatron()
     return bf16_losses(case)

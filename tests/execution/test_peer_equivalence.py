@@ -18,7 +18,7 @@ from typing import List
 
 import pytest
 
-from .equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
+from ..equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 pytestmark = pytest.mark.multirank
 

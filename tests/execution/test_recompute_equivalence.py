@@ -24,7 +24,7 @@ from typing import List, Tuple
 
 import pytest
 
-from .equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
+from ..equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 pytestmark = pytest.mark.timeout(900)
 

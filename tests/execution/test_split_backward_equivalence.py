@@ -10,7 +10,7 @@
   (:func:`late_split_plan`) that defers every ``W`` to just before its chunk's ``SYNC``
   (long-lived deferred work, ``W``'s long after their ``I``); TP=2 with sequence parallelism;
   and at D=4 with Transformer Engine's deferral contract in the layers (the test double of
-  :mod:`tests.te_double` as QKV, projection, fc1, fc2, under megatron DDP's
+  :mod:`tests.execution.te_double` as QKV, projection, fc1, fc2, under megatron DDP's
   ``delay_wgrad_compute``; the LM head stays a local linear): every double's ``backward_dw``
   finds work, none is left;
 * layers whose weight gradients cannot be deferred are refused naming the flag.
@@ -27,7 +27,7 @@ import torch
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .equivalence_support import STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
+from ..equivalence_support import STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class SplitCase(Case):
     def model_kwargs(self) -> dict:
         if not self.te_double:
             return super().model_kwargs()
-        from .equivalence_support import model_config
+        from ..equivalence_support import model_config
         from .te_double import te_double_layer_spec
 
         return dict(super().model_kwargs(), layer_spec=te_double_layer_spec(model_config()))

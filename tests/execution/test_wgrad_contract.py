@@ -4,7 +4,7 @@ megatron-core's contract for Transformer Engine (``delay_wgrad_compute``): every
 linear queues one entry of weight work per backward (FIFO), ``backward_dw()`` runs the
 oldest, megatron-core's ``SelfAttention.backward_dw`` / ``MLP.backward_dw`` roll it up per
 layer and :class:`~megatron_bitpipe.execution.weight_grad.ChunkWeightGrad` per chunk. Checked
-here on the Transformer Engine test double (:mod:`tests.te_double`) inside megatron-core's
+here on the Transformer Engine test double (:mod:`tests.execution.te_double`) inside megatron-core's
 real attention / MLP / layer classes, and through the executor on a one-rank plan:
 
 * FIFO order and count: after ``I`` of micro-batches 0 and 1 the first chunk ``backward_dw``

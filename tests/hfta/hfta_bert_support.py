@@ -1,4 +1,4 @@
-"""Rank-side code of the fused-BERT tests (``tests/test_hfta_bert.py``): train a fused array of
+"""Rank-side code of the fused-BERT tests (``tests/hfta/test_hfta_bert.py``): train a fused array of
 BERTs and each model's unfused BERT with the training loop of ``pretrain_bert.py``
 (:class:`~megatron_bitpipe.training.loop.Trainer` with
 :class:`~megatron_bitpipe.training.bert.BertTask`) and record, per step, the logged losses and
@@ -51,7 +51,7 @@ def trainer(argv: List[str]):
 def step_record(trainer, num_models: Optional[int]) -> dict:
     """One training iteration: its logged losses and fields, and per model (``num_models``
     None: the unfused model) the gradients (with a sharded optimizer: NaN outside this rank's
-    shares, :func:`~tests.hfta_support.held_masks`) and weights."""
+    shares, :func:`~tests.hfta.hfta_support.held_masks`) and weights."""
     held = held_masks(trainer)
     record = trainer.train_step()
     grads = named_tensors(trainer, lambda p: p.main_grad)

@@ -21,7 +21,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Imported unconditionally by Megatron-LM's megatron/training (core_v0.16.1, core_v0.19.0);
 # pybind11 builds its dataset helpers.
 MEGATRON_LM_DEPENDENCIES = ("six", "regex", "yaml", "pydantic", "einops", "triton", "pybind11")

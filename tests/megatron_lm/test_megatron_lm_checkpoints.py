@@ -38,7 +38,7 @@ from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.megatron_lm.checkout import find_checkout
 
 from .megatron_lm_support import Run, checkout_or_skip, checkpoint_writer_problem, torchrun, write_indexed_dataset
-from .pretrain_support import records, train_in_process
+from ..pretrain_support import records, train_in_process
 
 pytestmark = [pytest.mark.timeout(2400), pytest.mark.multirank]
 RTOL = 1e-5

@@ -6,7 +6,7 @@ plugin; the script warns about a checkout of another version and tries the neare
 first, refusing (exit 1) only when no patch applies, and refuses a checkout whose files differ
 (exit 1). With ``MEGATRON_LM_PATH`` (a tested tag): on a copy of the files it patches, the
 script checks, applies, is idempotent, and reverts to the original bytes. (Training through a
-patched checkout: tests/test_megatron_lm_training.py.)
+patched checkout: tests/megatron_lm/test_megatron_lm_training.py.)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .equivalence_support import MICRO_BATCH, NUM_LAYERS, SEED, SEQ, VOCAB, Case, model_config, train_single_process
+from ..equivalence_support import MICRO_BATCH, NUM_LAYERS, SEED, SEQ, VOCAB, Case, model_config, train_single_process
 
 EVAL_SAMPLE = 1_000_000  # evaluation samples start here, far from the training samples
 

@@ -27,7 +27,7 @@ import torch
 
 
 from .bert_support import BertCase, batches, reference
-from .equivalence_support import assert_equals_reference, bf16_losses, pipeline
+from ..equivalence_support import assert_equals_reference, bf16_losses, pipeline
 
 TRAINED = [
     BertCase("bert_bitpipe_pp2_n4", "bitpipe", pp=2, n=4),

@@ -23,7 +23,7 @@ import torch
 from megatron_bitpipe.model_partition import chunk_specs
 from megatron_bitpipe.schedules.placement import bidirectional, bidirectional_v, looped
 
-from .equivalence_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
+from ..equivalence_support import ADAM_EPS, ATOL, HIDDEN, LR, MICRO_BATCH, NUM_LAYERS, RTOL, SEQ, VOCAB, model_config
 
 GLOBAL_MICROBATCHES = 4
 SEED = 4321

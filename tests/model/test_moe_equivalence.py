@@ -22,7 +22,7 @@ from typing import List
 
 import pytest
 
-from .equivalence_support import Case, assert_equals_reference, model_config, pipeline, reference_training
+from ..equivalence_support import Case, assert_equals_reference, model_config, pipeline, reference_training
 
 pytestmark = [pytest.mark.multirank, pytest.mark.strict_p2p]
 

@@ -27,9 +27,9 @@ from megatron_bitpipe.cpu.launcher import launch
 
 from .bert_support import BertCase
 from .bert_support import reference as bert_reference
-from .pretrain_support import assert_same_records, records, train_in_process
-from .equivalence_support import Case, assert_equals_reference, model_config, pipeline
-from .equivalence_support import reference as gpt_reference
+from ..pretrain_support import assert_same_records, records, train_in_process
+from ..equivalence_support import Case, assert_equals_reference, model_config, pipeline
+from ..equivalence_support import reference as gpt_reference
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]
 LAUNCH_TIMEOUT = 600

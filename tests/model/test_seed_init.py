@@ -29,7 +29,7 @@ from megatron_bitpipe.model import seeded_random
 from megatron_bitpipe.model.init import initialize_parameter
 from megatron_bitpipe.model_partition import tp_block
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NORMAL = functools.partial(torch.nn.init.normal_, mean=0.0, std=0.02)
 _M = 2**64
 

@@ -28,7 +28,7 @@ import torch
 from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.optimizers import rex_coefficient
 
-from .pretrain_support import CURVE_KEYS, assert_same_records, checkpoint_objects, checkpoint_tensors, make_task, records, train_in_process
+from ..pretrain_support import CURVE_KEYS, assert_same_records, checkpoint_objects, checkpoint_tensors, make_task, records, train_in_process
 
 ITERS = 5
 MODEL = [

@@ -187,7 +187,7 @@ def test_megatron_lm_route_holds_the_flags_for_plan_schedules():
     """A plan schedule splits over its own stages: the flags leave Megatron-LM's fields (its rules
     count pipeline ranks, its TransformerConfig would split again) for the held copy the checks
     and the RunConfig read, as plain values (Megatron-LM pickles its namespace into checkpoints)."""
-    from .test_megatron_lm_errors import megatron_lm_args
+    from ..megatron_lm.test_megatron_lm_errors import megatron_lm_args
     from megatron_bitpipe.megatron_lm.args import hold_layer_split, release_layer_split, validate_megatron_lm_args
     from megatron_bitpipe.schedules.layer_split import HELD_ATTRIBUTE
 
@@ -202,7 +202,7 @@ def test_megatron_lm_route_holds_the_flags_for_plan_schedules():
 
 
 def test_megatron_lm_route_lends_megatron_a_first_stage_count_where_its_equal_split_check_would_fail():
-    from .test_megatron_lm_errors import megatron_lm_args
+    from ..megatron_lm.test_megatron_lm_errors import megatron_lm_args
     from megatron_bitpipe.megatron_lm.args import hold_layer_split, release_layer_split, validate_megatron_lm_args
 
     args = megatron_lm_args("--pipeline-schedule", "bitpipe", **_megatron_lm_fields(account_for_embedding_in_pipeline_split=True),
@@ -215,7 +215,7 @@ def test_megatron_lm_route_lends_megatron_a_first_stage_count_where_its_equal_sp
 
 
 def test_megatron_lm_route_refuses_a_bad_split_before_megatron_lm_checks_it():
-    from .test_megatron_lm_errors import megatron_lm_args
+    from ..megatron_lm.test_megatron_lm_errors import megatron_lm_args
     from megatron_bitpipe.megatron_lm.args import hold_layer_split
 
     args = megatron_lm_args("--pipeline-schedule", "zbv", **_megatron_lm_fields(pipeline_model_parallel_layout="E|tt|ttt|tttL"))
@@ -225,7 +225,7 @@ def test_megatron_lm_route_refuses_a_bad_split_before_megatron_lm_checks_it():
 
 
 def test_megatron_lm_route_leaves_the_flags_to_megatron_with_its_own_schedules():
-    from .test_megatron_lm_errors import megatron_lm_args
+    from ..megatron_lm.test_megatron_lm_errors import megatron_lm_args
     from megatron_bitpipe.megatron_lm.args import hold_layer_split
     from megatron_bitpipe.schedules.layer_split import HELD_ATTRIBUTE
 

@@ -5,7 +5,7 @@
 message), forward only}, a hash of the generator's per-rank compute order and the simulated
 makespan at free and at costly communication of the compute-only plan (communication implied
 by the placement). Lowering must leave every compute order and makespan unchanged. After an
-intended change of a generator, rewrite the file with ``python -m tests.test_lowering`` and
+intended change of a generator, rewrite the file with ``python -m tests.schedules.test_lowering`` and
 review the diff.
 """
 
@@ -25,7 +25,7 @@ from megatron_bitpipe.schedules import CostModel, PlanError, generate, lower, si
 from megatron_bitpipe.schedules.actions import Action, ActionType, SchedulePlan
 from megatron_bitpipe.schedules.comm import received_by, sent_by
 
-from .equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
+from ..equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
 FINGERPRINTS = pathlib.Path(__file__).with_name("plan_fingerprints.json")
 COSTS = {"free": CostModel(), "p2p": CostModel(t_p2p=0.1, t_sync=0.5)}

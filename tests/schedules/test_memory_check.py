@@ -1,4 +1,4 @@
-"""The simulator's memory per rank against what a CPU run measures (tests/memory_support.py):
+"""The simulator's memory per rank against what a CPU run measures (tests/schedules/memory_support.py):
 a small GPT (h 64, 4 heads, s 32, micro-batch 2, vocabulary 256, fp32, Adam, dropout 0,
 megatron-core's local layers: unfused attention) trained one step on 2 gloo ranks.
 

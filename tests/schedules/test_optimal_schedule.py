@@ -7,7 +7,7 @@ import sys
 import pytest
 
 pytest.importorskip("ortools")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
 from optimal_schedule import main, optimal_makespan  # noqa: E402
 

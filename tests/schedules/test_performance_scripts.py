@@ -28,7 +28,7 @@ from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.schedules import CostModel, generate, simulate
 from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, analytic_costs
 
-from .script_support import load_script
+from ..script_support import load_script
 
 calibrate = load_script("calibrate_gpu", "script_calibrate_gpu")
 predict = load_script("predict_throughput", "script_predict_throughput")

@@ -13,7 +13,7 @@ from megatron_bitpipe.schedules import CostModel, ScheduleChoice, simulate
 from megatron_bitpipe.schedules.cli import main
 from megatron_bitpipe.schedules.recommend import Budget, recommend, training_flags, training_variants
 from megatron_bitpipe.schedules.registry import training_schedules
-from tests.test_plugin_args import parse
+from ..plugin.test_plugin_args import parse
 
 #: flags of Megatron's own parser that recommend prints: set as namespace fields, not parsed
 _MEGATRON_FLAGS = {"--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", None),

@@ -146,7 +146,7 @@ def all_configs():
     for D in (1, 2, 3, 4, 6, 8):
         for N in range(D, 4 * D + 3):
             for schedule in SCHEDULES:
-                if schedule in ALWAYS_SPLIT:  # the peers: tests/test_peer_schedules.py
+                if schedule in ALWAYS_SPLIT:  # the peers: tests/schedules/test_peer_schedules.py
                     continue
                 if schedule in ("bitpipe", "chimera") and (D % 2 or N % 2):
                     continue

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from .script_support import REPO, load_script
+from ..script_support import REPO, load_script
 
 gpu_check = load_script("gpu_check")
 gpu_rank = load_script("gpu_rank")

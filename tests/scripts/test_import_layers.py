@@ -12,7 +12,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from .script_support import load_script
+from ..script_support import load_script
 
 import_layers = load_script("import_layers")
 

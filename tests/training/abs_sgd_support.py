@@ -14,7 +14,7 @@ weights, then applies ``G^{k-delay}`` normalised by its micro-batch count with t
 optimizer's rules written out: global-norm clipping, AdamW (no weight decay on biases and
 1-D parameters) and Megatron's learning-rate schedule advanced by the applied samples. Its
 pieces (:func:`reference_gpt`, :func:`microbatch_loss`, :func:`clip_gradients`,
-:func:`decays`) also serve the decentralized modes' replay (``tests/decentralized_support.py``).
+:func:`decays`) also serve the decentralized modes' replay (``tests/training/decentralized_support.py``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, tiny_gpt, train_in_process
+from ..pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, tiny_gpt, train_in_process
 
 ITERS = 4
 SAVE_AT = 2

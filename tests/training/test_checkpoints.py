@@ -37,7 +37,7 @@ import pytest
 from megatron_bitpipe import megatron_compat
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import CURVE_KEYS, REPO, assert_same_records, main_with_output, records, tiny_gpt, train_in_process
+from ..pretrain_support import CURVE_KEYS, REPO, assert_same_records, main_with_output, records, tiny_gpt, train_in_process
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.multirank]
 

@@ -10,7 +10,7 @@
   runs pieced together log the uninterrupted curve bit for bit.
 
 The SLURM side (the warning signal reaching the training processes, the requeue) is
-``tests/test_slurm.py``.
+``tests/training/test_slurm.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import assert_same_records, main_signalled, main_status, records
+from ..pretrain_support import assert_same_records, main_signalled, main_status, records
 
 ITERS = 6
 MODEL = [

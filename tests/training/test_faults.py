@@ -26,7 +26,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import RankFailure, launch
 
-from .pretrain_support import REPO, assert_same_records, main_in_process, main_status, main_with_output, records
+from ..pretrain_support import REPO, assert_same_records, main_in_process, main_status, main_with_output, records
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
 

@@ -15,7 +15,7 @@ import pytest
 from megatron_bitpipe.training.script import exit_status
 from megatron_bitpipe.usage import reader_gone
 
-from .pretrain_support import REPO
+from ..pretrain_support import REPO
 
 #: torchrun's own log lines (its agent's, not a rank's)
 TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d")

@@ -171,7 +171,7 @@ def test_cli_names_the_bad_input_line(tmp_path, capsys, line, message):
 def test_bitpipe_trains_on_the_stdlib_docs_like_a_single_process(tmp_path):
     from megatron_bitpipe.cpu.launcher import launch
 
-    from .pretrain_support import assert_same_records, records, train_in_process
+    from ..pretrain_support import assert_same_records, records, train_in_process
 
     prefix = stdlib_docs_dataset(str(tmp_path / "data"))
     flags = [

@@ -182,7 +182,7 @@ def test_slurm_templates_parse():
 
     if shutil.which("bash") is None:
         pytest.skip("bash is not installed")
-    templates = sorted((Path(__file__).resolve().parents[1] / "scripts" / "slurm").glob("*.s*"))
+    templates = sorted((Path(__file__).resolve().parents[2] / "scripts" / "slurm").glob("*.s*"))
     assert templates
     for template in templates:
         result = subprocess.run(["bash", "-n", str(template)], capture_output=True, text=True)

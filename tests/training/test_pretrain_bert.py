@@ -28,7 +28,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import assert_same_records, checked, main_in_process, records, run_script, train_in_process
+from ..pretrain_support import assert_same_records, checked, main_in_process, records, run_script, train_in_process
 
 ITERS, SAVE_AT = 3, 2
 MODEL = [

@@ -30,8 +30,8 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from . import pretrain_support
-from .pretrain_support import (
+from .. import pretrain_support
+from ..pretrain_support import (
     CURVE_KEYS,
     JsonLogs,
     assert_same_records,

@@ -21,7 +21,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, tiny_gpt, train_in_process
+from ..pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, tiny_gpt, train_in_process
 
 ITERS = 3
 MODEL = tiny_gpt(ITERS, num_layers=4)

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import CURVE_KEYS, assert_same_records, records, train_in_process
+from ..pretrain_support import CURVE_KEYS, assert_same_records, records, train_in_process
 
 ITERS = 3
 MODEL = [

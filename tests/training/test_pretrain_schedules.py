@@ -5,7 +5,7 @@ The zero-bubble family (ZB-H1, ZB-V, DualPipeV), DualPipe and Chimera each train
 on PP 2 x DP 2 with the distributed optimizer and log the single process's per-iteration
 losses, grad norms, learning rates and validation losses (rtol 1e-5, from ``--log-json``);
 DualPipe and Chimera hold two replicas whose pipelines end away from their start, so they run
-the model with untied embeddings (the tied model is refused, :mod:`tests.test_plugin_args`)
+the model with untied embeddings (the tied model is refused, :mod:`tests.plugin.test_plugin_args`)
 against an untied single process. A torch_dist checkpoint saved under one schedule at
 iteration 2 continues under another schedule and layout (ZB-V PP 2 x DP 2 -> DualPipeV PP 4;
 Chimera PP 2 x DP 2 -> DualPipe PP 4) on the uninterrupted curve. The features that compose
@@ -22,7 +22,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, tiny_gpt, train_in_process
+from ..pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, tiny_gpt, train_in_process
 
 ITERS, SAVE_AT = 4, 2
 MODEL = tiny_gpt(ITERS)

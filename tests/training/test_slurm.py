@@ -42,7 +42,7 @@ from typing import Dict, List
 
 import pytest
 
-from .pretrain_support import CURVE_KEYS, REPO, assert_same_records, events, records
+from ..pretrain_support import CURVE_KEYS, REPO, assert_same_records, events, records
 
 CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
 ITERS = 10

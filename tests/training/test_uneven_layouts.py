@@ -19,7 +19,7 @@ import pytest
 
 from megatron_bitpipe.cpu.launcher import launch
 
-from .pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, events, records, tiny_gpt, train_in_process
+from ..pretrain_support import CURVE_KEYS, JsonLogs, assert_same_records, events, records, tiny_gpt, train_in_process
 
 ITERS, SAVE_AT = 4, 2
 MODEL = tiny_gpt(ITERS, num_layers=6, global_batch_size=8)

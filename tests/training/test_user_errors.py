@@ -16,7 +16,7 @@ from megatron_bitpipe.training.script import run_script
 from megatron_bitpipe.training.task import TaskArguments
 from megatron_bitpipe.usage import FlagParser, UsageError, closest_flag
 
-from .pretrain_support import REPO
+from ..pretrain_support import REPO
 
 MODEL = [
     "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
