@@ -12,7 +12,7 @@ Each sample runs the very commands its block shows — in a scratch directory wh
 quote and the numbers taken from them, and a stamp line naming this command, the commit, the
 seconds and the load average. ``--check`` compares instead of writing: text must be equal and
 numbers equal to 1e-4 (relative, or one unit of the last printed digit), except what differs
-from run to run (times, throughput, memory, timestamps). ``tests/test_doc_samples.py`` runs
+from run to run (times, throughput, memory, timestamps). ``tests/scripts/test_doc_samples.py`` runs
 ``--check`` on the fast samples; the slow ones (``fast=False``: minutes on 2 cores) are rerun
 by hand before a release, and their stamp says at which commit they were made. The schedule
 tables and pictures of docs/schedules.md are one of the slow ones (``scripts/schedule_tables.py``).

@@ -113,7 +113,7 @@ NEEDS_TE = "skipped (Transformer Engine not importable)"
 
 
 # ----------------------------------------------------------------------------------------------
-# pure logic (tests/test_gpu_check.py)
+# pure logic (tests/scripts/test_gpu_check.py)
 
 
 def parse_nccl_version(version) -> Optional[Tuple[int, int, int]]:

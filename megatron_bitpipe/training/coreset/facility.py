@@ -12,7 +12,7 @@ lowest index. The lazy variant (Minoux) keeps stale gains as upper bounds in a h
 popped sample's gain is recomputed, and it is taken when it still beats the next bound
 (ties by index again), else pushed back. Gains only fall as S grows (submodularity; in
 floating point too, as every term and every partial sum is monotone), so the lazy greedy
-makes exactly the brute-force greedy's choices (tests/test_coreset.py checks it).
+makes exactly the brute-force greedy's choices (tests/training/test_coreset.py checks it).
 
 **Weights.** Each sample of the shard is assigned to the most similar selected sample (ties:
 the lowest index); a selected sample to itself. γ_j = the samples assigned to j, so Σγ = m.

@@ -1,0 +1,1 @@
+"""Tests of ``megatron_bitpipe.benchmarking`` and the benchmark scripts."""

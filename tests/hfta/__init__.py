@@ -1,0 +1,1 @@
+"""Tests of ``megatron_bitpipe.hfta``: fused arrays of GPTs and BERTs."""

@@ -1,0 +1,1 @@
+"""Tests of ``megatron_bitpipe.optimizers``: the optimizers and learning-rate schedules, alone and in training."""

@@ -1,0 +1,1 @@
+"""Tests of ``megatron_bitpipe.optimus``: Optimus 2D tensor parallelism."""

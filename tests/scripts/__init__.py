@@ -1,0 +1,1 @@
+"""Tests of ``scripts/``: the GPU check, the rooms' import levels, the documentation samples."""
