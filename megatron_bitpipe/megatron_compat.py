@@ -38,6 +38,9 @@ patch release in the range behaves like its neighbours:
   ``te_general_gemm`` only with Transformer Engine but its router GEMM reads the name in any
   case (NameError without TE); defining it as None, as later releases do, selects the router's
   plain-torch GEMM.
+* :func:`sharded_save_request` — 0.19's save takes ``async_strategy`` (its default needs
+  nvidia-resiliency-ext); the results queue of megatron-core's file writer is served by a
+  process that ends with its rank (``filesystem_async._results_queue`` in 0.16-0.19).
 * :func:`megatron_lm_functions` — where Megatron-LM's training code looks up what the runtime
   route wraps (argument parsing, batch broadcast, model builders), and :func:`with_keyword`
   for calls whose arguments moved between positions and keywords.
@@ -54,6 +57,8 @@ from typing import Optional, Tuple
 import torch
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import schedules as _schedules
+
+from .child_process import queue_ending_with_this_process
 
 __all__ = [
     "backward_step",
@@ -227,7 +232,21 @@ def sharded_save_request(state_dict, directory, **kwargs):
 
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
         kwargs["async_strategy"] = "mcore"
+    _write_results_queue_ending_with_rank()
     return dist_checkpointing.save(state_dict, directory, async_sharded_save=True, **kwargs)
+
+
+def _write_results_queue_ending_with_rank() -> None:
+    """megatron-core's file writer (0.16-0.19) returns its results through a queue served by a
+    manager process it spawns on a rank's first save and keeps in
+    ``filesystem_async._results_queue``; that process outlives a rank killed without clean-up
+    and holds the job's output open. Before the first save it gets one whose process ends with
+    the rank (:func:`~megatron_bitpipe.child_process.queue_ending_with_this_process`); a
+    release without that attribute is left as it is."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue_ending_with_this_process()
 
 
 def reads_common_state_in_index() -> bool:

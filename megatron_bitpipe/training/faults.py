@@ -18,6 +18,12 @@ rank and the iteration are fixed, so a test knows what to expect:
 ``--inject-fault-at save`` moves ``hang`` and ``crash`` into the checkpoint save after that
 iteration (which must be a save iteration): after every rank's shards are written and before
 the checkpoint's index and metadata are, so the save stays incomplete.
+
+A fault fires on the job's first attempt only: a job started again after a failure (requeued by
+SLURM, ``SLURM_RESTART_COUNT`` > 0, or its workers restarted by torchrun,
+``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from its checkpoint without it, so that a test can
+follow a fault to the job's recovery (:func:`job_restart` tells, :meth:`FaultInjection.from_args`
+decides).
 """
 
 from __future__ import annotations
@@ -29,14 +35,16 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Mapping, Optional
 
-__all__ = ["FAULTS", "FAULT_POINTS", "FaultInjection", "add_fault_args", "fault_problems"]
+__all__ = ["FAULTS", "FAULT_POINTS", "RESTART_COUNTS", "FaultInjection", "add_fault_args", "fault_problems", "job_restart"]
 
 #: ``--inject-fault`` values
 FAULTS = ("hang", "crash", "slow")
 #: ``--inject-fault-at`` values: the start of the training step, or inside the checkpoint save
 FAULT_POINTS = ("step", "save")
+#: the environment variables counting a job's restarts: SLURM's (a requeued job), torchrun's (restarted workers)
+RESTART_COUNTS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 
 
 def add_fault_args(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +55,9 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
         choices=FAULTS,
         default=None,
         help="make one rank fail: hang (stops for good), crash (killed with SIGKILL) or slow (sleeps "
-        "--inject-fault-sleep seconds per iteration); for testing how the job ends or reports a straggler",
+        "--inject-fault-sleep seconds per iteration); for testing how the job ends or reports a straggler. "
+        "On the job's first attempt only: a restarted job (SLURM_RESTART_COUNT or TORCHELASTIC_RESTART_COUNT "
+        "above 0) resumes without it",
     )
     group.add_argument("--inject-fault-rank", type=int, default=0, metavar="RANK", help="global rank of the fault (default 0)")
     group.add_argument(
@@ -93,6 +103,16 @@ def fault_problems(args: argparse.Namespace) -> List[str]:
     return problems
 
 
+def job_restart(environ: Mapping[str, str]) -> Optional[str]:
+    """The restart count that says this process belongs to a restarted job, as ``NAME=count``
+    (the first of :data:`RESTART_COUNTS` above 0), or None on the job's first attempt."""
+    for name in RESTART_COUNTS:
+        value = environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return f"{name}={int(value)}"
+    return None
+
+
 @dataclass(frozen=True)
 class FaultInjection:
     """The fault of the ``--inject-fault`` flags on this rank (``kind`` None: none here).
@@ -110,9 +130,19 @@ class FaultInjection:
     sleep_s: float = 0.0
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, rank: int) -> "FaultInjection":
-        """This rank's fault: the flags' when ``rank`` is ``--inject-fault-rank``, else none."""
+    def from_args(cls, args: argparse.Namespace, rank: int, restart: Optional[str] = None) -> "FaultInjection":
+        """This rank's fault: the flags' when ``rank`` is ``--inject-fault-rank`` on the job's
+        first attempt, else none. ``restart``: :func:`job_restart`'s answer; when it names a
+        restart, the fault's rank prints one line on stderr saying it is skipped."""
         if args.inject_fault is None or rank != args.inject_fault_rank:
+            return cls()
+        if restart is not None:
+            print(
+                f"[rank {rank}] --inject-fault {args.inject_fault} skipped: the job was restarted ({restart}); "
+                "an injected fault fires on the job's first attempt only",
+                file=sys.stderr,
+                flush=True,
+            )
             return cls()
         return cls(args.inject_fault, args.inject_fault_iteration, args.inject_fault_at, args.inject_fault_sleep)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -44,7 +45,7 @@ from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_che
 from .config import lr_scheduler, optimizer_config, use_global_tp_group
 from .data import build_tokenizer, microbatches
 from .exit_conditions import ExitConditions
-from .faults import FaultInjection
+from .faults import FaultInjection, job_restart
 from .logs import IterationRecord, TrainingLogger
 from .mode import TrainingParts, reduce_losses
 from .mode_registry import build_strategy, resume_mode
@@ -82,8 +83,8 @@ class Trainer:
         self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
         models = 1 if run.hfta is None else run.hfta.num_models
         self.flops_per_iteration = model_flops_per_iteration(args, self.kind.causal_attention, models)
-        #: the ``--inject-fault`` of this rank (none on the other ranks)
-        self.fault = FaultInjection.from_args(args, env.rank)
+        #: the ``--inject-fault`` of this rank (none on the other ranks, and in a restarted job)
+        self.fault = FaultInjection.from_args(args, env.rank, job_restart(os.environ))
         #: this rank's forward-step time per iteration, and the stragglers among the ranks (multi-rank
         #: jobs whose replicas step together: the gather is a collective over all ranks)
         self.forward_timer = ForwardTimer(env.device) if env.world_size > 1 and run.data_parallel_mode.lockstep else None

@@ -8,7 +8,10 @@
 # the training processes (torchrun itself ignores it), which finish their iteration, save a
 # checkpoint and exit 0 (--exit-signal-handler --exit-signal SIGUSR1). Then, if training is
 # not finished, it requeues the job (scontrol requeue; the job needs --requeue), and the
-# requeued job resumes from the latest checkpoint. Also works inside `salloc`.
+# requeued job resumes from the latest checkpoint. A run that fails (a rank died or hung: the
+# job ends non-zero) after saving a newer checkpoint is requeued the same way, at most
+# MAX_REQUEUES times; one that fails without a new checkpoint is not (it would fail again on the
+# same step). Also works inside `salloc`.
 #
 # Environment (all optional):
 #   NPROC_PER_NODE  processes per node (default: the GPUs SLURM gave this node, else 1)
@@ -19,10 +22,14 @@
 #   EXIT_SIGNAL     the warning signal to pass on, without SIG (default: USR1)
 #   CKPT_DIR, TRAIN_ITERS
 #                   with both set (the templates set them) and REQUEUE=1 (default), a run
-#                   that exits 0 after saving a checkpoint short of TRAIN_ITERS in CKPT_DIR
-#                   (Megatron's latest_checkpointed_iteration.txt) requeues the job: after
-#                   the warning signal, --exit-duration-in-mins or --exit-interval alike.
-# Exit status: torchrun's (a failing rank ends the job with its status).
+#                   whose latest checkpoint in CKPT_DIR (Megatron's
+#                   latest_checkpointed_iteration.txt) is newer than at its start and short of
+#                   TRAIN_ITERS requeues the job: one that exits 0 (after the warning signal,
+#                   --exit-duration-in-mins or --exit-interval alike) each time, one that
+#                   fails while the job has been requeued fewer than MAX_REQUEUES times
+#   MAX_REQUEUES    requeues after a failure, compared to SLURM_RESTART_COUNT (default 3)
+# Exit status: torchrun's (a failing rank ends the job with its status), also when the job is
+# requeued (SLURM then runs it again; the exit status of the ended run is not the job's).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -38,6 +45,8 @@ MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | hea
 MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
 EXIT_SIGNAL=${EXIT_SIGNAL:-USR1}
 REQUEUE=${REQUEUE:-1}
+MAX_REQUEUES=${MAX_REQUEUES:-3}
+RESTARTS=${SLURM_RESTART_COUNT:-0}
 
 # Threads: the cores this task may use (SLURM's count, capped by what this node really lets
 # it run on) shared by the node's processes; oversubscribed cores slow every rank down.
@@ -77,7 +86,7 @@ start_resender() {  # srun forwards the signal to every process of the step
 trap pass_on "$EXIT_SIGNAL"
 
 start_checkpoint=$(latest_checkpoint)
-echo "job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}): torchrun on ${NNODES} node(s) x ${NPROC_PER_NODE}" \
+echo "$(date '+%F %T') job ${SLURM_JOB_ID:-?} (restart ${RESTARTS}): torchrun on ${NNODES} node(s) x ${NPROC_PER_NODE}" \
     "process(es), ${OMP_NUM_THREADS} thread(s) each, rendezvous ${MASTER_ADDR}:${MASTER_PORT}," \
     "latest checkpoint: iteration ${start_checkpoint}"
 echo "+ $*"
@@ -110,12 +119,25 @@ if [[ -n "$resender" ]]; then kill "$resender" 2>/dev/null || true; fi
 
 end_checkpoint=$(latest_checkpoint)
 echo "$(date '+%F %T') training processes exited with status ${status}; latest checkpoint: iteration ${end_checkpoint}"
-if [[ $status -eq 0 && $REQUEUE == 1 && -n "${CKPT_DIR:-}" && -n "${TRAIN_ITERS:-}" && -n "${SLURM_JOB_ID:-}" ]] &&
-    ((end_checkpoint > start_checkpoint && end_checkpoint < TRAIN_ITERS)); then
-    echo "training stopped at iteration ${end_checkpoint} of ${TRAIN_ITERS}: requeueing job ${SLURM_JOB_ID} to resume from it"
+requeue() {  # requeue WHY: requeue this job to resume from the latest checkpoint
+    echo "$1: requeueing job ${SLURM_JOB_ID} to resume from it"
     scontrol requeue "$SLURM_JOB_ID" || {
         echo "could not requeue (submit with --requeue); resubmit the same job to resume" >&2
         exit 1
     }
+}
+if [[ $REQUEUE == 1 && -n "${CKPT_DIR:-}" && -n "${TRAIN_ITERS:-}" && -n "${SLURM_JOB_ID:-}" ]] &&
+    ((end_checkpoint < TRAIN_ITERS)); then
+    if ((end_checkpoint > start_checkpoint)); then
+        if [[ $status -eq 0 ]]; then
+            requeue "training stopped at iteration ${end_checkpoint} of ${TRAIN_ITERS}"
+        elif ((RESTARTS < MAX_REQUEUES)); then
+            requeue "training failed (status ${status}) after saving iteration ${end_checkpoint} of ${TRAIN_ITERS} (restart ${RESTARTS} of the job, MAX_REQUEUES=${MAX_REQUEUES})"
+        else
+            echo "training failed (status ${status}) after saving iteration ${end_checkpoint} of ${TRAIN_ITERS}; not requeued: the job has been requeued ${RESTARTS} time(s), MAX_REQUEUES=${MAX_REQUEUES}" >&2
+        fi
+    elif [[ $status -ne 0 ]]; then
+        echo "training failed (status ${status}) with no checkpoint newer than iteration ${start_checkpoint} (the one it started from); not requeued: it would fail again at the same point" >&2
+    fi
 fi
 exit "$status"

@@ -1,6 +1,7 @@
 """What the watchdog, the straggler report and the fault flags say, without processes: the
 watchdog's line from ranks' states, where a blocked thread waits, the relative scores, the
-fault flags' rules and the message of a checkpoint whose save never finished."""
+fault flags' rules, the first-attempt rule of an injected fault and the message of a checkpoint
+whose save never finished."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from megatron_bitpipe.checkpoint_checks import checkpoint_format, format_problem
 from megatron_bitpipe.training.arguments import parse_args
+from megatron_bitpipe.training.faults import FaultInjection, job_restart
 from megatron_bitpipe.training.straggler import StragglerDetector
 from megatron_bitpipe.training.watchdog import RankState, describe_stack, fault_line, process_group_timeout
 from megatron_bitpipe.megatron_args import BitPipeConfigError
@@ -102,6 +104,32 @@ def test_a_save_point_at_a_save_iteration_is_accepted():
     args = parse_args(None, [*MODEL, "--save", "x", "--save-interval", "2", "--inject-fault", "crash", "--inject-fault-at", "save",
                              "--inject-fault-iteration", "2", "--distributed-timeout-minutes", "0.05"], world_size=2, cuda_available=False)  # fmt: skip
     assert args.inject_fault_at == "save" and args.distributed_timeout_minutes == 0.05
+
+
+@pytest.mark.parametrize(
+    "environ, restart",
+    [
+        ({}, None),
+        ({"SLURM_RESTART_COUNT": "0", "TORCHELASTIC_RESTART_COUNT": "0"}, None),
+        ({"SLURM_RESTART_COUNT": "2"}, "SLURM_RESTART_COUNT=2"),
+        ({"SLURM_RESTART_COUNT": "0", "TORCHELASTIC_RESTART_COUNT": "1"}, "TORCHELASTIC_RESTART_COUNT=1"),
+    ],
+)
+def test_a_restart_count_above_zero_names_the_restart(environ, restart):
+    assert job_restart(environ) == restart
+
+
+def test_a_fault_fires_on_the_first_attempt_only_and_its_rank_says_when_it_is_skipped(capsys):
+    args = parse_args(None, [*MODEL, "--inject-fault", "crash", "--inject-fault-rank", "1", "--inject-fault-iteration", "3"],
+                      world_size=2, cuda_available=False)  # fmt: skip
+    assert FaultInjection.from_args(args, 1, None) == FaultInjection("crash", 3, "step", 1.0)
+    assert FaultInjection.from_args(args, 0, "SLURM_RESTART_COUNT=1") == FaultInjection()  # not its rank: silent
+    assert capsys.readouterr().err == ""
+    assert FaultInjection.from_args(args, 1, "SLURM_RESTART_COUNT=1") == FaultInjection()
+    assert capsys.readouterr().err == (
+        "[rank 1] --inject-fault crash skipped: the job was restarted (SLURM_RESTART_COUNT=1); "
+        "an injected fault fires on the job's first attempt only\n"
+    )
 
 
 def test_a_checkpoint_whose_save_never_finished_is_named_incomplete(tmp_path):

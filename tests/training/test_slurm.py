@@ -1,7 +1,7 @@
 """The sbatch templates on a real one-node SLURM cluster (``scripts/slurm/local_cluster.sh``).
 
 The module's fixture brings the cluster up (root only; apt-get installs slurm-wlm and munge
-when they are missing), submits five jobs from a directory outside the checkout, waits for
+when they are missing), submits six jobs from a directory outside the checkout, waits for
 them and stops the daemons it started. The jobs run one at a time (the templates ask for
 ``--exclusive``); the first on a node with two GPUs backed by dummy devices, the others on the
 node set up again without GPUs (an exclusive job gets all GPUs of its node):
@@ -19,8 +19,14 @@ node set up again without GPUs (an exclusive job gets all GPUs of its node):
   warning signal (``scancel --batch --signal=USR1``: what ``#SBATCH --signal=B:USR1@600``
   sends before the time limit). The training stops after that iteration, saves and exits 0,
   the job requeues itself, resumes from the checkpoint and must log ``gpt_bitpipe``'s curve
-  bit for bit. (The test releases the requeued job after REQUEUE_RELEASE_S seconds; SLURM
-  would hold it ~2 minutes.)
+  bit for bit;
+* ``gpt_fault`` — ``gpt_bitpipe`` again, saving every 5 iterations, with rank 1 crashing in
+  iteration 6 (``--inject-fault crash``): the run fails, the job requeues itself (a failed run
+  that saved a newer checkpoint), resumes from iteration 5 without the fault (it fires on the
+  job's first attempt only) and must log ``gpt_bitpipe``'s curve bit for bit.
+
+(The test releases a requeued job after REQUEUE_RELEASE_S seconds; SLURM would hold it ~2
+minutes.)
 
 ``BITPIPE_SLURM_TEST=skip`` skips these cluster tests (they install packages and start daemons);
 ``BITPIPE_SLURM_TEST=require`` (CI) makes a cluster that cannot be set up an error instead of a
@@ -57,6 +63,9 @@ CPU = ["--nodes=1", "--gpus-per-node=0", "--cpus-per-task=4", "--time=30"]
 PASSED_ON = ["--log-interval", "1"]  # after the script name: passed on to the pretrain script
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 BERT_KEYS = (*CURVE_KEYS, "sop_loss", "validation_sop_loss")
+#: ``gpt_fault``'s rank 1 crashes in this iteration, the first after a save
+FAULT_ITERATION = 6
+REQUEUED = {"gpt_requeue", "gpt_fault"}  # jobs that requeue themselves once
 
 def cluster_test(test):
     """A test of the jobs on the cluster: multi-rank, 25 minutes at most."""
@@ -128,8 +137,8 @@ class Jobs:
 
     def wait(self, timeout: float, signal_mid_run: str = "") -> None:
         """Until every job has ended; ``signal_mid_run`` gets the warning signal once it has
-        logged an iteration, and is released as soon as it is requeued."""
-        deadline, signalled, held_since = time.monotonic() + timeout, False, None
+        logged an iteration; a requeued job is released REQUEUE_RELEASE_S after its requeue."""
+        deadline, signalled, held_since = time.monotonic() + timeout, False, {}
         while len(self.final) < len(self.ids):
             assert time.monotonic() < deadline, f"jobs still running after {timeout:.0f} s: {sorted(set(self.ids) - set(self.final))}"
             for name, job in self.ids.items():
@@ -141,11 +150,11 @@ class Jobs:
                 elif name == signal_mid_run and not signalled and self.log(name).exists() and events(self.log(name), "iteration"):
                     run(["scancel", "--batch", "--signal=USR1", job], self.env, check=True)
                     signalled = True
-                elif name == signal_mid_run and info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":
+                elif info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":
                     # Released a few seconds after the requeue, not at once: the node must first
                     # finish revoking the ended run's credential, or it kills the new start.
-                    held_since = held_since or time.monotonic()
-                    if time.monotonic() - held_since > REQUEUE_RELEASE_S:
+                    held_since.setdefault(name, time.monotonic())
+                    if time.monotonic() - held_since[name] > REQUEUE_RELEASE_S:
                         run(["scontrol", "update", f"JobId={job}", "StartTime=now"], self.env, check=True)
             time.sleep(0.2)
 
@@ -193,6 +202,46 @@ def test_untied_embeddings_pass_through_extra_args(task, tmp_path):
     assert flags[-5:] == ["--untie-embeddings-and-output-weights", "--seed", "7", "--schedule-costs", "costs.json"]
 
 
+def launch_with_fake_slurm(tmp_path: Path, saved_before: int, saved_after: int, status: int, restarts: int) -> tuple:
+    """``torchrun_job.sh`` with stand-ins for srun (the training: moves the checkpoint tracker
+    from ``saved_before`` to ``saved_after``, exits ``status``) and scontrol; returns its exit
+    status, its output and the requeues it asked for."""
+    bin_dir, ckpt = tmp_path / "bin", tmp_path / "ckpt"
+    bin_dir.mkdir()
+    ckpt.mkdir()
+    if saved_before:
+        (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{saved_before}\n")
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho {saved_after} > "$CKPT_DIR/latest_checkpointed_iteration.txt"\nexit {status}\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\n[[ $1 == requeue ]] && echo "$2" >> {tmp_path / "requeues"}\necho node0\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path), "SLURM_JOB_NODELIST": "node0",
+           "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": str(restarts), "CKPT_DIR": str(ckpt), "TRAIN_ITERS": "10"}  # fmt: skip
+    result = run(["bash", str(REPO / "scripts" / "slurm" / "torchrun_job.sh"), "train.py"], env, timeout=60)
+    requeues = (tmp_path / "requeues").read_text().split() if (tmp_path / "requeues").exists() else []
+    return result.returncode, result.stdout + result.stderr, requeues
+
+
+@pytest.mark.multirank  # starts bash, no SLURM: seconds
+@pytest.mark.parametrize(
+    "saved_before, saved_after, status, restarts, requeued, line",
+    [
+        (2, 5, 0, 0, True, "training stopped at iteration 5 of 10: requeueing job 7 to resume from it"),
+        (0, 5, 1, 0, True, "training failed (status 1) after saving iteration 5 of 10 (restart 0 of the job, MAX_REQUEUES=3): requeueing job 7"),
+        (5, 8, 1, 2, True, "training failed (status 1) after saving iteration 8 of 10 (restart 2 of the job, MAX_REQUEUES=3): requeueing job 7"),
+        (5, 8, 1, 3, False, "training failed (status 1) after saving iteration 8 of 10; not requeued: the job has been requeued 3 time(s), MAX_REQUEUES=3"),
+        (5, 5, 1, 0, False, "training failed (status 1) with no checkpoint newer than iteration 5 (the one it started from); not requeued"),
+        (5, 5, 0, 0, False, "training processes exited with status 0; latest checkpoint: iteration 5"),
+        (5, 10, 1, 0, False, "training processes exited with status 1; latest checkpoint: iteration 10"),
+    ],
+)  # fmt: skip
+def test_launcher_requeues_a_run_that_saved_progress_and_not_one_that_did_not(tmp_path, saved_before, saved_after, status, restarts, requeued, line):
+    code, output, requeues = launch_with_fake_slurm(tmp_path, saved_before, saved_after, status, restarts)
+    assert code == status, output
+    assert requeues == (["7"] if requeued else []), output
+    assert line in output, output
+
+
 @pytest.mark.parametrize("task", sorted(TEMPLATES))
 def test_template_names_every_schedule_and_passes_extra_flags_last(task):
     from megatron_bitpipe.megatron_args import PIPELINE_SCHEDULES
@@ -228,6 +277,9 @@ def jobs(tmp_path_factory) -> Jobs:
         jobs.submit("gpt_bitpipe", "pretrain_gpt_bitpipe.sbatch", CPU, dict(GPT, TP=1, PP=4, NPROC_PER_NODE=4))
         jobs.submit("gpt_single", "pretrain_gpt_bitpipe.sbatch", CPU, dict(GPT, TP=1, **single))
         jobs.submit("gpt_requeue", "pretrain_gpt_bitpipe.sbatch", CPU, dict(GPT, TP=1, PP=4, NPROC_PER_NODE=4))
+        crash = f"{GPT['EXTRA_ARGS']} --inject-fault crash --inject-fault-rank 1 --inject-fault-iteration {FAULT_ITERATION}"
+        fault = dict(GPT, TP=1, PP=4, NPROC_PER_NODE=4, SAVE_INTERVAL=FAULT_ITERATION - 1, EXTRA_ARGS=crash)
+        jobs.submit("gpt_fault", "pretrain_gpt_bitpipe.sbatch", CPU, fault)
         jobs.wait(signal_mid_run="gpt_requeue", timeout=1200)
         yield jobs
     finally:
@@ -238,7 +290,7 @@ def jobs(tmp_path_factory) -> Jobs:
 def test_every_job_completes(jobs):
     for name, info in jobs.final.items():
         assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), f"{name}: {info}\n{jobs.slurm_output(name)[-3000:]}"
-        assert info["Restarts"] == ("1" if name == "gpt_requeue" else "0"), name
+        assert info["Restarts"] == ("1" if name in REQUEUED else "0"), name
 
 
 @cluster_test
@@ -275,4 +327,22 @@ def test_warning_signal_requeues_and_the_job_continues_the_curve(jobs):
     requeued, uninterrupted = records(jobs.log("gpt_requeue")), records(jobs.log("gpt_bitpipe"))
     logged = events(jobs.log("gpt_requeue"), "iteration")
     assert len(logged) == ITERS and sorted(requeued) == list(range(1, ITERS + 1))  # each iteration once
+    assert_same_records(requeued, uninterrupted, range(1, ITERS + 1), CURVE_KEYS, exact=True)
+
+
+@cluster_test
+def test_a_crash_after_a_save_requeues_and_the_job_continues_the_curve_without_the_fault(jobs):
+    output, saved = jobs.slurm_output("gpt_fault"), FAULT_ITERATION - 1
+    assert f"--inject-fault crash at the start of iteration {FAULT_ITERATION}: this rank is killed with SIGKILL" in output
+    failed = re.search(r"(\S+ \S+) training processes exited with status ([1-9]\d*); latest checkpoint: iteration (\d+)", output)
+    assert failed and int(failed.group(3)) == saved, output[-3000:]
+    assert f"training failed (status {failed.group(2)}) after saving iteration {saved} of {ITERS} (restart 0 of the job, MAX_REQUEUES=3): requeueing job" in output
+    resumed = re.search(r"(\S+ \S+) job \d+ \(restart 1\):.*latest checkpoint: iteration (\d+)", output)
+    assert resumed and int(resumed.group(2)) == saved, output[-3000:]
+    assert "--inject-fault crash skipped: the job was restarted (SLURM_RESTART_COUNT=1)" in output
+    assert f"iter_{saved:07d}: weights; iteration {saved}," in output
+    assert output.count("--inject-fault crash at the start") == 1
+    requeued, uninterrupted = records(jobs.log("gpt_fault")), records(jobs.log("gpt_bitpipe"))
+    assert sorted(requeued) == list(range(1, ITERS + 1))
+    assert len(events(jobs.log("gpt_fault"), "iteration")) == ITERS  # none logged twice
     assert_same_records(requeued, uninterrupted, range(1, ITERS + 1), CURVE_KEYS, exact=True)
