@@ -11,9 +11,12 @@ that will never complete) and :class:`RankFailure` is raised in the caller with 
 failing rank's traceback. A job that does not finish within ``timeout`` seconds is
 killed too, naming the ranks that had not reported.
 
-Workers are forked from a ``forkserver`` that has already imported torch and
-megatron-core, so a launch costs milliseconds of start-up instead of seconds of
-imports per rank. ``fn`` and its arguments must be picklable (module-level
+Workers are forked from a ``forkserver`` that has already imported torch,
+megatron-core and this package's training stack (the scripts' tasks and loop, which
+bring the models, the executor and the optimizers), so a launch costs milliseconds
+of start-up instead of seconds of imports per rank: measured on 2 cores, a 4-rank
+tiny GPT run went from 3.5 s to 1.4 s a launch. The preload names modules; it
+imports nothing into this module. ``fn`` and its arguments must be picklable (module-level
 functions, plain data). Arguments and return values are pickled by value (tensors
 included): no shared-memory handles, so any number of tensors can travel and results
 stay valid after the rank's process has exited.
@@ -30,7 +33,16 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, List
 
-_PRELOAD = ("torch", "torch.distributed", "megatron.core")
+#: modules the forkserver imports once, before it forks any rank (names that fail to import
+#: are skipped by multiprocessing: a job that needs them imports them itself)
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "megatron_bitpipe.training.gpt",
+    "megatron_bitpipe.training.bert",
+    "megatron_bitpipe.training.loop",
+)
 #: variables every launch passes on from the caller's environment as it is now (the workers'
 #: own environment is the forkserver's, a copy from when it started); unset ones pass as "".
 #: Strict p2p mode (:mod:`.strict_p2p`) and the device audit (:mod:`.device_audit`) are chosen this way.
