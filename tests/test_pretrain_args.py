@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_bitpipe.megatron_args import BitPipeConfigError
-from megatron_bitpipe.run_config import RunConfig
-from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+from megatron_bitpipe.run_config import RunConfig, padded_vocab_size
+from megatron_bitpipe.training.arguments import parse_args
 from megatron_bitpipe.training.gpt import GPTTask, MockGPTDataset
 from megatron_bitpipe.usage import UsageError
 

@@ -326,7 +326,7 @@ HFTA_BERT = replace(
     BERT,
     name="hfta-bert",
     chosen_when=is_fused_array,
-    layer_spec=lambda args, run, config: hfta_bert_layer_spec(run.hfta.num_models, core_attention(args)),
+    layer_spec=lambda args, run, config: hfta_bert_layer_spec(run.hfta.num_models, core_attention(run)),
     chunk_kwargs=lambda args, run: dict(_binary_head(args, run), model_class=HftaBertChunk, hfta=run.hfta),
     forward_step=lambda args, run: functools.partial(
         bert_forward_step, loss_func=functools.partial(hfta_bert_loss, run.hfta.num_models)

@@ -40,6 +40,7 @@ import torch
 
 from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
+from ..run_config import RunConfig
 from .arguments import BYTE_LEVEL_TOKENIZER
 from .abs_sgd.args import dataset_train_samples
 
@@ -136,13 +137,13 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
     return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
 
 
-def microbatches(dataset, first_sample: int, args, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
-    """This data-parallel rank's micro-batches of the global batch starting at sample
+def microbatches(dataset, first_sample: int, run: RunConfig, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of ``run``'s global batch starting at sample
     ``first_sample`` (training: the consumed samples; evaluation batch ``k``: ``k x
     --global-batch-size``)."""
-    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    mbs, dp = run.batches.micro_batch_size, run.layout.data
     batches = []
-    for m in range(args.num_microbatches):
+    for m in range(run.batches.num_microbatches):
         start = first_sample + (m * dp + dp_rank) * mbs
         batches.append(collate([dataset[start + j] for j in range(mbs)]))
     return batches

@@ -189,7 +189,7 @@ HFTA_GPT = replace(
     GPT,
     name="hfta-gpt",
     chosen_when=is_fused_array,
-    layer_spec=lambda args, run, config: hfta_gpt_layer_spec(run.hfta.num_models, args.normalization, core_attention(args)),
+    layer_spec=lambda args, run, config: hfta_gpt_layer_spec(run.hfta.num_models, args.normalization, core_attention(run)),
     chunk_kwargs=lambda args, run: dict(_rotary_base(args, run), model_class=HftaGPTModel, hfta=run.hfta),
     forward_step=lambda args, run: partial(hfta_forward_step, run.hfta.num_models),
     loss_names=lambda args, run: hfta_loss_names(GPT_LOSSES, run.hfta.num_models),
