@@ -211,6 +211,8 @@ class RunConfig:
         kernels: the layers' implementations (``--transformer-impl``, ``--attention-backend``).
         checkpointing: ``--save``, ``--load`` and what a resume takes.
         logging: the log interval and files.
+        distributed_backend: ``--distributed-backend``, the process group's backend (``nccl``,
+            ``gloo``; this package's scripts default it to ``nccl`` with a GPU, else ``gloo``).
     """
 
     schedule: ScheduleChoice
@@ -232,6 +234,7 @@ class RunConfig:
     kernels: Kernels = Kernels()
     checkpointing: Checkpointing = Checkpointing()
     logging: Logging = Logging()
+    distributed_backend: Optional[str] = None
 
     @property
     def executes_plan(self) -> bool:
@@ -332,6 +335,7 @@ class RunConfig:
                 json_path=getattr(args, "log_json", None),
                 tensorboard_dir=getattr(args, "tensorboard_dir", None),
             ),
+            distributed_backend=getattr(args, "distributed_backend", None),
         )
 
 

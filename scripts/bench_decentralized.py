@@ -116,10 +116,11 @@ def _run_rank(runs: List[tuple], log_dir: str) -> Optional[List[dict]]:
         task = GPTTask()
         args = parse_args(task, [*flags, "--log-json", log_json])
         tokenizer = build_tokenizer(args)
-        env = distributed.initialize(args, enable_cpu_megatron)
+        run = RunConfig.from_args(args, tokenizer.vocab_size)
+        env = distributed.initialize(args, run, enable_cpu_megatron)
         load_before, started = os.getloadavg()[0], time.perf_counter()
         with ExitConditions(args, time.time()) as exits:
-            Trainer(task, args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, env).train(exits)
+            Trainer(task, args, run, tokenizer, env).train(exits)
         dist.barrier()
         if env.rank == 0:
             with open(log_json, encoding="utf-8") as f:

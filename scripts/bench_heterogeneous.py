@@ -166,9 +166,10 @@ def _run_rank(settings: Settings, flags: List[str], log_json: str) -> Optional[d
     task = _emulated_task(settings)
     args = parse_args(task, [*flags, "--log-json", log_json])
     tokenizer = build_tokenizer(args)
-    env = distributed.initialize(args, enable_cpu_megatron)
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    env = distributed.initialize(args, run, enable_cpu_megatron)
     with ExitConditions(args, time.time()) as exits:
-        Trainer(task, args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, env).train(exits)
+        Trainer(task, args, run, tokenizer, env).train(exits)
     dist.barrier()
     if env.rank != 0:
         return None

@@ -61,7 +61,8 @@ def time_steps(argv: List[str], warmup: int, iters: int) -> float:
     task = GPTTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
-    trainer = Trainer(task, args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
     times = []
     for step in range(warmup + iters):
         if torch.cuda.is_available():

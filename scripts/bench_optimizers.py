@@ -70,7 +70,8 @@ def _bench_rank(argv: List[str]) -> dict:
     task = GPTTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
-    trainer = Trainer(task, args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
     rows = []
     while trainer.state.iteration < args.train_iters:
         with CollectiveMeter() as meter:

@@ -86,9 +86,9 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     argv = _model_argv(signature) + ([] if bert_binary_head else ["--bert-no-binary-head"])
     argv += ["--use-checkpoint-opt_param-scheduler", "--no-save-rng", "--save", new_root]
     args = parse_args(task, argv, world_size=1, cuda_available=False)
-    distributed.initialize(args, enable_cpu_megatron)
+    run = dataclasses.replace(RunConfig.from_args(args), padded_vocab_size=signature[_VOCAB_FLAG])  # the checkpoint's
+    distributed.initialize(args, run, enable_cpu_megatron)
     try:
-        run = dataclasses.replace(RunConfig.from_args(args), padded_vocab_size=signature[_VOCAB_FLAG])  # the checkpoint's
         model = model_kind_for(task.name, run).build_model(args, run)
         optimizer = build_optimizer(model, optimizer_config(args, run), hfta=run.hfta)
         adam = optimizer.chained_optimizers[0].optimizer  # one fp32 Adam over the single-process model

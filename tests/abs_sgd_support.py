@@ -43,8 +43,8 @@ class RecordingDataset:
 class RecordingGPTTask(GPTTask):
     """GPT whose training set records the indices read."""
 
-    def build_datasets(self, args, tokenizer):
-        train, valid, test = super().build_datasets(args, tokenizer)
+    def build_datasets(self, args, run, tokenizer):
+        train, valid, test = super().build_datasets(args, run, tokenizer)
         self.recorded = RecordingDataset(train)
         return self.recorded, valid, test
 
@@ -79,9 +79,10 @@ def train_case(argv: Sequence[str], log_json: str, probe: Optional[Callable] = N
     task = RecordingGPTTask()
     args = parse_args(task, [*argv, "--log-json", log_json])
     tokenizer = build_tokenizer(args)
-    env = distributed.initialize(args, enable_cpu_megatron)
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    env = distributed.initialize(args, run, enable_cpu_megatron)
     try:
-        trainer = Trainer(task, args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, env)
+        trainer = Trainer(task, args, run, tokenizer, env)
     except CheckpointError as error:
         dist.barrier()
         return {"error": str(error)}
@@ -157,7 +158,7 @@ def reference_gpt(argv: Sequence[str]):
     specs = chunk_specs(placement, config.num_layers, 0, not args.untie_embeddings_and_output_weights)
     initialize_from_seed([net], specs, args.seed, groups.tp)
     net.double()
-    return args, net, task.build_datasets(args, tokenizer)
+    return args, net, task.build_datasets(args, run, tokenizer)
 
 
 def decays(name: str, param: torch.Tensor) -> bool:

@@ -44,7 +44,8 @@ def trainer(argv: List[str]):
     task = BertTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
-    return Trainer(task, args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    return Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
 
 
 def step_record(trainer, num_models: Optional[int]) -> dict:

@@ -147,7 +147,8 @@ def _trainer(argv: List[str]):
     bf16 = "--bf16" in argv
     args = parse_args(task, [*argv, "--distributed-backend", "gloo"] if bf16 else argv, cuda_available=bf16)
     tokenizer = build_tokenizer(args)
-    return Trainer(task, args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    return Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
 
 
 def checkpoint_records(root: str) -> dict:

@@ -59,7 +59,8 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     task = make_task("gpt")
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
-    trainer = Trainer(task, args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
     with ExitConditions(args, time.time()) as exits:
         trainer.train(exits)
     return max_replica_difference(trainer.model.chunks, trainer.groups)

@@ -267,12 +267,12 @@ class BertTask(BertArguments, PretrainTask):
     def model_flags(self):
         return {**super().model_flags(), "--bert-no-binary-head": lambda a: not getattr(a, "bert_binary_head", True)}
 
-    def build_datasets(self, args: argparse.Namespace, tokenizer):
-        train_samples = args.train_iters * args.global_batch_size
-        valid_samples = args.eval_iters * args.global_batch_size
+    def build_datasets(self, args: argparse.Namespace, run: RunConfig, tokenizer):
+        train_samples = args.train_iters * run.batches.global_batch_size
+        valid_samples = args.eval_iters * run.batches.global_batch_size
         if args.use_mock_data:
             data = MockBERTDataset(
-                MOCK_VALID_OFFSET + valid_samples, args.seq_length, tokenizer.vocab_size, args.seed, mask_prob=args.mask_prob
+                MOCK_VALID_OFFSET + valid_samples, run.batches.seq_length, tokenizer.vocab_size, args.seed, mask_prob=args.mask_prob
             )
             valid = torch.utils.data.Subset(data, range(MOCK_VALID_OFFSET, MOCK_VALID_OFFSET + valid_samples))
             return torch.utils.data.Subset(data, range(train_samples)), (valid if valid_samples else None), None
@@ -280,6 +280,7 @@ class BertTask(BertArguments, PretrainTask):
 
         return indexed_datasets(
             args,
+            run,
             tokenizer,
             BERTMaskedWordPieceDataset,
             BERTMaskedWordPieceDatasetConfig,

@@ -84,7 +84,7 @@ def _split_elements(dataset_class, config, prefix: str, split: int) -> int:
 
 
 def indexed_datasets(
-    args: argparse.Namespace, tokenizer, dataset_class, config_class, **fields
+    args: argparse.Namespace, run: RunConfig, tokenizer, dataset_class, config_class, **fields
 ) -> Tuple[object, Optional[object], Optional[object]]:
     """``(train, valid, test)`` megatron-core datasets of ``dataset_class`` over the
     ``--data-path`` blend: ``--train-iters`` global batches of training samples and
@@ -105,7 +105,7 @@ def indexed_datasets(
     blend = get_blend_from_list(args.data_path)
     config = config_class(
         random_seed=args.seed,
-        sequence_length=args.seq_length,
+        sequence_length=run.batches.seq_length,
         blend=blend,
         split=args.split,
         path_to_cache=args.data_cache_path,
@@ -122,7 +122,7 @@ def indexed_datasets(
             raise BitPipeConfigError(f"--split {args.split}: the {name} set gets no data of {empty[0]}; give it a larger share{extra}")
         held.append(not empty)
     config.split_matrix = [share if has_data else None for share, has_data in zip(config.split_matrix, held)]
-    evaluated = args.eval_iters * args.global_batch_size
+    evaluated = args.eval_iters * run.batches.global_batch_size
     samples = [dataset_train_samples(args), evaluated, evaluated]
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
     if args.eval_iters == 0:

@@ -78,7 +78,7 @@ class Trainer:
             with averaged_weights(self.optimizer):  # checkpoints hold Schedule-Free's averaged weights
                 loaded = load_checkpoint(run.checkpointing.load, self.model, self.optimizer, self.scheduler, args, run, task)
             self.state = loaded or self.state
-        self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
+        self.train_data, self.valid_data, self.test_data = task.build_datasets(args, run, tokenizer)
         models = 1 if run.hfta is None else run.hfta.num_models
         self.flops_per_iteration = model_flops_per_iteration(args, run, self.kind.causal_attention, models)
         #: the ``--inject-fault`` of this rank (none on the other ranks)
@@ -259,7 +259,7 @@ def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: 
     with ExitConditions(args, time.time()) as exits:
         tokenizer = build_tokenizer(args)
         run = RunConfig.from_args(args, tokenizer.vocab_size)
-        env = distributed.initialize(args, cpu_fallback)
+        env = distributed.initialize(args, run, cpu_fallback)
         layout, batches = run.layout, run.batches
         distributed.log(
             f"{task.name}: {run.label} schedule, TP {layout.tensor} ({layout.tensor_parallel_mode}) x "

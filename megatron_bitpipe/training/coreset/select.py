@@ -182,6 +182,7 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optiona
     returns it. A process group this starts (for the proxy model) is ended; a caller's stays."""
     import torch.distributed as dist
 
+    from ...run_config import RunConfig
     from ..data import build_tokenizer
     from ..gpt import GPTTask
 
@@ -191,7 +192,7 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optiona
     n = identity.train_samples
     started = time.perf_counter()
     tokenizer = build_tokenizer(args)
-    GPTTask().build_datasets(args, tokenizer)  # a dataset without training samples fails here, before any work
+    GPTTask().build_datasets(args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer)  # a dataset without training samples fails here, before any work
     timings = {"datasets_s": time.perf_counter() - started}
     if not settings.needs_model:
         if settings.fraction == 1.0:
@@ -236,7 +237,7 @@ def proxy_trainer(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], 
 
     tokenizer = build_tokenizer(args)
     run = RunConfig.from_args(args, tokenizer.vocab_size)
-    env = distributed.initialize(args, cpu_fallback)
+    env = distributed.initialize(args, run, cpu_fallback)
     return Trainer(GPTTask(), args, run, tokenizer, env)
 
 
@@ -260,7 +261,7 @@ def _select_with_model(args, settings: SelectionSettings, n: int, cpu_fallback, 
     samples = trainer.train_data.__getitem__
 
     def proxies_of(start: int, stop: int) -> np.ndarray:
-        return proxies_for(chunk, samples, range(start, stop), args.micro_batch_size, collate, trainer.env.device)
+        return proxies_for(chunk, samples, range(start, stop), trainer.run_config.batches.micro_batch_size, collate, trainer.env.device)
 
     return _craig(proxies_of, n, settings, timings)
 
