@@ -28,7 +28,7 @@ def _logger(tmp_path, rank: int = 0, resumed: bool = False, train_iters: int = 4
         _run(), precision=Precision(fp16=fp16), batches=Batches(2, 16, 8), padded_vocab_size=128,
         logging=Logging(log_interval, str(tmp_path / "log.jsonl")),
     )  # fmt: skip
-    return TrainingLogger(argparse.Namespace(train_iters=train_iters), run, rank=rank, resumed=resumed)
+    return TrainingLogger(run, train_iters, rank=rank, resumed=resumed)
 
 
 def _record(iteration: int, loss: float, skipped: bool = False, tflops=None, memory=100.0) -> IterationRecord:

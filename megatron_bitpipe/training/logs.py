@@ -133,11 +133,11 @@ def _shown(value) -> str:
 
 
 class TrainingLogger:
-    """Writes the start-up report, :class:`IterationRecord` s and the summary on rank 0 (a
-    no-op elsewhere)."""
+    """Writes the start-up report, :class:`IterationRecord` s and the summary of ``run``, which
+    trains to iteration ``train_iters``, on rank 0 (a no-op elsewhere)."""
 
-    def __init__(self, args, run: RunConfig, rank: int, resumed: bool):
-        self.args, self.run = args, run
+    def __init__(self, run: RunConfig, train_iters: int, rank: int, resumed: bool):
+        self.run, self.train_iters = run, train_iters
         self.active = rank == 0
         self.interval: List[IterationRecord] = []
         self.first = True  # no iteration of this run recorded yet
@@ -168,7 +168,7 @@ class TrainingLogger:
         if self.tensorboard is not None:
             self._tensorboard(record)
         self.interval.append(record)
-        if record.iteration % self.run.logging.interval == 0 or record.iteration == self.args.train_iters:
+        if record.iteration % self.run.logging.interval == 0 or record.iteration == self.train_iters:
             self._line()
         elif self.first:  # Megatron-LM's line after a run's first iteration; the interval goes on
             self._line(keep_interval=True)
@@ -235,7 +235,7 @@ class TrainingLogger:
         last = self.shown = records[-1]
         done = [r for r in records if not r.skipped]
         fields = [
-            f"[{timestamp(last.time)}] iteration {last.iteration:8d}/{self.args.train_iters:8d}",
+            f"[{timestamp(last.time)}] iteration {last.iteration:8d}/{self.train_iters:8d}",
             f"consumed samples: {last.consumed_samples:12d}",
             f"elapsed time per iteration (ms): {sum(r.elapsed_ms for r in records) / len(records):.1f}",
         ]

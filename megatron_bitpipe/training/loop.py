@@ -107,7 +107,7 @@ class Trainer:
         self.data_parallel = build_strategy(run.data_parallel_mode, parts)
         if loaded is not None:
             resume_mode(checkpoint_dir(run.checkpointing.load, loaded.iteration), self.data_parallel)
-        self.logger = TrainingLogger(args, run, env.rank, resumed=self.state.iteration > 0)
+        self.logger = TrainingLogger(run, args.train_iters, env.rank, resumed=self.state.iteration > 0)
         self.logger.startup(
             gather_rank_reports(self.model, env.device),
             memory_kind(env.device),
