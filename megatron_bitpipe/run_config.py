@@ -9,8 +9,11 @@ decisions made from the flags, each made once here: the resolved
 resolved to megatron-core's choice, ``--schedule-costs`` read), who runs it (megatron-core's
 forward_backward function or this package's plan executor), the parallel layout, the
 layers of each pipeline stage (:class:`~megatron_bitpipe.schedules.layer_split.StageLayers` of
-Megatron-LM's uneven-layout flags), the mixture of experts, the precision, the batch shape, the padded vocabulary, the data-parallel mode and the optimizer choice. Everything
-downstream of the parser takes the :class:`RunConfig` for these decisions; the model's
+Megatron-LM's uneven-layout flags), the mixture of experts, the precision, the batch shape, the
+data-parallel mode, the optimizer choice, the layers' kernels, checkpointing, logging, the
+process group's backend and, on this package's scripts, which build the tokenizer first, the
+padded vocabulary. Everything downstream of the parser takes the :class:`RunConfig` for these
+decisions and nothing writes to the namespace once it exists; the model's
 hyper-parameters (layers, hidden size, ...) stay Megatron-LM's namespace fields, read in one
 place per consumer (the ``TransformerConfig`` builder).
 
