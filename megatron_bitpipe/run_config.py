@@ -126,6 +126,7 @@ class Kernels:
             Transformer Engine where it runs the run's layers, else local.
         attention_backend: ``--attention-backend``: ``auto`` (the layer spec's own core
             attention), ``local`` or ``sdpa`` (torch's scaled dot-product attention in local layers).
+            On Megatron-LM's route its own ``AttnBackend`` member (its model builders read it).
     """
 
     transformer_impl: Optional[str] = None
