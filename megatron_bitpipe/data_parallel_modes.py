@@ -1,8 +1,9 @@
 """The data-parallel modes by name: the one list ``--data-parallel-mode``, the run
 configuration and the training loop read.
 
-:data:`REGISTRY` maps each name to its :class:`DataParallelMode` (what is decided by the
-mode's name alone, before any model exists), in the order listings show them;
+:data:`REGISTRY` (a :class:`~megatron_bitpipe.registry.Registry`) maps each name to its
+:class:`DataParallelMode` (what is decided by the mode's name alone, before any model exists),
+in the order listings show them;
 :func:`register` adds one (a name may be registered once); :func:`data_parallel_mode` looks
 one up with a message listing the names; :func:`add_data_parallel_mode_arg` defines the flag.
 What a mode does inside the training loop (its iteration, checkpoint state, evaluated
@@ -20,6 +21,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
+from .registry import Registry
 __all__ = [
     "ABS_SGD",
     "DECENTLAM",
@@ -71,28 +73,17 @@ class DataParallelMode:
 
 
 #: mode name -> mode, in listing order
-REGISTRY: Dict[str, DataParallelMode] = {}
+REGISTRY: Registry[DataParallelMode] = Registry(
+    "a data-parallel mode", lambda name, names: ValueError(f"--data-parallel-mode: unknown mode {name!r}; choose from {names}")
+)
 
 
-def register(mode: DataParallelMode) -> DataParallelMode:
-    """Add ``mode`` under its name; :class:`ValueError` if the name is taken."""
-    if mode.name in REGISTRY:
-        raise ValueError(f"a data-parallel mode named {mode.name!r} is already registered")
-    REGISTRY[mode.name] = mode
-    return mode
-
-
-def data_parallel_mode(name: str) -> DataParallelMode:
-    """The mode called ``name``; :class:`ValueError` naming the choices."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"--data-parallel-mode: unknown mode {name!r}; choose from {', '.join(REGISTRY)}") from None
-
-
-def mode_names() -> Tuple[str, ...]:
-    """Every registered mode's name, in listing order."""
-    return tuple(REGISTRY)
+#: ``register(mode)``: add a mode under its name (:class:`ValueError` if the name is taken)
+register = REGISTRY.add
+#: ``data_parallel_mode(name)``: the mode called ``name`` (:class:`ValueError` naming the choices)
+data_parallel_mode = REGISTRY.lookup
+#: ``mode_names()``: every registered mode's name, in listing order
+mode_names = REGISTRY.names
 
 
 def decentralized_modes() -> Tuple[DataParallelMode, ...]:

@@ -9,8 +9,11 @@ decisions made from the flags, each made once here: the resolved
 resolved to megatron-core's choice, ``--schedule-costs`` read), who runs it (megatron-core's
 forward_backward function or this package's plan executor), the parallel layout, the
 layers of each pipeline stage (:class:`~megatron_bitpipe.schedules.layer_split.StageLayers` of
-Megatron-LM's uneven-layout flags), the mixture of experts, the precision, the batch shape, the data-parallel mode and the optimizer choice. Everything
-downstream of the parser takes the :class:`RunConfig` for these decisions; the model's
+Megatron-LM's uneven-layout flags), the mixture of experts, the precision, the batch shape, the
+data-parallel mode, the optimizer choice, the layers' kernels, checkpointing, logging, the
+process group's backend and, on this package's scripts, which build the tokenizer first, the
+padded vocabulary. Everything downstream of the parser takes the :class:`RunConfig` for these
+decisions and nothing writes to the namespace once it exists; the model's
 hyper-parameters (layers, hidden size, ...) stay Megatron-LM's namespace fields, read in one
 place per consumer (the ``TransformerConfig`` builder).
 
@@ -21,6 +24,7 @@ before ``torch.distributed`` starts.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
@@ -33,7 +37,14 @@ from .schedules import REGISTRY, ScheduleChoice
 from .schedules.layer_split import LayerSplitFlags, StageLayers, split_layers, split_problems
 from .schedules.placement import Placement
 
-__all__ = ["Batches", "ParallelLayout", "Precision", "RunConfig"]
+__all__ = ["Batches", "Checkpointing", "Kernels", "Logging", "ParallelLayout", "Precision", "RunConfig", "padded_vocab_size"]
+
+
+def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+    """``vocab_size`` rounded up to a multiple of lcm(``--make-vocab-size-divisible-by``, TP size)
+    (Megatron-LM's rule: every tensor-parallel rank holds an equal slice of the embedding)."""
+    multiple = math.lcm(args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    return -(-vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -97,11 +108,68 @@ class Batches:
         micro_batch_size: samples per micro-batch.
         global_batch_size: samples per iteration over the job.
         num_microbatches: micro-batches per data-parallel rank and iteration (the schedule's N).
+        seq_length: tokens per sample (``--seq-length``).
     """
 
     micro_batch_size: int
     global_batch_size: int
     num_microbatches: int
+    seq_length: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which implementations the model's layers use.
+
+    Attributes:
+        transformer_impl: ``--transformer-impl`` (``transformer_engine`` or ``local``); None:
+            Transformer Engine where it runs the run's layers, else local.
+        attention_backend: ``--attention-backend``: ``auto`` (the layer spec's own core
+            attention), ``local`` or ``sdpa`` (torch's scaled dot-product attention in local layers).
+            On Megatron-LM's route its own ``AttnBackend`` member (its model builders read it).
+    """
+
+    transformer_impl: Optional[str] = None
+    attention_backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where the run saves and what it takes from the checkpoint it resumes.
+
+    Attributes:
+        save: ``--save``, the directory checkpoints are written under (None: no checkpoints).
+        save_interval: ``--save-interval``, iterations between checkpoints (None: at the end only).
+        load: ``--load``, the directory resumed from (None: a fresh start).
+        finetune: ``--finetune``: the weights only, from iteration 0.
+        no_load_optim: ``--no-load-optim``: the weights and progress without the optimizer state.
+    """
+
+    save: Optional[str] = None
+    save_interval: Optional[int] = None
+    load: Optional[str] = None
+    finetune: bool = False
+    no_load_optim: bool = False
+
+    @property
+    def weights_only(self) -> bool:
+        """Whether a resume leaves the optimizer state (and what rides with it) fresh."""
+        return self.finetune or self.no_load_optim
+
+
+@dataclass(frozen=True)
+class Logging:
+    """What the training logs write, and how often.
+
+    Attributes:
+        interval: ``--log-interval``, iterations per log line.
+        json_path: ``--log-json``, the JSON-lines event file (None: none).
+        tensorboard_dir: ``--tensorboard-dir`` (None: no TensorBoard events).
+    """
+
+    interval: int = 100
+    json_path: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +208,15 @@ class RunConfig:
             or ``--pipeline-model-parallel-layout`` ask for); None without ``--num-layers`` and
             where the flags do not split this placement's stages (Megatron-LM's route, whose own
             schedules' chunks megatron-core builds and checks).
+        padded_vocab_size: the embedding's rows: the tokenizer's vocabulary padded by
+            :func:`padded_vocab_size`; None where the RunConfig is made without the tokenizer
+            (Megatron-LM's route, where Megatron-LM builds the tokenizer and pads its vocabulary
+            into its own namespace).
+        kernels: the layers' implementations (``--transformer-impl``, ``--attention-backend``).
+        checkpointing: ``--save``, ``--load`` and what a resume takes.
+        logging: the log interval and files.
+        distributed_backend: ``--distributed-backend``, the process group's backend (``nccl``,
+            ``gloo``; this package's scripts default it to ``nccl`` with a GPU, else ``gloo``).
     """
 
     schedule: ScheduleChoice
@@ -157,6 +234,11 @@ class RunConfig:
     overlap_p2p_comm: bool = False
     replica_slowdown: Optional[Tuple[float, ...]] = None
     stage_layers: Optional[StageLayers] = None
+    padded_vocab_size: Optional[int] = None
+    kernels: Kernels = Kernels()
+    checkpointing: Checkpointing = Checkpointing()
+    logging: Logging = Logging()
+    distributed_backend: Optional[str] = None
 
     @property
     def executes_plan(self) -> bool:
@@ -201,9 +283,10 @@ class RunConfig:
         return self.schedule.placement(self.layout.pipeline)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RunConfig":
+    def from_args(cls, args: argparse.Namespace, vocab_size: Optional[int] = None) -> "RunConfig":
         """The decisions of checked flags (either route's namespace; the data-parallel size and
-        the batch sizes as Megatron-LM derives them). Reads the ``--schedule-costs`` file."""
+        the batch sizes as Megatron-LM derives them) and of the tokenizer's ``vocab_size`` (None:
+        no tokenizer, no :attr:`padded_vocab_size`). Reads the ``--schedule-costs`` file."""
         schedule = schedule_choice(args)
         interleaved = REGISTRY[schedule.schedule].takes_virtual_size
         slowdown = getattr(args, "emulate_replica_slowdown", None)  # flags of this package's scripts only
@@ -226,6 +309,7 @@ class RunConfig:
                 micro_batch_size=args.micro_batch_size,
                 global_batch_size=args.global_batch_size,
                 num_microbatches=args.global_batch_size // (args.micro_batch_size * data),
+                seq_length=getattr(args, "seq_length", None),
             ),
             data_parallel_mode=data_parallel_mode,
             optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode.decentralized),
@@ -238,6 +322,24 @@ class RunConfig:
             overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", False)) and (schedule.plan_executed or interleaved),
             replica_slowdown=None if slowdown is None else tuple(slowdown),
             stage_layers=_stage_layers(args, schedule.placement(pipeline)),
+            padded_vocab_size=None if vocab_size is None else padded_vocab_size(vocab_size, args),
+            kernels=Kernels(
+                transformer_impl=getattr(args, "transformer_impl", None),
+                attention_backend=getattr(args, "attention_backend", "auto"),
+            ),
+            checkpointing=Checkpointing(
+                save=getattr(args, "save", None),
+                save_interval=getattr(args, "save_interval", None),
+                load=getattr(args, "load", None),
+                finetune=bool(getattr(args, "finetune", False)),
+                no_load_optim=bool(getattr(args, "no_load_optim", False)),
+            ),
+            logging=Logging(
+                interval=getattr(args, "log_interval", 100),
+                json_path=getattr(args, "log_json", None),
+                tensorboard_dir=getattr(args, "tensorboard_dir", None),
+            ),
+            distributed_backend=getattr(args, "distributed_backend", None),
         )
 
 

@@ -103,7 +103,7 @@ def _run_rank(runs: List[tuple], log_dir: str) -> Optional[List[dict]]:
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import distributed
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.gpt import GPTTask
@@ -116,11 +116,11 @@ def _run_rank(runs: List[tuple], log_dir: str) -> Optional[List[dict]]:
         task = GPTTask()
         args = parse_args(task, [*flags, "--log-json", log_json])
         tokenizer = build_tokenizer(args)
-        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-        env = distributed.initialize(args, enable_cpu_megatron)
+        run = RunConfig.from_args(args, tokenizer.vocab_size)
+        env = distributed.initialize(args, run, enable_cpu_megatron)
         load_before, started = os.getloadavg()[0], time.perf_counter()
         with ExitConditions(args, time.time()) as exits:
-            Trainer(task, args, RunConfig.from_args(args), tokenizer, env).train(exits)
+            Trainer(task, args, run, tokenizer, env).train(exits)
         dist.barrier()
         if env.rank == 0:
             with open(log_json, encoding="utf-8") as f:

@@ -53,7 +53,7 @@ def time_steps(argv: List[str], warmup: int, iters: int) -> float:
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training import distributed
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.gpt import GPTTask
     from megatron_bitpipe.training.loop import Trainer
@@ -61,8 +61,8 @@ def time_steps(argv: List[str], warmup: int, iters: int) -> float:
     task = GPTTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
     times = []
     for step in range(warmup + iters):
         if torch.cuda.is_available():

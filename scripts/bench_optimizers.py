@@ -61,7 +61,7 @@ def _bench_rank(argv: List[str]) -> dict:
     from megatron_bitpipe.benchmarking.meters import CollectiveMeter
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import distributed
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.gpt import GPTTask
     from megatron_bitpipe.training.loop import Trainer
@@ -70,8 +70,8 @@ def _bench_rank(argv: List[str]) -> dict:
     task = GPTTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
     rows = []
     while trainer.state.iteration < args.train_iters:
         with CollectiveMeter() as meter:

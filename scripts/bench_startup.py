@@ -59,7 +59,7 @@ def _child(options: argparse.Namespace) -> dict:
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.model import build
     from megatron_bitpipe.execution.groups import ParallelGrid
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import transformer_config
     from megatron_bitpipe.training.gpt import GPTTask
@@ -72,11 +72,10 @@ def _child(options: argparse.Namespace) -> dict:
         "--train-iters", "1", "--lr", "1e-4", "--seed", "1234",
     ]  # fmt: skip
     args = parse_args(GPTTask(), argv, world_size=world, cuda_available=False)
-    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args)
     enable_cpu_megatron()
     dist.init_process_group("fake", store=FakeStore(), rank=options.pipeline_rank * tp, world_size=world)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[options.params_dtype]
-    run = RunConfig.from_args(args)
+    run = RunConfig.from_args(args, args.vocab_size)
     config = transformer_config(args, run, params_dtype=dtype, pipeline_dtype=dtype)
 
     seed_seconds = []
@@ -94,7 +93,7 @@ def _child(options: argparse.Namespace) -> dict:
         config,
         ParallelGrid(tp, 1, pp),
         run.placement,
-        vocab_size=args.padded_vocab_size,
+        vocab_size=run.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         seed=args.seed,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -20,6 +20,7 @@ later (the old checkpoints come from 0.16: convert with megatron-core 0.16).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -85,10 +86,9 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     argv = _model_argv(signature) + ([] if bert_binary_head else ["--bert-no-binary-head"])
     argv += ["--use-checkpoint-opt_param-scheduler", "--no-save-rng", "--save", new_root]
     args = parse_args(task, argv, world_size=1, cuda_available=False)
-    args.padded_vocab_size = signature[_VOCAB_FLAG]
-    distributed.initialize(args, enable_cpu_megatron)
+    run = dataclasses.replace(RunConfig.from_args(args), padded_vocab_size=signature[_VOCAB_FLAG])  # the checkpoint's
+    distributed.initialize(args, run, enable_cpu_megatron)
     try:
-        run = RunConfig.from_args(args)
         model = model_kind_for(task.name, run).build_model(args, run)
         optimizer = build_optimizer(model, optimizer_config(args, run), hfta=run.hfta)
         adam = optimizer.chained_optimizers[0].optimizer  # one fp32 Adam over the single-process model
@@ -112,7 +112,7 @@ def convert(old_root: str, new_root: str, step=None) -> str:
         if any(scaler is not None for scaler in common.get("grad_scalers", [])):
             distributed.log("note: the fp16 loss scale is not carried over (it restarts at --initial-loss-scale)")
         state = TrainingState(metadata["iteration"], metadata["consumed_train_samples"])
-        saved = save_checkpoint(new_root, state, model, optimizer, scheduler, args, task)
+        saved = save_checkpoint(new_root, state, model, optimizer, scheduler, args, run, task)
         distributed.log(f"converted {directory} -> {saved} (iteration {state.iteration}, {state.consumed_train_samples} samples consumed)")
         return saved
     finally:

@@ -40,6 +40,7 @@ __all__ = [
     "VIRTUAL_SIZE_FLAG",
     "add_megatron_lm_args",
     "chain_args_provider",
+    "configure_optimizer_checkpoints",
     "hold_layer_split",
     "release_layer_split",
     "validate_megatron_lm_args",
@@ -238,6 +239,24 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             )
     if problems:
         raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def configure_optimizer_checkpoints(args: argparse.Namespace) -> None:
+    """Switch on Megatron-LM's ``--dist-ckpt-optim-fully-reshardable`` (its checkpointing reads
+    it from its own namespace) where a plan-executed schedule runs with
+    ``--use-distributed-optimizer``: ``fully_reshardable`` is the only form its per-chunk
+    distributed optimizers save; says so on rank 0. Local; after :func:`validate_megatron_lm_args`,
+    before the run's :class:`~megatron_bitpipe.run_config.RunConfig` is made."""
+    choice = ScheduleChoice(resolved_schedule(args))
+    if not (choice.plan_executed and getattr(args, "use_distributed_optimizer", False)) or args.dist_ckpt_optim_fully_reshardable:
+        return
+    args.dist_ckpt_optim_fully_reshardable = True
+    if args.rank == 0:
+        print(
+            f"megatron_bitpipe: --pipeline-schedule {choice.schedule} with --use-distributed-optimizer saves "
+            "its optimizer state fully reshardable (--dist-ckpt-optim-fully-reshardable)",
+            flush=True,
+        )
 
 
 def _as_list(value) -> list:

@@ -58,7 +58,13 @@ from ..megatron_compat import enable_moe_without_transformer_engine, megatron_lm
 from ..optimizers import OWN_OPTIMIZERS, ParamScheduler, averaged_weights, build_megatron_optimizer
 from ..plugin import installed_schedule, register
 from ..run_config import RunConfig
-from .args import chain_args_provider, hold_layer_split, release_layer_split, validate_megatron_lm_args
+from .args import (
+    chain_args_provider,
+    configure_optimizer_checkpoints,
+    hold_layer_split,
+    release_layer_split,
+    validate_megatron_lm_args,
+)
 from .losses import make_megatron_lm_forward_backward_func
 
 __all__ = [
@@ -96,24 +102,17 @@ def setup(args: argparse.Namespace) -> RunConfig:
     Engine (:func:`~megatron_bitpipe.megatron_compat.enable_moe_without_transformer_engine`),
     for every schedule.
 
-    With a plan-executed schedule and ``--use-distributed-optimizer`` the optimizer state is
-    checkpointed in the ``fully_reshardable`` form, the only one its per-chunk optimizers have
-    (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``, which its checkpointing reads, is
-    switched on, with a note).
+    Megatron-LM's own namespace is completed before the RunConfig is made (nothing writes to it
+    afterwards): with a plan-executed schedule and ``--use-distributed-optimizer`` the optimizer
+    state is checkpointed in the ``fully_reshardable`` form, the only one its per-chunk
+    optimizers have (:func:`~.args.configure_optimizer_checkpoints`).
     """
     release_layer_split(args)
     validate_megatron_lm_args(args)
+    configure_optimizer_checkpoints(args)
     config = RunConfig.from_args(args)
     if config.moe is not None:
         enable_moe_without_transformer_engine()
-    if config.executes_plan and config.distributed_optimizer and not args.dist_ckpt_optim_fully_reshardable:
-        args.dist_ckpt_optim_fully_reshardable = True
-        if args.rank == 0:
-            print(
-                f"megatron_bitpipe: --pipeline-schedule {config.schedule.schedule} with --use-distributed-optimizer saves "
-                "its optimizer state fully reshardable (--dist-ckpt-optim-fully-reshardable)",
-                flush=True,
-            )
     if config.stage_layers is not None and not config.stage_layers.is_even and args.rank == 0:
         print(f"megatron_bitpipe: transformer layers per pipeline stage (pipeline order): {config.stage_layers}", flush=True)
     plan_func = make_megatron_lm_forward_backward_func(config.schedule) if config.executes_plan else None

@@ -1,15 +1,17 @@
 """The schedule generators by name: the one list the schedule command line, the training
 flags (``--pipeline-schedule``), the runtime and the docs read.
 
-:data:`REGISTRY` maps each name to its :class:`~.generator.ScheduleGenerator` (each generator
-module's ``GENERATOR``), in the order listings show them; :func:`register` adds one (a name
-may be registered once); :func:`generator` looks one up with a message listing the names.
+:data:`REGISTRY` (a :class:`~megatron_bitpipe.registry.Registry`) maps each name to its
+:class:`~.generator.ScheduleGenerator` (each generator module's ``GENERATOR``), in the order
+listings show them; :func:`register` adds one (a name may be registered once); :func:`generator`
+looks one up with a message listing the names.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
+from ..registry import Registry
 from . import bitpipe, chimera, dualpipe, dualpipev, interleaved, one_f_one_b, zb_h1, zbv
 from .errors import ScheduleConfigError
 from .generator import PLAN_RUNNER, ScheduleGenerator
@@ -17,28 +19,17 @@ from .generator import PLAN_RUNNER, ScheduleGenerator
 __all__ = ["REGISTRY", "generator", "register", "schedule_names", "training_schedules", "plan_executed_schedules"]
 
 #: schedule name -> generator, in listing order
-REGISTRY: Dict[str, ScheduleGenerator] = {}
+REGISTRY: Registry[ScheduleGenerator] = Registry(
+    "a schedule", lambda name, names: ScheduleConfigError(f"--schedule: unknown schedule {name!r}; choose from {names}")
+)
 
 
-def register(schedule: ScheduleGenerator) -> ScheduleGenerator:
-    """Add ``schedule`` under its name; :class:`ValueError` if the name is taken."""
-    if schedule.name in REGISTRY:
-        raise ValueError(f"a schedule named {schedule.name!r} is already registered")
-    REGISTRY[schedule.name] = schedule
-    return schedule
-
-
-def generator(name: str) -> ScheduleGenerator:
-    """The generator called ``name``; :class:`~.errors.ScheduleConfigError` naming the choices."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ScheduleConfigError(f"--schedule: unknown schedule {name!r}; choose from {', '.join(REGISTRY)}") from None
-
-
-def schedule_names() -> Tuple[str, ...]:
-    """Every registered schedule, in listing order."""
-    return tuple(REGISTRY)
+#: ``register(schedule)``: add a generator under its name (:class:`ValueError` if the name is taken)
+register = REGISTRY.add
+#: ``generator(name)``: the generator called ``name`` (:class:`~.errors.ScheduleConfigError` naming the choices)
+generator = REGISTRY.lookup
+#: ``schedule_names()``: every registered schedule, in listing order
+schedule_names = REGISTRY.names
 
 
 def training_schedules() -> Tuple[str, ...]:

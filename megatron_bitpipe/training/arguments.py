@@ -17,12 +17,12 @@ for a single process), ``data_parallel_size``, ``num_microbatches`` (per data-pa
 data-parallel size; ``global_batch_size_defaulted`` says the flag was left out), ``lr_decay_iters`` (``--train-iters``), ``use_mock_data`` (no
 ``--data-path``), ``recompute_granularity`` (``selective`` with ``--recompute-activations``).
 The run's decisions (the resolved schedule, layout, precision, batch shape, data-parallel mode,
-optimizer) are not namespace fields: :meth:`megatron_bitpipe.run_config.RunConfig.from_args`
-makes them once from the checked namespace.
+optimizer, padded vocabulary) are not namespace fields: :meth:`megatron_bitpipe.run_config.RunConfig.from_args`
+makes them once from the checked namespace and the tokenizer.
 
 Defaults that differ from Megatron-LM: ``--hidden-dropout`` and ``--attention-dropout`` are 0
 (dropout masks are drawn per rank, so only without dropout do two layouts give the same loss
-curve), and the vocabulary is padded to a multiple of lcm(``--make-vocab-size-divisible-by``,
+curve), and the vocabulary is padded (:func:`megatron_bitpipe.run_config.padded_vocab_size`) to a multiple of lcm(``--make-vocab-size-divisible-by``,
 TP size) rather than their product, so the padded size, the initial weights and checkpoints do
 not depend on the TP size (any TP size dividing ``--make-vocab-size-divisible-by``).
 """
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
-import math
 import os
 import signal
 from typing import List, Optional, Sequence
@@ -68,7 +67,6 @@ __all__ = [
     "data_path_prefixes",
     "parse_args",
     "validate",
-    "padded_vocab_size",
 ]
 
 #: --attention-backend values: Megatron-LM's auto and local, and torch's SDPA
@@ -346,12 +344,6 @@ def build_parser(task=None, prog: Optional[str] = None) -> FlagParser:
     return parser
 
 
-def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
-    """``vocab_size`` rounded up to a multiple of lcm(``--make-vocab-size-divisible-by``, TP size)."""
-    multiple = math.lcm(args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    return -(-vocab_size // multiple) * multiple
-
-
 def _fill_derived(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
     args.world_size = world_size
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
@@ -376,7 +368,6 @@ def _fill_derived(args: argparse.Namespace, world_size: int, cuda_available: boo
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     args.use_mock_data = not args.data_path
-    args.padded_vocab_size = None  # known once the tokenizer is built
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"  # Megatron-LM's meaning of --recompute-activations
 

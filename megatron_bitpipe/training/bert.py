@@ -267,12 +267,12 @@ class BertTask(BertArguments, PretrainTask):
     def model_flags(self):
         return {**super().model_flags(), "--bert-no-binary-head": lambda a: not getattr(a, "bert_binary_head", True)}
 
-    def build_datasets(self, args: argparse.Namespace, tokenizer):
-        train_samples = args.train_iters * args.global_batch_size
-        valid_samples = args.eval_iters * args.global_batch_size
+    def build_datasets(self, args: argparse.Namespace, run: RunConfig, tokenizer):
+        train_samples = args.train_iters * run.batches.global_batch_size
+        valid_samples = args.eval_iters * run.batches.global_batch_size
         if args.use_mock_data:
             data = MockBERTDataset(
-                MOCK_VALID_OFFSET + valid_samples, args.seq_length, tokenizer.vocab_size, args.seed, mask_prob=args.mask_prob
+                MOCK_VALID_OFFSET + valid_samples, run.batches.seq_length, tokenizer.vocab_size, args.seed, mask_prob=args.mask_prob
             )
             valid = torch.utils.data.Subset(data, range(MOCK_VALID_OFFSET, MOCK_VALID_OFFSET + valid_samples))
             return torch.utils.data.Subset(data, range(train_samples)), (valid if valid_samples else None), None
@@ -280,6 +280,7 @@ class BertTask(BertArguments, PretrainTask):
 
         return indexed_datasets(
             args,
+            run,
             tokenizer,
             BERTMaskedWordPieceDataset,
             BERTMaskedWordPieceDatasetConfig,
@@ -326,7 +327,7 @@ HFTA_BERT = replace(
     BERT,
     name="hfta-bert",
     chosen_when=is_fused_array,
-    layer_spec=lambda args, run, config: hfta_bert_layer_spec(run.hfta.num_models, core_attention(args)),
+    layer_spec=lambda args, run, config: hfta_bert_layer_spec(run.hfta.num_models, core_attention(run)),
     chunk_kwargs=lambda args, run: dict(_binary_head(args, run), model_class=HftaBertChunk, hfta=run.hfta),
     forward_step=lambda args, run: functools.partial(
         bert_forward_step, loss_func=functools.partial(hfta_bert_loss, run.hfta.num_models)

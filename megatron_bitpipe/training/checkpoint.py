@@ -101,10 +101,18 @@ def content_metadata(optimizer) -> Dict[str, object]:
     return metadata
 
 
-def _saved_args(args: argparse.Namespace, state: TrainingState, task) -> argparse.Namespace:
+def _megatron_lm_args(args: argparse.Namespace, run: RunConfig) -> argparse.Namespace:
+    """A copy of the run's flags with the decision Megatron-LM keeps in its namespace and
+    checkpoints compare (``padded_vocab_size``), as Megatron-LM's namespace holds them."""
+    full = argparse.Namespace(**vars(args))
+    full.padded_vocab_size = run.padded_vocab_size
+    return full
+
+
+def _saved_args(args: argparse.Namespace, run: RunConfig, state: TrainingState, task) -> argparse.Namespace:
     """The run's arguments as Megatron-LM stores them (it reads progress counters and checks
     model flags from them)."""
-    saved = argparse.Namespace(**vars(args))
+    saved = _megatron_lm_args(args, run)
     saved.consumed_train_samples = state.consumed_train_samples
     saved.skipped_train_samples = 0
     saved.consumed_valid_samples = 0
@@ -154,7 +162,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
-    root: str, state: TrainingState, model: PipelineModel, optimizer, scheduler, args, task,
+    root: str, state: TrainingState, model: PipelineModel, optimizer, scheduler, args, run: RunConfig, task,
     shards_written: Optional[Callable[[], None]] = None,
 ) -> str:
     """Write the checkpoint of ``state.iteration`` under ``root``; returns its directory.
@@ -176,7 +184,7 @@ def save_checkpoint(
     metadata = content_metadata(optimizer)
     sharded = {**metadata, "dp_cp_group": model.groups.rank_pgs.dp}
     state_dict = {
-        "args": _saved_args(args, state, task),
+        "args": _saved_args(args, run, state, task),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": state.iteration,
         "num_floating_point_operations_so_far": 0,
@@ -206,12 +214,12 @@ def save_checkpoint(
 # -- loading --------------------------------------------------------------------------------
 
 
-def _schedule_problems(saved: dict, scheduler, args, saved_args) -> List[str]:
+def _schedule_problems(saved: dict, scheduler, args, run: RunConfig, saved_args) -> List[str]:
     """Differences between the checkpoint's learning-rate / weight-decay schedule and this
     run's flags, in the flags' terms (lengths in samples and iterations)."""
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return []
-    batch = args.global_batch_size
+    batch = run.batches.global_batch_size
     their_batch = getattr(saved_args, "global_batch_size", batch) or batch
 
     def samples(count, per_iteration):
@@ -285,7 +293,7 @@ def _no_checkpoint(root: str, args) -> None:
     log(f"WARNING: {why}: starting from iteration 0")
 
 
-def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args, task) -> Optional[TrainingState]:
+def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args, run: RunConfig, task) -> Optional[TrainingState]:
     """Load the checkpoint ``--load root`` names (``--ckpt-step``: that iteration) into this
     run; None, after one warning, if ``root`` holds none.
 
@@ -309,10 +317,10 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
     saved_task = getattr(saved_args, "task", task.name)
     if saved_task != task.name:
         raise_if_any([f"it holds a {saved_task} model, this run trains {task.name}"], directory, "holds another model")
-    raise_if_any(model_flag_problems(saved_args, args, task.model_flags()), directory, "holds a different model")
+    raise_if_any(model_flag_problems(saved_args, _megatron_lm_args(args, run), task.model_flags()), directory, "holds a different model")
 
-    finetune = args.finetune or release
-    load_optimizer = not (finetune or args.no_load_optim)
+    finetune = run.checkpointing.finetune or release
+    load_optimizer = not (finetune or run.checkpointing.no_load_optim)
     if load_optimizer and "optimizer" not in common:
         raise_if_any(
             ["it has no optimizer state (saved with --no-save-optim): pass --no-load-optim or --finetune to load its weights"],
@@ -321,7 +329,7 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
         )
     if load_optimizer:
         raise_if_any(_optimizer_problems(saved_args, args), directory, "cannot resume this run's optimizer")
-        raise_if_any(_schedule_problems(common["opt_param_scheduler"], scheduler, args, saved_args), directory,
+        raise_if_any(_schedule_problems(common["opt_param_scheduler"], scheduler, args, run, saved_args), directory,
                      "has another learning-rate schedule (keep it with --use-checkpoint-opt_param-scheduler, or take this "
                      "run's with --override-opt_param-scheduler)")
     saved_layout = (getattr(saved_args, "tensor_model_parallel_size", None), getattr(saved_args, "pipeline_model_parallel_size", None))

@@ -64,9 +64,9 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
     dtype = run.precision.dtype
     # the split defers local layers' W; --attention-backend local/sdpa replace local layers' core attention
     # megatron-core's local MoE layers (experts as a SequentialMLP) too
-    local_only = run.schedule.splits_backward or getattr(args, "attention_backend", "auto") != "auto" or run.moe is not None
+    local_only = run.schedule.splits_backward or run.kernels.attention_backend != "auto" or run.moe is not None
     te_default = gpu and _have_transformer_engine() and not local_only
-    impl = args.transformer_impl or ("transformer_engine" if te_default else "local")
+    impl = run.kernels.transformer_impl or ("transformer_engine" if te_default else "local")
     fields = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

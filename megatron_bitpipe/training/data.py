@@ -40,6 +40,7 @@ import torch
 
 from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
+from ..run_config import RunConfig
 from .arguments import BYTE_LEVEL_TOKENIZER
 from .abs_sgd.args import dataset_train_samples
 
@@ -83,7 +84,7 @@ def _split_elements(dataset_class, config, prefix: str, split: int) -> int:
 
 
 def indexed_datasets(
-    args: argparse.Namespace, tokenizer, dataset_class, config_class, **fields
+    args: argparse.Namespace, run: RunConfig, tokenizer, dataset_class, config_class, **fields
 ) -> Tuple[object, Optional[object], Optional[object]]:
     """``(train, valid, test)`` megatron-core datasets of ``dataset_class`` over the
     ``--data-path`` blend: ``--train-iters`` global batches of training samples and
@@ -104,7 +105,7 @@ def indexed_datasets(
     blend = get_blend_from_list(args.data_path)
     config = config_class(
         random_seed=args.seed,
-        sequence_length=args.seq_length,
+        sequence_length=run.batches.seq_length,
         blend=blend,
         split=args.split,
         path_to_cache=args.data_cache_path,
@@ -121,7 +122,7 @@ def indexed_datasets(
             raise BitPipeConfigError(f"--split {args.split}: the {name} set gets no data of {empty[0]}; give it a larger share{extra}")
         held.append(not empty)
     config.split_matrix = [share if has_data else None for share, has_data in zip(config.split_matrix, held)]
-    evaluated = args.eval_iters * args.global_batch_size
+    evaluated = args.eval_iters * run.batches.global_batch_size
     samples = [dataset_train_samples(args), evaluated, evaluated]
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
     if args.eval_iters == 0:
@@ -136,13 +137,13 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
     return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
 
 
-def microbatches(dataset, first_sample: int, args, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
-    """This data-parallel rank's micro-batches of the global batch starting at sample
+def microbatches(dataset, first_sample: int, run: RunConfig, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of ``run``'s global batch starting at sample
     ``first_sample`` (training: the consumed samples; evaluation batch ``k``: ``k x
     --global-batch-size``)."""
-    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    mbs, dp = run.batches.micro_batch_size, run.layout.data
     batches = []
-    for m in range(args.num_microbatches):
+    for m in range(run.batches.num_microbatches):
         start = first_sample + (m * dp + dp_rank) * mbs
         batches.append(collate([dataset[start + j] for j in range(mbs)]))
     return batches

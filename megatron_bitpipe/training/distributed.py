@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..megatron_args import BitPipeConfigError
+from ..run_config import RunConfig
 from .watchdog import process_group_timeout
 
 __all__ = ["Distributed", "initialize", "log"]
@@ -50,8 +51,11 @@ def log(message: str, rank0_only: bool = True) -> None:
     print(message, flush=True)
 
 
-def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None) -> Distributed:
-    """Initialise the default process group for ``args.world_size`` ranks; return this rank's place.
+def initialize(
+    args: argparse.Namespace, run: RunConfig, cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None
+) -> Distributed:
+    """Initialise the default process group (``run``'s backend) for ``args.world_size`` ranks;
+    return this rank's place.
 
     Without CUDA, ``cpu_fallback()`` prepares the CPU run and returns its run device (None: the CPU).
 
@@ -82,18 +86,18 @@ def initialize(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Opt
     else:
         # NCCL: bind the device, so every communicator is created eagerly, when its group is
         # (megatron_bitpipe.execution.groups also warms up the pipeline's groups at set-up).
-        eager = {"device_id": device} if args.distributed_backend == "nccl" else {}
+        eager = {"device_id": device} if run.distributed_backend == "nccl" else {}
         if "MASTER_ADDR" in os.environ or world_size > 1:
             init = {"init_method": "env://"}
         else:
             init = {"store": dist.HashStore()}
-        dist.init_process_group(args.distributed_backend, rank=rank, world_size=world_size, timeout=timeout, **init, **eager)
+        dist.init_process_group(run.distributed_backend, rank=rank, world_size=world_size, timeout=timeout, **init, **eager)
     if device.type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         log(f"{os.environ['LOCAL_WORLD_SIZE']} ranks share {torch.cuda.device_count()} GPU(s) on this node")
     if device.type == "cpu":
         log(
-            f"no CUDA GPU: training on the CPU with {args.distributed_backend} and megatron-bitpipe's CPU "
+            f"no CUDA GPU: training on the CPU with {run.distributed_backend} and megatron-bitpipe's CPU "
             f"compatibility layer (for tests and demos), {world_size} rank(s)"
         )
-    return Distributed(rank, world_size, local_rank, device, args.distributed_backend)
+    return Distributed(rank, world_size, local_rank, device, run.distributed_backend)
 

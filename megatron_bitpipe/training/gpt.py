@@ -122,23 +122,25 @@ class GPTTask(GPTArguments, PretrainTask):
 
     name = "gpt"
 
-    def build_datasets(self, args: argparse.Namespace, tokenizer):
-        train, valid, test = self._datasets(args, tokenizer)
+    def build_datasets(self, args: argparse.Namespace, run: RunConfig, tokenizer):
+        train, valid, test = self._datasets(args, run, tokenizer)
         coreset = CoresetSettings.from_args(args)
         if coreset is None:
             return train, valid, test
         log(coreset.summary())
         return CoresetDataset(train, coreset.coreset), valid, test
 
-    def _datasets(self, args: argparse.Namespace, tokenizer):
+    def _datasets(self, args: argparse.Namespace, run: RunConfig, tokenizer):
         if args.use_mock_data:
             vocab = tokenizer.vocab_size
-            valid = MockGPTDataset(args.seed, "valid", args.seq_length, vocab) if args.eval_iters > 0 else None
-            return MockGPTDataset(args.seed, "train", args.seq_length, vocab), valid, None
+            seq_length = run.batches.seq_length
+            valid = MockGPTDataset(args.seed, "valid", seq_length, vocab) if args.eval_iters > 0 else None
+            return MockGPTDataset(args.seed, "train", seq_length, vocab), valid, None
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
         return indexed_datasets(
             args,
+            run,
             tokenizer,
             GPTDataset,
             GPTDatasetConfig,
@@ -189,7 +191,7 @@ HFTA_GPT = replace(
     GPT,
     name="hfta-gpt",
     chosen_when=is_fused_array,
-    layer_spec=lambda args, run, config: hfta_gpt_layer_spec(run.hfta.num_models, args.normalization, core_attention(args)),
+    layer_spec=lambda args, run, config: hfta_gpt_layer_spec(run.hfta.num_models, args.normalization, core_attention(run)),
     chunk_kwargs=lambda args, run: dict(_rotary_base(args, run), model_class=HftaGPTModel, hfta=run.hfta),
     forward_step=lambda args, run: partial(hfta_forward_step, run.hfta.num_models),
     loss_names=lambda args, run: hfta_loss_names(GPT_LOSSES, run.hfta.num_models),

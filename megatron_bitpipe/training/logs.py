@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Dict, List, Optional, Sequence
 
+from ..run_config import RunConfig
 from .distributed import log
 from .report import RankReport
 
@@ -132,11 +133,11 @@ def _shown(value) -> str:
 
 
 class TrainingLogger:
-    """Writes the start-up report, :class:`IterationRecord` s and the summary on rank 0 (a
-    no-op elsewhere)."""
+    """Writes the start-up report, :class:`IterationRecord` s and the summary of ``run``, which
+    trains to iteration ``train_iters``, on rank 0 (a no-op elsewhere)."""
 
-    def __init__(self, args, rank: int, resumed: bool):
-        self.args = args
+    def __init__(self, run: RunConfig, train_iters: int, rank: int, resumed: bool):
+        self.run, self.train_iters = run, train_iters
         self.active = rank == 0
         self.interval: List[IterationRecord] = []
         self.first = True  # no iteration of this run recorded yet
@@ -146,16 +147,17 @@ class TrainingLogger:
         self.tensorboard = None
         if not self.active:
             return
-        if args.log_json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
-            self.json = open(args.log_json, "a" if resumed else "w", encoding="utf-8")
-        if args.tensorboard_dir:
+        logging = run.logging
+        if logging.json_path:
+            os.makedirs(os.path.dirname(os.path.abspath(logging.json_path)), exist_ok=True)
+            self.json = open(logging.json_path, "a" if resumed else "w", encoding="utf-8")
+        if logging.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 log("WARNING: --tensorboard-dir given but TensorBoard is not installed (pip install tensorboard); not writing it")
             else:
-                self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+                self.tensorboard = SummaryWriter(log_dir=logging.tensorboard_dir, max_queue=1000)
 
     def record(self, record: IterationRecord) -> None:
         if not self.active:
@@ -166,7 +168,7 @@ class TrainingLogger:
         if self.tensorboard is not None:
             self._tensorboard(record)
         self.interval.append(record)
-        if record.iteration % self.args.log_interval == 0 or record.iteration == self.args.train_iters:
+        if record.iteration % self.run.logging.interval == 0 or record.iteration == self.train_iters:
             self._line()
         elif self.first:  # Megatron-LM's line after a run's first iteration; the interval goes on
             self._line(keep_interval=True)
@@ -191,7 +193,7 @@ class TrainingLogger:
         when the stages are uneven, on a line)."""
         if not self.active:
             return
-        args = self.args
+        layout = self.run.layout
         for r in sorted((r for r in ranks if r.dp_rank == 0), key=lambda r: (r.pp_rank, r.tp_rank)):
             log(f" > number of parameters on (tensor, pipeline) model parallel rank ({r.tp_rank}, {r.pp_rank}): {r.parameters}")
         most, least = max(ranks, key=lambda r: r.memory_mib), min(ranks, key=lambda r: r.memory_mib)
@@ -211,12 +213,12 @@ class TrainingLogger:
                 "event": "startup",
                 "timestamp": datetime.now().isoformat(),
                 "schedule": schedule,
-                "tensor_model_parallel_size": args.tensor_model_parallel_size,
-                "tensor_parallel_mode": args.tensor_parallel_mode,
-                "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-                "data_parallel_size": args.data_parallel_size,
-                "num_microbatches": args.num_microbatches,
-                "padded_vocab_size": args.padded_vocab_size,
+                "tensor_model_parallel_size": layout.tensor,
+                "tensor_parallel_mode": layout.tensor_parallel_mode,
+                "pipeline_model_parallel_size": layout.pipeline,
+                "data_parallel_size": layout.data,
+                "num_microbatches": self.run.batches.num_microbatches,
+                "padded_vocab_size": self.run.padded_vocab_size,
                 "memory": memory,
                 "model_flops_per_iteration": flops_per_iteration,
                 "stage_layers": None if stage_layers is None else list(stage_layers),
@@ -233,7 +235,7 @@ class TrainingLogger:
         last = self.shown = records[-1]
         done = [r for r in records if not r.skipped]
         fields = [
-            f"[{timestamp(last.time)}] iteration {last.iteration:8d}/{self.args.train_iters:8d}",
+            f"[{timestamp(last.time)}] iteration {last.iteration:8d}/{self.train_iters:8d}",
             f"consumed samples: {last.consumed_samples:12d}",
             f"elapsed time per iteration (ms): {sum(r.elapsed_ms for r in records) / len(records):.1f}",
         ]
@@ -242,12 +244,12 @@ class TrainingLogger:
         fields += [
             f"tokens per second: {sum(r.tokens_per_second for r in records) / len(records):.1f}",
             f"learning rate: {last.lr:.6E}",
-            f"global batch size: {self.args.global_batch_size:5d}",
+            f"global batch size: {self.run.batches.global_batch_size:5d}",
         ]
         for name in last.losses:
             if done:
                 fields.append(f"{name}: {sum(r.losses[name] for r in done) / len(done):.6E}")
-        if self.args.fp16:
+        if self.run.precision.fp16:
             fields.append(f"loss scale: {last.loss_scale:.1f}")
         if last.grad_norm is not None:
             fields.append(f"grad norm: {last.grad_norm:.3f}")

@@ -1,8 +1,8 @@
 """The model-agnostic pretraining loop behind ``scripts/pretrain_gpt.py`` (and BERT's).
 
 :func:`run_training` takes the checked flags (:mod:`.script` parses them on every rank,
-before any communication), makes the run's decisions once
-(:class:`~megatron_bitpipe.run_config.RunConfig`), builds the tokenizer, starts ``torch.distributed`` (:mod:`.distributed`),
+before any communication), builds the tokenizer, makes the run's decisions once
+(:class:`~megatron_bitpipe.run_config.RunConfig`, with the tokenizer's padded vocabulary), starts ``torch.distributed`` (:mod:`.distributed`),
 builds the model of the run's model kind (chosen once, :func:`~.model_registry.model_kind_for`),
 asks the :class:`~.task.PretrainTask` for the datasets, reports them (parameters,
 memory, model FLOPs) and trains ``--train-iters`` iterations with the schedule the flags select
@@ -40,7 +40,6 @@ from ..usage import reader_gone
 from ..run_config import RunConfig
 from .optimizer import build_optimizer
 from . import distributed
-from .arguments import padded_vocab_size
 from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import lr_scheduler, optimizer_config, use_global_tp_group
 from .data import build_tokenizer, microbatches
@@ -76,13 +75,13 @@ class Trainer:
         self.schedule = Schedule(args, run, self.model, self.optimizer, self.kind.p2p_shapes(run, self.model))
         self.state = TrainingState()
         loaded = None
-        if args.load:
+        if run.checkpointing.load:
             with averaged_weights(self.optimizer):  # checkpoints hold Schedule-Free's averaged weights
-                loaded = load_checkpoint(args.load, self.model, self.optimizer, self.scheduler, args, task)
+                loaded = load_checkpoint(run.checkpointing.load, self.model, self.optimizer, self.scheduler, args, run, task)
             self.state = loaded or self.state
-        self.train_data, self.valid_data, self.test_data = task.build_datasets(args, tokenizer)
+        self.train_data, self.valid_data, self.test_data = task.build_datasets(args, run, tokenizer)
         models = 1 if run.hfta is None else run.hfta.num_models
-        self.flops_per_iteration = model_flops_per_iteration(args, self.kind.causal_attention, models)
+        self.flops_per_iteration = model_flops_per_iteration(args, run, self.kind.causal_attention, models)
         #: the ``--inject-fault`` of this rank (none on the other ranks, and in a restarted job)
         self.fault = FaultInjection.from_args(args, env.rank, job_restart(os.environ))
         #: this rank's forward-step time per iteration, and the stragglers among the ranks (multi-rank
@@ -108,8 +107,8 @@ class Trainer:
         #: the data-parallel mode's strategy: the iteration, evaluated weights, log fields, saved state
         self.data_parallel = build_strategy(run.data_parallel_mode, parts)
         if loaded is not None:
-            resume_mode(checkpoint_dir(args.load, loaded.iteration), self.data_parallel)
-        self.logger = TrainingLogger(args, env.rank, resumed=self.state.iteration > 0)
+            resume_mode(checkpoint_dir(run.checkpointing.load, loaded.iteration), self.data_parallel)
+        self.logger = TrainingLogger(run, args.train_iters, env.rank, resumed=self.state.iteration > 0)
         self.logger.startup(
             gather_rank_reports(self.model, env.device),
             memory_kind(env.device),
@@ -157,7 +156,7 @@ class Trainer:
         with torch.no_grad(), averaged_weights(self.optimizer), self.data_parallel.evaluated_weights():
             for batch in range(self.args.eval_iters):
                 first = batch * self.run_config.batches.global_batch_size
-                batches = microbatches(dataset, first, self.args, self.groups.dp_rank)
+                batches = microbatches(dataset, first, self.run_config, self.groups.dp_rank)
                 reports += self.schedule.run(self.forward_step, batches, forward_only=True)
         for chunk in self.model.chunks:
             chunk.train()
@@ -171,10 +170,11 @@ class Trainer:
     def save(self) -> None:
         iteration = self.state.iteration
         self._at(iteration, "checkpoint save")
-        self.data_parallel.save(checkpoint_dir(self.args.save, iteration))
+        root = self.run_config.checkpointing.save
+        self.data_parallel.save(checkpoint_dir(root, iteration))
         with averaged_weights(self.optimizer):  # Schedule-Free saves its averaged weights
             directory = save_checkpoint(
-                self.args.save, self.state, self.model, self.optimizer, self.scheduler, self.args, self.task,
+                root, self.state, self.model, self.optimizer, self.scheduler, self.args, self.run_config, self.task,
                 shards_written=lambda: self.fault.during_save(iteration),
             )
         distributed.log(f"saved checkpoint {directory} at iteration {self.state.iteration}")
@@ -218,7 +218,7 @@ class Trainer:
                 raise
 
     def _train(self, exits: ExitConditions) -> None:
-        args = self.args
+        args, checkpointing = self.args, self.run_config.checkpointing
         stopped = False
         saved = first = self.state.iteration  # nothing new to save unless an iteration runs
         started, validation = time.perf_counter(), {}
@@ -230,17 +230,17 @@ class Trainer:
                 record.extra.update(self.data_parallel.evaluation_fields())
             self.logger.record(record)
             validation = record.validation
-            if args.save and self._due(args.save_interval):
+            if checkpointing.save and self._due(checkpointing.save_interval):
                 self.save()
                 saved = self.state.iteration
             reason = exits.reason(self.state.iteration, self.env.device)
             if reason is not None:
                 self.logger.finish_interval()
-                after = "saving and exiting" if args.save else "exiting without a checkpoint (no --save)"
+                after = "saving and exiting" if checkpointing.save else "exiting without a checkpoint (no --save)"
                 distributed.log(f"stopping after iteration {self.state.iteration} of {args.train_iters}: {reason}; {after}")
                 stopped = True
                 break
-        if args.save and saved != self.state.iteration:
+        if checkpointing.save and saved != self.state.iteration:
             self.save()
         self._at(self.state.iteration, "the end of training")
         self.data_parallel.finish()
@@ -257,16 +257,15 @@ def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: 
     counts from here. Raises CheckpointError for a checkpoint that does not fit (before
     anything is loaded).
     """
-    run = RunConfig.from_args(args)
     with ExitConditions(args, time.time()) as exits:
         tokenizer = build_tokenizer(args)
-        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-        env = distributed.initialize(args, cpu_fallback)
+        run = RunConfig.from_args(args, tokenizer.vocab_size)
+        env = distributed.initialize(args, run, cpu_fallback)
         layout, batches = run.layout, run.batches
         distributed.log(
             f"{task.name}: {run.label} schedule, TP {layout.tensor} ({layout.tensor_parallel_mode}) x "
             f"PP {layout.pipeline} x DP {layout.data}, {batches.num_microbatches} micro-batches "
-            f"of {batches.micro_batch_size} per data-parallel rank, padded vocabulary {args.padded_vocab_size}"
+            f"of {batches.micro_batch_size} per data-parallel rank, padded vocabulary {run.padded_vocab_size}"
         )
         trainer = Trainer(task, args, run, tokenizer, env)
         trainer.train(exits, Watchdog.for_job(env.rank, env.world_size, 60.0 * args.distributed_timeout_minutes))

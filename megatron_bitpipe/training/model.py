@@ -55,7 +55,7 @@ def build_model(
         config,
         ParallelGrid(run.layout.tensor, run.layout.data, run.layout.pipeline, run.layout.expert),
         run.placement,
-        vocab_size=args.padded_vocab_size,
+        vocab_size=run.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         seed=args.seed,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

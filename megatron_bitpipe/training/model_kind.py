@@ -82,9 +82,9 @@ class ModelKind:
         return build_model(args, run, self.chunk_builder, self.layer_spec, **self.chunk_kwargs(args, run))
 
 
-def core_attention(args: argparse.Namespace) -> Optional[type]:
-    """The core attention ``--attention-backend`` puts into local layer specs (``None``: the spec's own)."""
-    return SdpaDotProductAttention if args.attention_backend == "sdpa" else None
+def core_attention(run: RunConfig) -> Optional[type]:
+    """The core attention ``run``'s ``--attention-backend`` puts into local layer specs (``None``: the spec's own)."""
+    return SdpaDotProductAttention if run.kernels.attention_backend == "sdpa" else None
 
 
 def builder_layer_spec(args: argparse.Namespace, run: RunConfig, config: TransformerConfig) -> None:
@@ -99,7 +99,7 @@ def local_layer_spec(default: Callable[[TransformerConfig], ModuleSpec]):
     otherwise the chunk builder's own default."""
 
     def layer_spec(args: argparse.Namespace, run: RunConfig, config: TransformerConfig) -> Optional[ModuleSpec]:
-        attention = core_attention(args)
+        attention = core_attention(run)
         return None if attention is None else with_core_attention(default(config), attention)
 
     return layer_spec

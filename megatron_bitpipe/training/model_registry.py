@@ -1,7 +1,7 @@
 """The model kinds by name: the one list the training loop chooses a run's model from.
 
-:data:`REGISTRY` maps each name to its :class:`~.model_kind.ModelKind` (each task module's
-``KINDS``), in the order listings show them; :func:`register` adds one (a name may be
+:data:`REGISTRY` (a :class:`~megatron_bitpipe.registry.Registry`) maps each name to its
+:class:`~.model_kind.ModelKind` (each task module's ``KINDS``), in the order listings show them; :func:`register` adds one (a name may be
 registered once); :func:`model_kind` looks one up with a message listing the names;
 :func:`model_kind_for` chooses a run's kind among its task's, once per run, from the run's
 decisions.
@@ -13,8 +13,9 @@ its task is refused (the flags' checks refuse such combinations first, naming th
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
+from ..registry import Registry
 from ..run_config import RunConfig
 from . import bert, gpt
 from .model_kind import ModelKind
@@ -22,26 +23,22 @@ from .model_kind import ModelKind
 __all__ = ["REGISTRY", "model_kind", "model_kind_for", "register", "task_kinds"]
 
 #: model kind name -> kind, in listing order
-REGISTRY: Dict[str, ModelKind] = {}
+REGISTRY: Registry[ModelKind] = Registry(
+    "a model kind", lambda name, names: ValueError(f"unknown model kind {name!r}; choose from {names}")
+)
 
 
 def register(kind: ModelKind) -> ModelKind:
     """Add ``kind`` under its name; :class:`ValueError` if the name is taken or ``kind`` would be
     a second plain kind of its task."""
-    if kind.name in REGISTRY:
-        raise ValueError(f"a model kind named {kind.name!r} is already registered")
-    if kind.chosen_when is None and any(other.chosen_when is None for other in task_kinds(kind.task)):
+    second_plain = kind.chosen_when is None and any(other.chosen_when is None for other in task_kinds(kind.task))
+    if second_plain and kind.name not in REGISTRY:
         raise ValueError(f"the {kind.task} task has a plain model kind already; {kind.name!r} needs a chosen_when")
-    REGISTRY[kind.name] = kind
-    return kind
+    return REGISTRY.add(kind)
 
 
-def model_kind(name: str) -> ModelKind:
-    """The kind called ``name``; :class:`ValueError` naming the choices."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown model kind {name!r}; choose from {', '.join(REGISTRY)}") from None
+#: ``model_kind(name)``: the kind called ``name`` (:class:`ValueError` naming the choices)
+model_kind = REGISTRY.lookup
 
 
 def task_kinds(task: str) -> Tuple[ModelKind, ...]:

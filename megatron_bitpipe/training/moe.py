@@ -36,7 +36,7 @@ __all__ = ["moe_iteration_losses", "moe_layer_specs"]
 def moe_layer_specs(args: argparse.Namespace, run: RunConfig, config: TransformerConfig) -> Tuple[ModuleSpec, ...]:
     """The :attr:`~.model_kind.ModelKind.layer_spec` of the MoE GPT: one spec per layer of the full model."""
     specs = moe_gpt_layer_specs(config)
-    attention = core_attention(args)
+    attention = core_attention(run)
     return specs if attention is None else tuple(with_core_attention(spec, attention) for spec in specs)
 
 

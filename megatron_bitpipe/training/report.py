@@ -27,6 +27,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from ..run_config import RunConfig
+
 __all__ = [
     "RankReport",
     "gather_rank_reports",
@@ -42,11 +44,12 @@ __all__ = [
 MIB = 1024.0 * 1024.0
 
 
-def model_flops_per_sample(args: argparse.Namespace, causal: bool) -> float:
-    """Model FLOPs (forward and backward) of one sequence; see the module docstring.
+def model_flops_per_sample(args: argparse.Namespace, padded_vocab_size: int, causal: bool) -> float:
+    """Model FLOPs (forward and backward) of one sequence with logits over ``padded_vocab_size``
+    entries; see the module docstring.
 
     Reads ``num_layers``, ``hidden_size``, ``ffn_hidden_size``, ``num_attention_heads``,
-    ``num_query_groups``, ``kv_channels``, ``seq_length``, ``swiglu`` and ``padded_vocab_size``.
+    ``num_query_groups``, ``kv_channels``, ``seq_length`` and ``swiglu``.
     """
     hidden, seq = args.hidden_size, args.seq_length
     query = args.kv_channels * args.num_attention_heads  # width of all query heads
@@ -55,15 +58,15 @@ def model_flops_per_sample(args: argparse.Namespace, causal: bool) -> float:
     projections = hidden * (query + 2 * key_value) + query * hidden  # QKV in, attention out
     scores = 2 * query * seq * (0.5 if causal else 1.0)  # Q K^T and softmax(.) V over the attended keys
     mlp = hidden * args.ffn_hidden_size * (3 if args.swiglu else 2)  # SwiGLU has a gate matrix
-    per_token = args.num_layers * (projections + scores + mlp) + hidden * args.padded_vocab_size
+    per_token = args.num_layers * (projections + scores + mlp) + hidden * padded_vocab_size
     forward_and_backward = 3 * 2  # the backward is twice the forward; 2 FLOPs per multiply-add
     return forward_and_backward * per_token * seq
 
 
-def model_flops_per_iteration(args: argparse.Namespace, causal: bool, models: int = 1) -> float:
-    """Model FLOPs of one iteration: ``--global-batch-size`` sequences through each of
+def model_flops_per_iteration(args: argparse.Namespace, run: RunConfig, causal: bool, models: int = 1) -> float:
+    """Model FLOPs of one iteration: ``run``'s global batch of sequences through each of
     ``models`` models (an HFTA array's B, every model on every sequence; 1 otherwise)."""
-    return models * args.global_batch_size * model_flops_per_sample(args, causal)
+    return models * run.batches.global_batch_size * model_flops_per_sample(args, run.padded_vocab_size, causal)
 
 
 def parameter_count(chunks) -> int:

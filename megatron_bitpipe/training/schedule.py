@@ -93,7 +93,7 @@ class Schedule:
             data_iterator=data_iterator,
             model=self.model.chunks,
             num_microbatches=len(batches),
-            seq_length=self.args.seq_length,
+            seq_length=self.run_config.batches.seq_length,
             micro_batch_size=self.run_config.batches.micro_batch_size,
             forward_only=forward_only,
             **self.kwargs,

@@ -41,7 +41,7 @@ class SyncStrategy(DataParallelStrategy):
 
     def train_step(self) -> IterationRecord:
         p = self.parts
-        args, device, state, optimizer = p.args, p.env.device, p.state, p.optimizer
+        device, state, optimizer = p.env.device, p.state, p.optimizer
         global_batch_size = p.run.batches.global_batch_size
         p.synchronize()
         reset_peak_memory(device)
@@ -50,7 +50,7 @@ class SyncStrategy(DataParallelStrategy):
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         lr = lr_for_logging(optimizer)
-        batches = microbatches(p.train_data, state.consumed_train_samples, args, p.model.groups.dp_rank)
+        batches = microbatches(p.train_data, state.consumed_train_samples, p.run, p.model.groups.dp_rank)
         reports = p.schedule.run(p.forward_step, batches, forward_only=False)
         self.before_optimizer_step(reports)
         success, grad_norm, _ = optimizer.step()
@@ -71,7 +71,7 @@ class SyncStrategy(DataParallelStrategy):
             iteration=state.iteration,
             consumed_samples=state.consumed_train_samples,
             elapsed_ms=1000.0 * elapsed,
-            tokens_per_second=global_batch_size * args.seq_length / elapsed,
+            tokens_per_second=global_batch_size * p.run.batches.seq_length / elapsed,
             lr=float(lr),
             grad_norm=None if grad_norm is None else float(grad_norm),
             loss_scale=float(optimizer.get_loss_scale()),

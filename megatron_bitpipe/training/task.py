@@ -17,9 +17,12 @@ reports ``sum / count`` of each name over the global batch.
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from ..checkpoint_rules import MODEL_SHAPE_FLAGS
+
+if TYPE_CHECKING:
+    from ..run_config import RunConfig
 
 __all__ = ["PretrainTask", "TaskArguments"]
 
@@ -50,7 +53,8 @@ class PretrainTask(TaskArguments):
         values (:data:`~megatron_bitpipe.checkpoint_rules.MODEL_SHAPE_FLAGS` and the task's own)."""
         return dict(MODEL_SHAPE_FLAGS)
 
-    def build_datasets(self, args: argparse.Namespace, tokenizer) -> Tuple[object, Optional[object], Optional[object]]:
-        """``(train, valid, test)`` random-access datasets of samples; valid None without
-        evaluation, test None where there is no test split (evaluated once, after training)."""
+    def build_datasets(self, args: argparse.Namespace, run: RunConfig, tokenizer) -> Tuple[object, Optional[object], Optional[object]]:
+        """``(train, valid, test)`` random-access datasets of samples (as many as ``run``'s global
+        batches read); valid None without evaluation, test None where there is no test split
+        (evaluated once, after training)."""
         raise NotImplementedError

@@ -36,7 +36,7 @@ def trainer(argv: List[str]):
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training import distributed
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.bert import BertTask
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.loop import Trainer
@@ -44,8 +44,8 @@ def trainer(argv: List[str]):
     task = BertTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    return Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    return Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
 
 
 def step_record(trainer, num_models: Optional[int]) -> dict:

@@ -137,7 +137,7 @@ def _trainer(argv: List[str]):
     scripts'; megatron-core trains bf16 on the CPU), with gloo."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import distributed
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.gpt import GPTTask
     from megatron_bitpipe.run_config import RunConfig
@@ -147,8 +147,8 @@ def _trainer(argv: List[str]):
     bf16 = "--bf16" in argv
     args = parse_args(task, [*argv, "--distributed-backend", "gloo"] if bf16 else argv, cuda_available=bf16)
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    return Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    return Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
 
 
 def checkpoint_records(root: str) -> dict:

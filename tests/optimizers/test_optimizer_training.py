@@ -50,7 +50,7 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.execution.replicas import max_replica_difference
     from megatron_bitpipe.training import distributed
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
@@ -59,8 +59,8 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     task = make_task("gpt")
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, distributed.initialize(args, enable_cpu_megatron))
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
     with ExitConditions(args, time.time()) as exits:
         trainer.train(exits)
     return max_replica_difference(trainer.model.chunks, trainer.groups)

@@ -43,8 +43,8 @@ class RecordingDataset:
 class RecordingGPTTask(GPTTask):
     """GPT whose training set records the indices read."""
 
-    def build_datasets(self, args, tokenizer):
-        train, valid, test = super().build_datasets(args, tokenizer)
+    def build_datasets(self, args, run, tokenizer):
+        train, valid, test = super().build_datasets(args, run, tokenizer)
         self.recorded = RecordingDataset(train)
         return self.recorded, valid, test
 
@@ -69,7 +69,7 @@ def train_case(argv: Sequence[str], log_json: str, probe: Optional[Callable] = N
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.training import distributed
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.checkpoint_rules import CheckpointError
     from megatron_bitpipe.training.exit_conditions import ExitConditions
@@ -79,10 +79,10 @@ def train_case(argv: Sequence[str], log_json: str, probe: Optional[Callable] = N
     task = RecordingGPTTask()
     args = parse_args(task, [*argv, "--log-json", log_json])
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    env = distributed.initialize(args, enable_cpu_megatron)
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    env = distributed.initialize(args, run, enable_cpu_megatron)
     try:
-        trainer = Trainer(task, args, RunConfig.from_args(args), tokenizer, env)
+        trainer = Trainer(task, args, run, tokenizer, env)
     except CheckpointError as error:
         dist.barrier()
         return {"error": str(error)}
@@ -136,7 +136,7 @@ def reference_gpt(argv: Sequence[str]):
     from megatron_bitpipe.model.init import initialize_from_seed
     from megatron_bitpipe.model_partition import chunk_specs
     from megatron_bitpipe.model.chunks import build_gpt_chunks
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import lr_scheduler, transformer_config, use_global_tp_group
     from megatron_bitpipe.training.data import build_tokenizer, collate
@@ -145,21 +145,20 @@ def reference_gpt(argv: Sequence[str]):
     task = GPTTask()
     args = parse_args(task, list(argv), world_size=1)
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    run = RunConfig.from_args(args)
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
     placement = run.placement
     groups = PipelineGroups.build(ParallelGrid(), placement)
     use_global_tp_group(groups.tp)
     init_megatron_state(groups.rank_pgs, args.seed)
     config = transformer_config(args, run)
     (net,) = build_gpt_chunks(
-        config, groups, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        config, groups, vocab_size=run.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, rotary_base=args.rotary_base,
     )  # fmt: skip
     specs = chunk_specs(placement, config.num_layers, 0, not args.untie_embeddings_and_output_weights)
     initialize_from_seed([net], specs, args.seed, groups.tp)
     net.double()
-    return args, net, task.build_datasets(args, tokenizer)
+    return args, net, task.build_datasets(args, run, tokenizer)
 
 
 def decays(name: str, param: torch.Tensor) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_bitpipe.megatron_args import BitPipeConfigError
+from megatron_bitpipe.run_config import RunConfig
 from megatron_bitpipe.training.abs_sgd import AbsSgdSettings, dataset_train_samples
 from megatron_bitpipe.training.abs_sgd.args import CountRule
 from megatron_bitpipe.training.abs_sgd.counts import SpeedEstimate, plan_counts, stream_samples
@@ -85,7 +86,7 @@ def test_streams_are_disjoint_and_equal_counts_give_synchronous_order():
     for iteration in range(3):
         first = iteration * args.global_batch_size
         for r in range(dp):
-            sync = [batch.tolist() for batch in microbatches([{"x": i} for i in dataset], first, args, r) for batch in [batch["x"]]]
+            sync = [batch.tolist() for batch in microbatches([{"x": i} for i in dataset], first, RunConfig.from_args(args), r) for batch in [batch["x"]]]
             positions = range(iteration * args.num_microbatches, (iteration + 1) * args.num_microbatches)
             assert sync == [stream_samples(r, p, dp, mbs) for p in positions]
 

@@ -131,10 +131,18 @@ def test_coreset_stream_cycles_the_selected_samples_in_training_order(tmp_path):
     assert [stream[p]["loss_weight"].item() for p in range(3)] == pytest.approx([0.6, 0.9, 1.5])  # γ x 3 / 10
 
 
+def _run_and_tokenizer(args):
+    """The run's decisions and the tokenizer its datasets are built with."""
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.data import build_tokenizer
+
+    tokenizer = build_tokenizer(args)
+    return RunConfig.from_args(args, tokenizer.vocab_size), tokenizer
+
+
 def test_a_run_on_a_coreset_says_so_at_start_up(tmp_path, capsys):
     """The training log names the coreset, how many samples of how many it trains on and
     that their losses are weighted; a run without one says nothing of coresets."""
-    from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.gpt import GPTTask
 
     argv = [*MODEL, "--vocab-size", "64"]
@@ -143,10 +151,10 @@ def test_a_run_on_a_coreset_says_so_at_start_up(tmp_path, capsys):
     n = DatasetIdentity.from_args(args).train_samples
     write_coreset(path, CoresetFile(np.array([0, 5]), np.array([6.0, n - 6.0]), DatasetIdentity.from_args(args),
                                     {"method": "craig", "fraction": 0.25}))  # fmt: skip
-    GPTTask().build_datasets(args, build_tokenizer(args))
+    GPTTask().build_datasets(args, *_run_and_tokenizer(args))
     assert "coreset" not in capsys.readouterr().out
     args = parse_args(GPTArguments(), [*argv, "--coreset", path], world_size=1, cuda_available=False)
-    train, _, _ = GPTTask().build_datasets(args, build_tokenizer(args))
+    train, _, _ = GPTTask().build_datasets(args, *_run_and_tokenizer(args))
     assert len(train) == 2
     assert capsys.readouterr().out == (
         f"coreset: training on 2 of {n} training samples (method craig, fraction 0.25) from {path}, cycled; "

@@ -71,3 +71,18 @@ def test_lookup_names_the_kinds_and_registration_refuses_clashes():
     with pytest.raises(ValueError, match="has a plain model kind already"):
         register(dataclasses.replace(REGISTRY["gpt"], name="another-gpt"))
     assert "another-gpt" not in REGISTRY
+
+
+def test_the_registry_shape_keeps_names_once_and_lists_them_on_a_miss():
+    """The one :class:`~megatron_bitpipe.registry.Registry` the schedules, modes and kinds use."""
+    from megatron_bitpipe.registry import Registry
+
+    registry = Registry("a toy", lambda name, names: KeyError(f"no toy {name!r}; choose from {names}"))
+    first = registry.add(dataclasses.replace(REGISTRY["gpt"], name="one"))
+    registry.add(dataclasses.replace(REGISTRY["bert"], name="two"))
+    assert registry.lookup("one") is first and registry.names() == ("one", "two")
+    with pytest.raises(ValueError, match="a toy named 'one' is already registered"):
+        registry.add(dataclasses.replace(REGISTRY["bert"], name="one"))
+    assert registry["one"] is first
+    with pytest.raises(KeyError, match="no toy 'three'; choose from one, two"):
+        registry.lookup("three")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_bitpipe.megatron_args import BitPipeConfigError
-from megatron_bitpipe.run_config import RunConfig
-from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+from megatron_bitpipe.run_config import RunConfig, padded_vocab_size
+from megatron_bitpipe.training.arguments import parse_args
 from megatron_bitpipe.training.gpt import GPTTask, MockGPTDataset
 from megatron_bitpipe.usage import UsageError
 
@@ -160,6 +160,18 @@ def test_padded_vocabulary_does_not_depend_on_the_tp_size():
 
     assert {padded(50257, tp) for tp in (1, 2, 4, 8, 16)} == {50304}
     assert padded(100, 3) == 384
+
+
+def test_the_run_config_holds_the_padded_vocabulary_and_the_flags_do_not():
+    """The padded vocabulary is decided once, from the tokenizer's size, in the RunConfig; the
+    checked flags never carry it (nothing writes it into them)."""
+    args = parse("--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64", "--save", "ckpt", "--log-interval", "3")
+    before = dict(vars(args))
+    run = RunConfig.from_args(args, 1000)
+    assert run.padded_vocab_size == 1024 and RunConfig.from_args(args).padded_vocab_size is None
+    assert (run.checkpointing.save, run.logging.interval, run.batches.seq_length) == ("ckpt", 3, args.seq_length)
+    assert (run.distributed_backend, run.kernels.attention_backend) == ("gloo", "auto")
+    assert vars(args) == before and not hasattr(args, "padded_vocab_size")
 
 
 def test_mock_data_is_a_function_of_seed_split_and_index():

@@ -5,6 +5,7 @@ of a real megatron-core GPT, which runs on one gloo rank)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 
@@ -13,7 +14,7 @@ import pytest
 from megatron_bitpipe.data_parallel_modes import SYNC
 from megatron_bitpipe.schedules.costs import TransformerShape
 from megatron_bitpipe.optimizers import OptimizerChoice
-from megatron_bitpipe.run_config import Batches, ParallelLayout, Precision, RunConfig
+from megatron_bitpipe.run_config import Batches, Logging, ParallelLayout, Precision, RunConfig
 from megatron_bitpipe.schedules import ScheduleChoice
 from megatron_bitpipe.training.logs import IterationRecord, TrainingLogger
 from megatron_bitpipe.training.report import RankReport, model_flops_per_iteration, model_flops_per_sample
@@ -21,15 +22,13 @@ from megatron_bitpipe.training.report import RankReport, model_flops_per_iterati
 TIMESTAMP = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]"
 
 
-def _args(tmp_path, **overrides) -> argparse.Namespace:
-    settings = dict(
-        train_iters=4, log_interval=2, global_batch_size=16, fp16=False, log_json=str(tmp_path / "log.jsonl"), tensorboard_dir=None,
-        virtual_pipeline_model_parallel_size=None,
-        tensor_model_parallel_size=1, tensor_parallel_mode="1d", pipeline_model_parallel_size=2, data_parallel_size=1,
-        num_microbatches=8, padded_vocab_size=128,
+def _logger(tmp_path, rank: int = 0, resumed: bool = False, train_iters: int = 4, log_interval: int = 2, fp16: bool = False):
+    """The logger of a BitPipe run (PP 2, global batch 16 as 8 micro-batches, padded vocabulary 128)."""
+    run = dataclasses.replace(
+        _run(), precision=Precision(fp16=fp16), batches=Batches(2, 16, 8), padded_vocab_size=128,
+        logging=Logging(log_interval, str(tmp_path / "log.jsonl")),
     )  # fmt: skip
-    settings.update(overrides)
-    return argparse.Namespace(**settings)
+    return TrainingLogger(run, train_iters, rank=rank, resumed=resumed)
 
 
 def _record(iteration: int, loss: float, skipped: bool = False, tflops=None, memory=100.0) -> IterationRecord:
@@ -45,7 +44,7 @@ def _events(path) -> list:
 
 
 def test_iteration_line_has_megatron_lms_fields(tmp_path, capsys):
-    logger = TrainingLogger(_args(tmp_path, fp16=True), rank=0, resumed=False)
+    logger = _logger(tmp_path, fp16=True)
     logger.record(_record(1, float("nan"), skipped=True, tflops=100.0, memory=300.0))
     logger.record(_record(2, 4.0, tflops=300.0, memory=200.0))
     first, line = capsys.readouterr().out.splitlines()
@@ -71,7 +70,7 @@ def test_a_runs_first_iteration_is_logged_and_the_interval_goes_on(tmp_path, cap
     """As Megatron-LM: a line after the first iteration of a run (started or resumed), then
     every ``--log-interval`` iterations, each averaging from the first (the first line does
     not end the interval)."""
-    logger = TrainingLogger(_args(tmp_path, train_iters=40, log_interval=20), rank=0, resumed=resumed_at > 0)
+    logger = _logger(tmp_path, train_iters=40, log_interval=20, resumed=resumed_at > 0)
     for iteration in range(resumed_at + 1, 41):
         logger.record(_record(iteration, float(iteration)))
     lines = capsys.readouterr().out.splitlines()
@@ -82,22 +81,21 @@ def test_a_runs_first_iteration_is_logged_and_the_interval_goes_on(tmp_path, cap
         assert shown == [(1, 1.0), (20, 10.5), (40, 30.5)]
     else:
         assert shown == [(first, float(first)), (20, (first + 20) / 2), (40, 30.5)]
-    early = TrainingLogger(_args(tmp_path, train_iters=40, log_interval=20), rank=0, resumed=False)
+    early = _logger(tmp_path, train_iters=40, log_interval=20)
     early.record(_record(1, 1.0))
     early.finish_interval()  # a run that stops after its first iteration: its line once
     assert len(capsys.readouterr().out.splitlines()) == 1
 
 
 def test_without_a_gpu_or_fp16_the_line_leaves_out_tflops_and_loss_scale(tmp_path, capsys):
-    logger = TrainingLogger(_args(tmp_path, log_interval=1), rank=0, resumed=False)
+    logger = _logger(tmp_path, log_interval=1)
     logger.record(_record(1, 4.0))
     line = capsys.readouterr().out
     assert "TFLOP/s" not in line and "loss scale" not in line and "number of nan iterations:   0" in line
 
 
 def test_startup_report_and_summary(tmp_path, capsys):
-    args = _args(tmp_path, split_backward=True, schedule_costs="costs.json")
-    logger = TrainingLogger(args, rank=0, resumed=False)
+    logger = _logger(tmp_path)
     ranks = [RankReport(rank, 0, rank, 0, 1000 + rank, 500.0 + rank, 3 + rank) for rank in range(2)]
     label = _run(split=True, costs="costs.json").label
     logger.startup(ranks, "peak resident set size of the process", 1.5e9, label, stage_layers=(1, 2, 3, 1))
@@ -128,7 +126,7 @@ def test_startup_report_and_summary(tmp_path, capsys):
 
 
 def test_only_rank_0_writes(tmp_path, capsys):
-    logger = TrainingLogger(_args(tmp_path, log_interval=1), rank=1, resumed=False)
+    logger = _logger(tmp_path, rank=1, log_interval=1)
     logger.startup([RankReport(0, 0, 0, 0, 10, 1.0)], "x", 1.0, "bitpipe")
     logger.record(_record(1, 4.0))
     logger.summary(1, 1, 1.0, 1.0, {}, {})
@@ -161,7 +159,7 @@ def _run(schedule="bitpipe", split=False, costs=None, virtual_size=None, pipelin
 
 def _shape_args(**overrides) -> argparse.Namespace:
     settings = dict(num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=8,
-                    seq_length=32, swiglu=False, padded_vocab_size=0)  # fmt: skip
+                    seq_length=32, swiglu=False)  # fmt: skip
     settings.update(overrides)
     return argparse.Namespace(**settings)
 
@@ -169,23 +167,23 @@ def _shape_args(**overrides) -> argparse.Namespace:
 def test_model_flops_agree_with_the_cost_model_and_count_each_variant():
     args = _shape_args()
     shape = TransformerShape(num_layers=4, hidden_size=64, num_attention_heads=8, seq_length=32, micro_batch_size=1, ffn_hidden_size=256)
-    full = model_flops_per_sample(args, causal=False)
+    full = model_flops_per_sample(args, 0, causal=False)
     assert full == 3 * args.num_layers * shape.layer_forward_flops()  # forward and backward of the layers
     tokens, h, s, L = 32, 64, 32, 4
-    assert full - model_flops_per_sample(args, causal=True) == 6 * L * tokens * h * s  # causal: half of 4 s h per token
-    assert model_flops_per_sample(_shape_args(padded_vocab_size=128), causal=False) - full == 6 * tokens * h * 128  # logits
-    assert model_flops_per_sample(_shape_args(swiglu=True), causal=False) - full == 6 * L * tokens * h * 256  # the gate
-    assert full - model_flops_per_sample(_shape_args(num_query_groups=2), causal=False) == 6 * L * tokens * h * 2 * (64 - 16)  # GQA: K, V
+    assert full - model_flops_per_sample(args, 0, causal=True) == 6 * L * tokens * h * s  # causal: half of 4 s h per token
+    assert model_flops_per_sample(args, 128, causal=False) - full == 6 * tokens * h * 128  # logits
+    assert model_flops_per_sample(_shape_args(swiglu=True), 0, causal=False) - full == 6 * L * tokens * h * 256  # the gate
+    assert full - model_flops_per_sample(_shape_args(num_query_groups=2), 0, causal=False) == 6 * L * tokens * h * 2 * (64 - 16)  # GQA: K, V
 
 
 def test_an_hfta_arrays_flops_are_all_its_models(tmp_path, capsys):
     """An array of B models does B models' work on every sequence: B times one model's FLOPs,
     and the start-up line says so."""
-    args = _shape_args(global_batch_size=16)
-    one = model_flops_per_iteration(args, causal=True)
-    assert one == 16 * model_flops_per_sample(args, causal=True)
-    assert model_flops_per_iteration(args, causal=True, models=4) == 4 * one
-    logger = TrainingLogger(_args(tmp_path), rank=0, resumed=False)
+    args, run = _shape_args(), dataclasses.replace(_run(), batches=Batches(2, 16, 8), padded_vocab_size=0)
+    one = model_flops_per_iteration(args, run, causal=True)
+    assert one == 16 * model_flops_per_sample(args, 0, causal=True)
+    assert model_flops_per_iteration(args, run, causal=True, models=4) == 4 * one
+    logger = _logger(tmp_path)
     logger.startup([RankReport(0, 0, 0, 0, 1000, 500.0)], "peak resident set size of the process", 4 * one, "1f1b", 4)
     assert f" > model FLOPs per iteration: {4 * one:.3E} (matrix products, forward and backward, the 4 models of the array)\n" in (
         capsys.readouterr().out
@@ -198,7 +196,7 @@ def _count_megatron_flops(argv):
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.training.arguments import padded_vocab_size, parse_args
+    from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.config import use_global_tp_group
     from megatron_bitpipe.training.data import build_tokenizer, collate
     from megatron_bitpipe.training.gpt import GPTTask, MockGPTDataset
@@ -207,15 +205,14 @@ def _count_megatron_flops(argv):
     enable_cpu_megatron()
     task = GPTTask()
     args = parse_args(task, argv, world_size=1, cuda_available=False)
-    args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args)
-    run = RunConfig.from_args(args)
+    run = RunConfig.from_args(args, build_tokenizer(args).vocab_size)
     model = model_kind_for(task.name, run).build_model(args, run)
     use_global_tp_group(model.groups.tp)
-    batch = collate([MockGPTDataset(args.seed, "train", args.seq_length, args.padded_vocab_size)[i] for i in range(args.micro_batch_size)])
+    batch = collate([MockGPTDataset(args.seed, "train", args.seq_length, run.padded_vocab_size)[i] for i in range(args.micro_batch_size)])
     with FlopCounterMode(display=False) as counter:
         losses = model.chunks[0](batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         losses.sum().backward()
-    return counter.get_total_flops(), args.micro_batch_size * model_flops_per_sample(args, causal=False)
+    return counter.get_total_flops(), args.micro_batch_size * model_flops_per_sample(args, run.padded_vocab_size, causal=False)
 
 
 @pytest.mark.multirank
@@ -236,8 +233,8 @@ def test_model_flops_are_what_torch_counts_in_megatrons_gpt():
 def test_final_evaluation_states_its_cost(tmp_path, capsys):
     """The evaluation after the last iteration (``--eval-iters`` batches) can outlast a short
     run: the log says what it cost, between the training time and the total time."""
-    logger = TrainingLogger(_args(tmp_path), rank=0, resumed=False)
+    logger = _logger(tmp_path)
     logger.final_evaluation("validation set", 100, 118.04)
     assert capsys.readouterr().out == " final evaluation on the validation set: 100 iterations (--eval-iters), 118.0 s\n"
-    TrainingLogger(_args(tmp_path), rank=1, resumed=False).final_evaluation("validation set", 100, 1.0)
+    _logger(tmp_path, rank=1).final_evaluation("validation set", 100, 1.0)
     assert capsys.readouterr().out == ""

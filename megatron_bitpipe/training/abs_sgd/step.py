@@ -199,7 +199,7 @@ class AbsSgdStrategy(DataParallelStrategy):
             iteration=iteration,
             consumed_samples=p.state.consumed_train_samples,
             elapsed_ms=1000.0 * elapsed,
-            tokens_per_second=samples * p.args.seq_length / elapsed,
+            tokens_per_second=samples * p.run.batches.seq_length / elapsed,
             lr=float(lr),
             grad_norm=grad_norm,
             loss_scale=float(p.optimizer.get_loss_scale()),
@@ -213,7 +213,7 @@ class AbsSgdStrategy(DataParallelStrategy):
         if self.in_flight is None:
             return
         stats = self.layout.decode(self.in_flight.state_dict()["stats"])
-        where = "it is in the checkpoint; a resume applies it" if self.parts.args.save else "without --save it is not applied"
+        where = "it is in the checkpoint; a resume applies it" if self.parts.run.checkpointing.save else "without --save it is not applied"
         log(
             f"abs-sgd: the gradients of iteration {self.in_flight.iteration} "
             f"({stats.microbatches * self.micro_batch_size} samples) were computed and not yet applied; {where}"

@@ -182,7 +182,7 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optiona
     returns it. A process group this starts (for the proxy model) is ended; a caller's stays."""
     import torch.distributed as dist
 
-    from ..arguments import padded_vocab_size
+    from ...run_config import RunConfig
     from ..data import build_tokenizer
     from ..gpt import GPTTask
 
@@ -192,8 +192,7 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optiona
     n = identity.train_samples
     started = time.perf_counter()
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    GPTTask().build_datasets(args, tokenizer)  # a dataset without training samples fails here, before any work
+    GPTTask().build_datasets(args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer)  # a dataset without training samples fails here, before any work
     timings = {"datasets_s": time.perf_counter() - started}
     if not settings.needs_model:
         if settings.fraction == 1.0:
@@ -231,16 +230,15 @@ def proxy_trainer(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], 
     ``--load``) of the checked flags ``args`` in this process (collective: it starts or joins
     the process group)."""
     from .. import distributed
-    from ..arguments import padded_vocab_size
     from ..data import build_tokenizer
     from ..gpt import GPTTask
     from ..loop import Trainer
     from ...run_config import RunConfig
 
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    env = distributed.initialize(args, cpu_fallback)
-    return Trainer(GPTTask(), args, RunConfig.from_args(args), tokenizer, env)
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    env = distributed.initialize(args, run, cpu_fallback)
+    return Trainer(GPTTask(), args, run, tokenizer, env)
 
 
 def _select_with_model(args, settings: SelectionSettings, n: int, cpu_fallback, timings: dict, log) -> Selection:
@@ -263,7 +261,7 @@ def _select_with_model(args, settings: SelectionSettings, n: int, cpu_fallback, 
     samples = trainer.train_data.__getitem__
 
     def proxies_of(start: int, stop: int) -> np.ndarray:
-        return proxies_for(chunk, samples, range(start, stop), args.micro_batch_size, collate, trainer.env.device)
+        return proxies_for(chunk, samples, range(start, stop), trainer.run_config.batches.micro_batch_size, collate, trainer.env.device)
 
     return _craig(proxies_of, n, settings, timings)
 

@@ -135,7 +135,7 @@ class DecentralizedStrategy(SyncStrategy):
     def iteration_fields(self, iteration: int) -> Dict[str, object]:
         """The iteration record's fields after the step (collective on logging iterations:
         the consensus distance)."""
-        interval = self.parts.args.log_interval
+        interval = self.parts.run.logging.interval
         due = bool(interval) and iteration % interval == 0
         out: Dict[str, object] = {
             "comm_bytes_per_replica": self._comm_bytes(),
@@ -225,8 +225,7 @@ class DecentralizedStrategy(SyncStrategy):
         shapes = [tuple(p.shape) for p in params]
         if [tuple(t.shape) for t in state["params"]] != shapes:
             raise CheckpointError(f"{directory}: the saved replica parameters do not fit this model's optimizer parameters")
-        args = self.parts.args
-        weights_only = args.finetune or args.no_load_optim
+        weights_only = self.parts.run.checkpointing.weights_only
         with torch.no_grad():
             for p, value, momentum in zip(params, state["params"], state["momentum"]):
                 p.copy_(value)
