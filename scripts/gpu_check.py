@@ -34,6 +34,10 @@ reported and the next one runs):
    each pipeline rank, the alltoall dispatcher, against ``ref-moe-gpt-fp32``). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
    fp32, 2e-2 in bf16. The two Transformer Engine items run only where ``transformer_engine``
    is importable; elsewhere they are ``skipped (Transformer Engine not importable)``.
+5. ``fault-hang-pp4``, ``fault-crash-pp4``: BitPipe PP4 with ``--inject-fault hang`` (then
+   ``crash``) on rank 1 at iteration 2 and ``--distributed-timeout-minutes 0.25``
+   (docs/faults.md): ok when the job ends by itself, non-zero, with the watchdog's one line;
+   the time to end is in the key numbers.
 
 Runs that cannot hang come first; a run of several ranks that outlives its timeout has its
 ranks' Python stacks dumped into the log (SIGUSR1, see gpu_rank.py) and its whole process
@@ -378,16 +382,22 @@ COMMON = ["--seed", "1234", "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-gr
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
        "--disable-bias-linear"]  # fmt: skip
 
+#: the fault items' flags: rank 1 fails at the start of iteration 2's training step; the job
+#: must end within the 15 s timeout plus the watchdog's bound (docs/faults.md)
+FAULT_FLAGS = ["--inject-fault-rank", "1", "--inject-fault-iteration", "2", "--distributed-timeout-minutes", "0.25"]
+#: how the one line that ends a faulted job begins (megatron_bitpipe/training/watchdog.py)
+FAULT_LINE = "watchdog: job ended at iteration "
+
 #: per-item timeouts (seconds) on the GPU
 TIMEOUTS = {"environment": 60, "gpt-small-bf16": 90, "gpt-0.5b-bf16": 120, "gpt-0.5b-bf16-sdpa": 120, "attention-sdpa": 60,
             "hfta-bench": 300,
             "calibrate-fp32": 90, "calibrate-bf16": 90, "calibrate-bf16-sdpa": 90,
-            "reference": 60, "multirank": 50, "1f1b-control": 75,
+            "reference": 60, "multirank": 50, "1f1b-control": 75, "fault": 120,
             "optimus2d-q2": 130}  # fmt: skip  (Optimus 2D: ~9.3 s/iteration over loopback sockets, 5 iterations)
 #: the control run of several ranks; the later ones get at least CONTROL_FACTOR x its time
 CONTROL, CONTROL_FACTOR = "1f1b-control", 2.0
 #: per-item timeouts (seconds) of the dry run on a CPU
-DRY_TIMEOUTS = {"environment": 90, "reference": 90, "multirank": 150}
+DRY_TIMEOUTS = {"environment": 90, "reference": 90, "multirank": 150, "fault": 150}
 
 
 def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tuple[int, int, int]]) -> List[Item]:
@@ -482,6 +492,13 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
                           f"{what}, 4 ranks" + ("" if dry_run else f" on one GPU ({sharing})") + f", {precision} vs {reference}",
                           needs_gpu=precision == "bf16" or te, needs_te=te, env=env, log_json=str(work / f"{name}.jsonl"),
                           reference=reference, rtol=RTOL[precision]))  # fmt: skip
+    for fault in ("hang", "crash"):
+        name = f"fault-{fault}-pp4"
+        layout = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--inject-fault", fault, *FAULT_FLAGS]
+        items.append(Item(name, "fault", [*launcher, gpt, *tiny, *layout], timeout(name, "fault"),
+                          f"BitPipe PP4, 4 ranks" + ("" if dry_run else f" on one GPU ({sharing})")
+                          + f", --inject-fault {fault} on rank 1 at iteration 2: the job ends with the watchdog's line",
+                          env=dict(sharing_env)))  # fmt: skip
     return items
 
 
@@ -677,9 +694,27 @@ def _tail(text: str, lines: int = TAIL_LINES) -> str:
     return "\n".join("    " + line for line in kept[-lines:])
 
 
+def evaluate_fault(ran: Ran, cut: bool) -> Tuple[str, str, dict]:
+    """(status, key numbers, details) of an injected fault's run: ok when the job ended by
+    itself, non-zero, with the watchdog's one line (``FAULT_LINE``)."""
+    lines = [line[line.index(FAULT_LINE) :] for line in ran.output.splitlines() if FAULT_LINE in line]
+    details = {"ended_after_s": None if ran.timed_out else round(ran.seconds, 1), "fault_line": lines[0] if lines else None}
+    if ran.timed_out:
+        status = f"timeout (budget, {ran.timeout:.0f} s)" if cut else f"not ended (timeout {ran.timeout:.0f} s)"
+        return status, "the faulted job outlived its timeout", details
+    if ran.returncode == 0:
+        return "failed (exit 0: the fault did not end the job)", "", details
+    if not lines:
+        return f"failed (exit {ran.returncode}, no watchdog line)", f"ended after {ran.seconds:.1f} s", details
+    line = lines[0] if len(lines[0]) <= 240 else lines[0][:237] + "..."
+    return OK, f"exit {ran.returncode} after {ran.seconds:.1f} s: {line}", details
+
+
 def evaluate(item: Item, ran: Ran, logs: Dict[str, dict], cut: bool = False) -> Tuple[str, str, dict]:
     """(status, key numbers, details) of an item that ran; ``cut``: its timeout was cut to
     the budget left (a timeout then says so, not "hung")."""
+    if item.kind == "fault":
+        return evaluate_fault(ran, cut)
     details: dict = {}
     if ran.timed_out and cut:
         status = f"timeout (budget, {ran.timeout:.0f} s)"

@@ -159,7 +159,7 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
     items = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 27, 7))
     names = [i.name for i in items]
-    assert names[0] == "environment" and len(names) == len(set(names)) == 26
+    assert names[0] == "environment" and len(names) == len(set(names)) == 28
     multirank = [i for i in items if i.kind == "multirank"]
     assert multirank[0].name == gpu_check.CONTROL and "--pipeline-schedule" not in multirank[0].command
     assert {i.reference for i in multirank} <= {i.name for i in items if i.kind == "reference"}
@@ -177,12 +177,14 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
         assert item.needs_te == ("transformer_engine" in item.command) and (item.needs_gpu or not item.needs_te)
         monkeypatch.setattr(arguments.importlib.util, "find_spec", lambda name, *a, te=item.needs_te: (
             object() if te and name == "transformer_engine" else real_find_spec(name, *a)))
-        if item.kind in ("train", "reference", "multirank"):
+        if item.kind in ("train", "reference", "multirank", "fault"):
             bert = "pretrain_bert.py" in " ".join(item.command)
             args = _script_args(item.command, "pretrain_bert.py" if bert else "pretrain_gpt.py")
-            world = 4 if item.kind == "multirank" else 1
+            world = 1 if item.kind in ("train", "reference") else 4
             parsed = parse_args(BertTask() if bert else GPTTask(), args, world_size=world, cuda_available=True)
             assert parsed.log_json == item.log_json and parsed.eval_iters == 0
+        if item.kind == "fault":
+            assert parsed.inject_fault in ("hang", "crash") and parsed.inject_fault_iteration <= parsed.train_iters
         if item.kind == "calibrate":
             parsed = calibrate._parser().parse_args(_script_args(item.command, "calibrate_gpu.py"))
             calibrate.check_args(parsed)
@@ -215,6 +217,18 @@ def test_transformer_engine_items_are_skipped_without_it(tmp_path, monkeypatch, 
     assert "| bitpipe-split-te-pp4 | skipped (Transformer Engine not importable) |" in capsys.readouterr().out
 
 
+def test_a_fault_item_is_ok_only_when_the_job_ended_itself_with_the_watchdogs_line():
+    line = "watchdog: job ended at iteration 2: rank 1 hung at iteration 2 (training step): 15.0 s outside any communication"
+    ended = gpu_check.Ran(1, 29.9, False, f"noise\n[rank0]: {line}\nmore\n", 120.0)
+    status, numbers, details = gpu_check.evaluate_fault(ended, cut=False)
+    assert status == gpu_check.OK and numbers == f"exit 1 after 29.9 s: {line}" and details == {"ended_after_s": 29.9, "fault_line": line}
+    hung = gpu_check.Ran(None, 120.0, True, "iteration 1\n", 120.0)
+    assert gpu_check.evaluate_fault(hung, cut=False)[0] == "not ended (timeout 120 s)"
+    assert gpu_check.evaluate_fault(hung, cut=True)[0] == "timeout (budget, 120 s)"
+    assert gpu_check.evaluate_fault(gpu_check.Ran(0, 9.0, False, line, 120.0), cut=False)[0].startswith("failed (exit 0")
+    assert gpu_check.evaluate_fault(gpu_check.Ran(1, 9.0, False, "Traceback", 120.0), cut=False)[0] == "failed (exit 1, no watchdog line)"
+
+
 def test_dry_run_items_fit_a_cpu(tmp_path):
     from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.bert import BertTask
@@ -222,12 +236,12 @@ def test_dry_run_items_fit_a_cpu(tmp_path):
 
     items = gpu_check.build_items(tmp_path, tmp_path, dry_run=True, nccl_version=None)
     runnable = [i for i in items if not i.needs_gpu]
-    assert {i.kind for i in runnable} == {"environment", "reference", "multirank"}
+    assert {i.kind for i in runnable} == {"environment", "reference", "multirank", "fault"}
     assert all(i.kind in ("train", "benchmark", "calibrate") or "--bf16" in i.command or i.needs_te for i in items if i.needs_gpu)
     for item in runnable[1:]:
         bert = "pretrain_bert.py" in " ".join(item.command)
         args = _script_args(item.command, "pretrain_bert.py" if bert else "pretrain_gpt.py")
-        parsed = parse_args(BertTask() if bert else GPTTask(), args, world_size=4 if item.kind == "multirank" else 1, cuda_available=False)
+        parsed = parse_args(BertTask() if bert else GPTTask(), args, world_size=1 if item.kind == "reference" else 4, cuda_available=False)
         assert parsed.hidden_size == 32 and parsed.train_iters == 2
 
 
