@@ -24,7 +24,7 @@ setup(
     install_requires=["megatron-core>=0.16,<0.20", "torch>=2.6", "numpy", "psutil"],
     extras_require={
         "test": [
-            "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ortools>=9.10",
+            "pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "matplotlib>=3.7", "ortools>=9.10",
             "schedulefree==1.4.*",  # --optimizer schedulefree_adamw and its reference
             "pytorch-optimizer>=4.1",  # REX oracle
         ],
