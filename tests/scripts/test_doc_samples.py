@@ -110,15 +110,17 @@ def test_scripts_and_package_name_no_outside_design_document():
 
 def test_the_fast_loop_leaves_out_processes_and_the_plan_sweep_which_ci_runs_once():
     """README's fast loop deselects ``multirank`` and ``plan_sweep``, the sweep has its own
-    command, and CI runs the sweep once: in README's whole-suite command (no marker
-    selection), not again in the megatron-core 0.19 pass."""
+    command, and CI runs the sweep once: in README's whole-suite command (two runs whose
+    marker selections, ``not multirank`` and ``multirank``, together take every test once),
+    not again in the megatron-core 0.19 pass."""
     import re
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert 'python -m pytest -m "not multirank and not plan_sweep" tests' in readme
     assert "python -m pytest -m plan_sweep tests" in readme
     whole = readme.split("<!-- ci:test-command -->", 1)[1].split("```", 2)[1]
-    assert "python -m pytest" in whole and " -m " not in whole.split("python -m pytest", 1)[1]
+    selections = [re.search(r' -m "?([a-z_ ]+?)"? tests', run).group(1) for run in whole.split("python -m pytest")[1:]]
+    assert selections == ["not multirank", "multirank"], whole
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     pytest_runs = re.findall(r"^python -m pytest .*$", ci, re.M)
     assert pytest_runs and all("not plan_sweep" in run or "MCORE019_MULTIRANK" in run for run in pytest_runs), pytest_runs
