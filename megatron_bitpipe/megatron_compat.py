@@ -39,8 +39,9 @@ patch release in the range behaves like its neighbours:
   case (NameError without TE); defining it as None, as later releases do, selects the router's
   plain-torch GEMM.
 * :func:`sharded_save_request` — 0.19's save takes ``async_strategy`` (its default needs
-  nvidia-resiliency-ext); the results queue of megatron-core's file writer is served by a
-  process that ends with its rank (``filesystem_async._results_queue`` in 0.16-0.19).
+  nvidia-resiliency-ext); the synchronous save hands its file writer's results over in the
+  rank's own process (``filesystem_async._results_queue`` in 0.16-0.19), not through the
+  helper process megatron-core spawns for them.
 * :func:`megatron_lm_functions` — where Megatron-LM's training code looks up what the runtime
   route wraps (argument parsing, batch broadcast, model builders), and :func:`with_keyword`
   for calls whose arguments moved between positions and keywords.
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import queue
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Optional, Tuple
@@ -58,7 +60,6 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import schedules as _schedules
 
-from .child_process import queue_ending_with_this_process
 
 __all__ = [
     "backward_step",
@@ -225,28 +226,30 @@ def standard_param_group_overrides(config):
 
 def sharded_save_request(state_dict, directory, **kwargs):
     """megatron-core's ``dist_checkpointing.save(..., async_sharded_save=True)``: the save as a
-    request to execute. Since 0.19 its default async strategy is NVIDIA Resiliency Extension's
-    (``nvrx``), an optional package; megatron-core's own (``mcore``) is asked for where the
-    function takes ``async_strategy`` (0.16.1 has only its own)."""
+    request, to be run synchronously in this process (``execute_sync``). Since 0.19 its
+    default async strategy is NVIDIA Resiliency Extension's (``nvrx``), an optional package;
+    megatron-core's own (``mcore``) is asked for where the function takes ``async_strategy``
+    (0.16.1 has only its own)."""
     from megatron.core import dist_checkpointing
 
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
         kwargs["async_strategy"] = "mcore"
-    _write_results_queue_ending_with_rank()
+    _write_results_in_this_process()
     return dist_checkpointing.save(state_dict, directory, async_sharded_save=True, **kwargs)
 
 
-def _write_results_queue_ending_with_rank() -> None:
-    """megatron-core's file writer (0.16-0.19) returns its results through a queue served by a
-    manager process it spawns on a rank's first save and keeps in
-    ``filesystem_async._results_queue``; that process outlives a rank killed without clean-up
-    and holds the job's output open. Before the first save it gets one whose process ends with
-    the rank (:func:`~megatron_bitpipe.child_process.queue_ending_with_this_process`); a
-    release without that attribute is left as it is."""
+def _write_results_in_this_process() -> None:
+    """megatron-core's file writer (0.16-0.19) hands its results to the save's finalisation
+    through ``filesystem_async._results_queue``, by default a queue served by a manager process
+    it spawns on a rank's first save: for a save run in a background process. Run
+    synchronously, both ends are this process, and an in-process queue serves: no helper
+    process, which would import torch again (about a second on each rank's first save) and
+    outlive a rank killed without clean-up, holding the job's output open. A release without
+    that attribute is left as it is."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", False) is None:
-        filesystem_async._results_queue = queue_ending_with_this_process()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def reads_common_state_in_index() -> bool:

@@ -99,7 +99,7 @@ def test_a_hung_rank_ends_the_job_after_the_timeout_with_one_line():
 
 
 def test_a_crashed_rank_ends_the_job_at_once_with_one_line(tmp_path):
-    # saving iteration 1 starts megatron-core's writer's helper process on each rank: it must end with its rank
+    # saves from iteration 1 on: no process a save starts may outlive its rank and hold the job's output open
     status, line, seconds = fault_ended(["--save", str(tmp_path / "ckpt"), "--save-interval", "1"], "crash")
     assert status != 0
     assert "rank 1 did not answer" in line and "rank 0 at iteration 2 (training step) waited in" in line
