@@ -162,6 +162,8 @@ class Jobs:
                     held_since.setdefault(name, time.monotonic())
                     if time.monotonic() - held_since[name] > REQUEUE_RELEASE_S:
                         run(["scontrol", "update", f"JobId={job}", "StartTime=now"], self.env, check=True)
+                else:
+                    held_since.pop(name, None)  # a later requeue is held anew
             time.sleep(0.2)
 
 
