@@ -105,7 +105,24 @@ def main(argv: Optional[List[str]] = None, *, prepare: Optional[Callable[[], Non
         runpy.run_path(str(script), run_name="__main__")
     except BitPipeConfigError as error:
         return _error(str(error))
+    except SystemExit as exit_:
+        if exit_.code in (None, 0):  # Megatron-LM's exit conditions (signal, duration, interval)
+            _destroy_process_groups()
+        raise
+    _destroy_process_groups()
     return 0
+
+
+def _destroy_process_groups() -> None:
+    """After a script that finished: destroy the process groups it left (Megatron-LM's scripts
+    end without doing so). Left to the interpreter's exit, torch's gloo groups can abort the
+    finished rank (``terminate called without an active exception``, status -6), failing a
+    run that had trained and saved; NCCL's print a warning on every rank. Not after a failure:
+    destroying groups other ranks still wait on could block."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

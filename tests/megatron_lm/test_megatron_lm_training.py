@@ -48,7 +48,10 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   BitPipe (± split backward), ZB-V and DualPipeV with the distributed optimizer on the runtime
   route, BitPipe and ZB-V on the patch route,
   both token dispatchers, and Megatron-LM's own 1F1B with ``--layout-independent-init``, equal
-  to one process at expert parallelism 1; the logged auxiliary losses equal that 1F1B run's.
+  to one process at expert parallelism 1; the logged auxiliary losses equal that 1F1B run's;
+* a script that ends, or exits 0, leaving its process groups is followed by the route's clean-up
+  (gloo's groups left to the interpreter's exit can abort a finished rank); one that fails keeps
+  them.
 
 (pretrain_bert.py at core_v0.16.1 imports Transformer Engine's BERT layer spec when it is
 loaded, so it cannot run on a CPU machine at all; core_v0.19.0 has no pretrain_bert.py.)
@@ -461,3 +464,32 @@ def test_moe_plan_schedules_equal_one_process(request, workdir, moe_reference, m
     route, flags = MOE_RUNS[name]
     root = request.getfixturevalue("checkout" if route == "runtime" else "patched_checkout")
     _assert_moe_curve(_moe_run(root, workdir, flags), moe_reference, moe_megatron_1f1b)
+
+
+#: a stand-in training script: one gloo collective, then an end, ``sys.exit(0)`` or a failure
+#: chosen by its flags; at the interpreter's exit each rank says whether its groups were left
+ENDING_SCRIPT = """
+import atexit, sys
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+dist.all_reduce(torch.ones(4))
+atexit.register(lambda: print(f"rank {rank}: process groups {'left' if dist.is_initialized() else 'destroyed'} at exit", flush=True))
+if "--end-with-exit" in sys.argv:
+    sys.exit(0)
+if "--end-with-failure" in sys.argv:
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("ending, status, groups", [("", 0, "destroyed"), ("--end-with-exit", 0, "destroyed"), ("--end-with-failure", 1, "left")])
+def test_the_route_destroys_the_process_groups_a_finished_script_left(checkout, tmp_path, ending, status, groups):
+    scripts = tmp_path / "scripts"  # a script beside the checkout's megatron package, as in a checkout
+    scripts.mkdir()
+    (scripts / "megatron").symlink_to(checkout / "megatron", target_is_directory=True)
+    (scripts / "ending.py").write_text(ENDING_SCRIPT)
+    run = torchrun(scripts / "ending.py", 2, [ending] if ending else [], tmp_path, timeout=300)
+    assert (run.returncode != 0) == (status != 0), run.output[-3000:]
+    for rank in range(2):
+        assert f"rank {rank}: process groups {groups} at exit" in run.output, run.output[-3000:]
