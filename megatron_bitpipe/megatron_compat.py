@@ -60,7 +60,6 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import schedules as _schedules
 
-
 __all__ = [
     "backward_step",
     "build_tokenizer",
