@@ -24,6 +24,11 @@ patch release in the range behaves like its neighbours:
   read by this package's deferrable local linears only (megatron's TE linears of such a
   release would not defer, and :func:`~megatron_bitpipe.execution.weight_grad.enable_split_backward`
   refuses them).
+* :func:`ddp_gradient_hooks` — megatron DDP's per-parameter gradient hook (what its
+  gradient accumulators run: ``main_grad += grad``, ``grad`` cleared, the bucket told), made by
+  ``DistributedDataParallel._make_backward_post_hook(param)`` for the parameters of
+  ``param_to_bucket_group``; the same in 0.16.1 and 0.19.2, private, so found by its name (a
+  wrapper without it gets none).
 * :func:`reads_common_state_in_index` — megatron-core 0.19 saves a distributed checkpoint's
   plain values as an object of its index instead of ``common.pt``; its reader reads both,
   0.16's only ``common.pt``.
@@ -54,7 +59,7 @@ import inspect
 import queue
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from megatron.core.enums import ModelType
@@ -67,6 +72,7 @@ __all__ = [
     "linear_call_is_plain",
     "reads_common_state_in_index",
     "enable_delay_wgrad_compute",
+    "ddp_gradient_hooks",
     "enable_moe_without_transformer_engine",
     "MegatronLMFunctions",
     "megatron_lm_functions",
@@ -150,6 +156,17 @@ def enable_delay_wgrad_compute(config) -> None:
     model: megatron's TE linears read it in their constructor), bypassing
     ``TransformerConfig.__post_init__``'s MoE-overlap-only check (see the module docstring)."""
     config.delay_wgrad_compute = True
+
+
+def ddp_gradient_hooks(module: torch.nn.Module) -> Dict[torch.nn.Parameter, Callable[[], None]]:
+    """``{parameter: hook}`` for a megatron ``DistributedDataParallel``'s parameters: the hook
+    its gradient accumulator runs after autograd set ``parameter.grad`` (see the module
+    docstring); ``{}`` for a module that is not such a DDP."""
+    make_hook = getattr(module, "_make_backward_post_hook", None)
+    buckets = getattr(module, "param_to_bucket_group", None)
+    if not callable(make_hook) or not isinstance(buckets, dict):
+        return {}
+    return {param: make_hook(param) for param in buckets}
 
 
 def enable_moe_without_transformer_engine() -> None:

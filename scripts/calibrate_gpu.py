@@ -3,7 +3,10 @@
 
 Times one device share of a megatron-core GPT model — ``--num-layers`` transformer layers,
 built and run **as a middle pipeline stage of training runs it** — for one micro-batch of
-``[--seq-length, --micro-batch-size, --hidden-size]`` in fp32, ``--bf16`` or ``--fp16``:
+``[--seq-length, --micro-batch-size, --hidden-size]`` in fp32, ``--bf16`` or ``--fp16``
+(a mixture-of-experts share with ``--num-experts``; one tensor-parallel rank's share with
+``--tensor-model-parallel-size``, run on that many ranks, ``[s / tp, b, h]`` with
+``--sequence-parallel``):
 
 * the flags go through the pretrain scripts' own parser
   (:func:`megatron_bitpipe.training.arguments.parse_args`) and
@@ -27,10 +30,12 @@ Measured (median of ``--iters`` after ``--warmup``; CUDA events on a GPU):
 * ``F``, ``B``: forward and whole backward;
 * with megatron-core's local layers (``--transformer-impl local``; the split backward
   defers only those), the split backward with the project's own deferral
-  (:mod:`megatron_bitpipe.execution.weight_grad`, as the executor runs ``I`` and ``W``): ``I``,
-  the backward with the weight gradients deferred (``F`` runs inside ``deferring`` too), and
-  ``W``, running the deferred :class:`~megatron_bitpipe.execution.weight_grad.WeightGradWork`.
-  With Transformer Engine layers ``I`` and ``W`` are not measured (said in the output).
+  (:mod:`megatron_bitpipe.execution.weight_grad`, as the executor runs ``I`` and ``W``): the
+  forward while the linears defer (``F_d``), ``I``, the backward with the weight gradients
+  deferred, and ``W``, the chunk's
+  :meth:`~megatron_bitpipe.execution.weight_grad.ChunkWeightGrad.backward_dw`.
+  With Transformer Engine layers they are not measured (said in the output).
+  ``scripts/bench_split.py`` counts what each of these runs (operators, FLOPs, bytes).
 
 Communication:
 
@@ -43,7 +48,8 @@ Communication:
 
 Writes ``--output`` (default ``costs.json``): one JSON object whose keys are fields of
 :class:`megatron_bitpipe.schedules.CostModel` (milliseconds, bytes, bytes/ms): ``t_forward``
-(F), ``t_backward`` (B), ``t_weight`` (W) and ``t_input`` (I) when the split was measured,
+(F), ``t_backward`` (B), ``t_weight`` (W), ``t_input`` (I) and ``t_forward_deferring`` (F_d)
+when the split was measured,
 ``t_p2p``, ``p2p_bytes``, ``p2p_bandwidth``, ``t_sync``, ``grad_bytes``, ``sync_bandwidth``,
 ``data_parallel_size``, and ``t_a2a`` and ``a2a_bandwidth`` at 0 (set them to cost the
 all-to-alls of a mixture-of-experts model). ``python -m megatron_bitpipe.schedules simulate --costs FILE``,
@@ -63,7 +69,8 @@ of weights and as much of fp32 gradient buffer in fp32)::
 Exit status: 0 after writing the file; 2 with one line on stderr for bad flags and, without
 ``--device cpu``, when no CUDA GPU is available (before anything is measured). ``--device
 cpu`` measures on the CPU with gloo and megatron-bitpipe's CPU compatibility layer (for
-tests and demos; the times are a CPU's, not a GPU's).
+tests and demos; the times are a CPU's, not a GPU's). ``--tensor-model-parallel-size 2``
+runs under ``torchrun --nproc-per-node 2`` (rank 0 writes the file).
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_bitpipe.schedules.costs import CostModel
 
@@ -93,16 +100,18 @@ def cost_model(
     grad_bytes: float,
     t_weight: Optional[float] = None,
     t_input: Optional[float] = None,
+    t_forward_deferring: Optional[float] = None,
 ) -> CostModel:
-    """The CostModel of one measurement: compute (ms; ``t_weight``/``t_input`` the split
-    backward's W and I, None when not measured), ``comm`` = {latency_ms, bytes, bandwidth
-    (bytes/ms), sync_bandwidth (bytes/ms)}, the device share's gradient bytes. Raises
-    ValueError for negative values or a W or I longer than B."""
+    """The CostModel of one measurement: compute (ms; ``t_weight``/``t_input``/``t_forward_deferring``
+    the split backward's W, I and forward while deferring, None when not measured), ``comm`` =
+    {latency_ms, bytes, bandwidth (bytes/ms), sync_bandwidth (bytes/ms)}, the device share's
+    gradient bytes. Raises ValueError for negative values or a W longer than B."""
     return CostModel(
         t_forward=t_forward,
         t_backward=t_backward,
         t_weight=t_weight,
         t_input=t_input,
+        t_forward_deferring=t_forward_deferring,
         t_p2p=comm["latency_ms"],
         p2p_bytes=comm["bytes"],
         p2p_bandwidth=comm["bandwidth"],
@@ -140,8 +149,10 @@ def training_args(args: argparse.Namespace) -> argparse.Namespace:
     checked as on a GPU and the CPU path sets the backend to gloo itself.
     """
     from megatron_bitpipe.training.arguments import parse_args
+    from megatron_bitpipe.training.gpt_args import GPTArguments
 
     argv = [
+        "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
         "--num-layers", str(args.num_layers),
         "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", str(args.num_attention_heads),
@@ -159,29 +170,47 @@ def training_args(args: argparse.Namespace) -> argparse.Namespace:
         argv += ["--transformer-impl", args.transformer_impl]
     if args.attention_backend is not None:
         argv += ["--attention-backend", args.attention_backend]
+    if args.num_experts is not None:
+        argv += ["--num-experts", str(args.num_experts), "--moe-router-topk", str(args.moe_router_topk)]
+    argv += ["--sequence-parallel"] if args.sequence_parallel else []
+    argv += ["--disable-bias-linear"] if args.disable_bias_linear else []
     argv += ["--bf16"] if args.bf16 else ["--fp16"] if args.fp16 else []
-    return parse_args(None, argv, world_size=1, cuda_available=True)
+    argv += ["--distributed-backend", "gloo"] if args.device == "cpu" else []
+    return parse_args(GPTArguments(), argv, world_size=args.tensor_model_parallel_size, cuda_available=True)
+
+
+def share_shape(args: argparse.Namespace) -> Tuple[int, int, int]:
+    """``(s, b, h)`` of the activation a middle stage receives: ``s / tp`` with sequence parallelism."""
+    tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    return args.seq_length // tp, args.micro_batch_size, args.hidden_size
 
 
 def build_share(train_args: argparse.Namespace, device):
     """One device share as a middle pipeline stage of training holds it: ``(model, config)``.
 
     ``model`` is the project's DDP-wrapped GPTModel chunk of ``train_args.num_layers`` layers
-    without embedding or head (``ChunkFloat16Module`` inside with bf16/fp16), on ``device``.
-    Needs an initialised default process group of one rank (collective over it).
+    of the run's model kind (dense, or mixture-of-experts with ``--num-experts``) without
+    embedding or head (``ChunkFloat16Module`` inside with bf16/fp16), on ``device``. Needs an
+    initialised default process group of ``--tensor-model-parallel-size`` ranks (collective
+    over it).
     """
     from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.execution.groups import ParallelGrid, PipelineGroups
     from megatron_bitpipe.model.chunks import build_chunks, gpt_chunk_factory
+    from megatron_bitpipe.model.experts import check_expert_layout
     from megatron_bitpipe.model.precision import ChunkFloat16Module
     from megatron_bitpipe.execution.replicas import wrap_ddp
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.config import ddp_config, transformer_config, use_global_tp_group
-    from megatron_bitpipe.training.gpt import GPT
+    from megatron_bitpipe.training.gpt import GPTTask
+    from megatron_bitpipe.training.model_registry import model_kind_for
 
     run = RunConfig.from_args(train_args)
     config = transformer_config(train_args, run)
-    groups = PipelineGroups.build(ParallelGrid(1, 1, 1), run.placement)
+    kind = model_kind_for(GPTTask.name, run)
+    grid = ParallelGrid(tp=run.layout.tensor)
+    check_expert_layout(config, grid)  # also makes megatron-core's MoE layers run without Transformer Engine
+    groups = PipelineGroups.build(grid, run.placement)
     use_global_tp_group(groups.tp)
     init_megatron_state(groups.rank_pgs, train_args.seed)
     make_gpt_chunk = gpt_chunk_factory(
@@ -190,7 +219,7 @@ def build_share(train_args: argparse.Namespace, device):
         max_sequence_length=train_args.max_position_embeddings,
         position_embedding_type=train_args.position_embedding_type,
         rotary_base=train_args.rotary_base,
-        layer_spec=GPT.layer_spec(train_args, run, config),  # SDPA's core attention under --attention-backend sdpa
+        layer_spec=kind.layer_spec(train_args, run, config),  # SDPA's core attention under --attention-backend sdpa
     )
 
     def middle_stage(chunk_config, spec, pgs, tie):  # no embedding, no head: what a middle stage holds
@@ -226,7 +255,8 @@ def measure_share(model, config, shape, timer: Callable, warmup: int, iters: int
     Each iteration runs a whole step (``F``, ``B``) and, when the share's linears defer
     (megatron-core local layers), a split one: ``F`` and ``I`` (``backward_step``) with
     ``delay_wgrad_compute`` set on the linears' config, as the executor runs them, and ``W``
-    (the chunk's :meth:`~megatron_bitpipe.execution.weight_grad.ChunkWeightGrad.backward_dw`). ``timer(fn)`` runs
+    (the chunk's :meth:`~megatron_bitpipe.execution.weight_grad.ChunkWeightGrad.backward_dw`): five ``timer``
+    calls per iteration in the order F, B, F_d, I, W (three without the split). ``timer(fn)`` runs
     ``fn`` and returns its duration in ms. Returns ``t_forward``, ``t_backward``,
     ``t_forward_deferring``, ``t_input``, ``t_weight`` (the last three None without the split),
     ``parameters``, ``layer_impl``, ``dtype``, ``output_dtypes`` (what the next stage would
@@ -413,6 +443,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
     parser.add_argument("--seq-length", type=int, required=True)
     parser.add_argument("--micro-batch-size", type=int, required=True)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                        help="one tensor-parallel rank's share, measured on that many ranks (torchrun)")
+    parser.add_argument("--sequence-parallel", action="store_true", help="as training's (needs TP > 1)")
+    parser.add_argument("--num-experts", type=int, default=None, help="a mixture-of-experts share (local MoE layers)")
+    parser.add_argument("--moe-router-topk", type=int, default=2, help="with --num-experts")
+    parser.add_argument("--disable-bias-linear", action="store_true", help="as training's (linears without biases)")
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="as training's --bf16 (default fp32)")
     precision.add_argument("--fp16", action="store_true", help="as training's --fp16 (default fp32)")
@@ -437,7 +473,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """ValueError naming the flag for sizes megatron-core would reject."""
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "iters"):
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "iters",
+                 "tensor_model_parallel_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1")
     if args.warmup < 0:
@@ -451,28 +488,32 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _start_distributed(train_args: argparse.Namespace, device) -> bool:
-    """The default process group of this one rank: training's own start-up on a GPU (NCCL),
-    gloo and the CPU compatibility layer on the CPU; an existing one of one rank is used.
-    Returns whether it was started here."""
+    """The default process group of the share's ``--tensor-model-parallel-size`` ranks:
+    training's own start-up (:func:`megatron_bitpipe.training.distributed.initialize`: NCCL on
+    a GPU, gloo and the CPU compatibility layer without one); an existing group of that size
+    (a test launcher's) is used. Returns whether it was started here."""
+    import torch
     import torch.distributed as dist
 
-    if dist.is_initialized():  # a caller's (a test launcher's) group of one rank
-        if dist.get_world_size() != 1:
-            raise RuntimeError(f"the calibration runs on one rank; torch.distributed has {dist.get_world_size()}")
-        if device.type == "cpu":
-            from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-
-            enable_cpu_megatron()
-        return False
-    if device.type == "cuda":
-        from megatron_bitpipe.training.distributed import initialize
-
-        initialize(train_args)
-        return True
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
 
-    enable_cpu_megatron()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ranks = train_args.tensor_model_parallel_size
+    if dist.is_initialized():
+        if dist.get_world_size() != ranks:
+            raise RuntimeError(f"the calibration runs on {ranks} rank(s); torch.distributed has {dist.get_world_size()}")
+        if device.type == "cpu":
+            enable_cpu_megatron()
+        return False
+    if device.type == "cpu" and torch.cuda.is_available():  # a GPU machine measuring its CPU: one gloo rank
+        if ranks != 1:
+            raise RuntimeError("--device cpu on a machine with a GPU measures one rank (--tensor-model-parallel-size 1)")
+        enable_cpu_megatron()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return True
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.distributed import initialize
+
+    initialize(train_args, RunConfig.from_args(train_args), cpu_fallback=enable_cpu_megatron)
     return True
 
 
@@ -503,15 +544,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     model, config = build_share(train_args, device)
-    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    shape = share_shape(args)
     timer = _cuda_timer if device.type == "cuda" else _cpu_timer
     compute = measure_share(model, config, shape, timer, args.warmup, args.iters, device)
     del model
+    rank = dist.get_rank()
     if started:
         dist.destroy_process_group()
+    if rank != 0:
+        return 0
 
     element = torch.tensor([], dtype=config.pipeline_dtype).element_size()
-    message_bytes = args.seq_length * args.micro_batch_size * args.hidden_size * element
+    message_bytes = shape[0] * shape[1] * shape[2] * element  # one [s (/ tp with sequence parallelism), b, h] message
     gradient_element = 4 if ddp_config(RunConfig.from_args(train_args)).grad_reduce_in_fp32 else config.params_dtype.itemsize
     gradient_bytes = compute["parameters"] * gradient_element
     if device.type == "cuda" and torch.cuda.device_count() >= 2:
@@ -519,7 +563,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         comm = assumed_communication(args, message_bytes)
     costs = cost_model(compute["t_forward"], compute["t_backward"], comm, gradient_bytes,
-                       t_weight=compute["t_weight"], t_input=compute["t_input"])
+                       t_weight=compute["t_weight"], t_input=compute["t_input"],
+                       t_forward_deferring=compute["t_forward_deferring"])
     write_cost_file(args.output, costs)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     f = costs.t_forward
@@ -531,7 +576,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"F {f:.3f} ms, B {costs.t_backward:.3f} ms ({costs.t_backward / f:.2f} F) (median of {args.iters})")
     if compute["split_note"] is None:
         print(
-            f"split backward (execution.weight_grad deferral): F while deferring {compute['t_forward_deferring']:.3f} ms, "
+            f"split backward (execution.weight_grad deferral): F while deferring {costs.t_forward_deferring:.3f} ms "
+            f"({costs.t_forward_deferring / f:.2f} F), "
             f"I {costs.t_input:.3f} ms ({costs.t_input / f:.2f} F), W {costs.t_weight:.3f} ms ({costs.t_weight / f:.2f} F), "
             f"I + W = {(costs.t_input + costs.t_weight) / costs.t_backward:.2f} B"
         )

@@ -16,7 +16,10 @@ reported and the next one runs):
    against B runs one after another, fp32).
 3. ``calibrate-fp32``, ``calibrate-bf16``, ``calibrate-bf16-sdpa``: ``scripts/calibrate_gpu.py``
    on BitPipe's GPT share (12 layers h3072 s1024 b1; the last with ``--attention-backend sdpa``,
-   as users train); the cost files are written to ``--out``.
+   as users train); the cost files are written to ``--out``. ``split-bench``
+   (``scripts/bench_split.py --device cuda``): the split backward's phases F, B, F_d, I, W on
+   2 layers of that share in bf16 (SDPA, unfused attention, MoE): times, operators, bytes
+   written, FLOPs and the ratios (I + W) / B and F_d / F (in ``gpu_check.json``).
 4. Several ranks sharing the one GPU over NCCL (NCCL >= 2.30: ``NCCL_MULTI_RANK_GPU_ENABLE=1``;
    older: a distinct ``NCCL_HOSTID`` per rank, set by ``scripts/gpu_rank.py``, with
    ``NCCL_SOCKET_IFNAME=lo``), a tiny GPT (8 layers h256 s256): first the single-process
@@ -50,7 +53,7 @@ a header line), ``gpu_check.json`` (results, rewritten after every item), ``gpu_
 table), ``calibration_fp32.json``, ``calibration_bf16.json`` and ``calibration_bf16_sdpa.json`` (cost files), ``attention.json``
 (``scripts/bench_attention.py``: unfused vs SDPA core attention) and ``hfta.json``
 (``scripts/bench_hfta.py --size small``: B = 1, 2, 4, 8 fused models against B runs one after
-another, item ``hfta-bench``). The console gets a
+another, item ``hfta-bench``); ``split-bench``'s results go into ``gpu_check.json`` only. The console gets a
 line per item, an item's last log lines only when it fails, and the table last.
 
 Without a CUDA GPU it prints one line and exits 2 before doing anything, unless ``--dry-run``:
@@ -93,6 +96,7 @@ ENV_MARKER = "GPU_CHECK_ENVIRONMENT "
 LOG_FILE, RESULTS_FILE, TABLE_FILE = "gpu_check.log", "gpu_check.json", "gpu_check.md"
 ATTENTION_FILE = "attention.json"  # scripts/bench_attention.py's results
 HFTA_FILE = "hfta.json"  # scripts/bench_hfta.py's results
+SPLIT_FILE = "split.json"  # scripts/bench_split.py's results (in the work folder; the details go into gpu_check.json)
 DEFAULT_BUDGET_S = 450.0
 #: the dry run's budget: 2 busy CPU cores start 4 ranks of megatron-core slowly
 DRY_RUN_BUDGET_S = 900.0
@@ -255,13 +259,15 @@ def summarize_costs(costs: dict) -> str:
     """A cost file (CostModel's fields, ms) in one line: F, B, W, I and their ratios to F (I is the
     measured ``t_input`` where the file has it, else ``t_backward - t_weight``, as the simulator
     reads it)."""
-    f, b, w, i = (costs.get(k) for k in ("t_forward", "t_backward", "t_weight", "t_input"))
+    f, b, w, i, fd = (costs.get(k) for k in ("t_forward", "t_backward", "t_weight", "t_input", "t_forward_deferring"))
     if not isinstance(f, (int, float)) or not isinstance(b, (int, float)) or f <= 0:
         return f"no t_forward/t_backward in the cost file ({sorted(costs)})"
     text = f"F {f:.1f} ms, B {b:.1f} ms ({b / f:.2f} F)"
     if isinstance(w, (int, float)):
         i = i if isinstance(i, (int, float)) else b - w
-        text += f", W {w:.1f} ms ({w / f:.2f} F), I {i:.1f} ms ({i / f:.2f} F)"
+        text += f", W {w:.1f} ms ({w / f:.2f} F), I {i:.1f} ms ({i / f:.2f} F), I + W = {(i + w) / b:.2f} B"
+        if isinstance(fd, (int, float)):
+            text += f", F_d {fd:.1f} ms ({fd / f:.2f} F)"
     else:
         text += ", t_weight missing"
     return text
@@ -284,8 +290,22 @@ def summarize_hfta(rows: Sequence[dict]) -> str:
     return f"fused vs one after another: {speedups}; B {last['models']} {last['fused_samples_per_s']:.0f} samples/s"
 
 
+def summarize_split(rows: Sequence[dict]) -> str:
+    """scripts/bench_split.py's rows in one line: per row the time ratios (I + W) / B and
+    F_d / F, and (I + W) / B in operators."""
+
+    def ratio(phases, top, bottom, measure):
+        return sum(phases[p][measure] for p in top) / max(phases[bottom][measure], 1e-12)
+
+    return "; ".join(
+        f"{r['row']}: (I + W)/B {ratio(r['phases'], ('I', 'W'), 'B', 'ms'):.3f} time, "
+        f"{ratio(r['phases'], ('I', 'W'), 'B', 'operators'):.3f} operators, F_d/F {ratio(r['phases'], ('F_d',), 'F', 'ms'):.3f} time"
+        for r in rows
+    ) or "no rows"
+
+
 #: a benchmark's results file: its top-level key -> the one-line summary of its value
-BENCHMARK_SUMMARIES = {"attention": summarize_attention, "rows": summarize_hfta}
+BENCHMARK_SUMMARIES = {"attention": summarize_attention, "rows": summarize_hfta, "split": summarize_split}
 
 
 def summarize_environment(env: dict) -> str:
@@ -388,10 +408,12 @@ FAULT_FLAGS = ["--inject-fault-rank", "1", "--inject-fault-iteration", "2", "--d
 #: how the one line that ends a faulted job begins (megatron_bitpipe/training/watchdog.py)
 FAULT_LINE = "watchdog: job ended at iteration "
 
+#: scripts/bench_split.py's rows the split-bench item measures (one GPU)
+SPLIT_ROWS = ("dense bf16 sdpa", "dense bf16 unfused", "moe bf16 sdpa")
 #: per-item timeouts (seconds) on the GPU
 TIMEOUTS = {"environment": 60, "gpt-small-bf16": 90, "gpt-0.5b-bf16": 120, "gpt-0.5b-bf16-sdpa": 120, "attention-sdpa": 60,
             "hfta-bench": 300,
-            "calibrate-fp32": 90, "calibrate-bf16": 90, "calibrate-bf16-sdpa": 90,
+            "calibrate-fp32": 90, "calibrate-bf16": 90, "calibrate-bf16-sdpa": 90, "split-bench": 150,
             "reference": 60, "multirank": 50, "1f1b-control": 75, "fault": 120,
             "optimus2d-q2": 130}  # fmt: skip  (Optimus 2D: ~9.3 s/iteration over loopback sockets, 5 iterations)
 #: the control run of several ranks; the later ones get at least CONTROL_FACTOR x its time
@@ -442,6 +464,13 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
         command = [py, str(SCRIPTS / "calibrate_gpu.py"), *sizes.calibrate, *flags, "--output", output]
         items.append(Item(name, "calibrate", command, timeout(name, "calibrate"),
                           f"calibrate_gpu.py, 12 layers h3072 s1024 b1, {what}", needs_gpu=True, output=output))  # fmt: skip
+    split = str(work / SPLIT_FILE)
+    share = [*sizes.calibrate[sizes.calibrate.index("--hidden-size"):], "--num-layers", "2"]
+    items.append(Item("split-bench", "benchmark",
+                      [py, str(SCRIPTS / "bench_split.py"), "--device", "cuda", "--rows", ",".join(SPLIT_ROWS), *share,
+                       "--warmup", "3", "--iters", "10", "--json-out", split],
+                      timeout("split-bench", "benchmark"), "bench_split.py: F, B, F_d, I, W of 2 layers h3072 s1024 b1, bf16",
+                      needs_gpu=True, output=split))  # fmt: skip
 
     tiny = [*sizes.tiny, *COMMON, "--train-iters", str(sizes.tiny_iters)]
     te_layers = ["--transformer-impl", "transformer_engine"]

@@ -16,6 +16,9 @@ Benchmark helpers (the library never imports them):
   ``2(p−1)/p·n``; all-gather, reduce-scatter, broadcast and reduce ``(p−1)/p·n`` with ``n``
   the full tensor; all-to-all ``(p−1)/p·n`` with ``n`` the rank's input), the usual
   "bandwidth term" of communication cost.
+* :class:`OperatorMeter` — a ``TorchDispatchMode``: the operators dispatched while active
+  (what a GPU launches as kernels), the views among them apart, the matrix-multiply FLOPs
+  (torch's ``flop_counter`` formulas) and the bytes the operators write.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ import contextlib
 import importlib
 import inspect
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 
 def _storage_key(tensor: torch.Tensor) -> Tuple[int, int]:
@@ -274,3 +280,56 @@ class CollectiveMeter(contextlib.ContextDecorator):
     def payload_bytes(self) -> int:
         """Total payload bytes of the recorded calls (full tensors)."""
         return sum(call.payload for call in self.calls)
+
+
+#: operators that only allocate (they write no bytes)
+_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+class OperatorMeter(TorchDispatchMode):
+    """What runs below autograd while active, by operator (``aten::mm``, ``c10d::allgather_``, ...).
+
+    * ``operators``: calls of operators that are not views, counted by name; on a GPU each is
+      a kernel launch (a collective, a launch on the communication stream);
+    * ``views``: calls of view and alias operators (``t``, ``view``, ``detach``, ...): no
+      kernel and no bytes, only dispatcher work on the host;
+    * ``flops``: matrix-multiply FLOPs by torch's ``flop_counter`` formulas (``mm``, ``bmm``,
+      ``addmm``, attention kernels, ...), 2 per multiply-add;
+    * ``bytes_written``: bytes of every tensor an operator that is not a view returns (an
+      in-place or ``out=`` operator's output is the tensor it wrote); allocations
+      (``empty``, ``new_empty_strided``, ...) write none.
+
+    Invariant: every call is counted once, by the innermost operator dispatched (a composite
+    operator such as ``matmul`` is counted as the operators it decomposes into).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operators: Counter = Counter()
+        self.views: Counter = Counter()
+        self.flops = 0
+        self.bytes_written = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if func.is_view:
+            self.views[name] += 1
+            return out
+        self.operators[name] += 1
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        if name.split("::")[-1] not in _ALLOCATIONS:
+            outputs = out if isinstance(out, (tuple, list)) else (out,)
+            self.bytes_written += sum(t.numel() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
+        return out
+
+    @property
+    def operator_count(self) -> int:
+        return sum(self.operators.values())
+
+    @property
+    def view_count(self) -> int:
+        return sum(self.views.values())

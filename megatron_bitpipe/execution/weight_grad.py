@@ -28,15 +28,21 @@ with ``delay_wgrad_compute``: ``need_backward_dw()``, ``backward_dw()``, a FIFO
 Why a local linear decides at forward time: megatron DDP registers a post-hook on every
 parameter's gradient accumulator that asserts a gradient exists; the accumulator (and the
 hook) runs whenever the weight is an autograd input of a node, even if that node returns
-no gradient for it. So a weight whose gradient is deferred enters the linear's autograd
-function detached, and ``backward_dw`` later feeds the gradient to the weight's own
-accumulator (``torch.autograd.backward(weight, grad)``): ``.grad`` accumulation, megatron
-DDP's hook (``main_grad += grad``), tied weights (the LM head using the embedding's
-Parameter: the embedding's contribution arrives in ``I``, the head's in ``W``) all behave as
-for a gradient produced by autograd. With ``gradient_accumulation_fusion`` it adds into
-``weight.main_grad`` with megatron's fused kernel, as megatron's backward does. (TE instead
-marks its deferred weights ``skip_backward_post_hook`` and megatron DDP, with its own
-``delay_wgrad_compute``, hooks them to the module's ``backward_dw``.)
+no gradient for it. So a deferring linear's autograd function does not take the weight as an
+input at all (it reaches it through a plain object, with no autograd edge and no ``detach``),
+and ``backward_dw`` later hands the gradient to what the accumulator would have run
+(:class:`GradientSinks`): for a parameter of a megatron DDP, that DDP's own gradient hook,
+called directly with ``param.grad`` set (``main_grad += grad``, ``grad`` cleared, the bucket
+told the gradient is ready) — the whole backward's operators for the weight, one GEMM and one
+add, with no autograd engine run per linear (which would also copy the gradient before the
+hook adds it); for any other parameter, its gradient accumulator
+(``torch.autograd.backward(weight, grad)``), so ``.grad`` accumulation and hooks behave as
+for a gradient autograd produced. Tied weights (the LM head using the embedding's Parameter:
+the embedding's contribution arrives in ``I``, the head's in ``W``) go to the embedding
+Parameter's sink. With ``gradient_accumulation_fusion`` it adds into ``weight.main_grad``
+with megatron's fused kernel and then does DDP's bookkeeping, as megatron's backward does.
+(TE instead marks its deferred weights ``skip_backward_post_hook`` and megatron DDP, with its
+own ``delay_wgrad_compute``, hooks them to the module's ``backward_dw``.)
 
 Invariants:
 
@@ -45,6 +51,8 @@ Invariants:
 * math and communication equal megatron's ``LinearWithGradAccumulationAndAsyncCommunication``:
   sequence-parallel all-gather of the input in forward, ``allreduce_dgrad`` all-reduce or
   sequence-parallel reduce-scatter of the input gradient in ``I``, bias gradient in ``I``;
+* the deferring forward runs the plain forward's operators; ``I`` + ``W`` run the whole
+  backward's, split in two (``scripts/bench_split.py`` counts them);
 * a queued entry holds the linear's local input and its output gradient until it runs; with
   sequence parallelism it re-gathers the input over the tensor-parallel group (as megatron's
   backward does) instead of keeping the ``tp`` times larger gathered copy. Tensor-parallel
@@ -81,6 +89,7 @@ from ..optimus.layers import OptimusLinear
 
 __all__ = [
     "WeightGradQueue",
+    "GradientSinks",
     "ChunkWeightGrad",
     "accumulate_weight_grad",
     "enable_split_backward",
@@ -133,18 +142,53 @@ def accumulate_weight_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> Non
     torch.autograd.backward(param, grad)
 
 
+class GradientSinks:
+    """Where deferred weight gradients go, by parameter (see the module docstring).
+
+    Built from the model chunks of one rank: a parameter of a megatron DDP among them goes to
+    that DDP's own gradient hook (:func:`~megatron_bitpipe.megatron_compat.ddp_gradient_hooks`),
+    any other parameter to its autograd gradient accumulator (:func:`accumulate_weight_grad`).
+    Invariant: a gradient handed to :meth:`add` is added exactly once, where the whole
+    backward would have added it.
+    """
+
+    def __init__(self, chunks: Sequence[torch.nn.Module] = ()):
+        self._hooks = {}
+        for chunk in chunks:
+            self._hooks.update(megatron_compat.ddp_gradient_hooks(chunk))
+
+    def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Add ``grad`` (``param``'s shape) to ``param``'s gradient."""
+        hook = self._hooks.get(param)
+        if hook is None:
+            accumulate_weight_grad(param, grad)
+            return
+        param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)  # autograd casts so too
+        hook()
+
+    def added_to_main_grad(self, param: torch.nn.Parameter) -> None:
+        """After a fused kernel added ``param``'s gradient to ``param.main_grad``: DDP's
+        bookkeeping only, as megatron's backward leaves it (``grad_added_to_main_grad`` and a
+        placeholder gradient, which DDP's hook clears without adding)."""
+        hook = self._hooks.get(param)
+        if hook is not None:
+            param.grad_added_to_main_grad = True
+            param.grad = torch.empty_like(param)
+            hook()
+
+
 class _DeferredWeightGradLinear(torch.autograd.Function):
     """megatron's linear with async communication; the weight gradient goes to the linear's queue.
 
-    ``weight`` arrives detached (no autograd edge, see the module docstring); ``target``
-    names the Parameter (or tied Parameter) that ``backward_dw`` accumulates into and the
-    queue — inside a plain object, since every tensor argument of ``apply`` would become an
-    autograd input.
+    The weight is not an argument (no autograd edge, see the module docstring): ``target``
+    holds it, the queue and the gradient sinks — inside a plain object, since every tensor
+    argument of ``apply`` would become an autograd input.
     """
 
     @staticmethod
     @custom_fwd
-    def forward(ctx, input, weight, bias, target, fusion, allreduce_dgrad, sequence_parallel, tp_group):
+    def forward(ctx, input, bias, target, fusion, allreduce_dgrad, sequence_parallel, tp_group):
+        weight = target.param
         ctx.save_for_backward(input, weight)
         ctx.target, ctx.fusion = target, fusion
         ctx.use_bias = bias is not None
@@ -165,24 +209,26 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
             handle = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
         if ctx.sequence_parallel:
             assert not ctx.allreduce_dgrad
-            scattered = torch.empty_like(input)
+            scattered = torch.empty(input.size(), dtype=input.dtype, device=input.device)  # megatron's allocation
             handle = dist_reduce_scatter_func(scattered, grad_input, group=ctx.tp_group, async_op=True)
             grad_input = scattered
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
-        param = ctx.target.param
-        closure = _weight_grad_closure(param, input, grad_output, ctx.fusion, ctx.sequence_parallel, ctx.tp_group)
-        ctx.target.queue.push(param, closure)
+        target = ctx.target
+        closure = _weight_grad_closure(target, input, grad_output, ctx.fusion, ctx.sequence_parallel, ctx.tp_group)
+        target.queue.push(target.param, closure)
         if handle is not None:
             handle.wait()
-        return grad_input, None, grad_bias, None, None, None, None, None
+        return grad_input, grad_bias, None, None, None, None, None
 
 
 @dataclass(frozen=True)
 class _Target:
-    """Where a deferred weight gradient goes: ``param``'s gradient, through ``queue``."""
+    """Where a deferred weight gradient goes: ``param``'s gradient (through ``sinks``), queued
+    on ``queue``."""
 
     param: torch.nn.Parameter
     queue: "WeightGradQueue"
+    sinks: GradientSinks
 
 
 def _gather_sequence(input: torch.Tensor, tp_group) -> torch.Tensor:
@@ -194,16 +240,18 @@ def _gather_sequence(input: torch.Tensor, tp_group) -> torch.Tensor:
     return total
 
 
-def _weight_grad_closure(param, input, grad_output, fusion: bool, sequence_parallel: bool, tp_group) -> Callable[[], None]:
-    """The weight work of one linear backward: ``param``'s gradient += grad_outputᵀ · total_input."""
+def _weight_grad_closure(target: _Target, input, grad_output, fusion: bool, sequence_parallel: bool, tp_group) -> Callable[[], None]:
+    """The weight work of one linear backward: ``target.param``'s gradient += grad_outputᵀ · total_input."""
 
     def weight_grad() -> None:
+        param = target.param
         total_input = _gather_sequence(input, tp_group) if sequence_parallel else input
         grad_2d, input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
         if fusion and hasattr(param, "main_grad"):
             _fused_accumulate(input_2d, grad_2d, param.main_grad)
+            target.sinks.added_to_main_grad(param)
         else:
-            accumulate_weight_grad(param, grad_2d.t().matmul(input_2d))
+            target.sinks.add(param, grad_2d.t().matmul(input_2d))
 
     return weight_grad
 
@@ -229,10 +277,11 @@ class _DeferrableForwardImpl:
     (:func:`~megatron_bitpipe.megatron_compat.linear_call_is_plain`).
     """
 
-    def __init__(self, original: Callable, queue: WeightGradQueue, config):
+    def __init__(self, original: Callable, queue: WeightGradQueue, config, sinks: GradientSinks):
         self.original = original
         self.queue = queue
         self.config = config
+        self.sinks = sinks
 
     def __call__(
         self,
@@ -256,9 +305,14 @@ class _DeferrableForwardImpl:
             )
         if not megatron_compat.linear_call_is_plain(newer_keywords):
             raise SplitBackwardError(f"split backward cannot defer a linear called with {newer_keywords}")
+        if not input.requires_grad and not (bias is not None and bias.requires_grad):
+            raise SplitBackwardError(
+                f"split backward: {self.queue.name} gets an input that needs no gradient and has no bias: its weight "
+                "would be the only autograd edge of its output, which a deferred weight gradient leaves out"
+            )
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         return _DeferredWeightGradLinear.apply(
-            input, weight.detach(), bias, _Target(weight, self.queue), gradient_accumulation_fusion, allreduce_dgrad,
+            input, bias, _Target(weight, self.queue, self.sinks), gradient_accumulation_fusion, allreduce_dgrad,
             sequence_parallel, tp_group,
         )
 
@@ -394,8 +448,10 @@ def enable_split_backward(chunks: Sequence[torch.nn.Module]) -> int:
     (``wgrad_queue``); their config (and that of modules already holding a ``wgrad_queue``)
     gets ``delay_wgrad_compute``
     (:func:`~megatron_bitpipe.megatron_compat.enable_delay_wgrad_compute`). Modules with their
-    own deferral (Transformer Engine) are used as they are. Idempotent. Returns how many
-    modules defer.
+    own deferral (Transformer Engine) are used as they are. The deferred gradients go to the
+    :class:`GradientSinks` of ``chunks``: pass all chunks of a rank in one call (a tied LM
+    head's gradient goes to the DDP of the chunk holding the embedding). Idempotent. Returns
+    how many modules defer.
 
     Raises :class:`SplitBackwardError` (before changing anything) for: Transformer Engine
     linears of a transformer layer built without ``delay_wgrad_compute`` (build from a config
@@ -445,11 +501,12 @@ def enable_split_backward(chunks: Sequence[torch.nn.Module]) -> int:
                         "which the deferred weight gradients do not support"
                     )
                 linears.append((name, module))
+    sinks = GradientSinks(chunks)
     for name, module in linears:
         megatron_compat.enable_delay_wgrad_compute(module.config)
         if "wgrad_queue" not in module.__dict__:
             queue = WeightGradQueue(name)
             module.wgrad_queue = queue
-            module._forward_impl = _DeferrableForwardImpl(module._forward_impl, queue, module.config)
+            module._forward_impl = _DeferrableForwardImpl(module._forward_impl, queue, module.config, sinks)
             module.backward_dw = queue.backward_dw
     return len(linears) + own

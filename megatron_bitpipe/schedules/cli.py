@@ -54,6 +54,7 @@ _COST_FLAGS = {
     "t_backward": ("--t-backward", "full backward (input and weight gradients) of the same layers, in TIME units (default 2)"),
     "t_weight": ("--t-weight", "weight-gradient part of --t-backward, the W of --split-backward, in TIME units (default: the rest of --t-backward after --t-input, or half of it)"),
     "t_input": ("--t-input", "input-gradient pass I of --split-backward (weight gradients deferred), in TIME units, as scripts/calibrate_gpu.py measures it (default: --t-backward minus --t-weight)"),
+    "t_forward_deferring": ("--t-forward-deferring", "forward of a split-backward plan (the linears deferring their weight gradients), in TIME units, as scripts/calibrate_gpu.py measures it (F_d; default --t-forward)"),
     "t_p2p": ("--t-p2p", "latency of one point-to-point message, in TIME units (default 0)"),
     "p2p_bytes": ("--p2p-bytes", "bytes of one message (an activation or gradient at a stage boundary; default 0)"),
     "p2p_bandwidth": ("--p2p-bandwidth", "bytes per TIME unit; with --p2p-bytes adds bytes/bandwidth to each message (default 0: none)"),

@@ -50,6 +50,10 @@ class CostModel:
             ``t_weight`` given, ``I + W`` may differ from ``t_backward`` (a split backward
             does its own work: on one H100, I + W = 1.03 B), and ``t_input`` is not bounded
             by ``t_backward``. Plans without a split backward do not use it.
+        t_forward_deferring: the cost of ``F`` on a chunk whose linears defer their weight
+            gradients — every forward of a split-backward plan (``scripts/calibrate_gpu.py``
+            measures it as ``F_d``); ``None`` means ``t_forward``. Plans without a split
+            backward do not use it; :meth:`as_split` gives a split plan's costs.
         t_p2p: latency of one point-to-point message.
         p2p_bytes: bytes of one message (activation or gradient of one micro-batch at a
             stage boundary); with ``p2p_bandwidth`` gives the bandwidth term.
@@ -77,6 +81,7 @@ class CostModel:
     t_backward: float = 2.0
     t_weight: Optional[float] = None
     t_input: Optional[float] = None
+    t_forward_deferring: Optional[float] = None
     t_p2p: float = 0.0
     p2p_bytes: float = 0.0
     p2p_bandwidth: float = 0.0
@@ -116,6 +121,19 @@ class CostModel:
         return self.t_backward - self.weight_time if self.t_input is None else self.t_input
 
     @property
+    def forward_deferring_time(self) -> float:
+        """Cost of ``F`` in a split-backward plan (its linears defer their weight gradients)."""
+        return self.t_forward if self.t_forward_deferring is None else self.t_forward_deferring
+
+    def as_split(self) -> "CostModel":
+        """These costs as the actions of a split-backward plan run: ``F`` the forward while
+        deferring (:attr:`forward_deferring_time`), ``I`` and ``W`` theirs, and a whole ``B``
+        (DualPipe's and DualPipeV's, on chunks whose linears defer) ``I`` then ``W`` at once,
+        as the executor runs it. The same costs where F_d = F and I + W = B (the defaults)."""
+        return replace(self, t_forward=self.forward_deferring_time, t_backward=self.input_time + self.weight_time,
+                       t_weight=self.weight_time, t_input=self.input_time, t_forward_deferring=None)  # fmt: skip
+
+    @property
     def message_time(self) -> float:
         """Time from a ``SEND`` (issued when its producer ends) to the arrival of its message."""
         bandwidth_term = self.p2p_bytes / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
@@ -132,13 +150,15 @@ class CostModel:
     def with_all_to_alls(self, moe_layers: float, bytes_sent: float) -> "CostModel":
         """These costs with a device share's mixture-of-experts exchange folded in: each of its
         ``moe_layers`` MoE layers adds two all-to-alls of ``bytes_sent`` (dispatch and combine,
-        :meth:`all_to_all_time`) to ``F``, ``B`` and ``I``, none to ``W``. Unchanged without
+        :meth:`all_to_all_time`) to ``F`` (and ``F_d``), ``B`` and ``I``, none to ``W``. Unchanged without
         all-to-all time."""
         exchange = 2 * moe_layers * self.all_to_all_time(bytes_sent)
         if exchange == 0:
             return self
+        forward_deferring = None if self.t_forward_deferring is None else self.t_forward_deferring + exchange
         return replace(self, t_forward=self.t_forward + exchange, t_backward=self.t_backward + exchange,
-                       t_weight=self.weight_time, t_input=self.input_time + exchange)  # fmt: skip
+                       t_weight=self.weight_time, t_input=self.input_time + exchange,
+                       t_forward_deferring=forward_deferring)  # fmt: skip
 
     def sync_time(self, stage_weight: float, replicas: int) -> float:
         """All-reduce time of the gradients of a stage of ``stage_weight`` device shares held

@@ -97,7 +97,8 @@ def list_schedule(
             the release times).
     """
     num_ranks, num_stages, weight = placement.num_ranks, placement.num_stages, placement.stage_weight
-    duration = {kind: costs.compute_time(Action(kind, 0, 0), weight) for kind in (F, I, W)}
+    split = costs.as_split()  # the orders are split plans': F while deferring
+    duration = {kind: split.compute_time(Action(kind, 0, 0), weight) for kind in (F, I, W)}
     message = costs.message_time
     routed = {p: [m for m, q in enumerate(microbatch_pipeline) if q == p] for p in range(placement.num_pipelines)}
     slots: List[List[_Slot]] = [[] for _ in range(num_ranks)]

@@ -68,7 +68,8 @@ def simulate_model(
     placement = plan.placement
     if layers.num_stages != placement.num_stages or layers.num_layers != model.num_layers:
         raise ValueError(f"stage layers {layers} do not split --num-layers {model.num_layers} into the {placement.num_stages} stages of the {placement.name} placement")
-    stage_costs = StageCosts.for_model(model, layers, costs, plan.num_ranks, training.element_bytes)
+    compute = costs.as_split() if plan.split_backward else costs
+    stage_costs = StageCosts.for_model(model, layers, compute, plan.num_ranks, training.element_bytes)
     result = simulate(plan, costs, stage_costs)
     memory = rank_memory(model, placement, layers, training, result.peak_activation_bytes)
     if model.moe is None:

@@ -215,8 +215,9 @@ def format_recommendation(recommendation: Recommendation) -> str:
 
 
 def _costs_text(costs: CostModel) -> str:
+    deferring = "" if costs.t_forward_deferring is None else f" F_d={costs.t_forward_deferring:.4g}"
     return (
-        f"t_F={costs.t_forward:.4g} t_B={costs.t_backward:.4g} (I={costs.input_time:.4g} W={costs.weight_time:.4g}), "
+        f"t_F={costs.t_forward:.4g} t_B={costs.t_backward:.4g} (I={costs.input_time:.4g} W={costs.weight_time:.4g}{deferring}), "
         f"message {costs.message_time:.4g}, gradient all-reduce of L/D layers {costs.sync_time(1.0, 1):.4g} / "
         f"{costs.sync_time(1.0, 2):.4g} (1 / 2 weight copies), data-parallel size {costs.data_parallel_size}"
     )

@@ -142,7 +142,8 @@ def simulate(
     """Simulate one step of ``plan``; raise :class:`PlanError` on a deadlock.
 
     ``stage_costs`` gives each stage of a pipeline its own times and activations (default:
-    equal stages, :meth:`~.stage_costs.StageCosts.uniform`); ``costs`` the messages and
+    equal stages, :meth:`~.stage_costs.StageCosts.uniform`, of ``costs``, or of
+    :meth:`~.costs.CostModel.as_split` for a split-backward plan); ``costs`` the messages and
     all-reduces.
 
     A compute-only plan is lowered first (:func:`~.lower.lower`, default policy); the
@@ -154,7 +155,7 @@ def simulate(
     if not plan.has_communication:
         plan = lower(plan)
     placement = plan.placement
-    stage_costs = stage_costs or StageCosts.uniform(costs, placement)
+    stage_costs = stage_costs or StageCosts.uniform(costs.as_split() if plan.split_backward else costs, placement)
     if len(stage_costs.stages) != placement.num_stages:
         raise ValueError(f"{len(stage_costs.stages)} stage costs for the {placement.num_stages} stages of the {placement.name} placement")
     message_time = costs.message_time

@@ -85,7 +85,7 @@ def split_backward(
     best: Optional[Tuple[float, SchedulePlan]] = None
     for _ in range(ROUNDS):
         candidate = _with_actions(plan, [
-            with_eager_syncs(_place_weight_grads(plan, rank, ordered[rank], arrivals, costs, limit))
+            with_eager_syncs(_place_weight_grads(plan, rank, ordered[rank], arrivals, costs.as_split(), limit))
             for rank in range(plan.num_ranks)
         ])
         result = simulate(candidate, costs)

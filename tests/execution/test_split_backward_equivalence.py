@@ -2,7 +2,9 @@
 
 * the deferrable linear (megatron's column- and row-parallel linears, bias, TP=1) gives the
   input and bias gradients in ``I`` and, after ``W``, the weight gradient megatron's own
-  linear gives — into ``.grad``, or into ``main_grad`` with gradient-accumulation fusion;
+  linear gives — into ``.grad``, or into ``main_grad`` with gradient-accumulation fusion; inside
+  megatron DDP through DDP's own gradient hook (``main_grad``, ``.grad`` cleared, the bucket
+  told once, after ``W``); a call whose weight would be the output's only autograd edge is refused;
 * BitPipe with every ``B`` split equals single-process training (loss, every gradient,
   weights after 3 Adam steps, replicas identical, evaluation, tied embeddings): with the
   plans of ``schedules.generate(..., split_backward=True)`` (also ordered for a message
@@ -321,9 +323,68 @@ def _emulated_layer_checks() -> dict:
     return facts
 
 
+def _ddp_sink_checks() -> dict:
+    """A deferring linear inside megatron DDP (``overlap_grad_reduce``, outside ``no_sync``, as
+    the last micro-batch of a step): ``W`` hands the gradient to DDP's own hook — ``main_grad``
+    equals the unsplit linear's, ``.grad`` is cleared, the bucket counts the parameter ready
+    once (after ``W``, not after ``I``) — with and without gradient-accumulation fusion (a
+    stand-in kernel)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.tensor_parallel import layers as megatron_layers
+
+    from megatron_bitpipe.benchmarking import megatron_baseline as baseline
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.execution.replicas import ChunkDistributedDataParallel
+    from megatron_bitpipe.execution.weight_grad import SplitBackwardError, enable_split_backward
+    from megatron_bitpipe.model.build import init_megatron_state
+
+    enable_cpu_megatron()
+    megatron_layers._grad_accum_fusion_available = True
+    megatron_layers.fused_weight_gradient_mlp_cuda = _FakeFusedKernel
+    pg = baseline.build_looped_process_groups(ParallelGrid())
+    init_megatron_state(pg, 7)
+    torch.manual_seed(5)
+    x, g = torch.randn(4, 2, 8, requires_grad=True), torch.randn(4, 2, 12)
+    out = {}
+    for fusion in (False, True):
+        config = baseline.tiny_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=2)
+        config.gradient_accumulation_fusion = fusion
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
+
+        def wrapped():
+            torch.manual_seed(3)
+            linear = ColumnParallelLinear(8, 12, config=config, init_method=torch.nn.init.normal_, bias=False,
+                                          gather_output=False, tp_group=pg.tp)  # fmt: skip
+            return ChunkDistributedDataParallel(config, ddp_config, linear, disable_bucketing=True, pg_collection=pg)
+
+        ref, split = wrapped(), wrapped()
+        enable_split_backward([split])
+        ref(x)[0].backward(g)
+        weight = split.module.weight
+        bucket = split.param_to_bucket_group[weight]
+        split(x)[0].backward(g)
+        ready_after_i = bucket.per_param_grad_ready_counts.get(weight, 0)
+        main_grad_after_i = weight.main_grad.abs().sum().item()
+        split.module.backward_dw()
+        out["fused" if fusion else "plain"] = {
+            "nothing_after_I": ready_after_i == 0 and main_grad_after_i == 0,
+            "main_grad_after_W": torch.allclose(weight.main_grad, ref.module.weight.main_grad, rtol=1e-6, atol=0),
+            "grad_cleared": weight.grad is None,
+            "ready_once": bucket.per_param_grad_ready_counts.get(weight) == 1,
+        }
+    try:  # no bias and an input without gradient: the weight would be the output's only edge
+        split(x.detach())
+        out["plain"]["lone_weight_refused"] = False
+    except SplitBackwardError as error:
+        out["plain"]["lone_weight_refused"] = "needs no gradient and has no bias" in str(error)
+    return out
+
+
 def _single_process_checks() -> dict:
     linears = _linear_checks_with_fake_fusion()
-    return {"linears": linears, "emulated": _emulated_layer_checks()}
+    return {"linears": linears, "ddp": _ddp_sink_checks(), "emulated": _emulated_layer_checks()}
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +396,14 @@ def single_process() -> dict:
 def test_deferrable_linear_matches_megatron(single_process):
     results = single_process["linears"]
     assert set(results) == {"column", "column_fused", "row", "row_fused"}
+    for name, checks in results.items():
+        assert all(checks.values()), f"{name}: {checks}"
+
+
+@pytest.mark.multirank
+def test_deferred_weight_gradients_go_through_megatron_ddps_hook(single_process):
+    results = single_process["ddp"]
+    assert set(results) == {"plain", "fused"}
     for name, checks in results.items():
         assert all(checks.values()), f"{name}: {checks}"
 

@@ -97,7 +97,7 @@ def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
     from megatron_bitpipe.schedules.cli import main as schedules_cli
 
     assert schedules_cli(["simulate", "--schedule", "bitpipe", "-D", "4", "-N", "8", "--costs", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["costs"] == {**written, "t_weight": None, "t_input": None}  # halves of t_backward
+    assert json.loads(capsys.readouterr().out)["costs"] == {**written, "t_weight": None, "t_input": None, "t_forward_deferring": None}  # halves of t_backward
 
     settings = bench.settings_from_args(bench._parser().parse_args(["--costs", str(path)]))
     assert (settings.t_forward, settings.t_backward) == (12.5, 25.0)
@@ -105,7 +105,7 @@ def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
     assert predict.main(["--costs", str(path), "--model", "gpt", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     by_schedule = {(r["schedule"], r["num_microbatches"]): r for r in rows}
-    assert by_schedule[("bitpipe", 16)]["costs"] == {**written, "t_weight": None, "t_input": None}
+    assert by_schedule[("bitpipe", 16)]["costs"] == {**written, "t_weight": None, "t_input": None, "t_forward_deferring": None}
     no_sync = dataclasses.replace(costs, sync_bandwidth=0.0)
     assert by_schedule[("1f1b", 16)]["step_time"] == pytest.approx(
         simulate(generate("1f1b", 8, 16), no_sync).makespan), "one replica, no data parallelism: nothing to sync"
@@ -233,6 +233,28 @@ def test_calibrate_on_the_cpu_writes_t_weight_read_by_simulator_and_schedule_cos
                            hidden_size=32, num_attention_heads=4).items():
         setattr(args, key, value)
     assert schedule_choice(args).costs == costs
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_calibrate_starts_its_ranks_as_training_does(tmp_path):
+    """As a command under torchrun (no test launcher): training's own start-up
+    (``initialize``), here one tensor-parallel rank's share of TP 2 with sequence
+    parallelism on two gloo ranks, the input ``[s / 2, b, h]``; rank 0 writes the cost file."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "costs.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(Path(calibrate.__file__)), *GPT_SHARE, "--transformer-impl", "local", "--bf16", "--device", "cpu",
+               "--tensor-model-parallel-size", "2", "--sequence-parallel", "--warmup", "0", "--iters", "1",
+               "--output", str(path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = json.loads(path.read_text())
+    assert {"t_forward", "t_backward", "t_weight", "t_input", "t_forward_deferring"} <= set(written)
+    assert written["p2p_bytes"] == (32 // 2) * 2 * 64 * 2  # a bf16 [s / tp, b, h] activation
+    assert done.stdout.count("wrote ") == 1 and "F while deferring" in done.stdout
 
 
 def test_predict_throughput_flop_based(capsys):

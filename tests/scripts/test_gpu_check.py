@@ -131,14 +131,19 @@ def test_budget_table_and_exit_status():
 
 def test_summaries():
     assert gpu_check.summarize_costs({"t_forward": 70.0, "t_backward": 140.0, "t_weight": 56.0}) == (
-        "F 70.0 ms, B 140.0 ms (2.00 F), W 56.0 ms (0.80 F), I 84.0 ms (1.20 F)"
+        "F 70.0 ms, B 140.0 ms (2.00 F), W 56.0 ms (0.80 F), I 84.0 ms (1.20 F), I + W = 1.00 B"
     )
-    assert gpu_check.summarize_costs({"t_forward": 70.0, "t_backward": 140.0, "t_weight": 56.0, "t_input": 91.0}) == (
-        "F 70.0 ms, B 140.0 ms (2.00 F), W 56.0 ms (0.80 F), I 91.0 ms (1.30 F)"
+    assert gpu_check.summarize_costs({"t_forward": 70.0, "t_backward": 140.0, "t_weight": 56.0, "t_input": 91.0,
+                                      "t_forward_deferring": 77.0}) == (
+        "F 70.0 ms, B 140.0 ms (2.00 F), W 56.0 ms (0.80 F), I 91.0 ms (1.30 F), I + W = 1.05 B, F_d 77.0 ms (1.10 F)"
     )
     assert gpu_check.summarize_costs({"t_forward": 70.0, "t_backward": 140.0}).endswith("t_weight missing")
     rows = [dict(models=1, speedup=0.98, fused_samples_per_s=100.0), dict(models=8, speedup=6.5, fused_samples_per_s=650.0)]
     assert gpu_check.summarize_hfta(rows) == "fused vs one after another: B 1: 0.98x, B 8: 6.50x; B 8 650 samples/s"
+    phases = {p: {"ms": ms, "operators": ops} for p, ms, ops in
+              (("F", 10.0, 40), ("B", 20.0, 80), ("F_d", 10.5, 40), ("I", 12.0, 50), ("W", 9.0, 30))}  # fmt: skip
+    assert gpu_check.summarize_split([{"row": "dense bf16 sdpa", "phases": phases}]) == (
+        "dense bf16 sdpa: (I + W)/B 1.050 time, 1.000 operators, F_d/F 1.050 time")
     line = gpu_check.summarize_environment({"gpu": "NVIDIA H100", "torch": "2.11", "nccl": "2.27.7", "transformer_engine": "no"})
     assert line == "NVIDIA H100, torch 2.11, NCCL 2.27.7, TE no"
 
@@ -156,17 +161,19 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
     from megatron_bitpipe.training.gpt import GPTTask
 
     calibrate = load_script("calibrate_gpu")
+    bench_split = load_script("bench_split")
     real_find_spec = importlib.util.find_spec
     items = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 27, 7))
     names = [i.name for i in items]
-    assert names[0] == "environment" and len(names) == len(set(names)) == 28
+    assert names[0] == "environment" and len(names) == len(set(names)) == 29
     multirank = [i for i in items if i.kind == "multirank"]
     assert multirank[0].name == gpu_check.CONTROL and "--pipeline-schedule" not in multirank[0].command
     assert {i.reference for i in multirank} <= {i.name for i in items if i.kind == "reference"}
     assert all(names.index(i.reference) < names.index(i.name) for i in multirank)
     outputs = {gpu_check.LOG_FILE, gpu_check.RESULTS_FILE, gpu_check.TABLE_FILE}
-    outputs |= {Path(i.output).name for i in items if i.output}
-    assert all(Path(i.output).parent == tmp_path / "out" for i in items if i.output) and len(outputs) <= 8
+    outputs |= {Path(i.output).name for i in items if i.output and Path(i.output).parent == tmp_path / "out"}
+    assert all(Path(i.output).parent == tmp_path / "out" for i in items if i.output and i.name != "split-bench")
+    assert len(outputs) <= 8  # split-bench's results: in the work folder, their details in gpu_check.json
     assert all(not i.log_json or Path(i.log_json).parent == tmp_path / "work" for i in items)
     for item in items:
         if item.kind == "multirank":
@@ -185,6 +192,11 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
             assert parsed.log_json == item.log_json and parsed.eval_iters == 0
         if item.kind == "fault":
             assert parsed.inject_fault in ("hang", "crash") and parsed.inject_fault_iteration <= parsed.train_iters
+        if item.name == "split-bench":
+            split = bench_split._parser().parse_args(_script_args(item.command, "bench_split.py"))
+            assert split.device == "cuda" and split.json_out == item.output and Path(item.output).parent == tmp_path / "work"
+            assert set(split.rows.split(",")) <= set(bench_split.ROWS)
+            calibrate.check_args(calibrate._parser().parse_args(bench_split.share_argv(split, "dense bf16 sdpa")))
         if item.kind == "calibrate":
             parsed = calibrate._parser().parse_args(_script_args(item.command, "calibrate_gpu.py"))
             calibrate.check_args(parsed)
