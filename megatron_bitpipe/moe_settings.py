@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
-__all__ = ["MoESettings", "add_moe_args", "moe_problems", "moe_settings", "parse_moe_layer_freq"]
+__all__ = ["MoESettings", "add_moe_args", "expert_bias_problems", "moe_problems", "moe_settings", "parse_moe_layer_freq"]
 
 DISPATCHERS = ("allgather", "alltoall", "flex")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -180,6 +180,17 @@ def _tuple_or_value(value):
     return tuple(value) if isinstance(value, list) else value
 
 
+def expert_bias_problems(args: argparse.Namespace) -> List[str]:
+    """Linear biases in megatron-core's local experts: their MLP adds the bias into its output in
+    place (``output += output_bias * per_token_scale``, 0.16.1 to 0.19.2), which autograd refuses
+    in the first forward; one line, or none (``--disable-bias-linear``, or no ``--num-experts``)."""
+    sequential = not getattr(args, "moe_grouped_gemm", False)  # megatron-core's SequentialMLP of MLP experts
+    if getattr(args, "num_experts", None) and getattr(args, "add_bias_linear", False) and sequential:
+        return ["--num-experts needs --disable-bias-linear: megatron-core's local expert MLP adds its bias into its "
+                "output in place, which autograd refuses in the first forward (Megatron-LM's MoE examples set it)"]  # fmt: skip
+    return []
+
+
 def moe_problems(args: argparse.Namespace) -> List[str]:
     """The mixture-of-experts flags' rules on a parsed namespace with its derived sizes
     (``data_parallel_size``); one line per broken rule, naming the flag."""
@@ -223,6 +234,7 @@ def moe_problems(args: argparse.Namespace) -> List[str]:
     factor = args.moe_expert_capacity_factor
     if factor is not None and set(balancing) - {"aux_loss", "seq_aux_loss", "none"}:
         problems.append("--moe-expert-capacity-factor works with --moe-router-load-balancing-type aux_loss, seq_aux_loss or none")
+    problems += expert_bias_problems(args)
     if getattr(args, "tensor_parallel_mode", "1d") != "1d":
         problems.append("--num-experts needs --tensor-parallel-mode 1d (Optimus 2D layers have no experts)")
     if getattr(args, "hfta_models", None):

@@ -1,7 +1,9 @@
 """The execution side: running schedule plans on model chunks.
 
-* :mod:`.groups` — the rank grid and every process group: megatron-core collections per
-  chunk, p2p channel groups, grad-sync groups, their set-up in one global order.
+* :mod:`.group_plan` — the rank grid and the group plan: every process group of a layout
+  (names, rank lists, creation and warm-up order) as data, without communication.
+* :mod:`.groups` — the process groups created from the plan: megatron-core collections per
+  chunk, p2p channel groups, grad-sync groups, warmed up in the plan's order.
 * :mod:`.executor` — one rank's part of a plan: compute, point-to-point messages, eager
   gradient syncs, the overlapped F+B pairs.
 * :mod:`.forward_backward` — megatron-core ``forward_backward_func`` implementations that

@@ -1,9 +1,12 @@
 """Process groups for a placement: megatron-core's collections, p2p channels, grad sync.
 
-Everything is built with ``torch.distributed.new_group`` on every rank in the same order; no
-``initialize_model_parallel``. The world is a :class:`ParallelGrid` (tp x dp x pp in
-megatron's default order, tp fastest); the ``pp`` coordinate of a rank is its *pipeline rank*,
-the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks of.
+Which groups exist, with which ranks and in which order, is decided once, without
+communication, by a :class:`~.group_plan.GroupPlan` (:mod:`.group_plan`); :func:`create_groups`
+creates them with ``torch.distributed.new_group`` in one loop over the plan, the same on every
+rank, and :func:`warm_up` walks its warm-ups; no ``initialize_model_parallel``. The world is a
+:class:`~.group_plan.ParallelGrid` (tp x dp x pp in megatron's default order, tp fastest); the
+``pp`` coordinate of a rank is its *pipeline rank*, the rank index a
+:class:`~megatron_bitpipe.schedules.placement.Placement` speaks of.
 
 :class:`PipelineGroups` holds, for this rank:
 
@@ -30,8 +33,8 @@ the rank index a :class:`~megatron_bitpipe.schedules.placement.Placement` speaks
 * on request, replica groups, one per stage and data-parallel rank — see
   :meth:`replica_group` (decentralized data parallelism).
 
-Every channel and stage group's communicator is created and warmed up in :meth:`PipelineGroups.build`
-(:func:`warm_up`), so no communicator is created inside a step (NCCL creates one on first use,
+Every channel, stage, expert and replica group's communicator is created and warmed up in
+:meth:`PipelineGroups.build` (:func:`warm_up`), so no communicator is created inside a step (NCCL creates one on first use,
 a rendezvous that blocks until every member arrives — ranks reaching different groups first
 deadlock).
 * ``mesh`` — with ``tensor_parallel_mode="optimus2d"``, the Optimus 2D mesh (row and column
@@ -54,94 +57,27 @@ parallelism (``ep`` this rank alone, ``expt_dp = dp``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from ..optimus.args import TENSOR_PARALLEL_MODES
-from ..optimus.mesh import OptimusMesh, build_optimus_mesh, mesh_side
-from ..schedules.actions import Action, ActionType
-from ..schedules.comm import ChannelGroupKey, Payload, Transfer, channel_group_key, sent_by
+from ..optimus.mesh import OptimusMesh, optimus_mesh
+from ..schedules.comm import ChannelGroupKey, Transfer, channel_group_key
 from ..schedules.placement import Placement
+from .group_plan import (
+    GroupPlan,
+    ParallelGrid,
+    channel_family,
+    channel_keys,
+    expert_stage_family,
+    replica_family,
+    stage_family,
+    stage_holders,
+)
 
-__all__ = ["ParallelGrid", "new_groups", "process_group_collection", "PipelineGroups"]
-
-
-@dataclass(frozen=True)
-class ParallelGrid:
-    """A tp x dp x pp rank grid in megatron's default order, with ``ep`` expert-parallel ranks
-    inside the data-parallel ones.
-
-    Invariants: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, so a tensor-parallel group
-    is a run of ``tp`` consecutive ranks and pipeline ranks are ``tp * dp`` apart; ``ep``
-    divides ``dp``, and data-parallel rank ``d`` is expert-parallel rank ``d % ep`` of the
-    expert-parallel group ``d // ep`` (megatron's expert order: ep faster than expert dp).
-    """
-
-    tp: int = 1
-    dp: int = 1
-    pp: int = 1
-    ep: int = 1
-
-    def __post_init__(self):
-        if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(
-                f"--expert-model-parallel-size {self.ep} must divide the data-parallel size {self.dp} "
-                "(expert-parallel ranks are data-parallel copies of one pipeline rank)"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
-
-    def rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
-
-    def coords(self, rank: int) -> Tuple[int, int, int]:
-        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
-        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
-
-    def tp_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
-
-    def dp_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
-
-    def pp_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
-
-    def mp_groups(self) -> List[List[int]]:
-        """Model-parallel (tp x pp) groups: all ranks holding one data-parallel replica."""
-        return [[self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
-
-    def _expert(self, t: int, block: int, e: int, p: int) -> int:
-        return self.rank(t, block * self.ep + e, p)
-
-    def ep_groups(self) -> List[List[int]]:
-        """Expert-parallel groups: ``ep`` consecutive data-parallel ranks."""
-        blocks = range(self.dp // self.ep)
-        return [[self._expert(t, b, e, p) for e in range(self.ep)] for p in range(self.pp) for b in blocks for t in range(self.tp)]
-
-    def tp_ep_groups(self) -> List[List[int]]:
-        """Tensor x expert-parallel groups (tp fastest)."""
-        blocks = range(self.dp // self.ep)
-        return [
-            [self._expert(t, b, e, p) for e in range(self.ep) for t in range(self.tp)] for p in range(self.pp) for b in blocks
-        ]
-
-    def tp_ep_pp_groups(self) -> List[List[int]]:
-        """The ranks holding one copy of every expert and of every stage: tp x ep x pp."""
-        return [
-            [self._expert(t, b, e, p) for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
-            for b in range(self.dp // self.ep)
-        ]
-
-    def expert_dp_groups(self) -> List[List[int]]:
-        """Expert data-parallel groups: the data-parallel ranks of one expert-parallel rank."""
-        blocks = range(self.dp // self.ep)
-        return [[self._expert(t, b, e, p) for b in blocks] for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
+__all__ = ["ParallelGrid", "new_groups", "create_groups", "process_group_collection", "PipelineGroups"]
 
 
 def new_groups(rank_lists: Sequence[Sequence[int]], rank: int) -> Optional[dist.ProcessGroup]:
@@ -205,55 +141,42 @@ def process_group_collection(
     )
 
 
-def placement_links(placement: Placement) -> Dict[ChannelGroupKey, List[Tuple[int, int]]]:
-    """The (src, dst) pipeline-rank links each channel group carries, sorted."""
-    links: Dict[ChannelGroupKey, set] = {}
-    for rank in range(placement.num_ranks):
-        for chunk in range(placement.chunks_per_rank):
-            for kind in (ActionType.FORWARD, ActionType.BACKWARD):  # the activation and the gradient it sends
-                transfer = sent_by(placement, rank, Action(kind, chunk, 0))
-                if transfer is not None and not transfer.is_local:
-                    links.setdefault(channel_group_key(transfer), set()).add((transfer.src.rank, transfer.dst.rank))
-    return {key: sorted(pairs) for key, pairs in links.items()}
-
-
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def warm_up(
-    placement: Placement,
-    pp_rank: int,
-    global_rank: Callable[[int], int],
-    channels: Dict[ChannelGroupKey, dist.ProcessGroup],
-    stage_groups: Dict[int, dist.ProcessGroup],
-) -> None:
-    """Create every channel and stage group's communicator now, in one order on every rank.
+def create_groups(plan: GroupPlan, rank: int) -> Dict[str, dist.ProcessGroup]:
+    """Create every group of ``plan``, family by family in its order; a collective call (every
+    rank walks the same plan). Returns ``{family name: rank's group}`` for the families
+    holding ``rank``."""
+    return {family.name: group for family in plan if (group := new_groups(family.rank_lists, rank)) is not None}
 
-    Per channel group, in key order: an all-reduce of one element over the group (every member
-    takes part: on NCCL this creates the group's communicator, which a group's first batched
+
+def warm_up(plan: GroupPlan, groups: Dict[str, dist.ProcessGroup], pp_rank: int, global_rank: Callable[[int], int]) -> None:
+    """Create every communicator of ``plan.warm_ups`` now, in that order on every rank.
+
+    Per warm-up, where this rank is a member of the family: an all-reduce of one element over
+    its group (on NCCL this creates the group's communicator, which a group's first batched
     p2p call may not do), then one ``batch_isend_irecv`` of one element over each of the
-    group's links that this rank sends or receives on (NCCL connects a pair on its first
-    exchange). Then an all-reduce over each of this rank's stage groups, in stage order.
-    Every rank walks the same sequence, blocking at each item, so the earliest unfinished item
-    always has all its members: no deadlock. ``global_rank`` maps a pipeline rank of this
-    rank's (tp, dp) slice to its global rank.
+    warm-up's links that this rank sends or receives on (NCCL connects a pair on its first
+    exchange). Every rank walks the same sequence, blocking at each item, so the earliest
+    unfinished item always has all its members: no deadlock. ``global_rank`` maps a pipeline
+    rank of this rank's (tp, dp) slice to its global rank.
     """
     device = _device()
-    links = placement_links(placement)
-    for key in sorted(channels, key=lambda k: (k[0].value, *k[1:])):
-        group = channels[key]
+    for step in plan.warm_ups:
+        group = groups.get(step.family)
+        if group is None:
+            continue
         dist.all_reduce(torch.zeros(1, device=device), group=group)
         ops = []
-        for src, dst in links.get(key, []):
+        for src, dst in step.links:
             if pp_rank == src:
                 ops.append(dist.P2POp(dist.isend, torch.zeros(1, device=device), global_rank(dst), group))
             elif pp_rank == dst:
                 ops.append(dist.P2POp(dist.irecv, torch.zeros(1, device=device), global_rank(src), group))
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
-    for stage in sorted(stage_groups):
-        dist.all_reduce(torch.zeros(1, device=device), group=stage_groups[stage])
 
 
 @dataclass(frozen=True)
@@ -276,6 +199,8 @@ class PipelineGroups:
     mesh: Optional[OptimusMesh] = None
     replica_groups: Optional[Dict[int, dist.ProcessGroup]] = None
     expert_stage_groups: Optional[Dict[int, dist.ProcessGroup]] = None
+    #: the plan the groups were created from (:mod:`.group_plan`)
+    plan: Optional[GroupPlan] = None
 
     @property
     def tp_rank(self) -> int:
@@ -374,95 +299,27 @@ class PipelineGroups:
         size must then be q*q). ``replica_groups``: also build (and warm up) the groups of
         :meth:`replica_group`. Bad arguments raise ValueError before any communication.
         """
-        if tensor_parallel_mode not in TENSOR_PARALLEL_MODES:
-            raise ValueError(f"--tensor-parallel-mode {tensor_parallel_mode!r} is not one of {TENSOR_PARALLEL_MODES}")
-        if tensor_parallel_mode == "optimus2d":
-            mesh_side(grid.tp)
+        plan = GroupPlan.for_layout(grid, placement, tensor_parallel_mode, replica_groups)
         if dist.get_world_size() != grid.world_size:
             raise ValueError(f"{grid} needs {grid.world_size} ranks, the job has {dist.get_world_size()}")
-        if placement.num_ranks != grid.pp:
-            raise ValueError(
-                f"the {placement.name} placement has {placement.num_ranks} pipeline ranks, "
-                f"--pipeline-model-parallel-size is {grid.pp}"
-            )
         rank = dist.get_rank()
         pp_rank = grid.coords(rank)[2]
-        tp = new_groups(grid.tp_groups(), rank)
-        dp = new_groups(grid.dp_groups(), rank)
-        pp = new_groups(grid.pp_groups(), rank)
-        mp = new_groups(grid.mp_groups(), rank)
-        solo = new_groups([[r] for r in range(grid.world_size)], rank)
-        world = new_groups([list(range(grid.world_size))], rank)
-
-        channels = {}
-        for payload in Payload:
-            for pipeline in range(placement.num_pipelines):
-                for direction in (+1, -1):
-                    for parity in (0, 1):
-                        channels[(payload, pipeline, direction, parity)] = new_groups(grid.pp_groups(), rank)
-
-        stage_groups = {}
-        for stage in range(placement.num_stages):
-            holders = sorted({loc.rank for loc in placement.replicas(stage)})
-            if len(holders) != placement.num_pipelines:
-                # DDP averages over ranks; two copies on one rank would need a local sum.
-                raise ValueError(f"the {placement.name} placement keeps two replicas of stage {stage} on one rank")
-            lists = [sorted(grid.rank(t, d, p) for p in holders for d in range(grid.dp)) for t in range(grid.tp)]
-            group = new_groups(lists, rank)
-            if pp_rank in holders:
-                stage_groups[stage] = group
-
-        expert_stage_groups, expert_dp = None, None
-        experts = {}
-        if grid.ep > 1:
-            expert_dp = new_groups(grid.expert_dp_groups(), rank)
-            experts = dict(
-                ep=new_groups(grid.ep_groups(), rank),
-                tp_ep=new_groups(grid.tp_ep_groups(), rank),
-                tp_ep_pp=new_groups(grid.tp_ep_pp_groups(), rank),
-            )
-            expert_stage_groups = {}
-            blocks = range(grid.dp // grid.ep)
-            for stage in range(placement.num_stages):
-                holders = sorted({loc.rank for loc in placement.replicas(stage)})
-                lists = [
-                    sorted(grid.rank(t, b * grid.ep + e, p) for p in holders for b in blocks)
-                    for e in range(grid.ep)
-                    for t in range(grid.tp)
-                ]
-                group = new_groups(lists, rank)
-                if pp_rank in holders:
-                    expert_stage_groups[stage] = group
-
+        groups = create_groups(plan, rank)
+        warm_up(plan, groups, pp_rank, lambda p: grid.rank(*grid.coords(rank)[:2], p))
+        stages = [s for s in range(placement.num_stages) if pp_rank in stage_holders(placement, s)]
+        stage_groups = {s: groups[stage_family(s)] for s in stages}
+        expert_stage_groups = {s: groups[expert_stage_family(s)] for s in stages} if grid.ep > 1 else None
+        experts = dict(ep=groups["ep"], tp_ep=groups["tp-ep"], tp_ep_pp=groups["tp-ep-pp"]) if grid.ep > 1 else {}
         replicas = None
         if replica_groups:
-            replicas = {}
-            for stage in range(placement.num_stages):
-                holders = sorted({loc.rank for loc in placement.replicas(stage)})
-                if len(holders) == 1:
-                    group = solo
-                else:
-                    slices = [(t, d) for d in range(grid.dp) for t in range(grid.tp)]
-                    group = new_groups([sorted(grid.rank(t, d, p) for p in holders) for t, d in slices], rank)
-                if pp_rank in holders:
-                    replicas[stage] = group
-
-        warm_up(placement, pp_rank, lambda p: grid.rank(*grid.coords(rank)[:2], p), channels, stage_groups)
-        if experts:  # the expert groups' communicators, in one order on every rank
-            for name in ("ep", "tp_ep"):
-                dist.all_reduce(torch.zeros(1, device=_device()), group=experts[name])
-            for stage in sorted(expert_stage_groups):
-                dist.all_reduce(torch.zeros(1, device=_device()), group=expert_stage_groups[stage])
-        for stage in sorted(replicas or {}):  # a mirror pair holds the same stages: one order
-            if placement.num_pipelines > 1:
-                dist.all_reduce(torch.zeros(1, device=_device()), group=replicas[stage])
-        mesh = build_optimus_mesh(tp) if tensor_parallel_mode == "optimus2d" else None
-        embd = solo
-        if placement.head_copies_embedding:
-            ends = (placement.location(0, 0).rank, placement.location(0, placement.num_stages - 1).rank)
-            slices = [(t, d) for d in range(grid.dp) for t in range(grid.tp)]
-            embd = new_groups([sorted(grid.rank(t, d, p) for p in ends) for t, d in slices], rank) or solo
-        common = dict(tp=tp, pp=pp, mp=mp, solo=solo, world=world, embd=embd, pos_embd=solo, **experts)
+            replicas = {s: groups.get(replica_family(s), groups["solo"]) for s in stages}  # one replica: this rank alone
+        mesh = None
+        if tensor_parallel_mode == "optimus2d":
+            mesh = optimus_mesh(groups["tp"], groups["optimus-row"], groups["optimus-column"])
+        tp, pp, solo = groups["tp"], groups["pp"], groups["solo"]
+        channels = {key: groups[channel_family(key)] for key in channel_keys(placement)}
+        common = dict(tp=tp, pp=pp, mp=groups["mp"], solo=solo, world=groups["world"], embd=groups.get("embedding", solo),
+                      pos_embd=solo, **experts)  # fmt: skip
         model_pgs = tuple(
             process_group_collection(
                 dp=stage_groups[stage],
@@ -477,11 +334,12 @@ class PipelineGroups:
             rank=rank,
             tp=tp,
             pp=pp,
-            rank_pgs=process_group_collection(dp=dp, expt_dp=expert_dp, **common),
+            rank_pgs=process_group_collection(dp=groups["dp"], expt_dp=groups.get("expert-dp"), **common),
             model_pgs=model_pgs,
             channels=channels,
             stage_groups=stage_groups,
             mesh=mesh,
             replica_groups=replicas,
             expert_stage_groups=expert_stage_groups,
+            plan=plan,
         )

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Optional
 
+from ..moe_settings import expert_bias_problems
 from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems, recompute_problems, resolved_schedule
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
@@ -274,7 +275,7 @@ def moe_problems(args: argparse.Namespace, schedule: str, num_pipelines: int) ->
     tensor parallelism.
     """
     ep, dp, tp = args.expert_model_parallel_size, args.data_parallel_size, args.tensor_model_parallel_size
-    problems = []
+    problems = expert_bias_problems(args) if getattr(args, "transformer_impl", "local") == "local" else []
     if dp % ep:
         problems.append(
             f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} with --pipeline-schedule {schedule}: "

@@ -95,7 +95,15 @@ def build_optimus_mesh(tp_group: dist.ProcessGroup) -> OptimusMesh:
     all_columns = [col for ranks in distinct_tp_groups for col in mesh_columns(ranks, side)]
     row_group, _ = dist.new_subgroups_by_enumeration(all_rows)
     column_group, _ = dist.new_subgroups_by_enumeration(all_columns)
+    return optimus_mesh(tp_group, row_group, column_group)
 
+
+def optimus_mesh(tp_group: dist.ProcessGroup, row_group: dist.ProcessGroup, column_group: dist.ProcessGroup) -> OptimusMesh:
+    """This rank's mesh from its TP group and the row and column groups holding it (made from
+    :func:`mesh_rows` / :func:`mesh_columns` of its TP group's rank list); RuntimeError when
+    their order breaks the mesh. Local."""
+    tp_ranks = dist.get_process_group_ranks(tp_group)
+    side = mesh_side(len(tp_ranks))
     row, column = divmod(tp_group.rank(), side)
     # torch orders a group's ranks ascending; TP rank lists are ascending too, so slices of
     # them keep mesh order. Check it, since every broadcast root below relies on it.

@@ -55,6 +55,7 @@ from ..checkpoint_checks import (
     without_deprecation_notes,
 )
 from .distributed import log
+from .load_plan import LoadFlags, LoadPlan, SavedCheckpoint, plan_load
 from ..checkpoint_rules import CheckpointError
 
 __all__ = [
@@ -248,29 +249,6 @@ def _schedule_problems(saved: dict, scheduler, args, run: RunConfig, saved_args)
     return problems
 
 
-#: what fixes which rank holds which parameters (1-bit LAMB's per-rank state follows it)
-_LAYOUT_FLAGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "virtual_pipeline_model_parallel_size", "schedule", "tensor_parallel_mode")
-
-
-def _optimizer_problems(saved_args, args) -> List[str]:
-    """Whether this run's optimizer can take the checkpoint's optimizer state (``--no-load-optim``
-    takes the weights only)."""
-    saved_name, name = getattr(saved_args, "optimizer", "adam"), getattr(args, "optimizer", "adam")
-    if saved_name != name:
-        return [f"it holds the state of --optimizer {saved_name}, this run uses --optimizer {name} (--no-load-optim loads the weights only)"]
-    if name == "onebit_lamb":
-        theirs = tuple(getattr(saved_args, flag, None) for flag in _LAYOUT_FLAGS)
-        mine = tuple(getattr(args, flag, None) for flag in _LAYOUT_FLAGS)
-        if theirs != mine:
-            return [
-                f"1-bit LAMB's coefficients and error feedback are per rank and were saved in another layout "
-                f"({', '.join(f'{f} {t}' for f, t in zip(_LAYOUT_FLAGS, theirs))}): resume it in that layout, or "
-                "take the weights with --no-load-optim"
-            ]
-    return []
-
-
 def _weight_decay_varies(scheduler) -> bool:
     return scheduler.wd_incr_style != "constant" and scheduler.start_wd != scheduler.end_wd
 
@@ -314,39 +292,25 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
     raise_if_any([problem] if problem else missing_files(directory), directory, "cannot be read")
     common = dist_checkpointing.load_common_state_dict(directory)
     saved_args = common.get("args")
-    saved_task = getattr(saved_args, "task", task.name)
-    if saved_task != task.name:
-        raise_if_any([f"it holds a {saved_task} model, this run trains {task.name}"], directory, "holds another model")
-    raise_if_any(model_flag_problems(saved_args, _megatron_lm_args(args, run), task.model_flags()), directory, "holds a different model")
-
-    finetune = run.checkpointing.finetune or release
-    load_optimizer = not (finetune or run.checkpointing.no_load_optim)
-    if load_optimizer and "optimizer" not in common:
-        raise_if_any(
-            ["it has no optimizer state (saved with --no-save-optim): pass --no-load-optim or --finetune to load its weights"],
-            directory,
-            "cannot be resumed",
-        )
-    if load_optimizer:
-        raise_if_any(_optimizer_problems(saved_args, args), directory, "cannot resume this run's optimizer")
-        raise_if_any(_schedule_problems(common["opt_param_scheduler"], scheduler, args, run, saved_args), directory,
-                     "has another learning-rate schedule (keep it with --use-checkpoint-opt_param-scheduler, or take this "
-                     "run's with --override-opt_param-scheduler)")
-    saved_layout = (getattr(saved_args, "tensor_model_parallel_size", None), getattr(saved_args, "pipeline_model_parallel_size", None))
-    same_ranks = saved_layout == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    load_rng = not (finetune or args.no_load_rng) and same_ranks and not getattr(saved_args, "no_save_rng", False)
+    checkpoint = SavedCheckpoint.from_common(common, release, task.name)
+    same_task = checkpoint.task == task.name
+    model_problems = model_flag_problems(saved_args, _megatron_lm_args(args, run), task.model_flags()) if same_task else []
+    plan = plan_load(checkpoint, LoadFlags.from_run(run, args), task.name, model_problems,
+                     lambda: _schedule_problems(common["opt_param_scheduler"], scheduler, args, run, saved_args))
+    for refusal in plan.refusals:  # the same refusals on every rank: each check is one collective everywhere
+        raise_if_any(list(refusal.problems), directory, refusal.heading)
 
     saved_metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
     groups_metadata = {"dp_cp_group": model.groups.rank_pgs.dp}
     saved = load_sharded_metadata(directory)
     request = _model_state(model, {**saved_metadata, **groups_metadata})
     optimizer_load = None
-    if load_optimizer:
+    if plan.optimizer:
         optimizer_load = optimizer_state.OptimizerLoad(
             optimizer, dict(request), common, saved_metadata, {**content_metadata(optimizer), **groups_metadata}, saved
         )
         request.update(optimizer_load.request)
-    if load_rng:
+    if plan.rng:
         request["rng_state"] = _rng_object(model)
     raise_if_any(request_problems(request, saved), directory, "does not fit this model")
 
@@ -360,10 +324,10 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
         optimizer_state.use_run_hyperparameters(optimizer, scheduler)
     elif args.bf16 or args.fp16:
         optimizer.reload_model_params()  # fp32 main weights from the loaded weights
-    if load_rng:
+    if plan.rng:
         _set_rng_state(loaded["rng_state"][0])
-    _report(directory, common, saved_args, finetune, load_optimizer, load_rng, args)
-    if finetune:
+    _report(directory, common, saved_args, plan, args)
+    if plan.finetune:
         return TrainingState()
     return TrainingState(int(common["iteration"]), int(getattr(saved_args, "consumed_train_samples", 0)))
 
@@ -373,7 +337,8 @@ def _model_state_keys(model: PipelineModel) -> List[str]:
     return ["model"] if count == 1 else [f"model{i}" for i in range(count)]
 
 
-def _report(directory, common, saved_args, finetune, load_optimizer, load_rng, args) -> None:
+def _report(directory, common, saved_args, plan: LoadPlan, args) -> None:
+    finetune, load_optimizer, load_rng = plan.finetune, plan.optimizer, plan.rng
     parts = ["weights"]
     if not finetune:
         parts.append(f"iteration {common['iteration']}, {getattr(saved_args, 'consumed_train_samples', 0)} samples consumed")

@@ -346,7 +346,7 @@ def _ddp_sink_checks() -> dict:
     pg = baseline.build_looped_process_groups(ParallelGrid())
     init_megatron_state(pg, 7)
     torch.manual_seed(5)
-    x, g = torch.randn(4, 2, 8, requires_grad=True), torch.randn(4, 2, 12)
+    x, g = torch.randn(4, 2, 8).cuda().requires_grad_(), torch.randn(4, 2, 12).cuda()  # on the device, as DDP's buffers
     out = {}
     for fusion in (False, True):
         config = baseline.tiny_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=2)
@@ -356,7 +356,7 @@ def _ddp_sink_checks() -> dict:
         def wrapped():
             torch.manual_seed(3)
             linear = ColumnParallelLinear(8, 12, config=config, init_method=torch.nn.init.normal_, bias=False,
-                                          gather_output=False, tp_group=pg.tp)  # fmt: skip
+                                          gather_output=False, tp_group=pg.tp).cuda()  # fmt: skip
             return ChunkDistributedDataParallel(config, ddp_config, linear, disable_bucketing=True, pg_collection=pg)
 
         ref, split = wrapped(), wrapped()

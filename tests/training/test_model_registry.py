@@ -43,7 +43,7 @@ def test_the_flags_choose_the_kind_and_the_kind_states_losses_and_attention():
     shapes = fused.p2p_shapes(run, None)
     assert shapes([(16, 2, 32)], [(16, 2, 32)]) == ([(16, 6, 32)], [(16, 6, 32)])
     assert chosen(GPTTask(), *OPTIMUS, world_size=4)[0].name == "optimus-gpt"
-    moe, args, run = chosen(GPTTask(), "--num-experts", "4", "--moe-z-loss-coeff", "1e-3")
+    moe, args, run = chosen(GPTTask(), "--num-experts", "4", "--moe-z-loss-coeff", "1e-3", "--disable-bias-linear")
     assert moe.name == "moe-gpt" and moe.loss_names(args, run) == ("lm loss",) and moe.causal_attention
     bert, args, run = chosen(BertTask())
     assert bert.name == "bert" and bert.loss_names(args, run) == ("lm loss", "sop loss") and not bert.causal_attention

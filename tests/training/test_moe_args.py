@@ -90,6 +90,7 @@ BAD = [
     ([*MOE, "--hfta-models", "2"], 1, "--num-experts cannot be combined with --hfta-models"),
     ([*MOE, "--data-parallel-mode", "abs-sgd"], 2, "--num-experts trains with --data-parallel-mode sync"),
     ([*MOE, "--transformer-impl", "transformer_engine"], 1, "drop --transformer-impl transformer_engine"),
+    (["--num-experts", "4"], 1, "--num-experts needs --disable-bias-linear"),  # the experts' in-place bias add
 ]
 
 
