@@ -244,12 +244,13 @@ def test_plan_schedules_state_the_mixture_of_experts_rules(schedule):
     refused = dict(
         expert_model_parallel_size=4, num_experts=8, expert_tensor_parallel_size=2, moe_router_load_balancing_type=["global_aux_loss"],
         moe_token_dispatcher_type="flex", moe_router_enable_expert_bias=True,
-        overlap_moe_expert_parallel_comm=True, save="/checkpoints", load="/checkpoints",
+        overlap_moe_expert_parallel_comm=True, save="/checkpoints", load="/checkpoints", add_bias_linear=True,
     )
     with pytest.raises(BitPipeConfigError) as info:
         validate_megatron_lm_args(moe_args(*flags, **refused))
     text = str(info.value)
     expected = [
+        "--num-experts needs --disable-bias-linear: megatron-core's local expert MLP adds its bias into its output in place",
         f"--expert-model-parallel-size 4 must divide the data-parallel size 2 with --pipeline-schedule {schedule}",
         f"--expert-tensor-parallel-size 2 must equal --tensor-model-parallel-size 1 with --pipeline-schedule {schedule}",
         f"--moe-router-load-balancing-type global_aux_loss cannot be used with --pipeline-schedule {schedule}",
