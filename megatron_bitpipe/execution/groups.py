@@ -199,8 +199,6 @@ class PipelineGroups:
     mesh: Optional[OptimusMesh] = None
     replica_groups: Optional[Dict[int, dist.ProcessGroup]] = None
     expert_stage_groups: Optional[Dict[int, dist.ProcessGroup]] = None
-    #: the plan the groups were created from (:mod:`.group_plan`)
-    plan: Optional[GroupPlan] = None
 
     @property
     def tp_rank(self) -> int:
@@ -341,5 +339,4 @@ class PipelineGroups:
             mesh=mesh,
             replica_groups=replicas,
             expert_stage_groups=expert_stage_groups,
-            plan=plan,
         )

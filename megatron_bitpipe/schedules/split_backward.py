@@ -82,10 +82,11 @@ def split_backward(
         for actions in plan.actions
     ]
     arrivals = _arrivals(simulate(_with_actions(plan, ordered), costs))
+    split_costs = costs.as_split()  # the W's are placed at the split plan's action times
     best: Optional[Tuple[float, SchedulePlan]] = None
     for _ in range(ROUNDS):
         candidate = _with_actions(plan, [
-            with_eager_syncs(_place_weight_grads(plan, rank, ordered[rank], arrivals, costs.as_split(), limit))
+            with_eager_syncs(_place_weight_grads(plan, rank, ordered[rank], arrivals, split_costs, limit))
             for rank in range(plan.num_ranks)
         ])
         result = simulate(candidate, costs)
