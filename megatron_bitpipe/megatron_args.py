@@ -275,6 +275,20 @@ def schedule_choice(args: argparse.Namespace) -> ScheduleChoice:
     return replace(choice, costs=schedule_costs(args)) if choice.uses_costs else choice
 
 
+def virtual_size_problems(args: argparse.Namespace, *, virtual_size_flag: str = VP_FLAG) -> List[str]:
+    """The rule ``--pipeline-schedule`` and the virtual pipeline size make together, stated once
+    for both routes: ``interleaved`` needs a virtual size >= 2, ``1f1b`` none (the plan-executed
+    schedules' own virtual-size rules are :meth:`~megatron_bitpipe.schedules.ScheduleChoice.problems`').
+    ``virtual_size_flag`` names the flag in the message."""
+    schedule = getattr(args, "pipeline_schedule", "default")  # as given: the message names the flag
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if schedule == "interleaved" and vp in (None, 1):
+        return [f"--pipeline-schedule interleaved needs {virtual_size_flag} >= 2"]
+    if schedule == "1f1b" and vp not in (None, 1):
+        return [f"--pipeline-schedule 1f1b runs one chunk per rank: unset {virtual_size_flag}"]
+    return []
+
+
 def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = VP_FLAG) -> List[str]:
     """Every rule the parsed flags (Megatron-LM's names) break, one message each; no communication.
     ``virtual_size_flag`` names the flag that sets ``virtual_pipeline_model_parallel_size``."""
@@ -287,11 +301,9 @@ def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = V
     except BitPipeConfigError as error:
         problems.append(str(error))
         choice = ScheduleChoice(resolved_schedule(args), getattr(args, "split_backward", False), virtual_size=vp)
-    if schedule == "interleaved" and vp in (None, 1):
-        problems.append(f"--pipeline-schedule interleaved needs {virtual_size_flag} >= 2")
-    elif schedule == "1f1b" and vp not in (None, 1):
-        problems.append(f"--pipeline-schedule 1f1b runs one chunk per rank: unset {virtual_size_flag}")
-    elif choice.plan_executed:
+    combination = virtual_size_problems(args, virtual_size_flag=virtual_size_flag)
+    problems += combination
+    if not combination and choice.plan_executed:
         problems += microbatch_problems(args, choice, num_microbatches, virtual_size_flag=virtual_size_flag)
     if choice.plan_executed and getattr(args, "encoder_num_layers", None) and getattr(args, "decoder_num_layers", None):
         problems.append(f"{choice.schedule} does not support encoder-decoder models")

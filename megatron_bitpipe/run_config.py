@@ -13,9 +13,10 @@ Megatron-LM's uneven-layout flags), the mixture of experts, the precision, the b
 data-parallel mode, the optimizer choice, the layers' kernels, checkpointing, logging, the
 process group's backend and, on this package's scripts, which build the tokenizer first, the
 padded vocabulary. Everything downstream of the parser takes the :class:`RunConfig` for these
-decisions and nothing writes to the namespace once it exists; the model's
-hyper-parameters (layers, hidden size, ...) stay Megatron-LM's namespace fields, read in one
-place per consumer (the ``TransformerConfig`` builder).
+decisions and nothing writes to the namespace once it exists. The model's sizes are the
+simulator's :class:`~megatron_bitpipe.schedules.model_shape.ModelShape` (one class and one set of
+rules for training, the simulator, ``layout-search`` and ``recommend``); recomputation, the
+optimizer's hyper-parameters and the learning-rate schedule are typed sub-configs too.
 
 Pure Python (torch only for :attr:`Precision.dtype`), no communication: made on every rank
 before ``torch.distributed`` starts.
@@ -35,9 +36,25 @@ from .moe_settings import MoESettings, moe_settings
 from .optimizers import OptimizerChoice
 from .schedules import REGISTRY, ScheduleChoice
 from .schedules.layer_split import LayerSplitFlags, StageLayers, split_layers, split_problems
+from .schedules.model_shape import ModelShape
+from .schedules.moe_shape import MoEShape
 from .schedules.placement import Placement
 
-__all__ = ["Batches", "Checkpointing", "Kernels", "Logging", "ParallelLayout", "Precision", "RunConfig", "padded_vocab_size"]
+__all__ = [
+    "Batches",
+    "Checkpointing",
+    "Exits",
+    "Kernels",
+    "LearningRateSchedule",
+    "Logging",
+    "OptimizerSettings",
+    "ParallelLayout",
+    "Precision",
+    "Recompute",
+    "RunConfig",
+    "model_shape_of",
+    "padded_vocab_size",
+]
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
@@ -127,10 +144,80 @@ class Kernels:
         attention_backend: ``--attention-backend``: ``auto`` (the layer spec's own core
             attention), ``local`` or ``sdpa`` (torch's scaled dot-product attention in local layers).
             On Megatron-LM's route its own ``AttnBackend`` member (its model builders read it).
+        cross_entropy_loss_fusion: ``--cross-entropy-loss-fusion`` (megatron-core's fused cross
+            entropy, whose ``native`` kernel rounds the logits' gradient to bf16).
+        cross_entropy_fusion_impl: ``--cross-entropy-fusion-impl``, ``native`` or ``te``.
     """
 
     transformer_impl: Optional[str] = None
     attention_backend: str = "auto"
+    cross_entropy_loss_fusion: bool = False
+    cross_entropy_fusion_impl: str = "native"
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation, megatron-core's fields (``--recompute-granularity`` ``full`` or
+    ``selective``, None: none; ``--recompute-method`` ``uniform`` or ``block`` and
+    ``--recompute-num-layers`` with ``full``; ``--recompute-modules`` with ``selective``)."""
+
+    granularity: Optional[str] = None
+    method: Optional[str] = None
+    num_layers: Optional[int] = None
+    modules: Optional[Tuple[str, ...]] = None
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The values megatron's ``OptimizerConfig`` takes from Megatron-LM's flags (the choice of
+    optimizer is :class:`~megatron_bitpipe.optimizers.OptimizerChoice`).
+
+    Attributes:
+        lr, min_lr: ``--lr`` (the peak) and ``--min-lr`` (the floor of the decay).
+        weight_decay: ``--weight-decay``.
+        adam_beta1, adam_beta2, adam_eps: Adam's ``--adam-beta1/2`` and ``--adam-eps``.
+        sgd_momentum: ``--sgd-momentum``.
+        clip_grad: ``--clip-grad``, the global gradient norm clipped to (0: no clipping).
+        loss_scale: ``--loss-scale``, a static fp16 loss scale (None: dynamic).
+        initial_loss_scale: ``--initial-loss-scale``, where the dynamic fp16 scale starts.
+    """
+
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0**32
+
+
+@dataclass(frozen=True)
+class LearningRateSchedule:
+    """Megatron-LM's learning-rate schedule in iterations (the scheduler counts samples: each
+    length times the global batch size).
+
+    Attributes:
+        warmup_iters: ``--lr-warmup-iters``.
+        warmup_init: ``--lr-warmup-init``, the rate the warm-up starts from.
+        decay_iters: ``--lr-decay-iters`` (default ``--train-iters``).
+        decay_style: ``--lr-decay-style`` (``constant``, ``linear``, ``cosine``, ...; ``rex``).
+        rex_beta: ``--rex-beta``, the REX schedule's shape.
+        train_iters: ``--train-iters`` (the weight-decay schedule's length).
+        use_checkpoint: ``--use-checkpoint-opt_param-scheduler``: a resume takes the saved schedule.
+        override: ``--override-opt_param-scheduler``: a resume keeps the flags' schedule.
+    """
+
+    warmup_iters: int = 0
+    warmup_init: float = 0.0
+    decay_iters: Optional[int] = None
+    decay_style: str = "linear"
+    rex_beta: float = 0.9
+    train_iters: Optional[int] = None
+    use_checkpoint: bool = False
+    override: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +242,22 @@ class Checkpointing:
     def weights_only(self) -> bool:
         """Whether a resume leaves the optimizer state (and what rides with it) fresh."""
         return self.finetune or self.no_load_optim
+
+
+@dataclass(frozen=True)
+class Exits:
+    """When the run stops early (Megatron-LM's flags; None: never).
+
+    Attributes:
+        interval: ``--exit-interval``: after an iteration that is a multiple of it.
+        duration_minutes: ``--exit-duration-in-mins``: once the job has run that long.
+        signal: ``--exit-signal`` with ``--exit-signal-handler``: the signal's name
+            (``SIGTERM``), after the iteration it arrives in.
+    """
+
+    interval: Optional[int] = None
+    duration_minutes: Optional[float] = None
+    signal: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +320,16 @@ class RunConfig:
         logging: the log interval and files.
         distributed_backend: ``--distributed-backend``, the process group's backend (``nccl``,
             ``gloo``; this package's scripts default it to ``nccl`` with a GPU, else ``gloo``).
+        model: the model's sizes (:class:`~megatron_bitpipe.schedules.model_shape.ModelShape`, the
+            simulator's class and rules; its ``vocab_size`` the tokenizer's where known); None
+            without ``--num-layers``.
+        recompute: activation recomputation.
+        optimizer_settings: the optimizer's hyper-parameters.
+        lr_schedule: the learning-rate schedule.
+        seed: ``--seed``, what the initial weights (and the data order) are drawn from.
+        exits: when the run stops early.
+        distributed_timeout_minutes: ``--distributed-timeout-minutes``: the longest a rank waits
+            for its peers before the job ends (the watchdog, and the process group's backstop).
     """
 
     schedule: ScheduleChoice
@@ -239,6 +352,13 @@ class RunConfig:
     checkpointing: Checkpointing = Checkpointing()
     logging: Logging = Logging()
     distributed_backend: Optional[str] = None
+    model: Optional[ModelShape] = None
+    recompute: Recompute = Recompute()
+    optimizer_settings: OptimizerSettings = OptimizerSettings()
+    lr_schedule: LearningRateSchedule = LearningRateSchedule()
+    seed: int = 1234
+    exits: Exits = Exits()
+    distributed_timeout_minutes: float = 10.0
 
     @property
     def executes_plan(self) -> bool:
@@ -293,6 +413,7 @@ class RunConfig:
         tensor, pipeline = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         data = args.data_parallel_size
         data_parallel_mode = selected_mode(args)
+        moe = moe_settings(args)
         return cls(
             schedule=schedule,
             layout=ParallelLayout(
@@ -315,7 +436,7 @@ class RunConfig:
             optimizer=replace(OptimizerChoice.from_args(args), decentralized=data_parallel_mode.decentralized),
             schedule_costs_path=getattr(args, "schedule_costs", None) if schedule.uses_costs else None,
             hfta=hfta_settings(args),
-            moe=moe_settings(args),
+            moe=moe,
             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
             layout_independent_init=bool(getattr(args, "layout_independent_init", False)),
             overlap_grad_reduce=schedule.plan_executed or bool(getattr(args, "overlap_grad_reduce", False)),
@@ -326,6 +447,8 @@ class RunConfig:
             kernels=Kernels(
                 transformer_impl=getattr(args, "transformer_impl", None),
                 attention_backend=getattr(args, "attention_backend", "auto"),
+                cross_entropy_loss_fusion=bool(getattr(args, "cross_entropy_loss_fusion", False)),
+                cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"),
             ),
             checkpointing=Checkpointing(
                 save=getattr(args, "save", None),
@@ -340,6 +463,33 @@ class RunConfig:
                 tensorboard_dir=getattr(args, "tensorboard_dir", None),
             ),
             distributed_backend=getattr(args, "distributed_backend", None),
+            model=model_shape_of(args, vocab_size, moe),
+            seed=getattr(args, "seed", 1234),
+            exits=Exits(
+                interval=getattr(args, "exit_interval", None),
+                duration_minutes=getattr(args, "exit_duration_in_mins", None),
+                signal=getattr(args, "exit_signal", None) if getattr(args, "exit_signal_handler", False) else None,
+            ),
+            distributed_timeout_minutes=getattr(args, "distributed_timeout_minutes", 10.0),
+            recompute=Recompute(
+                granularity=getattr(args, "recompute_granularity", None),
+                method=getattr(args, "recompute_method", None),
+                num_layers=getattr(args, "recompute_num_layers", None),
+                modules=None if getattr(args, "recompute_modules", None) is None else tuple(args.recompute_modules),
+            ),
+            optimizer_settings=OptimizerSettings(
+                **{name: getattr(args, name) for name in OptimizerSettings.__dataclass_fields__ if hasattr(args, name)}
+            ),
+            lr_schedule=LearningRateSchedule(
+                warmup_iters=getattr(args, "lr_warmup_iters", 0) or 0,
+                warmup_init=getattr(args, "lr_warmup_init", 0.0),
+                decay_iters=getattr(args, "lr_decay_iters", None),
+                decay_style=getattr(args, "lr_decay_style", "linear"),
+                rex_beta=getattr(args, "rex_beta", 0.9),
+                train_iters=getattr(args, "train_iters", None),
+                use_checkpoint=bool(getattr(args, "use_checkpoint_opt_param_scheduler", False)),
+                override=bool(getattr(args, "override_opt_param_scheduler", False)),
+            ),
         )
 
 
@@ -350,3 +500,49 @@ def _stage_layers(args: argparse.Namespace, placement: Placement) -> Optional[St
     if num_layers is None or split_problems(flags, placement, num_layers):
         return None
     return split_layers(flags, placement, num_layers)
+
+
+def model_shape_of(args: argparse.Namespace, vocab_size: Optional[int], moe: Optional[MoESettings]) -> Optional[ModelShape]:
+    """:attr:`RunConfig.model` of checked flags (either route's names; None without
+    ``--num-layers``): ModelShape's rules are the flag check's, so this does not raise on a
+    namespace that passed it."""
+    if getattr(args, "num_layers", None) is None:
+        return None
+    backend = getattr(args, "attention_backend", "auto")
+    return ModelShape(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=vocab_size,
+        micro_batch_size=args.micro_batch_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups,
+        swiglu=bool(args.swiglu),
+        add_bias_linear=bool(args.add_bias_linear),
+        normalization=args.normalization,
+        position_embedding_type=args.position_embedding_type,
+        max_position_embeddings=args.max_position_embeddings,
+        untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        attention_backend=getattr(backend, "name", backend),  # Megatron-LM's route: its AttnBackend member
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        kv_channels=args.kv_channels,
+        norm_epsilon=args.norm_epsilon,
+        init_method_std=args.init_method_std,
+        moe=None if moe is None else _moe_shape(moe),
+    )
+
+
+def _moe_shape(moe: MoESettings) -> MoEShape:
+    """The simulator's view of a checked mixture-of-experts choice."""
+    return MoEShape(
+        num_experts=moe.num_experts,
+        moe_router_topk=moe.router_topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_layer_freq=moe.layer_freq,
+        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+        moe_expert_capacity_factor=moe.capacity_factor,
+        expert_model_parallel_size=moe.expert_parallel,
+    )

@@ -117,9 +117,9 @@ def _run_rank(runs: List[tuple], log_dir: str) -> Optional[List[dict]]:
         args = parse_args(task, [*flags, "--log-json", log_json])
         tokenizer = build_tokenizer(args)
         run = RunConfig.from_args(args, tokenizer.vocab_size)
-        env = distributed.initialize(args, run, enable_cpu_megatron)
+        env = distributed.initialize(run, enable_cpu_megatron)
         load_before, started = os.getloadavg()[0], time.perf_counter()
-        with ExitConditions(args, time.time()) as exits:
+        with ExitConditions(run.exits, time.time()) as exits:
             Trainer(task, args, run, tokenizer, env).train(exits)
         dist.barrier()
         if env.rank == 0:

@@ -167,8 +167,8 @@ def _run_rank(settings: Settings, flags: List[str], log_json: str) -> Optional[d
     args = parse_args(task, [*flags, "--log-json", log_json])
     tokenizer = build_tokenizer(args)
     run = RunConfig.from_args(args, tokenizer.vocab_size)
-    env = distributed.initialize(args, run, enable_cpu_megatron)
-    with ExitConditions(args, time.time()) as exits:
+    env = distributed.initialize(run, enable_cpu_megatron)
+    with ExitConditions(run.exits, time.time()) as exits:
         Trainer(task, args, run, tokenizer, env).train(exits)
     dist.barrier()
     if env.rank != 0:

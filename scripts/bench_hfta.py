@@ -62,7 +62,7 @@ def time_steps(argv: List[str], warmup: int, iters: int) -> float:
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
     run = RunConfig.from_args(args, tokenizer.vocab_size)
-    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
+    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
     times = []
     for step in range(warmup + iters):
         if torch.cuda.is_available():

@@ -71,7 +71,7 @@ def _bench_rank(argv: List[str]) -> dict:
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
     run = RunConfig.from_args(args, tokenizer.vocab_size)
-    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
+    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
     rows = []
     while trainer.state.iteration < args.train_iters:
         with CollectiveMeter() as meter:

@@ -76,7 +76,7 @@ def _child(options: argparse.Namespace) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=options.pipeline_rank * tp, world_size=world)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[options.params_dtype]
     run = RunConfig.from_args(args, args.vocab_size)
-    config = transformer_config(args, run, params_dtype=dtype, pipeline_dtype=dtype)
+    config = transformer_config(run, params_dtype=dtype, pipeline_dtype=dtype)
 
     seed_seconds = []
     initialize = build.initialize_from_seed

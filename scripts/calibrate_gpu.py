@@ -205,7 +205,7 @@ def build_share(train_args: argparse.Namespace, device):
     from megatron_bitpipe.training.model_registry import model_kind_for
 
     run = RunConfig.from_args(train_args)
-    config = transformer_config(train_args, run)
+    config = transformer_config(run)
     kind = model_kind_for(GPTTask.name, run)
     grid = ParallelGrid(tp=run.layout.tensor)
     check_expert_layout(config, grid)  # also makes megatron-core's MoE layers run without Transformer Engine
@@ -512,7 +512,7 @@ def _start_distributed(train_args: argparse.Namespace, device) -> bool:
     from megatron_bitpipe.run_config import RunConfig
     from megatron_bitpipe.training.distributed import initialize
 
-    initialize(train_args, RunConfig.from_args(train_args), cpu_fallback=enable_cpu_megatron)
+    initialize(RunConfig.from_args(train_args), cpu_fallback=enable_cpu_megatron)
     return True
 
 

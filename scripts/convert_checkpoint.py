@@ -87,10 +87,10 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     argv += ["--use-checkpoint-opt_param-scheduler", "--no-save-rng", "--save", new_root]
     args = parse_args(task, argv, world_size=1, cuda_available=False)
     run = dataclasses.replace(RunConfig.from_args(args), padded_vocab_size=signature[_VOCAB_FLAG])  # the checkpoint's
-    distributed.initialize(args, run, enable_cpu_megatron)
+    distributed.initialize(run, enable_cpu_megatron)
     try:
         model = model_kind_for(task.name, run).build_model(args, run)
-        optimizer = build_optimizer(model, optimizer_config(args, run), hfta=run.hfta)
+        optimizer = build_optimizer(model, optimizer_config(run), hfta=run.hfta)
         adam = optimizer.chained_optimizers[0].optimizer  # one fp32 Adam over the single-process model
         shards = {}
         with torch.no_grad():
@@ -107,7 +107,7 @@ def convert(old_root: str, new_root: str, step=None) -> str:
                         "exp_avg_sq": entry["exp_avg_sq"].float().clone(),
                     }
         common = torch.load(os.path.join(directory, "common.pt"), map_location="cpu", weights_only=False)
-        scheduler = lr_scheduler(args, run, optimizer)
+        scheduler = lr_scheduler(run, optimizer)
         scheduler.load_state_dict(common["scheduler"])
         if any(scaler is not None for scaler in common.get("grad_scalers", [])):
             distributed.log("note: the fp16 loss scale is not carried over (it restarts at --initial-loss-scale)")

@@ -41,12 +41,13 @@ from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
 from megatron_bitpipe import schedules
-from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, analytic_costs
+from megatron_bitpipe.schedules.costs import Hardware, analytic_costs
+from megatron_bitpipe.schedules.model_shape import ModelShape
 
 PIPELINE_SIZE = 8
 MODELS: Dict[str, dict] = {
-    "gpt": dict(shape=TransformerShape(96, 3072, 32, 1024, 1), global_batch_size=16),
-    "bert": dict(shape=TransformerShape(64, 2560, 64, 512, 4), global_batch_size=32),
+    "gpt": dict(shape=ModelShape(96, 3072, 32, 1024, micro_batch_size=1), global_batch_size=16),
+    "bert": dict(shape=ModelShape(64, 2560, 64, 512, micro_batch_size=4), global_batch_size=32),
 }
 SCHEDULES = ("1f1b", "interleaved", "chimera", "bitpipe", "bitpipe+split-backward")  # ScheduleChoice labels
 BASELINE = "interleaved"

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from megatron_bitpipe.schedules import SPLIT_BACKWARD_SUFFIX, CostModel, generate, simulate, validate_plan
 from megatron_bitpipe.schedules import zbv
-from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, analytic_costs
+from megatron_bitpipe.schedules.costs import Hardware, analytic_costs
+from megatron_bitpipe.schedules.model_shape import ModelShape
 from megatron_bitpipe.schedules.render import plot_gantt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,7 +43,7 @@ RACE = (("1f1b", "1F1B", False), ("zb-h1", "ZB-H1", False), ("interleaved", f"in
         ("zbv", "ZB-V", False), ("dualpipev", "DualPipeV", False), ("dualpipe", "DualPipe", False),
         ("chimera", f"Chimera{SPLIT_BACKWARD_SUFFIX}", True), ("bitpipe", f"BitPipe{SPLIT_BACKWARD_SUFFIX}", True))
 #: the BitPipe paper's configurations (8 pipeline ranks; N = global batch / micro-batch)
-MODELS = {"GPT": (TransformerShape(96, 3072, 32, 1024, 1), 16), "BERT": (TransformerShape(64, 2560, 64, 512, 4), 8)}
+MODELS = {"GPT": (ModelShape(96, 3072, 32, 1024, micro_batch_size=1), 16), "BERT": (ModelShape(64, 2560, 64, 512, micro_batch_size=4), 8)}
 PIPELINE = 8
 #: assumed links, all-reduce bus bandwidths as nccl-tests reports them; A100-class compute
 LINKS = {
@@ -183,7 +184,7 @@ def sync_table() -> str:
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
 
 
-def activation_bytes_per_layer(shape: TransformerShape) -> float:
+def activation_bytes_per_layer(shape: ModelShape) -> float:
     """One micro-batch's activations kept for the backward of one transformer layer: 34 sbh
     + 5 a s^2 b bytes (16-bit activations, no recomputation, no tensor or sequence
     parallelism; Korthikanti et al., 2022)."""

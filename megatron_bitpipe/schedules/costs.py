@@ -4,9 +4,10 @@
 messages and gradient all-reduces take; :func:`read_cost_file` reads the JSON cost file
 ``scripts/calibrate_gpu.py`` writes. A :class:`CostModel` wants per-device-share times (``L / D`` layers, one
 micro-batch) in milliseconds. :func:`analytic_costs` derives them from a
-:class:`TransformerShape` and a :class:`Hardware` description:
+:class:`~.model_shape.ModelShape` and a :class:`Hardware` description:
 
-* compute — the matrix-multiply FLOPs of a GPT/BERT transformer layer (forward
+* compute — the matrix-multiply FLOPs of a GPT/BERT transformer layer
+  (:meth:`~.model_shape.ModelShape.layer_forward_flops`; a plain layer's forward is
   ``2bsh(3h) + 4bs²h + 2bsh² + 4bshf``: QKV, scores and context, output projection, MLP; with
   ``f = 4h`` that is ``24bsh² + 4bs²h``), backward twice the forward, at an *achieved*
   throughput (not the datasheet peak). Embedding, LM head, norms and softmax are left out;
@@ -28,8 +29,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Dict, Optional
 
 from .actions import Action, ActionType
+from .model_shape import ModelShape
 
-__all__ = ["CostModel", "TransformerShape", "Hardware", "analytic_costs", "read_cost_file"]
+__all__ = ["CostModel", "Hardware", "analytic_costs", "read_cost_file"]
 
 
 @dataclass(frozen=True)
@@ -192,46 +194,6 @@ def read_cost_file(path: str) -> Dict[str, float]:
 
 
 @dataclass(frozen=True)
-class TransformerShape:
-    """Sizes of a GPT/BERT-style transformer (Megatron flag names).
-
-    ``num_layers`` counts the whole model; ``ffn_hidden_size`` defaults to ``4 h``.
-    """
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    micro_batch_size: int
-    ffn_hidden_size: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("--num-attention-heads: must divide --hidden-size")
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-    def layer_forward_flops(self) -> float:
-        """Matrix-multiply FLOPs of one layer's forward for one micro-batch."""
-        b, s, h, f = self.micro_batch_size, self.seq_length, self.hidden_size, self.ffn
-        return 2 * b * s * h * 3 * h + 4 * b * s * s * h + 2 * b * s * h * h + 4 * b * s * h * f
-
-    def layer_parameters(self) -> int:
-        """Weights and biases of one layer: QKV, projection, two MLP linears, two norms."""
-        h, f = self.hidden_size, self.ffn
-        return (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
-
-    def message_bytes(self, bytes_per_element: int) -> int:
-        """One activation (or its gradient) between pipeline stages: ``[s, b, h]``."""
-        return self.seq_length * self.micro_batch_size * self.hidden_size * bytes_per_element
-
-
-@dataclass(frozen=True)
 class Hardware:
     """Assumed device and network figures.
 
@@ -260,7 +222,7 @@ class Hardware:
 
 
 def analytic_costs(
-    shape: TransformerShape, pipeline_size: int, hardware: Hardware, data_parallel_size: int = 1
+    shape: ModelShape, pipeline_size: int, hardware: Hardware, data_parallel_size: int = 1
 ) -> CostModel:
     """CostModel (ms) for ``shape`` cut into ``pipeline_size`` device shares.
 

@@ -62,18 +62,20 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from .moe_shape import MoEShape
 
-__all__ = ["ATTENTION_BACKENDS", "NORMALIZATIONS", "POSITION_EMBEDDINGS", "ModelShape"]
+__all__ = ["ATTENTION_BACKENDS", "NORMALIZATIONS", "POSITION_EMBEDDINGS", "ModelShape", "shape_problems"]
 
-#: Megatron-LM's ``--attention-backend`` values; those in :data:`_MATERIALISED_SCORES` keep the s x s scores
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+#: Megatron-LM's ``--attention-backend`` values and this package's ``sdpa`` (torch's fused attention in
+#: local layers); those in :data:`_MATERIALISED_SCORES` keep the s x s scores
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 _MATERIALISED_SCORES = ("unfused", "local")
 #: ``--normalization`` values: parameters per hidden channel
 NORMALIZATIONS = {"LayerNorm": 2, "RMSNorm": 1}
-#: ``--position-embedding-type`` values (only ``learned_absolute`` has parameters)
+#: the simulator's ``--position-embedding-type`` values (only ``learned_absolute`` has parameters;
+#: training takes Megatron-LM's other names too, costed as parameter-free)
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 _INDEX_BYTES = 8  # int64 token and position indices
 _FP32_BYTES = 4
@@ -83,10 +85,15 @@ _FP32_BYTES = 4
 class ModelShape:
     """A megatron-core GPT's sizes (attribute names are Megatron-LM's flags without ``--``).
 
-    Invariants (checked): every size ``>= 1``; ``num_attention_heads`` divides ``hidden_size``
-    and ``num_query_groups`` divides ``num_attention_heads``; dropouts in ``[0, 1)``.
+    Invariants (checked, :func:`shape_problems` — the one statement of these rules, which
+    training's flag check uses too): every size ``>= 1``; ``num_attention_heads`` divides
+    ``hidden_size`` and ``num_query_groups`` divides ``num_attention_heads``; with learned
+    absolute positions ``max_position_embeddings >= seq_length``; dropouts in ``[0, 1)``.
     ``ffn_hidden_size`` defaults to ``4h``, ``num_query_groups`` to the heads,
-    ``max_position_embeddings`` to ``seq_length``. ``moe`` (None: every layer dense) makes
+    ``max_position_embeddings`` to ``seq_length``, ``kv_channels`` to ``h / a``. ``vocab_size``
+    is the tokenizer's (None where the shape is made before the tokenizer, as on Megatron-LM's
+    route: :attr:`padded_vocab_size` then raises). ``norm_epsilon`` and ``init_method_std``
+    change no count here; they are what the model is built with. ``moe`` (None: every layer dense) makes
     the layers its frequency selects mixture-of-experts layers; a list frequency holds one
     entry per layer.
     """
@@ -95,7 +102,7 @@ class ModelShape:
     hidden_size: int
     num_attention_heads: int
     seq_length: int
-    vocab_size: int
+    vocab_size: Optional[int] = None
     micro_batch_size: int = 1
     ffn_hidden_size: Optional[int] = None
     num_query_groups: Optional[int] = None
@@ -109,34 +116,35 @@ class ModelShape:
     attention_backend: str = "auto"
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    kv_channels: Optional[int] = None
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
     moe: Optional[MoEShape] = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size",
-                     "make_vocab_size_divisible_by"):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
-        for name in ("ffn_hidden_size", "num_query_groups", "max_position_embeddings"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"--num-attention-heads {self.num_attention_heads} must divide --hidden-size {self.hidden_size}")
-        if self.num_attention_heads % self.query_groups:
-            raise ValueError(f"--num-query-groups {self.query_groups} must divide --num-attention-heads {self.num_attention_heads}")
+        problems = shape_problems(
+            self.num_layers, self.hidden_size, self.num_attention_heads, self.seq_length,
+            micro_batch_size=self.micro_batch_size, ffn_hidden_size=self.ffn_hidden_size,
+            num_query_groups=self.num_query_groups, kv_channels=self.kv_channels,
+            position_embedding_type=self.position_embedding_type, max_position_embeddings=self.max_position_embeddings,
+            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by, vocab_size=self.vocab_size,
+            hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
+        )  # fmt: skip
         if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"--normalization: choose from {', '.join(NORMALIZATIONS)} (got {self.normalization!r})")
-        if self.position_embedding_type not in POSITION_EMBEDDINGS:
-            raise ValueError(f"--position-embedding-type: choose from {', '.join(POSITION_EMBEDDINGS)}")
+            problems.append(f"--normalization: choose from {', '.join(NORMALIZATIONS)} (got {self.normalization!r})")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"--attention-backend: choose from {', '.join(ATTENTION_BACKENDS)}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(self, name)})")
+            problems.append(f"--attention-backend: choose from {', '.join(ATTENTION_BACKENDS)} (got {self.attention_backend!r})")
+        if problems:
+            raise ValueError(problems[0])
         if self.moe:
             self.moe.layer_count(self.num_layers)  # a list frequency holds one entry per layer
 
     # sizes
+    @property
+    def head_channels(self) -> int:
+        """``d``: channels per attention head (``--kv-channels``, default ``h / a``)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
     @property
     def ffn(self) -> int:
         """The MLP's hidden size ``f``."""
@@ -150,11 +158,13 @@ class ModelShape:
     @property
     def kv_size(self) -> int:
         """``g d``: the key's (and the value's) channels per token."""
-        return self.query_groups * (self.hidden_size // self.num_attention_heads)
+        return self.query_groups * self.head_channels
 
     @property
     def padded_vocab_size(self) -> int:
         """``V``: the vocabulary rounded up to a multiple of ``--make-vocab-size-divisible-by``."""
+        if self.vocab_size is None:
+            raise ValueError("the model's vocabulary size is not known (--vocab-size, or the tokenizer's)")
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
 
@@ -242,6 +252,10 @@ class ModelShape:
         experts = 2 * self._routed_tokens * h * self._expert_ffn * (self._gate + 1)
         return attention + 2 * t * h * self.moe.num_experts + experts + 2 * t * h * self._shared_ffn * (self._gate + 1)
 
+    def message_bytes(self, element_bytes: int) -> int:
+        """One pipeline message (an activation or its gradient between stages): ``[s, b, h]``."""
+        return self._tokens * self.hidden_size * element_bytes
+
     def head_forward_flops(self) -> int:
         """The output layer's forward, ``2 s b h V`` (the loss's elementwise work left out)."""
         return 2 * self._tokens * self.hidden_size * self.padded_vocab_size
@@ -294,3 +308,46 @@ class ModelShape:
     def head_weight_grad_bytes(self, element_bytes: int) -> int:
         """What the output layer's ``I`` keeps for its ``W``: its input and output gradient."""
         return element_bytes * self._tokens * (self.hidden_size + self.padded_vocab_size)
+
+
+def shape_problems(
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    seq_length: int,
+    *,
+    micro_batch_size: int = 1,
+    ffn_hidden_size: Optional[int] = None,
+    num_query_groups: Optional[int] = None,
+    kv_channels: Optional[int] = None,
+    position_embedding_type: str = "learned_absolute",
+    max_position_embeddings: Optional[int] = None,
+    make_vocab_size_divisible_by: int = 128,
+    vocab_size: Optional[int] = None,
+    hidden_dropout: float = 0.0,
+    attention_dropout: float = 0.0,
+) -> List[str]:
+    """Every rule a GPT's sizes break, one message per rule naming the flag (Megatron-LM's
+    names); ``[]`` if none. Optional sizes are checked when given. Pure."""
+    sizes = dict(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                 seq_length=seq_length, micro_batch_size=micro_batch_size, ffn_hidden_size=ffn_hidden_size,
+                 num_query_groups=num_query_groups, kv_channels=kv_channels,
+                 max_position_embeddings=max_position_embeddings,
+                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, vocab_size=vocab_size)  # fmt: skip
+    problems = [f"{_flag(name)} must be >= 1 (got {value})" for name, value in sizes.items() if value is not None and value < 1]
+    if problems:
+        return problems
+    if hidden_size % num_attention_heads:
+        problems.append(f"--num-attention-heads {num_attention_heads} must divide --hidden-size {hidden_size}")
+    if num_query_groups is not None and num_attention_heads % num_query_groups:
+        problems.append(f"--num-query-groups {num_query_groups} must divide --num-attention-heads {num_attention_heads}")
+    if position_embedding_type == "learned_absolute" and (max_position_embeddings or seq_length) < seq_length:
+        problems.append(f"--max-position-embeddings {max_position_embeddings} must be >= --seq-length {seq_length}")
+    for name, value in (("hidden_dropout", hidden_dropout), ("attention_dropout", attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            problems.append(f"{_flag(name)} must be in [0, 1) (got {value})")
+    return problems
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")

@@ -45,11 +45,13 @@ from ..megatron_args import (
     microbatch_problems,
     recompute_problems,
     resolved_schedule,
+    virtual_size_problems,
 )
 from ..hfta.settings import add_hfta_args, hfta_problems
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 from ..schedules.layer_split import LayerSplitFlags, chunk_layer_counts, split_problems
+from ..schedules.model_shape import shape_problems
 from ..schedules.placement import Placement
 from ..usage import FlagParser
 from ..data_parallel_modes import add_data_parallel_mode_arg
@@ -377,33 +379,31 @@ def _positive(args, names: Sequence[str]) -> List[str]:
 
 
 def _model_problems(args) -> List[str]:
+    """The model's sizes (the rules of :func:`~megatron_bitpipe.schedules.model_shape.shape_problems`,
+    the simulator's too) and how the layout splits them."""
     problems = _positive(
-        args,
-        ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size",
-         "train_iters", "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-         "make_vocab_size_divisible_by", "num_query_groups"),
+        args, ("train_iters", "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
     )
+    problems += shape_problems(
+        args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
+        micro_batch_size=args.micro_batch_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+        position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+    )  # fmt: skip
     if problems:
         return problems
-    if args.hidden_size % args.num_attention_heads:
-        problems.append(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads {args.num_attention_heads}")
-    if args.num_attention_heads % args.num_query_groups:
-        problems.append(f"--num-attention-heads {args.num_attention_heads} must be divisible by --num-query-groups {args.num_query_groups}")
     if args.num_query_groups % args.tensor_model_parallel_size and args.tensor_parallel_mode == "1d":
         problems.append(
             f"--num-query-groups {args.num_query_groups} (= --num-attention-heads without --group-query-attention) "
             f"must be divisible by --tensor-model-parallel-size {args.tensor_model_parallel_size}"
         )
-    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
-        problems.append(f"--max-position-embeddings {args.max_position_embeddings} must be >= --seq-length {args.seq_length}")
     if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
         problems.append(
             f"--sequence-parallel needs --seq-length {args.seq_length} divisible by --tensor-model-parallel-size "
             f"{args.tensor_model_parallel_size}"
         )
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            problems.append(f"{_flag(name)} must be in [0, 1) (got {getattr(args, name)})")
     return problems
 
 
@@ -430,10 +430,7 @@ def _pipeline_problems(args) -> List[str]:
 def _flag_combination_problem(args) -> bool:
     """Whether --pipeline-schedule and the virtual size contradict each other (reported by
     :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_problems`)."""
-    vp = args.virtual_pipeline_model_parallel_size
-    return (args.pipeline_schedule == "interleaved" and vp in (None, 1)) or (
-        args.pipeline_schedule == "1f1b" and vp not in (None, 1)
-    )
+    return bool(virtual_size_problems(args))
 
 
 def _layer_split_problems(args) -> List[str]:

@@ -1,8 +1,7 @@
 """megatron-core configuration objects from the parsed flags and the run's decisions (any model task).
 
-Each function takes the namespace for the values the flags give (sizes, rates) and the
-:class:`~megatron_bitpipe.run_config.RunConfig` for what the run decided (schedule, layout,
-precision, optimizer choice):
+Each function takes the :class:`~megatron_bitpipe.run_config.RunConfig` alone (the model's
+sizes, the schedule, layout, precision, optimizer and its settings, the learning-rate schedule):
 
 * :func:`transformer_config` — the ``TransformerConfig`` of the model (a mixture of experts'
   fields from :attr:`~megatron_bitpipe.run_config.RunConfig.moe`);
@@ -20,8 +19,6 @@ the unfused one reads megatron's global TP group, which :func:`use_global_tp_gro
 """
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +54,12 @@ def _have_transformer_engine() -> bool:
     return bool(gpt_layer_specs.HAVE_TE)
 
 
-def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) -> TransformerConfig:
-    """The model config from the flags and the run's decisions; ``overrides`` replace fields
-    (task specifics)."""
+def transformer_config(run: RunConfig, **overrides) -> TransformerConfig:
+    """The model config of the run's decisions (:attr:`RunConfig.model` gives the sizes; it must
+    be set); ``overrides`` replace fields (task specifics)."""
+    model = run.model
+    if model is None:
+        raise ValueError("transformer_config needs the run's model (RunConfig.from_args of flags with --num-layers)")
     gpu = torch.cuda.is_available()
     dtype = run.precision.dtype
     # the split defers local layers' W; --attention-backend local/sdpa replace local layers' core attention
@@ -67,38 +67,39 @@ def transformer_config(args: argparse.Namespace, run: RunConfig, **overrides) ->
     local_only = run.schedule.splits_backward or run.kernels.attention_backend != "auto" or run.moe is not None
     te_default = gpu and _have_transformer_engine() and not local_only
     impl = run.kernels.transformer_impl or ("transformer_engine" if te_default else "local")
+    recompute = run.recompute
     fields = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        kv_channels=args.kv_channels,
-        num_query_groups=args.num_query_groups,
-        normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        **mlp_fields(args.swiglu),
-        add_bias_linear=args.add_bias_linear,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn,
+        num_attention_heads=model.num_attention_heads,
+        kv_channels=model.head_channels,
+        num_query_groups=model.query_groups,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        **mlp_fields(model.swiglu),
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
         tensor_model_parallel_size=run.layout.tensor,
         pipeline_model_parallel_size=run.layout.pipeline,
         virtual_pipeline_model_parallel_size=run.layout.virtual,
         sequence_parallel=run.layout.sequence_parallel,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        recompute_modules=args.recompute_modules,
+        recompute_granularity=recompute.granularity,
+        recompute_method=recompute.method,
+        recompute_num_layers=recompute.num_layers,
+        recompute_modules=None if recompute.modules is None else list(recompute.modules),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=run.precision.bf16,
         fp16=run.precision.fp16,
         transformer_impl=impl,
-        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
-        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
+        cross_entropy_loss_fusion=run.kernels.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=run.kernels.cross_entropy_fusion_impl,
         overlap_p2p_comm=run.overlap_p2p_comm,
         cuda_graph_scope=[],  # the whole layer; megatron's default spelling "full" is deprecated
-        **kernel_fields(gpu, transformer_engine=impl == "transformer_engine", bias_activation=args.swiglu or args.add_bias_linear),
+        **kernel_fields(gpu, transformer_engine=impl == "transformer_engine", bias_activation=model.swiglu or model.add_bias_linear),
     )
     if run.moe is not None:
         fields.update(run.moe.transformer_fields())
@@ -129,50 +130,52 @@ def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:
     )
 
 
-def optimizer_config(args: argparse.Namespace, run: RunConfig) -> OptimizerConfig:
-    """megatron's optimizer config from Megatron's flags (fp32 main weights for bf16/fp16;
-    sharded with ``--use-distributed-optimizer``); ``--optimizer`` other than adam reads its
-    hyper-parameters from it (``run.optimizer``)."""
+def optimizer_config(run: RunConfig) -> OptimizerConfig:
+    """megatron's optimizer config of the run's optimizer settings (fp32 main weights for
+    bf16/fp16; sharded with ``--use-distributed-optimizer``); ``--optimizer`` other than adam
+    reads its hyper-parameters from it (``run.optimizer``)."""
+    settings = run.optimizer_settings
     return OptimizerConfig(
         optimizer=run.optimizer.name if run.optimizer.name in MEGATRON_OPTIMIZERS else "adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad,
+        lr=settings.lr,
+        min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2,
+        adam_eps=settings.adam_eps,
+        sgd_momentum=settings.sgd_momentum,
+        clip_grad=settings.clip_grad,
         bf16=run.precision.bf16,
         fp16=run.precision.fp16,
         params_dtype=run.precision.dtype,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
+        loss_scale=settings.loss_scale,
+        initial_loss_scale=settings.initial_loss_scale,
         use_distributed_optimizer=run.distributed_optimizer,
     )
 
 
-def lr_scheduler(args: argparse.Namespace, run: RunConfig, optimizer) -> ParamScheduler:
+def lr_scheduler(run: RunConfig, optimizer) -> ParamScheduler:
     """Megatron-LM's scheduler over samples: warm-up and decay lengths are iterations x
     ``--global-batch-size``; step it by the global batch size after each successful update.
     megatron's class with ``rex`` added (:class:`~megatron_bitpipe.optimizers.ParamScheduler`).
     With ``--optimizer schedulefree_adamw`` the optimizer warms up itself, so the scheduler
     has no warm-up (its decay style is ``constant``)."""
     samples = run.batches.global_batch_size
-    warmup = 0 if run.optimizer.name == "schedulefree_adamw" else args.lr_warmup_iters
+    schedule, settings = run.lr_schedule, run.optimizer_settings
+    warmup = 0 if run.optimizer.name == "schedulefree_adamw" else schedule.warmup_iters
     return ParamScheduler(
         optimizer,
-        rex_beta=args.rex_beta,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
+        rex_beta=schedule.rex_beta,
+        init_lr=schedule.warmup_init,
+        max_lr=settings.lr,
+        min_lr=settings.min_lr,
         lr_warmup_steps=warmup * samples,
-        lr_decay_steps=args.lr_decay_iters * samples,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples,
+        lr_decay_steps=schedule.decay_iters * samples,
+        lr_decay_style=schedule.decay_style,
+        start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay,
+        wd_incr_steps=schedule.train_iters * samples,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=schedule.use_checkpoint,
+        override_opt_param_scheduler=schedule.override,
     )

@@ -15,7 +15,6 @@ test/demo CPU compatibility layer) has been applied, with one torch thread per r
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -51,11 +50,9 @@ def log(message: str, rank0_only: bool = True) -> None:
     print(message, flush=True)
 
 
-def initialize(
-    args: argparse.Namespace, run: RunConfig, cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None
-) -> Distributed:
-    """Initialise the default process group (``run``'s backend) for ``args.world_size`` ranks;
-    return this rank's place.
+def initialize(run: RunConfig, cpu_fallback: Optional[Callable[[], Optional[torch.device]]] = None) -> Distributed:
+    """Initialise the default process group (``run``'s backend) for ``run``'s ranks
+    (:attr:`~megatron_bitpipe.run_config.ParallelLayout.world`); return this rank's place.
 
     Without CUDA, ``cpu_fallback()`` prepares the CPU run and returns its run device (None: the CPU).
 
@@ -65,8 +62,8 @@ def initialize(
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world_size != args.world_size:
-        raise BitPipeConfigError(f"the arguments were checked for {args.world_size} ranks, the job has {world_size}")
+    if world_size != run.layout.world:
+        raise BitPipeConfigError(f"the arguments were checked for {run.layout.world} ranks, the job has {world_size}")
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -79,7 +76,7 @@ def initialize(
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)  # torchrun's default; more threads only contend on busy cores
     # the watchdog (.watchdog) ends a job stalled for --distributed-timeout-minutes; the group's own timeout is its backstop
-    timeout = process_group_timeout(60.0 * args.distributed_timeout_minutes)
+    timeout = process_group_timeout(60.0 * run.distributed_timeout_minutes)
     if dist.is_initialized():  # a caller (e.g. the test launcher) started it: use it
         if dist.get_world_size() != world_size:
             raise BitPipeConfigError(f"torch.distributed has {dist.get_world_size()} ranks, the job {world_size}")

@@ -16,7 +16,6 @@ is on, and needs no communication otherwise.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import time
 from typing import Optional
@@ -24,17 +23,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..run_config import Exits
+
 __all__ = ["ExitConditions"]
 
 
 class ExitConditions:
-    """The early-exit flags of ``args`` for one run that started at ``start_time``
-    (``time.time()`` seconds)."""
+    """The early exits of a run (:attr:`~megatron_bitpipe.run_config.RunConfig.exits`) that
+    started at ``start_time`` (``time.time()`` seconds)."""
 
-    def __init__(self, args: argparse.Namespace, start_time: float):
-        self.interval: Optional[int] = args.exit_interval
-        self.duration_minutes: Optional[float] = args.exit_duration_in_mins
-        self.signal = signal.Signals[args.exit_signal] if args.exit_signal_handler else None
+    def __init__(self, exits: Exits, start_time: float):
+        self.interval: Optional[int] = exits.interval
+        self.duration_minutes: Optional[float] = exits.duration_minutes
+        self.signal = None if exits.signal is None else signal.Signals[exits.signal]
         self.start_time = start_time
         self._received = False
         self._previous_handler = None

@@ -70,9 +70,9 @@ class Trainer:
         self.model = self.kind.build_model(args, run)
         self.groups = self.model.groups
         use_global_tp_group(self.groups.tp)
-        self.optimizer = build_optimizer(self.model, optimizer_config(args, run), run.optimizer, run.hfta)
-        self.scheduler = lr_scheduler(args, run, self.optimizer)
-        self.schedule = Schedule(args, run, self.model, self.optimizer, self.kind.p2p_shapes(run, self.model))
+        self.optimizer = build_optimizer(self.model, optimizer_config(run), run.optimizer, run.hfta)
+        self.scheduler = lr_scheduler(run, self.optimizer)
+        self.schedule = Schedule(run, self.model, self.optimizer, self.kind.p2p_shapes(run, self.model))
         self.state = TrainingState()
         loaded = None
         if run.checkpointing.load:
@@ -81,7 +81,7 @@ class Trainer:
             self.state = loaded or self.state
         self.train_data, self.valid_data, self.test_data = task.build_datasets(args, run, tokenizer)
         models = 1 if run.hfta is None else run.hfta.num_models
-        self.flops_per_iteration = model_flops_per_iteration(args, run, self.kind.causal_attention, models)
+        self.flops_per_iteration = model_flops_per_iteration(run, self.kind.causal_attention, models)
         #: the ``--inject-fault`` of this rank (none on the other ranks, and in a restarted job)
         self.fault = FaultInjection.from_args(args, env.rank, job_restart(os.environ))
         #: this rank's forward-step time per iteration, and the stragglers among the ranks (multi-rank
@@ -253,14 +253,15 @@ def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: 
 
     Run on every rank of the job (torchrun) or alone. ``cpu_fallback`` is called when there
     is no GPU (the scripts pass the CPU compatibility layer). ``--exit-signal-handler``'s
-    handler is in place from here to the end of training, and ``--exit-duration-in-mins``
-    counts from here. Raises CheckpointError for a checkpoint that does not fit (before
+    handler is in place from the run's decisions (the tokenizer built) to the end of training,
+    and ``--exit-duration-in-mins`` counts from the call. Raises CheckpointError for a checkpoint that does not fit (before
     anything is loaded).
     """
-    with ExitConditions(args, time.time()) as exits:
-        tokenizer = build_tokenizer(args)
-        run = RunConfig.from_args(args, tokenizer.vocab_size)
-        env = distributed.initialize(args, run, cpu_fallback)
+    started = time.time()
+    tokenizer = build_tokenizer(args)
+    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    with ExitConditions(run.exits, started) as exits:
+        env = distributed.initialize(run, cpu_fallback)
         layout, batches = run.layout, run.batches
         distributed.log(
             f"{task.name}: {run.label} schedule, TP {layout.tensor} ({layout.tensor_parallel_mode}) x "
@@ -268,6 +269,6 @@ def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: 
             f"of {batches.micro_batch_size} per data-parallel rank, padded vocabulary {run.padded_vocab_size}"
         )
         trainer = Trainer(task, args, run, tokenizer, env)
-        trainer.train(exits, Watchdog.for_job(env.rank, env.world_size, 60.0 * args.distributed_timeout_minutes))
+        trainer.train(exits, Watchdog.for_job(env.rank, env.world_size, 60.0 * run.distributed_timeout_minutes))
     dist.destroy_process_group()
 

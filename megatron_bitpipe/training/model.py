@@ -47,7 +47,7 @@ def build_model(
     (``rotary_base``, ``add_binary_head``...). Called by
     :meth:`~.model_kind.ModelKind.build_model` with the kind's pieces.
     """
-    config = transformer_config(args, run)
+    config = transformer_config(run)
     spec = layer_spec(args, run, config)
     if spec is not None:
         chunk_kwargs["layer_spec"] = spec
@@ -56,12 +56,12 @@ def build_model(
         ParallelGrid(run.layout.tensor, run.layout.data, run.layout.pipeline, run.layout.expert),
         run.placement,
         vocab_size=run.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        seed=args.seed,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        max_sequence_length=run.model.max_position_embeddings or run.model.seq_length,
+        seed=run.seed,
+        share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
         ddp_config=ddp_config(run),
         tensor_parallel_mode=run.layout.tensor_parallel_mode,
-        position_embedding_type=args.position_embedding_type,
+        position_embedding_type=run.model.position_embedding_type,
         gradient_reduction=run.data_parallel_mode.gradient_reduction,
         stage_layers=run.stage_layers,
         chunk_builder=chunk_builder,

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import argparse
 import resource
 import sys
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..run_config import RunConfig
+from ..schedules.model_shape import ModelShape
 
 __all__ = [
     "RankReport",
@@ -44,29 +44,25 @@ __all__ = [
 MIB = 1024.0 * 1024.0
 
 
-def model_flops_per_sample(args: argparse.Namespace, padded_vocab_size: int, causal: bool) -> float:
-    """Model FLOPs (forward and backward) of one sequence with logits over ``padded_vocab_size``
-    entries; see the module docstring.
-
-    Reads ``num_layers``, ``hidden_size``, ``ffn_hidden_size``, ``num_attention_heads``,
-    ``num_query_groups``, ``kv_channels``, ``seq_length`` and ``swiglu``.
-    """
-    hidden, seq = args.hidden_size, args.seq_length
-    query = args.kv_channels * args.num_attention_heads  # width of all query heads
-    key_value = args.kv_channels * args.num_query_groups  # width of the keys (and of the values)
+def model_flops_per_sample(model: ModelShape, padded_vocab_size: int, causal: bool) -> float:
+    """Model FLOPs (forward and backward) of one sequence of ``model`` with logits over
+    ``padded_vocab_size`` entries; see the module docstring."""
+    hidden, seq = model.hidden_size, model.seq_length
+    query = model.head_channels * model.num_attention_heads  # width of all query heads
+    key_value = model.head_channels * model.query_groups  # width of the keys (and of the values)
     # per token: multiply-adds of one layer
     projections = hidden * (query + 2 * key_value) + query * hidden  # QKV in, attention out
     scores = 2 * query * seq * (0.5 if causal else 1.0)  # Q K^T and softmax(.) V over the attended keys
-    mlp = hidden * args.ffn_hidden_size * (3 if args.swiglu else 2)  # SwiGLU has a gate matrix
-    per_token = args.num_layers * (projections + scores + mlp) + hidden * padded_vocab_size
+    mlp = hidden * model.ffn * (3 if model.swiglu else 2)  # SwiGLU has a gate matrix
+    per_token = model.num_layers * (projections + scores + mlp) + hidden * padded_vocab_size
     forward_and_backward = 3 * 2  # the backward is twice the forward; 2 FLOPs per multiply-add
     return forward_and_backward * per_token * seq
 
 
-def model_flops_per_iteration(args: argparse.Namespace, run: RunConfig, causal: bool, models: int = 1) -> float:
+def model_flops_per_iteration(run: RunConfig, causal: bool, models: int = 1) -> float:
     """Model FLOPs of one iteration: ``run``'s global batch of sequences through each of
     ``models`` models (an HFTA array's B, every model on every sequence; 1 otherwise)."""
-    return models * run.batches.global_batch_size * model_flops_per_sample(args, run.padded_vocab_size, causal)
+    return models * run.batches.global_batch_size * model_flops_per_sample(run.model, run.padded_vocab_size, causal)
 
 
 def parameter_count(chunks) -> int:

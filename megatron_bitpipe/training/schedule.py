@@ -52,8 +52,7 @@ class Schedule:
     shapes (:attr:`~.model_kind.ModelKind.p2p_shapes`; None: megatron's ``[s, b, h]``).
     """
 
-    def __init__(self, args, run: RunConfig, model: PipelineModel, optimizer, adjust_tensor_shapes_fn: Optional[Callable]):
-        self.args = args
+    def __init__(self, run: RunConfig, model: PipelineModel, optimizer, adjust_tensor_shapes_fn: Optional[Callable]):
         self.run_config = run
         self.model = model
         megatron_schedule = run.megatron_schedule

@@ -45,7 +45,7 @@ def trainer(argv: List[str]):
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
     run = RunConfig.from_args(args, tokenizer.vocab_size)
-    return Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
+    return Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
 
 
 def step_record(trainer, num_models: Optional[int]) -> dict:

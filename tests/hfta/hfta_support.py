@@ -148,7 +148,7 @@ def _trainer(argv: List[str]):
     args = parse_args(task, [*argv, "--distributed-backend", "gloo"] if bf16 else argv, cuda_available=bf16)
     tokenizer = build_tokenizer(args)
     run = RunConfig.from_args(args, tokenizer.vocab_size)
-    return Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
+    return Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
 
 
 def checkpoint_records(root: str) -> dict:
@@ -166,7 +166,7 @@ def checkpoint_records(root: str) -> dict:
     logs = {}
     for name, argv in runs.items():
         trainer = _trainer([*argv, "--log-json", f"{root}/{name}.jsonl"])
-        with ExitConditions(trainer.args, time.time()) as exits:
+        with ExitConditions(trainer.run_config.exits, time.time()) as exits:
             trainer.train(exits)
         with open(f"{root}/{name}.jsonl", encoding="utf-8") as lines:
             logs[name] = {r["iteration"]: r for r in map(json.loads, lines) if r["event"] == "iteration"}

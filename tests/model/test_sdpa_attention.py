@@ -78,7 +78,7 @@ def test_attention_backend_selects_local_layers(monkeypatch):
     for backend, impl in (("sdpa", "local"), ("local", "local"), ("auto", "transformer_engine")):
         args = parse("--attention-backend", backend)
         try:
-            assert config.transformer_config(args, RunConfig.from_args(args)).transformer_impl == impl, backend
+            assert config.transformer_config(RunConfig.from_args(args)).transformer_impl == impl, backend
         except AssertionError:
             raise
         except Exception as error:  # a config check needing a real GPU; the choice is made before it

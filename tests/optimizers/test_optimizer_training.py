@@ -60,8 +60,8 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(args)
     run = RunConfig.from_args(args, tokenizer.vocab_size)
-    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(args, run, enable_cpu_megatron))
-    with ExitConditions(args, time.time()) as exits:
+    trainer = Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
+    with ExitConditions(run.exits, time.time()) as exits:
         trainer.train(exits)
     return max_replica_difference(trainer.model.chunks, trainer.groups)
 

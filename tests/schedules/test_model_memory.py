@@ -29,14 +29,15 @@ def test_gpt2_small_has_its_published_parameter_count():
     assert ModelShape(**{**SMALL, "vocab_size": 1000}).padded_vocab_size == 1024
 
 
-def test_the_analytic_cost_models_layer_is_the_same_layer():
-    """costs.TransformerShape (scripts/predict_throughput.py) counts a plain GPT layer as ModelShape does."""
-    from megatron_bitpipe.schedules.costs import TransformerShape
-
-    for sizes in ((96, 3072, 32, 1024, 1, None), (4, 64, 8, 32, 2, 256)):
-        analytic = TransformerShape(*sizes)
-        model = ModelShape(*sizes[:4], vocab_size=1000, micro_batch_size=sizes[4], ffn_hidden_size=sizes[5])
-        assert (analytic.layer_forward_flops(), analytic.layer_parameters()) == (model.layer_forward_flops(), model.layer_parameters())
+def test_a_plain_layer_is_the_textbook_layer():
+    """A plain GPT layer (biases, LayerNorm, f = 4h unless given): the counts analytic_costs and
+    scripts/predict_throughput.py use, written out."""
+    for (L, h, a, s, b, f) in ((96, 3072, 32, 1024, 1, None), (4, 64, 8, 32, 2, 256)):
+        model = ModelShape(L, h, a, s, micro_batch_size=b, ffn_hidden_size=f)
+        f = f or 4 * h
+        assert model.layer_forward_flops() == 2 * b * s * h * 3 * h + 4 * b * s * s * h + 2 * b * s * h * h + 4 * b * s * h * f
+        assert model.layer_parameters() == (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+        assert model.message_bytes(2) == 2 * s * b * h
 
 
 def test_layer_activations_are_korthikantis_formula_for_unfused_bf16_attention_with_dropout():

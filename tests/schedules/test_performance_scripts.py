@@ -26,7 +26,8 @@ import torch
 
 from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.schedules import CostModel, generate, simulate
-from megatron_bitpipe.schedules.costs import Hardware, TransformerShape, analytic_costs
+from megatron_bitpipe.schedules.costs import Hardware, analytic_costs
+from megatron_bitpipe.schedules.model_shape import ModelShape
 
 from ..script_support import load_script
 
@@ -39,7 +40,7 @@ GPT_SHARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads"
 
 
 def test_layer_counts_match_closed_forms():
-    shape = TransformerShape(num_layers=96, hidden_size=3072, num_attention_heads=32, seq_length=1024, micro_batch_size=1)
+    shape = ModelShape(num_layers=96, hidden_size=3072, num_attention_heads=32, seq_length=1024, micro_batch_size=1)
     b, s, h = 1, 1024, 3072
     assert shape.layer_forward_flops() == 24 * b * s * h * h + 4 * b * s * s * h
     assert shape.layer_parameters() == 12 * h * h + 13 * h
@@ -47,7 +48,7 @@ def test_layer_counts_match_closed_forms():
 
 
 def test_analytic_costs_units():
-    shape = TransformerShape(8, 1024, 16, 512, 2)
+    shape = ModelShape(8, 1024, 16, 512, micro_batch_size=2)
     hardware = Hardware(achieved_tflops=100.0, p2p_latency_ms=0.01, p2p_bandwidth_gbs=50.0, allreduce_bandwidth_gbs=25.0)
     costs = analytic_costs(shape, 4, hardware)
     assert costs.t_forward == pytest.approx(2 * shape.layer_forward_flops() / 100e12 * 1e3)
@@ -182,7 +183,7 @@ def test_calibration_measures_the_share_as_training_runs_it(precision):
     assert (measured["t_forward"], measured["t_backward"]) == (8.5, 9.5)
     assert (measured["t_forward_deferring"], measured["t_input"], measured["t_weight"]) == (10.5, 11.5, 12.5)
     assert measured["split_note"] is None
-    shape = TransformerShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2)
+    shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2)
     assert measured["parameters"] == 2 * shape.layer_parameters()  # a middle stage: no embedding, head or final norm
     dtype = "torch.bfloat16" if precision == "bf16" else "torch.float32"
     assert measured["config_dtypes"] == (dtype, dtype, precision == "bf16")

@@ -80,13 +80,13 @@ def train_case(argv: Sequence[str], log_json: str, probe: Optional[Callable] = N
     args = parse_args(task, [*argv, "--log-json", log_json])
     tokenizer = build_tokenizer(args)
     run = RunConfig.from_args(args, tokenizer.vocab_size)
-    env = distributed.initialize(args, run, enable_cpu_megatron)
+    env = distributed.initialize(run, enable_cpu_megatron)
     try:
         trainer = Trainer(task, args, run, tokenizer, env)
     except CheckpointError as error:
         dist.barrier()
         return {"error": str(error)}
-    with ExitConditions(args, time.time()) as exits:
+    with ExitConditions(run.exits, time.time()) as exits:
         trainer.train(exits)
     dist.barrier()
     records = None
@@ -150,7 +150,7 @@ def reference_gpt(argv: Sequence[str]):
     groups = PipelineGroups.build(ParallelGrid(), placement)
     use_global_tp_group(groups.tp)
     init_megatron_state(groups.rank_pgs, args.seed)
-    config = transformer_config(args, run)
+    config = transformer_config(run)
     (net,) = build_gpt_chunks(
         config, groups, vocab_size=run.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, rotary_base=args.rotary_base,
@@ -207,7 +207,7 @@ def replay(argv: Sequence[str], batches: List[List[List[List[int]]]], delay: int
         [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
         lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
     )  # fmt: skip
-    scheduler = lr_scheduler(args, RunConfig.from_args(args), optimizer)
+    scheduler = lr_scheduler(RunConfig.from_args(args), optimizer)
 
     def gradient_sum(batch) -> List[torch.Tensor]:
         """Sum over the micro-batches of every replica of each micro-batch's mean-loss gradient."""

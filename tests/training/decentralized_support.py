@@ -80,7 +80,7 @@ def replay_case(case: dict) -> dict:
     momentum = [[torch.zeros_like(p) for p in model] for _ in range(n)]
     dummy = torch.zeros(1, requires_grad=True)
     schedule_holder = torch.optim.SGD([{"params": [dummy], "wd_mult": 1.0}], lr=args.lr)
-    scheduler = lr_scheduler(args, RunConfig.from_args(args), schedule_holder)
+    scheduler = lr_scheduler(RunConfig.from_args(args), schedule_holder)
     W = MIXING.get((case.get("topology"), n))
     sync = None
     if mode == "sync":

@@ -55,7 +55,7 @@ BAD = [
     (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 8 must be divisible by --pipeline-model-parallel-size"),
     (["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "12"], 4, "multiple of --pipeline-model-parallel-size 4"),
     (["--virtual-pipeline-model-parallel-size", "2"], 1, "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2"),
-    (["--hidden-size", "30"], 1, "--hidden-size 30 must be divisible by --num-attention-heads 4"),
+    (["--hidden-size", "30"], 1, "--num-attention-heads 4 must divide --hidden-size 30"),
     (["--max-position-embeddings", "8"], 1, "--max-position-embeddings 8 must be >= --seq-length 16"),
     (["--lr-warmup-iters", "4"], 1, "--lr-warmup-iters 4 must be smaller than --lr-decay-iters 4"),
     (["--save-interval", "2"], 1, "--save-interval needs --save DIR"),

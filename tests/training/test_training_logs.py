@@ -4,7 +4,6 @@ of a real megatron-core GPT, which runs on one gloo rank)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
@@ -12,7 +11,7 @@ import re
 import pytest
 
 from megatron_bitpipe.data_parallel_modes import SYNC
-from megatron_bitpipe.schedules.costs import TransformerShape
+from megatron_bitpipe.schedules.model_shape import ModelShape
 from megatron_bitpipe.optimizers import OptimizerChoice
 from megatron_bitpipe.run_config import Batches, Logging, ParallelLayout, Precision, RunConfig
 from megatron_bitpipe.schedules import ScheduleChoice
@@ -157,16 +156,16 @@ def _run(schedule="bitpipe", split=False, costs=None, virtual_size=None, pipelin
     return RunConfig(choice, layout, Precision(), Batches(1, 8, 8), SYNC, OptimizerChoice(), costs)
 
 
-def _shape_args(**overrides) -> argparse.Namespace:
+def _shape_args(**overrides) -> ModelShape:
     settings = dict(num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=8, num_query_groups=8, kv_channels=8,
                     seq_length=32, swiglu=False)  # fmt: skip
     settings.update(overrides)
-    return argparse.Namespace(**settings)
+    return ModelShape(**settings)
 
 
 def test_model_flops_agree_with_the_cost_model_and_count_each_variant():
     args = _shape_args()
-    shape = TransformerShape(num_layers=4, hidden_size=64, num_attention_heads=8, seq_length=32, micro_batch_size=1, ffn_hidden_size=256)
+    shape = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=8, seq_length=32, micro_batch_size=1, ffn_hidden_size=256)
     full = model_flops_per_sample(args, 0, causal=False)
     assert full == 3 * args.num_layers * shape.layer_forward_flops()  # forward and backward of the layers
     tokens, h, s, L = 32, 64, 32, 4
@@ -179,10 +178,11 @@ def test_model_flops_agree_with_the_cost_model_and_count_each_variant():
 def test_an_hfta_arrays_flops_are_all_its_models(tmp_path, capsys):
     """An array of B models does B models' work on every sequence: B times one model's FLOPs,
     and the start-up line says so."""
-    args, run = _shape_args(), dataclasses.replace(_run(), batches=Batches(2, 16, 8), padded_vocab_size=0)
-    one = model_flops_per_iteration(args, run, causal=True)
+    args = _shape_args()
+    run = dataclasses.replace(_run(), batches=Batches(2, 16, 8), padded_vocab_size=0, model=args)
+    one = model_flops_per_iteration(run, causal=True)
     assert one == 16 * model_flops_per_sample(args, 0, causal=True)
-    assert model_flops_per_iteration(args, run, causal=True, models=4) == 4 * one
+    assert model_flops_per_iteration(run, causal=True, models=4) == 4 * one
     logger = _logger(tmp_path)
     logger.startup([RankReport(0, 0, 0, 0, 1000, 500.0)], "peak resident set size of the process", 4 * one, "1f1b", 4)
     assert f" > model FLOPs per iteration: {4 * one:.3E} (matrix products, forward and backward, the 4 models of the array)\n" in (
@@ -212,7 +212,7 @@ def _count_megatron_flops(argv):
     with FlopCounterMode(display=False) as counter:
         losses = model.chunks[0](batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         losses.sum().backward()
-    return counter.get_total_flops(), args.micro_batch_size * model_flops_per_sample(args, run.padded_vocab_size, causal=False)
+    return counter.get_total_flops(), args.micro_batch_size * model_flops_per_sample(run.model, run.padded_vocab_size, causal=False)
 
 
 @pytest.mark.multirank

@@ -237,7 +237,7 @@ def proxy_trainer(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], 
 
     tokenizer = build_tokenizer(args)
     run = RunConfig.from_args(args, tokenizer.vocab_size)
-    env = distributed.initialize(args, run, cpu_fallback)
+    env = distributed.initialize(run, cpu_fallback)
     return Trainer(GPTTask(), args, run, tokenizer, env)
 
 
