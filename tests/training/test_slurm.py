@@ -1,4 +1,4 @@
-"""The sbatch templates on a real one-node SLURM cluster (``scripts/slurm/local_cluster.sh``).
+"""The sbatch templates on real SLURM clusters on this machine (``scripts/slurm/local_cluster.sh``): one node, then two.
 
 The module's fixture brings the cluster up (root only; apt-get installs slurm-wlm and munge
 when they are missing), submits five jobs from a directory outside the checkout, waits for
@@ -28,6 +28,14 @@ node set up again without GPUs (an exclusive job gets all GPUs of its node):
 (The test releases a requeued job after REQUEUE_RELEASE_S seconds; SLURM would hold it ~2
 minutes.)
 
+Then, on a two-node cluster beside it (``local_cluster.sh up --nodes 2``: a controller and
+node1, node2 in network namespaces), 2 ranks per node: a probe job shows what the launcher hands
+every rank on both nodes (the fabric variables, the warning signal); the GPT template with
+BitPipe at PP 4 goes through a crashed rank on node2, node2's processes all killed and the
+warning signal, and logs ``gpt_bitpipe``'s curve bit for bit; the BERT template with zbv at
+PP 2 x DP 2 logs ``bert_single``'s curve; ``down --nodes 2`` leaves the machine as before
+(the ``nodes`` fixture has the details).
+
 ``BITPIPE_SLURM_TEST=skip`` skips these cluster tests (they install packages and start daemons);
 ``BITPIPE_SLURM_TEST=require`` (CI) makes a cluster that cannot be set up an error instead of a
 skip. The tests at the end need no SLURM: the pure ones read the templates, the others run them
@@ -44,8 +52,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -173,8 +181,8 @@ class Jobs:
         return self.workdir / name
 
     def submit(self, name: str, template: str, options: List[str], variables: Dict[str, object], args=PASSED_ON) -> None:
-        """sbatch ``scripts/slurm/template`` (or any script path) with ``variables`` exported
-        and ``args`` after it."""
+        """sbatch ``scripts/slurm/<template>`` (a template, or the launcher itself) as job
+        ``name`` with ``variables`` exported and ``args`` after it."""
         exports = ",".join(["ALL", *(f"{k}={v}" for k, v in {**variables, "OUTPUT_DIR": self.output_dir(name)}.items())])
         script = REPO / "scripts" / "slurm" / template
         command = ["sbatch", "--parsable", f"--job-name={name}", f"--output={name}-%j.out", *options, f"--export={exports}", str(script), *args]
@@ -503,7 +511,8 @@ def _comm(process: Path) -> str:
 
 @pytest.fixture(scope="module")
 def nodes(jobs, tmp_path_factory) -> Jobs:
-    """The two-node cluster's jobs, one after the other (the templates ask for --exclusive):
+    """The two-node cluster's jobs, one at a time (the templates ask for --exclusive); submitted
+    GPT job first, the others run while it is held for a requeue:
 
     * ``nodes_probe`` — torchrun_job.sh on a probe script (no training) with NCCL_SOCKET_IFNAME
       and GLOO_SOCKET_IFNAME set: each rank prints its host and them, then waits for the warning
@@ -520,11 +529,11 @@ def nodes(jobs, tmp_path_factory) -> Jobs:
     try:
         nodes = Jobs(env, workdir, client)
         nodes.notes["before up"] = before
-        probe = dict(NPROC_PER_NODE=2, NCCL_SOCKET_IFNAME="eth0", GLOO_SOCKET_IFNAME="eth0")
-        nodes.submit("nodes_probe", "torchrun_job.sh", NODES, probe, args=[str(REPO / "tests" / "training" / "slurm_rank_probe.py")])
         faults = (f"{GPT['EXTRA_ARGS']} --distributed-timeout-minutes {WATCHDOG_MIN} --inject-fault crash "
                   f"--inject-fault-rank {NODE_FAULT_RANK} --inject-fault-iteration {FAULT_ITERATION}")  # fmt: skip
         nodes.submit("nodes_gpt", "pretrain_gpt_bitpipe.sbatch", NODES, dict(GPT, **ACROSS, PP=4, SAVE_INTERVAL=FAULT_ITERATION - 1, EXTRA_ARGS=faults))
+        probe = dict(NPROC_PER_NODE=2, NCCL_SOCKET_IFNAME="eth0", GLOO_SOCKET_IFNAME="eth0")
+        nodes.submit("nodes_probe", "torchrun_job.sh", NODES, probe, args=[str(REPO / "tests" / "training" / "slurm_rank_probe.py")])
         nodes.submit("nodes_bert", "pretrain_bert_bitpipe.sbatch", NODES, dict(BERT, **ACROSS, PP=2, SCHEDULE="zbv"))
         ended = printed(FAULT_ENDED)
         nodes.wait(timeout=1200, actions=[
