@@ -28,6 +28,13 @@
 #                   --exit-duration-in-mins or --exit-interval alike) each time, one that
 #                   fails while the job has been requeued fewer than MAX_REQUEUES times
 #   MAX_REQUEUES    requeues after a failure, compared to SLURM_RESTART_COUNT (default 3)
+#   NODE_END_WAIT   seconds the other nodes' processes get to end on their own once one node's
+#                   have ended, before srun ends them (default: the training's watchdog timeout,
+#                   --distributed-timeout-minutes among the arguments, default 10, plus 60 s)
+#   NCCL_*, GLOO_SOCKET_IFNAME
+#                   the fabric's settings (below): like every variable of the job's environment
+#                   they reach every rank on every node (srun passes the environment on); the
+#                   job's output lists the NCCL_* and GLOO_* ones set
 # Exit status: torchrun's (a failing rank ends the job with its status), also when the job is
 # requeued (SLURM then runs it again; the exit status of the ended run is not the job's).
 set -euo pipefail
@@ -56,8 +63,9 @@ threads=$(( (task_cpus < cores ? task_cpus : cores) / NPROC_PER_NODE ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 # megatron-core: one hardware queue keeps the kernel order its communication overlap expects.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-# NCCL, to adapt to the cluster's fabric:
+# NCCL and gloo, to adapt to the cluster's fabric (or set them for the job: sbatch --export):
 # export NCCL_SOCKET_IFNAME=ib0          # interface for NCCL's bootstrap
+# export GLOO_SOCKET_IFNAME=eth0         # interface for gloo (CPU ranks, and torch's CPU-side groups)
 # export NCCL_IB_HCA=mlx5                # InfiniBand adapters to use
 # export NCCL_IB_TIMEOUT=22
 # export NCCL_NET_GDR_LEVEL=PHB          # GPUDirect RDMA
@@ -89,11 +97,27 @@ start_checkpoint=$(latest_checkpoint)
 echo "$(date '+%F %T') job ${SLURM_JOB_ID:-?} (restart ${RESTARTS}): torchrun on ${NNODES} node(s) x ${NPROC_PER_NODE}" \
     "process(es), ${OMP_NUM_THREADS} thread(s) each, rendezvous ${MASTER_ADDR}:${MASTER_PORT}," \
     "latest checkpoint: iteration ${start_checkpoint}"
+fabric=$(env | grep -E '^(NCCL|GLOO)_' | sort | paste -sd ' ' -) || true
+if [[ -n "$fabric" ]]; then echo "fabric settings passed on to every rank: $fabric"; fi
 echo "+ $*"
+
+# When one node's processes end (a rank died and its torchrun stopped, or the node died), the
+# other nodes' ranks end on their own: their watchdog prints the one line that says which rank
+# failed and where the others waited, then they exit. srun must not end them first (as
+# --kill-on-bad-exit would, at once), so it waits NODE_END_WAIT seconds, longer than the
+# watchdog's timeout and the process group's own (the watchdog's plus at most 13 s), before it
+# ends the rest.
+timeout_min=10 previous=""
+for arg in "$@"; do  # the last --distributed-timeout-minutes wins, as in the training's parser
+    if [[ $previous == --distributed-timeout-minutes ]]; then timeout_min=$arg; fi
+    if [[ $arg == --distributed-timeout-minutes=* ]]; then timeout_min=${arg#*=}; fi
+    previous=$arg
+done
+NODE_END_WAIT=${NODE_END_WAIT:-$(awk -v minutes="$timeout_min" 'BEGIN { printf "%d", minutes * 60 + 60.5 }')}
 
 # torchrun starts with the warning signal ignored (an ignored signal stays ignored across
 # exec, so its workers start that way too, until the training loop installs its handler).
-srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=0 --wait="$NODE_END_WAIT" \
     bash -c 'trap "" "$0"; exec "$@"' "$EXIT_SIGNAL" \
     torchrun \
     --nnodes="$NNODES" \
