@@ -502,6 +502,12 @@ def _stage_layers(args: argparse.Namespace, placement: Placement) -> Optional[St
     return split_layers(flags, placement, num_layers)
 
 
+#: ModelShape's fields a namespace may leave out or None (ModelShape's defaults then hold)
+_OPTIONAL_SHAPE_FLAGS = ("ffn_hidden_size", "num_query_groups", "normalization", "position_embedding_type",
+                         "max_position_embeddings", "make_vocab_size_divisible_by", "hidden_dropout",
+                         "attention_dropout", "kv_channels", "norm_epsilon", "init_method_std")  # fmt: skip
+
+
 def model_shape_of(args: argparse.Namespace, vocab_size: Optional[int], moe: Optional[MoESettings]) -> Optional[ModelShape]:
     """:attr:`RunConfig.model` of checked flags (either route's names; None without
     ``--num-layers``): ModelShape's rules are the flag check's, so this does not raise on a
@@ -509,6 +515,9 @@ def model_shape_of(args: argparse.Namespace, vocab_size: Optional[int], moe: Opt
     if getattr(args, "num_layers", None) is None:
         return None
     backend = getattr(args, "attention_backend", "auto")
+    optional = {name: getattr(args, name) for name in _OPTIONAL_SHAPE_FLAGS if getattr(args, name, None) is not None}
+    if "norm_epsilon" not in optional and getattr(args, "layernorm_epsilon", None) is not None:
+        optional["norm_epsilon"] = args.layernorm_epsilon  # Megatron-LM's older name
     return ModelShape(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -516,21 +525,11 @@ def model_shape_of(args: argparse.Namespace, vocab_size: Optional[int], moe: Opt
         seq_length=args.seq_length,
         vocab_size=vocab_size,
         micro_batch_size=args.micro_batch_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups,
-        swiglu=bool(args.swiglu),
-        add_bias_linear=bool(args.add_bias_linear),
-        normalization=args.normalization,
-        position_embedding_type=args.position_embedding_type,
-        max_position_embeddings=args.max_position_embeddings,
-        untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        swiglu=bool(getattr(args, "swiglu", False)),
+        add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
+        untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
         attention_backend=getattr(backend, "name", backend),  # Megatron-LM's route: its AttnBackend member
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        kv_channels=args.kv_channels,
-        norm_epsilon=args.norm_epsilon,
-        init_method_std=args.init_method_std,
+        **optional,
         moe=None if moe is None else _moe_shape(moe),
     )
 
