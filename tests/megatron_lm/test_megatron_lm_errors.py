@@ -7,9 +7,14 @@
   each by its flag;
 * a model builder that ignores the chunk's process groups or config is refused, naming which;
   ``python -m megatron_bitpipe.run`` refuses Megatron-LM core_v0.16.1's pretrain_bert.py with
-  bitpipe before loading it, saying why;
+  bitpipe before loading it, saying why, and so it does the hybrid (Mamba) models' scripts
+  (pretrain_mamba.py at both tags, pretrain_hybrid.py at core_v0.19.0), also when a patched
+  script runs without it;
+* the batch-size ramps (``--rampup-batch-size``, ``--step-batch-size-schedule``) are refused by
+  their flag and the rule, without the micro-batch rules of a --global-batch-size the user
+  did not give;
 * the zero-bubble family's refusals on Megatron-LM's route, each naming its flag;
-* the mixture-of-experts rules of the plan schedules, all named at once;
+* the mixture-of-experts rules of the plan schedules, all named at once (torch_dist checkpoints pass);
 * the loss reports of every rank holding a pipeline's last stage (BitPipe's two edge ranks,
   the V's rank 0, the looped pipeline's last rank) reach the last pipeline stage in micro-batch
   order, with their dtypes (2 gloo ranks).
@@ -34,6 +39,7 @@ from megatron_bitpipe.megatron_lm.checkout import (
     MegatronLMCheckoutError,
     bitpipe_refusal,
     find_checkout,
+    running_script_refusal,
     resolve_script,
     untested_warning,
 )
@@ -123,6 +129,45 @@ def test_bitpipe_refuses_megatron_lm_bert_script(tmp_path):
             assert refusal == (BERT_REFUSAL.format(schedule=schedule) if refused else None)
         assert bitpipe_refusal((root / "pretrain_gpt.py").resolve(), checkout, schedule="bitpipe") is None
         assert bitpipe_refusal((root / "tools" / "pretrain_bert.py").resolve(), checkout, schedule="bitpipe") is None
+
+
+HYBRID_REFUSAL = (
+    "--pipeline-schedule {schedule} cannot run Megatron-LM {tag}'s {script}: the script builds a hybrid (Mamba) "
+    "model, {model}, whose layer pattern picks each pipeline stage's layers in megatron's looped order, so "
+    "{schedule}'s chunks (explicit layer ranges on its own stages) cannot be built from it; {schedule} runs GPT "
+    "models (pretrain_gpt.py)"
+)
+HYBRID_SCRIPTS = {
+    ((0, 16, 1), "pretrain_mamba.py"): "MambaModel",
+    ((0, 19, 1), "pretrain_mamba.py"): "HybridModel (through pretrain_hybrid.py)",
+    ((0, 19, 1), "pretrain_hybrid.py"): "HybridModel",
+}
+
+
+def test_plan_schedules_refuse_megatron_lm_hybrid_model_scripts(tmp_path, monkeypatch):
+    """The hybrid models' scripts of each tested tag, in one line naming the script, through
+    ``python -m megatron_bitpipe.run`` (:func:`bitpipe_refusal`) and as a patched script runs
+    (:func:`running_script_refusal` of ``sys.argv[0]``, in the patch's ``setup``)."""
+    from megatron_bitpipe.megatron_lm.hooks import setup
+
+    for (version, script), model in HYBRID_SCRIPTS.items():
+        root = tmp_path / ".".join(map(str, version))
+        if not root.exists():
+            fake_checkout(root, version=version)
+        (root / script).write_text("")
+        checkout = find_checkout(root)
+        for schedule in ("bitpipe", "dualpipev"):
+            expected = HYBRID_REFUSAL.format(schedule=schedule, tag=checkout.tag, script=script, model=model)
+            assert bitpipe_refusal((root / script).resolve(), checkout, schedule=schedule) == expected
+            assert running_script_refusal(str(root / script), schedule=schedule) == expected
+            monkeypatch.setattr(sys, "argv", [str(root / script)])
+            with pytest.raises(BitPipeConfigError) as info:
+                setup(megatron_lm_args("--pipeline-schedule", schedule))
+            assert str(info.value) == expected
+    assert running_script_refusal(str(tmp_path / "0.16.1" / "pretrain_gpt.py"), schedule="bitpipe") is None
+    assert running_script_refusal(str(tmp_path / "no_such_script.py"), schedule="bitpipe") is None
+    assert running_script_refusal(__file__, schedule="bitpipe") is None  # not inside a checkout
+    assert bitpipe_refusal((tmp_path / "0.16.1" / "pretrain_hybrid.py").resolve(), find_checkout(tmp_path / "0.16.1"), schedule="bitpipe") is None
 
 
 @pytest.mark.multirank
