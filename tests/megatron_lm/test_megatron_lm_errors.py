@@ -408,6 +408,31 @@ def test_model_builder_must_honour_config_and_process_groups():
         _check_chunk(_Chunk(6, ours, block=_HybridStack), spec, ours, builder, schedule="bitpipe")
 
 
+BATCH_RAMP_RULE = (
+    "cannot be used with --pipeline-schedule {schedule}: it changes the number of micro-batches per step during "
+    "training, and {schedule} runs one plan made for a fixed number of them (--global-batch-size / (--micro-batch-size "
+    "x data-parallel size)): batch-size ramps are not supported with plan schedules yet; give a fixed "
+    "--global-batch-size instead"
+)
+
+
+@pytest.mark.parametrize("schedule", ["bitpipe", "zbv"])
+def test_batch_size_ramps_are_refused_by_their_flag_and_rule(schedule):
+    """Megatron-LM sets --global-batch-size to --micro-batch-size x data-parallel size beside a
+    step schedule (core_v0.19.0 refuses both flags together), so the refusal names the ramp, and
+    not the micro-batch rules of a batch size the user did not give; megatron's own schedules
+    run the ramps."""
+    flags = ("--pipeline-schedule", schedule)
+    for ramp, flag in ((dict(step_batch_size_schedule="0:8 1K:16", global_batch_size=1), "--step-batch-size-schedule"),
+                       (dict(rampup_batch_size=["2", "2", "100"]), "--rampup-batch-size")):
+        with pytest.raises(BitPipeConfigError) as info:
+            validate_megatron_lm_args(megatron_lm_args(*flags, **ramp))
+        assert str(info.value) == f"invalid arguments:\n  {flag} {BATCH_RAMP_RULE.format(schedule=schedule)}"
+        validate_megatron_lm_args(megatron_lm_args(**ramp))
+    with pytest.raises(BitPipeConfigError, match="micro-batches per data-parallel rank"):  # a fixed batch keeps its rules
+        validate_megatron_lm_args(megatron_lm_args(*flags, global_batch_size=1))
+
+
 def test_hybrid_models_are_refused_before_communication():
     for flags in (dict(hybrid_layer_pattern="M*M*M*M*"), dict(hybrid_override_pattern="M*M*M*M*", hybrid_layer_pattern="M*M*M*M*")):
         with pytest.raises(BitPipeConfigError) as info:
