@@ -114,10 +114,6 @@ _PARALLEL_SIZES = {"context_parallel_size", "num_distributed_optimizer_instances
 _MOE_CONFLICTS = (
     ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
      "the overlap is megatron's own combined 1F1B schedule, not {schedule}'s"),
-    ("save", "--save", "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
-    ("load", "--load", "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
-    ("pretrained_checkpoint", "--pretrained-checkpoint",
-     "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
 )
 
 
