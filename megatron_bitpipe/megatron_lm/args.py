@@ -13,7 +13,8 @@ initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_p
 (among them the schedule's own rules and tied embeddings on a placement whose pipelines end
 apart: dualpipe, chimera) plus, when this package's plan executor runs the schedule (bitpipe,
 chimera, zb-h1, zbv, dualpipe, dualpipev), the Megatron-LM features its chunks cannot be
-combined with, Megatron-LM's weight-gradient deferral flags that contradict the schedule's
+combined with, Megatron-LM's batch-size ramps (``--rampup-batch-size``, core_v0.19.0's
+``--step-batch-size-schedule``: a plan is made for one number of micro-batches per step), Megatron-LM's weight-gradient deferral flags that contradict the schedule's
 backwards (split or whole), the uneven-layout flags' rules on the placement's stages, the
 activation-recompute rules for its chunks (``--num-layers`` / stages per pipeline layers, ``2 x
 --pipeline-model-parallel-size`` stages for bitpipe, zbv and dualpipev, or the uneven split's
@@ -69,12 +70,20 @@ _PLAN_CONFLICTS = (
      "{schedule} shards each chunk's optimizer state over its replica x data-parallel group"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported"),
     ("use_tp_pp_dp_mapping", "--use-tp-pp-dp-mapping", "{schedule} uses megatron's default tp-dp-pp rank order"),
-    ("rampup_batch_size", "--rampup-batch-size", "{schedule} needs a fixed number of micro-batches"),
     ("use_legacy_models", "--use-legacy-models", "{schedule} builds megatron-core models"),
     ("init_model_with_meta_device", "--init-model-with-meta-device", "{schedule} initialises weights from --seed"),
     ("yaml_cfg", "--yaml-cfg", "{schedule} reads the model from command-line flags"),
     ("gtp_weight_remat_size", "--tensor-parallel-num-weight-shards",
      "{schedule} builds its process groups over tensor x data x pipeline ranks, without a weight-shard axis"),
+)
+# Megatron-LM's batch-size ramps (core_v0.19.0 adds the step schedule), (attribute, flag). A
+# plan-executed schedule refuses them, and its micro-batch rules are then not checked against
+# --global-batch-size (the ramp's final size, or beside a step schedule Megatron-LM's default).
+_BATCH_RAMPS = (("rampup_batch_size", "--rampup-batch-size"), ("step_batch_size_schedule", "--step-batch-size-schedule"))
+_BATCH_RAMP_RULE = (
+    "it changes the number of micro-batches per step during training, and {schedule} runs one plan made for a fixed "
+    "number of them (--global-batch-size / (--micro-batch-size x data-parallel size)): batch-size ramps are not "
+    "supported with plan schedules yet; give a fixed --global-batch-size instead"
 )
 # Flags that cannot be combined with split backwards (--split-backward, or a schedule that always
 # splits: ScheduleChoice.splits_backward; ``{split}`` names which), then those that cannot be
@@ -105,10 +114,6 @@ _PARALLEL_SIZES = {"context_parallel_size", "num_distributed_optimizer_instances
 _MOE_CONFLICTS = (
     ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
      "the overlap is megatron's own combined 1F1B schedule, not {schedule}'s"),
-    ("save", "--save", "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
-    ("load", "--load", "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
-    ("pretrained_checkpoint", "--pretrained-checkpoint",
-     "checkpoints of a mixture-of-experts model are not supported with {schedule}"),
 )
 
 
@@ -200,9 +205,12 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     executor runs the schedule (the registry's
     :attr:`~megatron_bitpipe.schedules.ScheduleChoice.plan_executed`); each message names the
     schedule."""
-    problems: List[str] = bitpipe_arg_problems(args, virtual_size_flag=VIRTUAL_SIZE_FLAG)
-    # the cost file, if any, is checked above
     choice = ScheduleChoice(resolved_schedule(args), split_backward=bool(getattr(args, "split_backward", False)))
+    ramps = [flag for attribute, flag in _BATCH_RAMPS if getattr(args, attribute, None)] if choice.plan_executed else []
+    problems: List[str] = bitpipe_arg_problems(args, virtual_size_flag=VIRTUAL_SIZE_FLAG, batch_ramp=bool(ramps))
+    # the cost file, if any, is checked above
+    for flag in ramps:
+        problems.append(f"{flag} cannot be used with --pipeline-schedule {choice.schedule}: {_BATCH_RAMP_RULE.format(schedule=choice.schedule)}")
     problems += optimizer_problems(args, schedule=choice.schedule, megatron_lm=True)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(

@@ -12,7 +12,8 @@ an absolute path and its checkout: an existing path is used as given, otherwise 
 up under ``$MEGATRON_LM_PATH``. Every failure raises :class:`MegatronLMCheckoutError` with a
 message that names the path, ``MEGATRON_LM_PATH`` and the tested tags.
 :func:`bitpipe_refusal` says why a script of a tested tag cannot run with ``--pipeline-schedule
-bitpipe``, for the few that cannot (before the script is loaded). Pure Python: nothing is
+bitpipe``, for the few that cannot (BERT at core_v0.16.1, the hybrid models' scripts), before
+the script is loaded. Pure Python: nothing is
 imported from the checkout.
 """
 
@@ -37,19 +38,30 @@ __all__ = [
     "resolve_script",
     "untested_warning",
     "bitpipe_refusal",
+    "running_script_refusal",
 ]
 
 TESTED_TAGS = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.1"}
 """Megatron-LM release tag -> the megatron-core version its ``package_info.py`` records."""
 ENV_VAR = "MEGATRON_LM_PATH"
+_HYBRID_SCRIPT = (
+    "the script builds a hybrid (Mamba) model, {model}, whose layer pattern picks each pipeline stage's layers in "
+    "megatron's looped order, so {schedule}'s chunks (explicit layer ranges on its own stages) cannot be built from "
+    "it; {schedule} runs GPT models (pretrain_gpt.py)"
+)
 _BITPIPE_UNSUPPORTED = {
     ("core_v0.16.1", "pretrain_bert.py"): (
         "the script imports Transformer Engine's BERT layer spec when it loads (whatever --spec says, so it does not "
         "load without transformer-engine), and its model_provider builds BertModel without the pg_collection it is "
-        "given, so {schedule} cannot build its chunks on their own process groups"
+        "given, so {schedule} cannot build its chunks on their own process groups; BERT with {schedule} runs in "
+        "megatron-bitpipe's scripts/pretrain_bert.py"
     ),
+    ("core_v0.16.1", "pretrain_mamba.py"): _HYBRID_SCRIPT.replace("{model}", "MambaModel"),
+    ("core_v0.19.0", "pretrain_mamba.py"): _HYBRID_SCRIPT.replace("{model}", "HybridModel (through pretrain_hybrid.py)"),
+    ("core_v0.19.0", "pretrain_hybrid.py"): _HYBRID_SCRIPT.replace("{model}", "HybridModel"),
 }
-"""(tag, script at the checkout root) -> why a plan schedule (``{schedule}`` in the text) cannot run it."""
+"""(tag, script at the checkout root) -> why a plan schedule (``{schedule}`` in the text) cannot run it
+and what runs instead."""
 _PACKAGE_INFO = Path("megatron", "core", "package_info.py")
 _TRAINING = Path("megatron", "training")
 
@@ -119,14 +131,27 @@ def untested_warning(checkout: Checkout) -> Optional[str]:
 def bitpipe_refusal(script: Path, checkout: Checkout, *, schedule: str) -> Optional[str]:
     """Why ``--pipeline-schedule schedule`` (one this package's plan executor runs) cannot run
     ``script`` (absolute) of ``checkout``, or None: Megatron-LM core_v0.16.1's
-    ``pretrain_bert.py`` (BERT with a plan schedule: megatron-bitpipe's ``scripts/pretrain_bert.py``)."""
+    ``pretrain_bert.py`` (BERT with a plan schedule: megatron-bitpipe's ``scripts/pretrain_bert.py``)
+    and the hybrid (Mamba) models' scripts, ``pretrain_mamba.py`` at both tested tags and
+    ``pretrain_hybrid.py`` at core_v0.19.0. One line, naming the script."""
     reason = _BITPIPE_UNSUPPORTED.get((checkout.tag, script.name)) if script.parent == checkout.root else None
     if reason is None:
         return None
-    return (
-        f"--pipeline-schedule {schedule} cannot run Megatron-LM {checkout.tag}'s {script.name}: "
-        f"{reason.format(schedule=schedule)}; BERT with {schedule} runs in megatron-bitpipe's scripts/pretrain_bert.py"
-    )
+    return f"--pipeline-schedule {schedule} cannot run Megatron-LM {checkout.tag}'s {script.name}: {reason.format(schedule=schedule)}"
+
+
+def running_script_refusal(script: str, *, schedule: str) -> Optional[str]:
+    """:func:`bitpipe_refusal` for ``script`` (the path Python runs, ``sys.argv[0]``) when it is a
+    file inside a Megatron-LM checkout, else None: the patch route's check (a patched script runs
+    without ``python -m megatron_bitpipe.run``, which refuses before the script loads)."""
+    path = Path(script)
+    if not path.is_file():
+        return None
+    try:
+        checkout = find_checkout(path)
+    except MegatronLMCheckoutError:
+        return None
+    return bitpipe_refusal(path.resolve(), checkout, schedule=schedule)
 
 
 def find_checkout(start: Path) -> Checkout:

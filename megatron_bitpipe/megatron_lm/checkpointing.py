@@ -14,8 +14,13 @@ checkpoint this run cannot load completely:
 * ``torch_dist``: missing or truncated shard files; model flags that differ from the saving
   run's (its stored arguments); any tensor this run's model chunks ask for that is missing or
   has another global shape; optimizer state of the other kind (with or without
-  ``--use-distributed-optimizer``: Megatron-LM reads only its own), or in a form tied to the
-  saving layout (``dp_reshardable``) when the layout differs;
+  ``--use-distributed-optimizer``: Megatron-LM reads only its own), of a mixture-of-experts
+  model at expert parallelism 1 into one at > 1 or the other way round (megatron-core's
+  experts have an optimizer of their own only at > 1), or in a form tied to the
+  saving layout (``dp_reshardable``) when the layout differs; random generator states that
+  Megatron-LM's loader would ask for under a key the checkpoint lacks (core_v0.16.1 shards
+  them per data-parallel rank with expert parallelism > 1 only: a resume at another
+  expert-parallel size in the same tensor and pipeline sizes needs ``--no-load-rng``);
 * legacy ``torch`` files: with a schedule this package's plan executor runs (``bitpipe``) at
   all; otherwise this rank's file missing, or holding another number of model chunks.
 
@@ -86,6 +91,14 @@ def _optimizer_problems(args: argparse.Namespace, saved_args, metadata: dict, re
             f"into the same kind of optimizer (load the weights with --no-load-optim, or resume with megatron-bitpipe's "
             "scripts/pretrain_gpt.py, which reads either)"
         ]
+    ours, theirs = args.expert_model_parallel_size, getattr(saved_args, "expert_model_parallel_size", 1)
+    if getattr(args, "num_experts", None) and (ours > 1) != (theirs > 1):
+        return [
+            f"its optimizer state was saved at expert parallelism {theirs} and this run has {ours}: megatron-core keeps "
+            "the experts in an optimizer of their own only with expert parallelism > 1 (at 1 they join the dense "
+            "optimizer), and Megatron-LM's loader reads the state only into the same optimizers (resume at an expert "
+            "parallelism on the same side of 1, or load the weights with --no-load-optim)"
+        ]
     if sharding == "dp_reshardable":
         fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "pipeline_schedule")
         theirs = tuple(getattr(saved_args, f, None) for f in fields)
@@ -97,6 +110,33 @@ def _optimizer_problems(args: argparse.Namespace, saved_args, metadata: dict, re
                 "--dist-ckpt-optim-fully-reshardable, or load the weights with --no-load-optim"
             ]
     return []
+
+
+def _rng_problems(args: argparse.Namespace, saved_args, saved: dict, release: bool) -> List[str]:
+    """Whether the random generator states Megatron-LM's loader will ask for are in the
+    torch_dist checkpoint (``saved``: its sharded metadata). It asks for them when the tensor and pipeline
+    sizes are the saving run's (else it ignores them, saying so), under the key its
+    ``get_rng_state`` gives this rank; at core_v0.16.1 that key holds the data-parallel rank
+    only with expert parallelism > 1, so a resume at another expert-parallel size (1 and > 1)
+    would not find them. Collective (``get_rng_state`` gathers over data parallelism with
+    ``--data-parallel-random-init``)."""
+    from megatron.core import mpu
+    from megatron.training.checkpointing import get_rng_state
+
+    same_sizes = all(
+        getattr(saved_args, field, 1) == getattr(args, field) for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    )
+    if release or args.finetune or args.no_load_rng or getattr(saved_args, "no_save_rng", False) or not same_sizes:
+        return []
+    wanted = get_rng_state("torch_dist", mpu.get_tensor_model_parallel_group(), mpu.get_pipeline_model_parallel_group())
+    if wanted.unique_key in saved:
+        return []
+    theirs = next((key for key in saved if key.split("/")[0] == wanted.key), None)
+    return [
+        f"its random generator states are sharded as {theirs} and this layout asks for {wanted.unique_key} "
+        f"(expert parallelism {getattr(saved_args, 'expert_model_parallel_size', 1)} there, {args.expert_model_parallel_size} "
+        "here: Megatron-LM shards them per data-parallel rank with expert parallelism > 1 only); resume with --no-load-rng"
+    ]
 
 
 def check_checkpoint(args: argparse.Namespace, config: RunConfig, model: list, load_arg: str = "load") -> None:
@@ -132,8 +172,10 @@ def check_checkpoint(args: argparse.Namespace, config: RunConfig, model: list, l
     request_metadata = {**metadata, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
     chunks = unwrap_model(model)
     request = {key: chunk.sharded_state_dict(metadata=request_metadata) for key, chunk in zip(_model_keys(len(chunks)), chunks)}
-    problems = request_problems(request, load_sharded_metadata(directory))
+    saved = load_sharded_metadata(directory)
+    problems = request_problems(request, saved)
     problems += _optimizer_problems(args, saved_args, metadata, release)
+    problems += _rng_problems(args, saved_args, saved, release)
     raise_if_any(problems, directory, "does not fit this model")
 
 

@@ -52,12 +52,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from typing import Callable
 
+from ..megatron_args import BitPipeConfigError, resolved_schedule
 from ..megatron_compat import enable_moe_without_transformer_engine, megatron_lm_functions, with_keyword
 from ..optimizers import OWN_OPTIMIZERS, ParamScheduler, averaged_weights, build_megatron_optimizer
 from ..plugin import installed_schedule, register
 from ..run_config import RunConfig
+from ..schedules import ScheduleChoice
 from .args import (
     chain_args_provider,
     configure_optimizer_checkpoints,
@@ -65,6 +68,7 @@ from .args import (
     release_layer_split,
     validate_megatron_lm_args,
 )
+from .checkout import running_script_refusal
 from .losses import make_megatron_lm_forward_backward_func
 
 __all__ = [
@@ -94,7 +98,9 @@ PATCH_MARKER = "MEGATRON_BITPIPE_PATCHED"
 
 
 def setup(args: argparse.Namespace) -> RunConfig:
-    """Check the parsed flags (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`), make
+    """Check the running script (with a plan schedule: not one :func:`~.checkout.bitpipe_refusal`
+    refuses, e.g. a patched ``pretrain_mamba.py``) and the parsed flags
+    (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`), make
     the run's :class:`RunConfig` and install ``--pipeline-schedule``'s forward_backward_func,
     which holds it. Local: no communication. Returns the RunConfig.
 
@@ -108,6 +114,10 @@ def setup(args: argparse.Namespace) -> RunConfig:
     optimizers have (:func:`~.args.configure_optimizer_checkpoints`).
     """
     release_layer_split(args)
+    schedule = ScheduleChoice(resolved_schedule(args))
+    refusal = running_script_refusal(sys.argv[0], schedule=schedule.schedule) if schedule.plan_executed else None
+    if refusal is not None:
+        raise BitPipeConfigError(refusal)
     validate_megatron_lm_args(args)
     configure_optimizer_checkpoints(args)
     config = RunConfig.from_args(args)

@@ -63,7 +63,7 @@ from ..megatron_args import BitPipeConfigError
 from ..execution.groups import ParallelGrid, PipelineGroups
 from ..model.init import initialize_from_seed, without_megatron_init
 from ..model_partition import ChunkSpec, chunk_layers_of, chunk_specs
-from ..model.chunks import build_chunks, transformer_block_of
+from ..model.chunks import build_chunks, mark_tensor_parallel_weights, transformer_block_of
 from ..model.experts import check_expert_layout
 from ..model.precision import ChunkFloat16Module
 from ..execution.replicas import mark_replica_parameters, wrap_ddp
@@ -261,6 +261,11 @@ def initialize_chunks_from_seed(model: List[torch.nn.Module], seed: int, tp_grou
     """Re-initialise megatron's own chunks from ``seed`` alone (``--layout-independent-init``).
 
     Local; call before the optimizer is built. A tied head's copy of the word embeddings gets
-    the embedding's value, as megatron's construction-time all-reduce would give it.
+    the embedding's value, as megatron's construction-time all-reduce would give it. The chunks'
+    learnable softmax offsets are first marked tensor-parallel like this package's chunks'
+    (:func:`~megatron_bitpipe.model.chunks.mark_tensor_parallel_weights`), so each rank draws its
+    own heads' values and megatron's grad norm counts every head once.
     """
+    for chunk in model:
+        mark_tensor_parallel_weights(unwrap_model(chunk))
     initialize_from_seed(model, [chunk_layers_of(chunk) for chunk in model], seed, tp_group)

@@ -222,6 +222,13 @@ def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
 
     megatron-core before 0.19 sets them only inside its weight initialisation, so a model built
     with ``perform_initialization=False`` would lack them; weights that have them are left alone.
+
+    A learnable softmax offset (``softmax_type="learnable"``: a core attention's
+    ``softmax_offset``, one value per attention head) is marked split along dim 0 whatever it
+    carries: megatron-core's core attention holds the values of its tensor-parallel rank's
+    heads and its ``sharded_state_dict`` splits the offset along dim 0 over the tensor-parallel
+    group, but megatron never marks it (its defaults call it unsplit), so without the mark every
+    rank would draw the first heads' values and the grad norm would count only tp rank 0's.
     """
     gated_fc1 = {
         id(module.linear_fc1)
@@ -240,6 +247,10 @@ def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
             set_tensor_model_parallel_attributes(weight, True, 1, 1)
         elif isinstance(module, VocabParallelEmbedding):
             set_tensor_model_parallel_attributes(weight, True, 0, 1)
+    for module in model.modules():
+        offset = module._parameters.get("softmax_offset")
+        if offset is not None:
+            offset.tensor_model_parallel, offset.partition_dim, offset.partition_stride = True, 0, 1
 
 
 def build_chunks(

@@ -21,7 +21,11 @@ Init rules follow megatron-core's conventions, using the config's own init calla
 ``layernorm_zero_centered_gamma``); embeddings ``config.embedding_init_method``; the
 attention output projection and second MLP linear (``linear_proj``, ``linear_fc2``)
 ``config.output_layer_init_method`` (by default N(0, std / sqrt(2 * num_layers))); every other
-weight ``config.init_method`` (by default N(0, std)); a mixture-of-experts layer's router like
+weight ``config.init_method`` (by default N(0, std)); the learnable softmax offset of
+``softmax_type="learnable"`` (``core_attention.softmax_offset``, one value per attention head)
+``config.init_method``, as megatron-core's ``DotProductAttention`` draws it (a tensor-parallel
+rank holds its heads' values: the parameter is marked split along dim 0,
+:func:`~megatron_bitpipe.model.chunks.mark_tensor_parallel_weights`); a mixture-of-experts layer's router like
 any other weight, its routed and shared experts' linears like the MLP's. For BERT that covers, as in
 megatron-core's BertModel: token-type embeddings (an embedding), the MLM head's dense layer
 and norm (``lm_head.dense``, ``lm_head.layer_norm``), the output layer's weight and bias, the
@@ -76,6 +80,8 @@ def init_method_for(name: str, config: TransformerConfig) -> Callable[[torch.Ten
         return torch.nn.init.zeros_
     if "norm" in owner or leaf.startswith("layer_norm"):
         return torch.nn.init.zeros_ if config.layernorm_zero_centered_gamma else torch.nn.init.ones_
+    if leaf == "softmax_offset":
+        return config.init_method
     if leaf != "weight":
         raise KeyError(f"{name}: no initialisation rule")
     if name.startswith("embedding."):

@@ -7,9 +7,14 @@
   each by its flag;
 * a model builder that ignores the chunk's process groups or config is refused, naming which;
   ``python -m megatron_bitpipe.run`` refuses Megatron-LM core_v0.16.1's pretrain_bert.py with
-  bitpipe before loading it, saying why;
+  bitpipe before loading it, saying why, and so it does the hybrid (Mamba) models' scripts
+  (pretrain_mamba.py at both tags, pretrain_hybrid.py at core_v0.19.0), also when a patched
+  script runs without it;
+* the batch-size ramps (``--rampup-batch-size``, ``--step-batch-size-schedule``) are refused by
+  their flag and the rule, without the micro-batch rules of a --global-batch-size the user
+  did not give;
 * the zero-bubble family's refusals on Megatron-LM's route, each naming its flag;
-* the mixture-of-experts rules of the plan schedules, all named at once;
+* the mixture-of-experts rules of the plan schedules, all named at once (torch_dist checkpoints pass);
 * the loss reports of every rank holding a pipeline's last stage (BitPipe's two edge ranks,
   the V's rank 0, the looped pipeline's last rank) reach the last pipeline stage in micro-batch
   order, with their dtypes (2 gloo ranks).
@@ -34,6 +39,7 @@ from megatron_bitpipe.megatron_lm.checkout import (
     MegatronLMCheckoutError,
     bitpipe_refusal,
     find_checkout,
+    running_script_refusal,
     resolve_script,
     untested_warning,
 )
@@ -123,6 +129,45 @@ def test_bitpipe_refuses_megatron_lm_bert_script(tmp_path):
             assert refusal == (BERT_REFUSAL.format(schedule=schedule) if refused else None)
         assert bitpipe_refusal((root / "pretrain_gpt.py").resolve(), checkout, schedule="bitpipe") is None
         assert bitpipe_refusal((root / "tools" / "pretrain_bert.py").resolve(), checkout, schedule="bitpipe") is None
+
+
+HYBRID_REFUSAL = (
+    "--pipeline-schedule {schedule} cannot run Megatron-LM {tag}'s {script}: the script builds a hybrid (Mamba) "
+    "model, {model}, whose layer pattern picks each pipeline stage's layers in megatron's looped order, so "
+    "{schedule}'s chunks (explicit layer ranges on its own stages) cannot be built from it; {schedule} runs GPT "
+    "models (pretrain_gpt.py)"
+)
+HYBRID_SCRIPTS = {
+    ((0, 16, 1), "pretrain_mamba.py"): "MambaModel",
+    ((0, 19, 1), "pretrain_mamba.py"): "HybridModel (through pretrain_hybrid.py)",
+    ((0, 19, 1), "pretrain_hybrid.py"): "HybridModel",
+}
+
+
+def test_plan_schedules_refuse_megatron_lm_hybrid_model_scripts(tmp_path, monkeypatch):
+    """The hybrid models' scripts of each tested tag, in one line naming the script, through
+    ``python -m megatron_bitpipe.run`` (:func:`bitpipe_refusal`) and as a patched script runs
+    (:func:`running_script_refusal` of ``sys.argv[0]``, in the patch's ``setup``)."""
+    from megatron_bitpipe.megatron_lm.hooks import setup
+
+    for (version, script), model in HYBRID_SCRIPTS.items():
+        root = tmp_path / ".".join(map(str, version))
+        if not root.exists():
+            fake_checkout(root, version=version)
+        (root / script).write_text("")
+        checkout = find_checkout(root)
+        for schedule in ("bitpipe", "dualpipev"):
+            expected = HYBRID_REFUSAL.format(schedule=schedule, tag=checkout.tag, script=script, model=model)
+            assert bitpipe_refusal((root / script).resolve(), checkout, schedule=schedule) == expected
+            assert running_script_refusal(str(root / script), schedule=schedule) == expected
+            monkeypatch.setattr(sys, "argv", [str(root / script)])
+            with pytest.raises(BitPipeConfigError) as info:
+                setup(megatron_lm_args("--pipeline-schedule", schedule))
+            assert str(info.value) == expected
+    assert running_script_refusal(str(tmp_path / "0.16.1" / "pretrain_gpt.py"), schedule="bitpipe") is None
+    assert running_script_refusal(str(tmp_path / "no_such_script.py"), schedule="bitpipe") is None
+    assert running_script_refusal(__file__, schedule="bitpipe") is None  # not inside a checkout
+    assert bitpipe_refusal((tmp_path / "0.16.1" / "pretrain_hybrid.py").resolve(), find_checkout(tmp_path / "0.16.1"), schedule="bitpipe") is None
 
 
 @pytest.mark.multirank
@@ -240,11 +285,12 @@ def test_plan_schedules_state_the_mixture_of_experts_rules(schedule):
     validate_megatron_lm_args(moe_args(*flags))
     validate_megatron_lm_args(moe_args(*flags, moe_token_dispatcher_type="allgather", moe_router_load_balancing_type=["aux_loss"]))
     validate_megatron_lm_args(moe_args(*flags, use_distributed_optimizer=True))
+    validate_megatron_lm_args(moe_args(*flags, save="/checkpoints", load="/checkpoints", pretrained_checkpoint="/pretrained"))
     two_pipelines = schedule == "bitpipe"
     refused = dict(
         expert_model_parallel_size=4, num_experts=8, expert_tensor_parallel_size=2, moe_router_load_balancing_type=["global_aux_loss"],
         moe_token_dispatcher_type="flex", moe_router_enable_expert_bias=True,
-        overlap_moe_expert_parallel_comm=True, save="/checkpoints", load="/checkpoints", add_bias_linear=True,
+        overlap_moe_expert_parallel_comm=True, add_bias_linear=True,
     )
     with pytest.raises(BitPipeConfigError) as info:
         validate_megatron_lm_args(moe_args(*flags, **refused))
@@ -256,8 +302,6 @@ def test_plan_schedules_state_the_mixture_of_experts_rules(schedule):
         f"--moe-router-load-balancing-type global_aux_loss cannot be used with --pipeline-schedule {schedule}",
         f"--moe-token-dispatcher-type flex cannot be used with --pipeline-schedule {schedule}",
         f"--overlap-moe-expert-parallel-comm cannot be used with --num-experts and --pipeline-schedule {schedule}",
-        f"--save cannot be used with --num-experts and --pipeline-schedule {schedule}",
-        f"--load cannot be used with --num-experts and --pipeline-schedule {schedule}",
     ]
     bias = f"--moe-router-enable-expert-bias cannot be used with --pipeline-schedule {schedule}: each layer has a copy in each of its 2 pipelines"
     for line in expected + ([bias] if two_pipelines else []):
@@ -361,6 +405,31 @@ def test_model_builder_must_honour_config_and_process_groups():
     assert "pg_collection" not in str(info.value)
     with pytest.raises(BitPipeConfigError, match="_Chunk is not built on a TransformerBlock .*GPTModel or BertModel"):
         _check_chunk(_Chunk(6, ours, block=_HybridStack), spec, ours, builder, schedule="bitpipe")
+
+
+BATCH_RAMP_RULE = (
+    "cannot be used with --pipeline-schedule {schedule}: it changes the number of micro-batches per step during "
+    "training, and {schedule} runs one plan made for a fixed number of them (--global-batch-size / (--micro-batch-size "
+    "x data-parallel size)): batch-size ramps are not supported with plan schedules yet; give a fixed "
+    "--global-batch-size instead"
+)
+
+
+@pytest.mark.parametrize("schedule", ["bitpipe", "zbv"])
+def test_batch_size_ramps_are_refused_by_their_flag_and_rule(schedule):
+    """Megatron-LM sets --global-batch-size to --micro-batch-size x data-parallel size beside a
+    step schedule (core_v0.19.0 refuses both flags together), so the refusal names the ramp, and
+    not the micro-batch rules of a batch size the user did not give; megatron's own schedules
+    run the ramps."""
+    flags = ("--pipeline-schedule", schedule)
+    for ramp, flag in ((dict(step_batch_size_schedule="0:8 1K:16", global_batch_size=1), "--step-batch-size-schedule"),
+                       (dict(rampup_batch_size=["2", "2", "100"]), "--rampup-batch-size")):
+        with pytest.raises(BitPipeConfigError) as info:
+            validate_megatron_lm_args(megatron_lm_args(*flags, **ramp))
+        assert str(info.value) == f"invalid arguments:\n  {flag} {BATCH_RAMP_RULE.format(schedule=schedule)}"
+        validate_megatron_lm_args(megatron_lm_args(**ramp))
+    with pytest.raises(BitPipeConfigError, match="micro-batches per data-parallel rank"):  # a fixed batch keeps its rules
+        validate_megatron_lm_args(megatron_lm_args(*flags, global_batch_size=1))
 
 
 def test_hybrid_models_are_refused_before_communication():

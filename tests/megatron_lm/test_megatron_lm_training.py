@@ -49,6 +49,11 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   route, BitPipe and ZB-V on the patch route,
   both token dispatchers, and Megatron-LM's own 1F1B with ``--layout-independent-init``, equal
   to one process at expert parallelism 1; the logged auxiliary losses equal that 1F1B run's;
+  BitPipe's checkpoint (runtime route) resumed by Megatron-LM's own schedule at data parallel 4 x
+  expert parallel 4, ZB-V's (patch route) by BitPipe, on the curve; refused at expert
+  parallelism 1 before Megatron-LM's loader fails;
+* ``--softmax-type learnable`` (gpt-oss's per-head softmax offset): BitPipe at tensor 2 x
+  pipeline 2 equal to one process (rtol 1e-6);
 * a script that ends, or exits 0, leaving its process groups is followed by the route's clean-up
   (gloo's groups left to the interpreter's exit can abort a finished rank); one that fails keeps
   them.
@@ -148,14 +153,14 @@ def _ok(run: Run) -> Run:
     return run
 
 
-def _assert_same_curve(run: Run, reference: Run, iterations=range(1, 5)):
+def _assert_same_curve(run: Run, reference: Run, iterations=range(1, 5), rtol: float = RTOL):
     assert sorted(reference.losses) == [1, 2, 3, 4]
     for i in iterations:
-        assert run.losses[i] == pytest.approx(reference.losses[i], rel=RTOL), f"iteration {i}"
+        assert run.losses[i] == pytest.approx(reference.losses[i], rel=rtol), f"iteration {i}"
         assert run.grad_norms[i] == pytest.approx(reference.grad_norms[i], rel=1e-3), f"grad norm, iteration {i}"
     assert run.evals.keys() == reference.evals.keys()
     for key, loss in reference.evals.items():
-        assert run.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
+        assert run.evals[key] == pytest.approx(loss, rel=rtol), f"evaluation {key}"
 
 
 def _assert_resumed_curve(resumed: Run, reference: Run) -> None:
@@ -285,6 +290,20 @@ def test_uneven_checkpoint_resumes_in_the_even_layout(uneven_runs, checkout, wor
     uneven_runs("bitpipe_first_last")
     flags = [*TINY_GPT, *BITPIPE, *LAYOUTS["tp2_pp2"], "--load", str(workdir / "checkpoint_uneven"), "--ckpt-step", "2"]
     _assert_resumed_curve(_ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir)), reference)
+
+
+LEARNABLE_SOFTMAX = ["--softmax-type", "learnable"]
+
+
+@pytest.mark.strict_p2p
+def test_learnable_softmax_offset_with_bitpipe_equals_one_process(checkout, workdir):
+    """gpt-oss's learnable softmax offset (one value per attention head) starts from megatron's
+    init rule, each tensor-parallel rank drawing its own heads' values, and trains like one
+    process. rtol 1e-6 (the runs agree to the last printed digit): offsets drawn as if unsplit,
+    every rank taking the first heads' values, moved the losses by 2e-6 to 8e-6 (measured)."""
+    reference = _ok(torchrun(checkout / "pretrain_gpt.py", 1, [*TINY_GPT, *LEARNABLE_SOFTMAX, "--layout-independent-init"], workdir))
+    run = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*TINY_GPT, *LEARNABLE_SOFTMAX, *BITPIPE, *LAYOUTS["tp2_pp2"]], workdir))
+    _assert_same_curve(run, reference, rtol=1e-6)
 
 
 RECOMPUTE = {
@@ -420,11 +439,35 @@ MOE_RUNS = {
 }
 
 
-def _moe_run(root, workdir, flags) -> Run:
-    """The MoE GPT at pipeline 2 x data parallel 2 x EP 2 with ``flags``, under strict p2p."""
+# MOE_RUNS that save a checkpoint at iteration 2 (where Megatron-LM's checkpoint writer runs), into
+# workdir / f"checkpoint_{name}"
+MOE_SAVES = ("runtime_bitpipe_allgather", "patch_zbv_allgather")
+
+
+def _moe_run(root, workdir, flags, layout=MOE_PP2_EP2, check=True) -> Run:
+    """The MoE GPT at pipeline 2 x data parallel 2 x EP 2 (or ``layout``) with ``flags``, under strict p2p."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MEGATRON_BITPIPE_STRICT_P2P", "1")
-        return _ok(torchrun(root / "pretrain_gpt.py", 4, [*TINY_GPT, *MOE, *MOE_PP2_EP2, *flags], workdir))
+        run = torchrun(root / "pretrain_gpt.py", 4, [*TINY_GPT, *MOE, *layout, *flags], workdir)
+    return _ok(run) if check else run
+
+
+@pytest.fixture(scope="module")
+def moe_runs(request, checkout, workdir) -> Callable[[str], Run]:
+    """``run(name)``: the :data:`MOE_RUNS` run ``name`` (once per module); those of :data:`MOE_SAVES`
+    save at iteration 2."""
+    runs: Dict[str, Run] = {}
+
+    def run(name: str) -> Run:
+        if name not in runs:
+            route, flags = MOE_RUNS[name]
+            root = checkout if route == "runtime" else request.getfixturevalue("patched_checkout")
+            save = [] if checkpoint_writer_problem(checkout) or name not in MOE_SAVES else [
+                "--save", str(workdir / f"checkpoint_{name}"), "--save-interval", "2"]
+            runs[name] = _moe_run(root, workdir, [*flags, *save])
+        return runs[name]
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -458,12 +501,51 @@ def test_moe_megatron_1f1b_with_expert_parallelism_equals_one_process(moe_megatr
 
 @pytest.mark.strict_p2p
 @pytest.mark.parametrize("name", list(MOE_RUNS))
-def test_moe_plan_schedules_equal_one_process(request, workdir, moe_reference, moe_megatron_1f1b, name):
+def test_moe_plan_schedules_equal_one_process(moe_runs, moe_reference, moe_megatron_1f1b, name):
     """Training and validation losses and grad norms equal one process's; the auxiliary losses
     Megatron-LM logs (``load_balancing_loss``, ``z_loss``) equal its own 1F1B run's."""
-    route, flags = MOE_RUNS[name]
-    root = request.getfixturevalue("checkout" if route == "runtime" else "patched_checkout")
-    _assert_moe_curve(_moe_run(root, workdir, flags), moe_reference, moe_megatron_1f1b)
+    _assert_moe_curve(moe_runs(name), moe_reference, moe_megatron_1f1b)
+
+
+# MoE torch_dist checkpoints through Megatron-LM's own save and load: saved by (MOE_SAVES), resumed
+# by (route, flags, layout). BitPipe's (runtime route) by Megatron-LM's own schedule without
+# pipelining at data parallel 4 x expert parallelism 4; ZB-V's (patch route) by BitPipe.
+MOE_RESUMES = {
+    "runtime_bitpipe_allgather": ("runtime", ALLTOALL, ["--expert-model-parallel-size", "4"]),
+    "patch_zbv_allgather": ("patch", [*BITPIPE, *ALLTOALL], MOE_PP2_EP2),
+}
+
+
+@pytest.mark.strict_p2p
+@pytest.mark.parametrize("saved_by", list(MOE_RESUMES))
+def test_moe_checkpoint_resumes_in_another_schedule_on_the_curve(request, moe_runs, checkout, workdir, moe_reference, saved_by):
+    """Each routed expert is written once under its global index, so another schedule, layout
+    and expert-parallel size (above 1: megatron-core keeps an expert optimizer only there) loads
+    the weights and Adam's state and continues one process's curve."""
+    if checkpoint_writer_problem(checkout):
+        pytest.skip(checkpoint_writer_problem(checkout))
+    assert "saving checkpoint at iteration       2" in moe_runs(saved_by).output
+    route, flags, layout = MOE_RESUMES[saved_by]
+    root = checkout if route == "runtime" else request.getfixturevalue("patched_checkout")
+    load = ["--load", str(workdir / f"checkpoint_{saved_by}"), "--ckpt-step", "2"]
+    resumed = _moe_run(root, workdir, [*flags, *load], layout=layout)
+    _assert_resumed_curve(resumed, moe_reference)
+    assert resumed.aux_losses[3]["load_balancing_loss"] == pytest.approx(moe_reference.aux_losses[3]["load_balancing_loss"], rel=RTOL)
+
+
+def test_moe_checkpoint_at_expert_parallelism_2_is_refused_at_1(moe_runs, checkout, workdir):
+    """Expert parallelism 1 keeps the experts in the dense optimizer, and Megatron-LM core_v0.16.1
+    shards the random generators per data-parallel rank only above 1: Megatron-LM's loader would
+    fail on both, so every rank stops first with one line naming them."""
+    if checkpoint_writer_problem(checkout):
+        pytest.skip(checkpoint_writer_problem(checkout))
+    moe_runs("runtime_bitpipe_allgather")
+    load = ["--load", str(workdir / "checkpoint_runtime_bitpipe_allgather"), "--ckpt-step", "2"]
+    run = _moe_run(checkout, workdir, [*ALLTOALL, *load], layout=["--pipeline-model-parallel-size", "2"], check=False)
+    assert run.returncode == 1, run.output[-3000:]
+    (line,) = [line for line in run.output.splitlines() if line.startswith("megatron_bitpipe: error:")]
+    assert "its optimizer state was saved at expert parallelism 2 and this run has 1" in line
+    assert "--no-load-optim" in line and ("resume with --no-load-rng" in line) == (find_checkout(checkout).tag == "core_v0.16.1")
 
 
 #: a stand-in training script: one gloo collective, then an end, ``sys.exit(0)`` or a failure

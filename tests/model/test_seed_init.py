@@ -8,7 +8,9 @@
 * table rows do not depend on the number of rows (vocabulary padding);
 * megatron's init callables are recognised (normal std, xavier bounds, constants); another
   callable still gives the block of its full tensor;
-* a block is drawn without the full tensor: peak memory follows the block (in a subprocess).
+* a block is drawn without the full tensor: peak memory follows the block (in a subprocess);
+* the learnable softmax offset (one value per attention head) is drawn as megatron draws it and
+  marked split over the tensor-parallel ranks, as its heads are.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ ONE_D = [
     ("gated [gate; up] weight", (24, 10), lambda t: _tp_param((24 // t, 10), partition_dim=0, stride=2)),
     ("gated bias", (24,), lambda t: _tp_param((24 // t,), partition_dim=0, stride=2)),
     ("vocabulary table", (16, 10), lambda t: _tp_param((16 // t, 10), partition_dim=0)),
+    ("per-head vector (learnable softmax offset)", (12,), lambda t: _tp_param((12 // t,), partition_dim=0)),
 ]
 OPTIMUS = [
     (ParamLayout(LayoutKind.LINEAR_WEIGHT), lambda q: (3 * q, 2 * q)),
@@ -166,6 +169,16 @@ def test_values_follow_the_init_callable_and_the_name():
     assert torch.equal(_full(big, "a"), _full(big, "a"))
 
 
+def test_learnable_softmax_offset_follows_megatron_init():
+    """megatron-core's ``DotProductAttention`` draws its learnable offset with ``config.init_method``."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_bitpipe.model.init import init_method_for
+
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, softmax_type="learnable")
+    assert init_method_for("decoder.layers.1.self_attention.core_attention.softmax_offset", config) is config.init_method
+
+
 def test_another_init_callable_gives_the_block_of_its_full_tensor():
     def custom(tensor):
         return tensor.uniform_(-3.0, -2.0)
@@ -204,15 +217,17 @@ GATED_BIAS = [(True, False), (True, True), (False, False)]
 
 
 def _tensor_parallel_attributes() -> dict:
-    """Rank body: per (gated, bias) of :data:`GATED_BIAS` and with / without megatron's
-    initialisation: {parameter: (tensor_model_parallel, partition_dim, partition_stride)} of a
-    tiny GPT, marked by ``mark_tensor_parallel_weights``."""
+    """Rank body: per (gated, bias) of :data:`GATED_BIAS`, and for a learnable softmax offset with
+    megatron's defaults set, with / without megatron's initialisation: {parameter:
+    (tensor_model_parallel, partition_dim, partition_stride)} of a tiny GPT, marked by
+    ``mark_tensor_parallel_weights``."""
     from megatron_bitpipe.benchmarking import megatron_baseline as baseline
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
     from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.execution.groups import ParallelGrid
     from megatron_bitpipe.model.chunks import mark_tensor_parallel_weights
     from megatron_bitpipe.training.config import mlp_fields
+    from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 
     enable_cpu_megatron()
     pg = baseline.build_looped_process_groups(ParallelGrid())
@@ -225,11 +240,22 @@ def _tensor_parallel_attributes() -> dict:
         )  # fmt: skip
         model = baseline.build_megatron_gpt_model(config, pg, vocab_size=64, max_sequence_length=8)
         mark_tensor_parallel_weights(model)
-        out[(gated, bias, initialise)] = {
-            name: tuple(getattr(p, key, None) for key in ("tensor_model_parallel", "partition_dim", "partition_stride"))
-            for name, p in model.named_parameters()
-        }
+        out[(gated, bias, initialise)] = _attributes(model)
+    for initialise in (True, False):
+        config = baseline.tiny_gpt_config(num_layers=2, hidden_size=16, num_attention_heads=2, softmax_type="learnable", perform_initialization=initialise)
+        model = baseline.build_megatron_gpt_model(config, pg, vocab_size=64, max_sequence_length=8)
+        for param in model.parameters():  # as Megatron-LM's get_model leaves them: megatron's defaults say unsplit
+            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        mark_tensor_parallel_weights(model)
+        out[("learnable softmax", initialise)] = _attributes(model)
     return out
+
+
+def _attributes(model) -> dict:
+    return {
+        name: tuple(getattr(p, key, None) for key in ("tensor_model_parallel", "partition_dim", "partition_stride"))
+        for name, p in model.named_parameters()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +273,12 @@ def test_weights_built_without_megatron_init_get_its_tensor_parallel_attributes(
     assert with_init["decoder.layers.0.mlp.linear_fc1.weight"] == (True, 0, 2 if gated else 1)
     assert with_init["decoder.layers.0.self_attention.linear_proj.weight"] == (True, 1, 1)
     assert with_init["embedding.word_embeddings.weight"] == (True, 0, 1)
+
+
+@pytest.mark.multirank
+def test_learnable_softmax_offset_is_marked_split_over_the_heads(tensor_parallel_attributes):
+    """Each tensor-parallel rank holds its heads' offsets (megatron splits them along dim 0 in
+    checkpoints but leaves them marked unsplit)."""
+    name = "decoder.layers.1.self_attention.core_attention.softmax_offset"
+    for initialise in (True, False):
+        assert tensor_parallel_attributes[("learnable softmax", initialise)][name] == (True, 0, 1)
