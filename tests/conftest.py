@@ -24,10 +24,10 @@ and takes the fixtures
   rank; each world size is launched once, when a test first needs it;
 * ``references`` — ``{reference_key: record}`` for every case of the module, one launch.
 
-**Strict p2p.** The multi-rank schedule-equivalence modules (:data:`STRICT_P2P_MODULES`, and
-any module marked ``strict_p2p``) run with ``MEGATRON_BITPIPE_STRICT_P2P=1``: their ranks'
-gloo point-to-point communication follows NCCL's rules (:mod:`megatron_bitpipe.cpu.strict_p2p`),
-so an order that would hang on GPUs fails there. A test marked ``strict_p2p`` in an unmarked
+**Strict p2p.** One way to ask for it: the ``strict_p2p`` marker. A module marked
+``strict_p2p`` (``pytestmark``) runs with ``MEGATRON_BITPIPE_STRICT_P2P=1``: its ranks' gloo
+point-to-point communication follows NCCL's rules (:mod:`megatron_bitpipe.cpu.strict_p2p`), so
+an order that would hang on GPUs fails there. A test marked ``strict_p2p`` in an unmarked
 module runs its body with it (a module-scoped fixture it takes is set up before, without it:
 mark the module when such a fixture launches). The launcher passes the variable on; setting
 it in the environment (``=0`` too) overrides this.
@@ -46,13 +46,6 @@ from megatron_bitpipe.cpu.launcher import launch
 
 #: seconds one launch of a world size may take (a module may set ``LAUNCH_TIMEOUT``)
 DEFAULT_LAUNCH_TIMEOUT = 900
-#: modules whose launches run in strict p2p mode (NCCL's rules on gloo)
-STRICT_P2P_MODULES = {
-    "test_bitpipe_equivalence",
-    "test_split_backward_equivalence",
-    "test_distributed_optimizer",
-    "test_peer_equivalence",
-}
 _STRICT_P2P_ENV = "MEGATRON_BITPIPE_STRICT_P2P"
 
 
@@ -72,10 +65,8 @@ def pytest_configure(config) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _strict_p2p_modules(request):
-    """``MEGATRON_BITPIPE_STRICT_P2P=1`` while a strict module runs (unless the environment sets it)."""
-    module = request.module.__name__.rsplit(".", 1)[-1]
-    strict = module in STRICT_P2P_MODULES or request.node.get_closest_marker("strict_p2p") is not None
-    if not strict or _STRICT_P2P_ENV in os.environ:
+    """``MEGATRON_BITPIPE_STRICT_P2P=1`` while a module marked ``strict_p2p`` runs (unless the environment sets it)."""
+    if request.node.get_closest_marker("strict_p2p") is None or _STRICT_P2P_ENV in os.environ:
         yield
         return
     with pytest.MonkeyPatch.context() as patch:

@@ -23,7 +23,7 @@ from megatron_bitpipe.cpu.launcher import launch
 
 from ..equivalence_support import ATOL, RTOL, STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.strict_p2p]
 
 CASES_2 = [
     Case("bitpipe_pp2_n2", "bitpipe", pp=2, n=2),

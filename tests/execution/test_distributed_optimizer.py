@@ -23,7 +23,7 @@ from megatron_bitpipe.cpu.launcher import launch
 
 from ..equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank, pytest.mark.strict_p2p]
 
 CASES = [
     Case(f"bitpipe{'_split' if split else ''}_{name}_distopt", "bitpipe", distributed_optimizer=True, split_backward=split, clip_grad=0.5, **layout)

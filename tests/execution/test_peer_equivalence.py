@@ -20,7 +20,7 @@ import pytest
 
 from ..equivalence_support import Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.strict_p2p]
 
 CASES_2 = [
     Case("zbv_pp2_n4", "zbv", pp=2, n=4),

@@ -31,6 +31,8 @@ from megatron_bitpipe.cpu.launcher import launch
 
 from ..equivalence_support import STEPS, Case, assert_equals_reference, pipeline, run_references  # noqa: F401 - run_references: conftest
 
+pytestmark = pytest.mark.strict_p2p
+
 
 @dataclasses.dataclass(frozen=True)
 class SplitCase(Case):
