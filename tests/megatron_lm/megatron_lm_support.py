@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -103,7 +104,20 @@ def torchrun(script: Path, nproc: int, flags: List[str], cwd: Path, timeout: int
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "megatron_bitpipe.cpu.megatron_lm", str(script), *CPU_FLAGS, *flags,
     ]
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    # its own session: on a timeout the ranks go with torchrun (killed alone, it leaves them running)
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # any rank torchrun left behind (none should be)
+        except ProcessLookupError:
+            pass
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     run = Run(result.returncode, result.stdout + result.stderr)
     for match in _TRAIN.finditer(result.stdout):
         run.losses[int(match.group(1))] = float(match.group(2))
