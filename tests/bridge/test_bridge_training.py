@@ -1,0 +1,37 @@
+"""BitPipe in a Megatron-Bridge recipe, trained through Bridge's own ``pretrain`` on CPU ranks
+(strict p2p: NCCL's point-to-point rules on gloo), equals one-process Bridge: every iteration's
+loss and grad norm, the validation and the test loss (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_bitpipe.cpu.launcher import launch
+
+from .bridge_support import train
+
+pytestmark = [pytest.mark.multirank, pytest.mark.strict_p2p]
+
+TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return launch(train, 1, dict(schedule="default", pp=1), timeout=TIMEOUT)[0]
+
+
+def _assert_equal(record, reference):
+    assert record["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    assert record["valid"] == pytest.approx(reference["valid"], rel=1e-5)
+    assert record["test"] == pytest.approx(reference["test"], rel=1e-5)
+    assert len(record["loss"]) == 3 and record["valid"] and record["test"]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_bitpipe_equals_one_process(one_process, pp):
+    ranks = launch(train, pp, dict(schedule="bitpipe", pp=pp, num_layers=2 * pp), timeout=TIMEOUT)
+    reference = one_process if pp == 2 else launch(train, 1, dict(schedule="default", pp=1, num_layers=8), timeout=TIMEOUT)[0]
+    _assert_equal(ranks[-1], reference)  # Bridge logs the losses of the last pipeline rank
+    assert all(rank["grad_norm"] == ranks[-1]["grad_norm"] for rank in ranks)
+    assert all(rank["hooks"] for rank in ranks), "grad_scale_func, finalize_model_grads_func or timers missed a chunk"
