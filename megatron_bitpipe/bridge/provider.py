@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron.bridge.models import GPTModelProvider
-from megatron.bridge.models.gpt_provider import GPTModelProvider as _StockProvider
 from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
 from megatron.core.enums import ModelType
 
@@ -60,7 +59,7 @@ class BitPipeGPTModelProvider(GPTModelProvider):
         """``provider`` (a recipe's ``cfg.model``: ``LlamaModelProvider``, ...) with its field
         values, plus the ``schedule`` fields. ValueError for a provider class that builds its
         model its own way (overrides ``provide``), which the copy would lose."""
-        if not isinstance(provider, GPTModelProvider) or type(provider).provide is not _StockProvider.provide:
+        if not isinstance(provider, GPTModelProvider) or type(provider).provide is not GPTModelProvider.provide:
             raise ValueError(
                 f"{type(provider).__name__} builds its model with its own provide(); BitPipeGPTModelProvider builds "
                 "GPTModelProvider's model only"

@@ -16,9 +16,15 @@ SEQ_LENGTH = 32
 VOCAB_SIZE = 128
 
 
-def recipe(*, schedule: str, pp: int, tp: int = 1, num_layers: int = 4, iters: int = 3, micro_batch: int = 2,
-           global_batch: int = 8, save: Optional[str] = None, load: Optional[str] = None, stock: bool = False, **model):
-    """The container of the tiny recipe; ``stock``: Bridge's own GPTModelProvider (no schedule)."""
+def recipe(*, schedule: str, pp: int, tp: int = 1, num_layers: int = 4, iters: int = 3, decay_iters: Optional[int] = None,
+           micro_batch: int = 2, global_batch: int = 8, save: Optional[str] = None, load: Optional[str] = None,
+           stock: bool = False, **model):
+    """The container of the tiny recipe (``iters`` iterations of a learning-rate schedule of
+    ``decay_iters``, default ``iters``; a checkpoint at the end under ``save``; resumed from
+    ``load`` without its RNG state, which the recipe without dropout does not use, and with the
+    scheduler settings of the container, not of the checkpoint: megatron's scheduler refuses a
+    saved weight-decay step count of another ``iters``, constant here); ``stock``:
+    Bridge's own GPTModelProvider (no schedule)."""
     enable_bridge_on_cpu()
     import torch.nn.functional as F
     from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
@@ -63,8 +69,9 @@ def recipe(*, schedule: str, pp: int, tp: int = 1, num_layers: int = 4, iters: i
         validation=ValidationConfig(eval_interval=iters, eval_iters=1),
         optimizer=OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, clip_grad=1.0,
                                   bf16=False, fp16=False, use_distributed_optimizer=False),
-        scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=1, lr_decay_iters=iters, start_weight_decay=0.01,
-                                  end_weight_decay=0.01, weight_decay_incr_style="constant"),
+        scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=1, lr_decay_iters=decay_iters or iters, start_weight_decay=0.01,
+                                  end_weight_decay=0.01, weight_decay_incr_style="constant",
+                                  override_opt_param_scheduler=load is not None),
         ddp=DistributedDataParallelConfig(use_distributed_optimizer=False),
         dataset=GPTDatasetConfig(random_seed=1234, reset_attention_mask=False, reset_position_ids=False,
                                  eod_mask_loss=False, seq_length=SEQ_LENGTH, num_dataset_builder_threads=1, blend=None,
@@ -72,7 +79,8 @@ def recipe(*, schedule: str, pp: int, tp: int = 1, num_layers: int = 4, iters: i
                                  pin_memory=False, skip_getting_attention_mask_from_dataset=True),
         logger=LoggerConfig(log_interval=1),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=VOCAB_SIZE),
-        checkpoint=CheckpointConfig(save=save, load=load, save_interval=iters if save else None, ckpt_format="torch_dist"),
+        checkpoint=CheckpointConfig(save=save, load=load, save_interval=iters if save else None, ckpt_format="torch_dist",
+                                    load_rng=False),
         rng=RNGConfig(seed=1234),
         dist=DistributedInitConfig(distributed_backend="gloo"),
         mixed_precision=None,

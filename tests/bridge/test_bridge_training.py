@@ -1,6 +1,7 @@
-"""BitPipe in a Megatron-Bridge recipe, trained through Bridge's own ``pretrain`` on CPU ranks
-(strict p2p: NCCL's point-to-point rules on gloo), equals one-process Bridge: every iteration's
-loss and grad norm, the validation and the test loss (fp32)."""
+"""Plan schedules in a Megatron-Bridge recipe, trained through Bridge's own ``pretrain`` on CPU
+ranks (strict p2p: NCCL's point-to-point rules on gloo), equal one-process Bridge: every
+iteration's loss and grad norm, the validation and the test loss (fp32). BitPipe at pipeline 2
+and 4 and with split backwards, ZB-V and DualPipeV at pipeline 2."""
 
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ def _assert_equal(record, reference):
     assert len(record["loss"]) == 3 and record["valid"] and record["test"]
 
 
-@pytest.mark.parametrize("pp", [2, 4])
-def test_bitpipe_equals_one_process(one_process, pp):
-    ranks = launch(train, pp, dict(schedule="bitpipe", pp=pp, num_layers=2 * pp), timeout=TIMEOUT)
+@pytest.mark.parametrize(
+    "schedule,pp,model",
+    [("bitpipe", 2, {}), ("bitpipe", 4, {}), ("bitpipe", 2, {"split_backward": True}), ("zbv", 2, {}), ("dualpipev", 2, {})],
+    ids=["bitpipe-pp2", "bitpipe-pp4", "bitpipe-split-pp2", "zbv-pp2", "dualpipev-pp2"],
+)
+def test_plan_schedule_equals_one_process(one_process, schedule, pp, model):
+    ranks = launch(train, pp, dict(schedule=schedule, pp=pp, num_layers=2 * pp, **model), timeout=TIMEOUT)
     reference = one_process if pp == 2 else launch(train, 1, dict(schedule="default", pp=1, num_layers=8), timeout=TIMEOUT)[0]
     _assert_equal(ranks[-1], reference)  # Bridge logs the losses of the last pipeline rank
     assert all(rank["grad_norm"] == ranks[-1]["grad_norm"] for rank in ranks)
