@@ -2,9 +2,9 @@
 
 megatron-core's ``get_forward_backward_func`` is a fixed choice between its own schedules
 (its arguments: ``pp_size, vp_size``, and since 0.19 ``schedule_pg_collection``), and
-Megatron-LM's ``training.py`` imports it by name. :func:`register` replaces that function — in
-``megatron.core.pipeline_parallel``, its ``schedules`` module and, when imported,
-``megatron.training.training`` — with an :class:`InstalledSchedule`: for a schedule this
+Megatron-LM's ``training.py`` and Megatron-Bridge's ``train`` and ``eval`` import it by name.
+:func:`register` replaces that function — in ``megatron.core.pipeline_parallel``, its
+``schedules`` module and, when imported, those three — with an :class:`InstalledSchedule`: for a schedule this
 package's plan executor runs (the registry's
 :attr:`~megatron_bitpipe.schedules.ScheduleChoice.plan_executed`, e.g. ``bitpipe``) it returns
 the plan's forward_backward function (or the function given to :func:`register`, e.g.
@@ -30,7 +30,13 @@ if TYPE_CHECKING:
 
 __all__ = ["InstalledSchedule", "installed_schedule", "register", "unregister"]
 
-_TARGETS = ("megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.schedules", "megatron.training.training")
+_TARGETS = (
+    "megatron.core.pipeline_parallel",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.training.training",
+    "megatron.bridge.training.train",  # Megatron-Bridge's training loop and evaluation
+    "megatron.bridge.training.eval",
+)
 
 
 class InstalledSchedule:

@@ -56,8 +56,16 @@ def _plan(choice: schedules.ScheduleChoice, num_ranks: int, num_microbatches: in
 
 
 def pipeline_groups_of(model: List[torch.nn.Module]) -> PipelineGroups:
-    """The PipelineGroups recorded on chunks built by ``build_chunks`` (through wrappers)."""
-    groups = get_attr_wrapped_model(model[0], "pipeline_groups", allow_none=True)
+    """The PipelineGroups recorded on chunks built by ``build_chunks`` (through wrappers).
+
+    ValueError naming ``build_chunks`` for chunks without them: megatron's
+    ``get_attr_wrapped_model`` raises a RuntimeError when no wrapper level has the attribute
+    (its ``allow_none`` only admits an attribute set to ``None``), which is translated here.
+    """
+    try:
+        groups = get_attr_wrapped_model(model[0], "pipeline_groups")
+    except RuntimeError:
+        groups = None
     if groups is None:
         raise ValueError(
             "model chunks carry no pipeline_groups: build them with megatron_bitpipe.model.chunks.build_chunks "
