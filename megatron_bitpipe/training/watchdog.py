@@ -33,6 +33,12 @@ Until an alarm, each rank looks at the store once per poll.
 
 The process group's own timeout (:func:`process_group_timeout`) is a little longer than
 ``timeout_s``, so that the watchdog, not a backend's timeout error, reports.
+
+torchrun stops the other ranks with SIGTERM as soon as one exits, often before they have met
+the closed connection and reported. So while it runs, a watchdog whose rank has no SIGTERM
+handler of its own (``--exit-signal-handler`` with SIGTERM installs one) takes SIGTERM as a
+notice: the rank goes on for at most :data:`TERM_GRACE_S` seconds, time for its communication
+error and the one line, and then ends as SIGTERM would (status ``128 + 15``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ __all__ = ["FAULT_EXIT_STATUS", "RankState", "Watchdog", "describe_stack", "faul
 FAULT_EXIT_STATUS = 3
 #: the longest poll (seconds); shorter timeouts poll ten times per timeout
 MAX_POLL_S = 1.0
+#: seconds a rank given SIGTERM by its launcher has left to report (see the module docstring)
+TERM_GRACE_S = 5.0
 #: store keys' prefix
 _PREFIX = "bitpipe-watchdog"
 
@@ -176,6 +184,7 @@ class Watchdog:
         self._last = None
         self._since = time.monotonic()
         self._answered = False
+        self._previous_sigterm = None
 
     @classmethod
     def for_job(cls, rank: int, world_size: int, timeout_s: float) -> Optional["Watchdog"]:
@@ -190,12 +199,24 @@ class Watchdog:
         return cls(store, rank, world_size, timeout_s, run=str(run))
 
     def __enter__(self) -> "Watchdog":
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=5 * self.poll_s + 1)
+        if self._previous_sigterm is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """The launcher's SIGTERM: end :data:`TERM_GRACE_S` seconds from now, reporting first if
+        this rank's communication fails meanwhile (a peer has exited)."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one notice is enough
+        timer = threading.Timer(TERM_GRACE_S, os._exit, args=(128 + signal.SIGTERM,))
+        timer.daemon = True
+        timer.start()
 
     def at(self, iteration: int, phase: str) -> None:
         """The loop is now in ``phase`` of ``iteration`` (main thread)."""
