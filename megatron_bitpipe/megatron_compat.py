@@ -39,6 +39,14 @@ patch release in the range behaves like its neighbours:
   **extra_kwargs)``, empty for self-attention), which
   :class:`~megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention` accepts and
   refuses when not empty. Nothing to adapt here.
+* :func:`param_gather_state`, :func:`finish_param_gathers` — megatron DDP's overlapped
+  parameter all-gather (``overlap_param_gather``) per bucket group: ``param_gather_dispatched``
+  (set when the gather is started, cleared by ``finish_grad_sync``), ``param_gather_handle``
+  (the gather in flight) and ``finish_param_sync`` (what the forward pre-hooks call: wait, and
+  without ``skip_next_bucket_dispatch`` start the next bucket group's gather), over
+  ``bucket_groups + expert_parallel_bucket_groups``; whether the hooks are registered:
+  ``remove_forward_pre_hook_handles`` not empty (Megatron-LM's own test). The same in 0.16.1
+  and 0.19.2, private, so found by their names.
 * :func:`enable_moe_without_transformer_engine` — megatron-core 0.16's ``moe_utils`` imports
   ``te_general_gemm`` only with Transformer Engine but its router GEMM reads the name in any
   case (NameError without TE); defining it as None, as later releases do, selects the router's
@@ -73,6 +81,9 @@ __all__ = [
     "reads_common_state_in_index",
     "enable_delay_wgrad_compute",
     "ddp_gradient_hooks",
+    "ParamGatherState",
+    "param_gather_state",
+    "finish_param_gathers",
     "enable_moe_without_transformer_engine",
     "MegatronLMFunctions",
     "megatron_lm_functions",
@@ -167,6 +178,40 @@ def ddp_gradient_hooks(module: torch.nn.Module) -> Dict[torch.nn.Parameter, Call
     if not callable(make_hook) or not isinstance(buckets, dict):
         return {}
     return {param: make_hook(param) for param in buckets}
+
+
+@dataclass(frozen=True)
+class ParamGatherState:
+    """Where a megatron DDP's overlapped parameter all-gathers stand (see the module docstring)."""
+
+    #: every bucket group's gather was started since the group's last gradient sync
+    dispatched: bool
+    #: bucket groups whose gather is started and not yet waited for
+    in_flight: int
+    #: the forward pre-hooks that wait for the gathers are registered
+    hooks_enabled: bool
+
+
+def _bucket_groups(ddp) -> list:
+    return list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
+
+
+def param_gather_state(ddp) -> ParamGatherState:
+    """The :class:`ParamGatherState` of megatron DDP ``ddp``."""
+    groups = _bucket_groups(ddp)
+    return ParamGatherState(
+        dispatched=all(group.param_gather_dispatched for group in groups),
+        in_flight=sum(group.param_gather_handle is not None for group in groups),
+        hooks_enabled=len(ddp.remove_forward_pre_hook_handles) > 0,
+    )
+
+
+def finish_param_gathers(ddp) -> None:
+    """Wait for every parameter all-gather of megatron DDP ``ddp`` that is in flight, as its
+    forward pre-hooks do, without starting any (no communication of its own)."""
+    for group in _bucket_groups(ddp):
+        if group.param_gather_handle is not None:
+            group.finish_param_sync(skip_next_bucket_dispatch=True)
 
 
 def enable_moe_without_transformer_engine() -> None:

@@ -55,6 +55,7 @@ class Case:
     tensor_parallel_mode: str = "1d"
     split_backward: bool = False
     distributed_optimizer: bool = False
+    overlap_param_gather: bool = False  # the distributed optimizer's gather overlapped with the next forward
     swiglu: bool = False  # a gated MLP (--swiglu): linear_fc1 is [gate; up], split with stride 2
     ep: int = 1  # expert-parallel ranks inside the data-parallel ones (a mixture-of-experts case's)
     t_p2p: float = 0.0  # the message time (in t_F) the plan is ordered for
@@ -256,6 +257,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
             overlap_grad_reduce=case.overlap_grad_reduce,
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=case.distributed_optimizer,
+            overlap_param_gather=case.overlap_param_gather,
             delay_wgrad_compute=choice.splits_backward,
         ),
         **case.model_kwargs(),
@@ -290,21 +292,42 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
 
     record = {"initial": full(), "replica_diff": [max_replica_difference(model.chunks, groups)], "steps": []}
     restore = _instrument(model.chunks, instrument) if instrument is not None else None
+    overlap = case.overlap_param_gather
+    if overlap:
+        record["parameter_uses"] = _count_parameter_uses(model.chunks)
+
+    def after_step(entry: dict) -> None:
+        entry["weights"] = full()
+        record["replica_diff"].append(max_replica_difference(model.chunks, groups))
+
+    # Overlapped gathers: the weights after a step are read once the next forward has waited
+    # for the gathers (reading them earlier would wait here, and the forwards would wait for nothing).
+    completed_by_next_forward = None
     for step in range(STEPS):
         for chunk in model.chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         losses = run(step)
+        if completed_by_next_forward is not None:
+            after_step(completed_by_next_forward)
         if restore is not None:
             restore()
             restore = None
-        # The distributed optimizer reduce-scatters: each rank holds only its shard's sum.
-        grads = None if case.distributed_optimizer else full(lambda p: p.main_grad)
+        # The distributed optimizer reduce-scatters: each rank holds only its shard's sum
+        # (compared with the same layout's, not with the single process).
+        grads = full(lambda p: p.main_grad)
         success, grad_norm, _ = optimizer.step()
         assert success
-        record["steps"].append(dict(losses=losses, grads=grads, grad_norm=grad_norm, weights=full()))
-        record["replica_diff"].append(max_replica_difference(model.chunks, groups))
+        entry = dict(losses=losses, grads=grads, grad_norm=grad_norm, gathers_in_flight=_gathers_in_flight(model.chunks))
+        record["steps"].append(entry)
+        if overlap:
+            completed_by_next_forward = entry
+        else:
+            after_step(entry)
     record["eval"] = run(None, forward_only=True)
+    if completed_by_next_forward is not None:
+        record["gathers_in_flight_after_eval"] = _gathers_in_flight(model.chunks)
+        after_step(completed_by_next_forward)
     record["eval_trace"] = traces[-1]
     record["pp_rank"] = groups.pp_rank
     record["optimizers"] = sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])})
@@ -377,6 +400,34 @@ def assert_equals_reference(case: Case, records: List[dict], ref: dict) -> None:
     torch.testing.assert_close(
         torch.tensor([evaluation[m] for m in sorted(evaluation)]), torch.tensor(ref["eval"]), rtol=RTOL, atol=ATOL
     )
+
+
+def _gathers_in_flight(chunks) -> int:
+    """Bucket groups of this rank's chunks whose parameter all-gather is started and not waited for."""
+    from megatron_bitpipe import megatron_compat
+
+    return sum(megatron_compat.param_gather_state(chunk).in_flight for chunk in chunks)
+
+
+def _count_parameter_uses(chunks) -> Dict[str, int]:
+    """Count, from a forward pre-hook on every module holding parameters (run after megatron
+    DDP's own, registered at its construction), the module calls (``"checked"``) and those
+    that found a parameter's all-gather still in flight (``"unwaited"``); a live dict."""
+    counts = {"checked": 0, "unwaited": 0}
+
+    def check(ddp):
+        def hook(module, *unused):
+            counts["checked"] += 1
+            groups = [ddp.param_to_bucket_group[p] for p in module.parameters(recurse=False) if p in ddp.param_to_bucket_group]
+            counts["unwaited"] += any(group.param_gather_handle is not None for group in groups)
+
+        return hook
+
+    for ddp in chunks:
+        for module in ddp.module.modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                module.register_forward_pre_hook(check(ddp))
+    return counts
 
 
 def _instrument(chunks, events: list):

@@ -44,6 +44,30 @@ class ChunkDistributedOptimizer(ChainedOptimizer):
         super().__init__(chained_optimizers)
         self._param_counts: Optional[List[int]] = None
 
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """Step each chunk's optimizer, in stage order. A chunk whose DDP overlaps the parameter
+        all-gather (:attr:`~megatron_bitpipe.execution.replicas.ChunkDistributedDataParallel.overlaps_param_gather`)
+        has its gather started right after its own step, asynchronously (megatron's
+        ``start_param_sync(force_dispatch=True)``), so it runs during the later chunks' steps
+        and the next forward, whose pre-hooks wait for it; without the overlap megatron's step
+        gathers synchronously."""
+        success = True
+        for part in self.chained_optimizers:
+            success &= part.step_with_ready_grads()
+            for chunk in part.model_chunks:
+                if getattr(chunk, "overlaps_param_gather", False):
+                    chunk.start_param_sync(force_dispatch=True)
+        return success
+
+    def finish_param_gather(self) -> None:
+        """Wait for every chunk's parameter all-gather still in flight (overlapped gathers):
+        the weights are complete afterwards; no communication of its own."""
+        for part in self.chained_optimizers:
+            for chunk in part.model_chunks:
+                if hasattr(chunk, "finish_param_gather"):
+                    chunk.finish_param_gather()
+
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs) -> Dict:
         metadata = kwargs.get("metadata") or {}
         sharding = metadata.get("distrib_optim_sharding_type")
@@ -114,8 +138,10 @@ def build_distributed_optimizer(
 
     ``chunks`` are the DDP-wrapped chunks (local chunk order), each reducing over its
     grad-sync group (``groups.model_pgs[c]``). After the step each chunk all-gathers its
-    parameters over that group, a blocking collective that must come in the same order on
-    every rank, hence the stage order (:func:`~megatron_bitpipe.execution.replicas.stage_order`).
+    parameters over that group, a collective that must start in the same order on every
+    rank, hence the stage order (:func:`~megatron_bitpipe.execution.replicas.stage_order`):
+    blocking, or with the DDP's ``overlap_param_gather`` started asynchronously and waited
+    for in the next forward (:meth:`ChunkDistributedOptimizer.step_with_ready_grads`).
     ``megatron_kwargs`` go to ``get_megatron_optimizer`` (``config_overrides``...).
     Collective over all ranks.
     """

@@ -15,7 +15,8 @@ One step:
 1. the plan for ``(D, num_microbatches)`` is generated, with its sends and receives as
    actions (pure Python, identical on every rank), and validated — bad arguments raise
    :class:`~megatron_bitpipe.schedules.ScheduleConfigError` naming the flag before any
-   communication;
+   communication; with ``overlap_param_gather`` every chunk whose parameter all-gather its
+   optimizer step did not start gets it started, in stage order (:func:`start_param_gathers`);
 2. with every chunk's DDP in ``no_sync``, :class:`~.executor.PlanExecutor` runs the
    plan; each chunk's gradient all-reduce (over its replicas x data parallel) starts
    asynchronously at its ``SYNC``, as soon as its last backward is done;
@@ -42,10 +43,17 @@ from ..optimus.grads import finalize_model_grads_func
 from ..schedules.actions import SchedulePlan
 from .executor import MicrobatchSource, PlanExecutor, StepResult, no_sync_all
 from .groups import PipelineGroups
-from .replicas import microbatches_per_replica, stage_order
+from .replicas import ChunkDistributedDataParallel, microbatches_per_replica, stage_order
 from .weight_grad import enable_split_backward
 
-__all__ = ["forward_backward_bitpipe", "make_forward_backward_func", "make_step_func", "pipeline_groups_of", "plan_forward_backward_func"]
+__all__ = [
+    "forward_backward_bitpipe",
+    "make_forward_backward_func",
+    "make_step_func",
+    "pipeline_groups_of",
+    "plan_forward_backward_func",
+    "start_param_gathers",
+]
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,6 +130,7 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
         plan = _plan(choice, placement.num_ranks, num_microbatches, forward_only)
         if plan.placement != placement:
             raise ValueError(f"{choice.schedule} plans use the {plan.placement.name} placement; the chunks were built for {placement.name}")
+        start_param_gathers(chunks, groups)
         divisor = microbatches_per_replica(num_microbatches, placement)
         eager = all(getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks)
         executor = PlanExecutor(
@@ -177,7 +186,25 @@ def plan_forward_backward_func(schedule: str) -> Callable:
 forward_backward_bitpipe = plan_forward_backward_func("bitpipe")
 
 
+def start_param_gathers(chunks, groups: PipelineGroups) -> None:
+    """Start, in stage order, the overlapped parameter all-gather of every chunk whose
+    optimizer step has not (the first iteration, a skipped step; see
+    :attr:`~.replicas.ChunkDistributedDataParallel.overlaps_param_gather`), so no forward
+    pre-hook ever starts one. Where the steps started them, nothing happens."""
+    for c in stage_order(groups):
+        if isinstance(chunks[c], ChunkDistributedDataParallel):
+            chunks[c].dispatch_param_gather()
+
+
 def _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length) -> None:
+    for chunk in chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if getattr(ddp_config, "overlap_param_gather", False) and not isinstance(chunk, ChunkDistributedDataParallel):
+            raise ValueError(
+                f"{schedule}: overlap_param_gather needs each chunk wrapped by megatron_bitpipe's wrap_ddp "
+                f"(ChunkDistributedDataParallel), not {type(chunk).__name__}: megatron's DDP would start the gathers "
+                "from forward pre-hooks, in plan order, which differs between the ranks of a grad-sync group"
+            )
     if len(chunks) != placement.chunks_per_rank:
         raise ValueError(f"{schedule} runs {placement.chunks_per_rank} model chunks per rank, got {len(chunks)}")
     if decoder_seq_length is not None and decoder_seq_length != seq_length:

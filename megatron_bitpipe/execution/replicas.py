@@ -39,6 +39,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer import TransformerConfig
 
+from .. import megatron_compat
 from ..schedules.placement import Placement
 from .groups import PipelineGroups
 from ..model_partition import ChunkSpec
@@ -88,6 +89,48 @@ class ChunkDistributedDataParallel(DistributedDataParallel):
     """
 
     gradient_exchange = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # megatron's switch for gathers started outside the forward: its pre-hooks then only
+        # wait, and never start the next bucket group's gather (see overlaps_param_gather).
+        self.overlap_param_gather_with_optimizer_step = self.overlaps_param_gather
+
+    @property
+    def overlaps_param_gather(self) -> bool:
+        """The distributed optimizer's parameter all-gather is overlapped with the next forward
+        (``overlap_param_gather`` with ``use_distributed_optimizer``).
+
+        Invariant: the gather is always *started* in stage order
+        (:func:`stage_order`), the same order on every rank of every grad-sync group — by the
+        chunk's optimizer right after its step
+        (:class:`~megatron_bitpipe.execution.distributed_optimizer.ChunkDistributedOptimizer`),
+        or, where no step started it (the first iteration, a skipped step), by
+        :meth:`dispatch_param_gather` before the plan's first action — and only *waited for* in
+        the forward, by megatron's forward pre-hooks, module by module. A forward pre-hook never
+        starts one: a chunk's first forward comes in plan order, which differs between the ranks
+        of a grad-sync group.
+        """
+        return self.ddp_config.use_distributed_optimizer and self.ddp_config.overlap_param_gather
+
+    def dispatch_param_gather(self) -> bool:
+        """Start this chunk's parameter all-gather (asynchronously) unless it was started since
+        the last gradient sync or no forward pre-hook would wait for it (Megatron-LM removes
+        them for its first iteration and its evaluations); whether it started one. Callers
+        walk the chunks in stage order."""
+        if not self.overlaps_param_gather:
+            return False
+        state = megatron_compat.param_gather_state(self)
+        if state.dispatched or not state.hooks_enabled:
+            return False
+        self.start_param_sync(force_dispatch=True)
+        return True
+
+    def finish_param_gather(self) -> None:
+        """Wait for this chunk's parameter all-gather if one is in flight (before reading the
+        weights outside a forward: a checkpoint, a comparison); no communication of its own."""
+        if self.overlaps_param_gather:
+            megatron_compat.finish_param_gathers(self)
 
     def start_grad_sync(self, *unused):
         if self.gradient_exchange is None:

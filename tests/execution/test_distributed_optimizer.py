@@ -7,7 +7,11 @@ and tensor 2 x pipeline 2 (4 ranks, one launch): every micro-batch's loss, the g
 every weight after each of STEPS (3) optimizer steps equal single-process training of the
 same model with megatron's non-distributed Adam (fp32, rtol 1e-5), the replicas stay
 bit-identical, and the evaluation losses agree. The same with Optimus 2D (q = 2, tensor 4 x
-pipeline 2, 8 ranks). One launch per world size (``launched``, ``tests/conftest.py``). In bf16 (fp32 main weights in the distributed optimizer's shards) the
+pipeline 2, 8 ranks). ZB-V at pipeline 2 x data parallel 2 the same. With the parameter
+all-gather overlapped with the next forward (``overlap_param_gather``; BitPipe and ZB-V at
+pipeline 2 x data parallel 2): equal to single-process training as above, and bit for bit
+equal to the same run with the gather after the step: the gathers are in flight after
+every step and every module's parameters are gathered before its forward uses them. One launch per world size (``launched``, ``tests/conftest.py``). In bf16 (fp32 main weights in the distributed optimizer's shards) the
 losses equal those of bf16 training with the non-distributed optimizer and the replicas stay
 bit-identical.
 """
@@ -38,6 +42,20 @@ CASES = [
         "bitpipe_optimus2d_q2_pp2_n4_distopt", "bitpipe", pp=2, n=4, tp=4, clip_grad=0.5, tensor_parallel_mode="optimus2d",
         distributed_optimizer=True,
     )
+] + [
+    Case(f"zbv_pp2_dp2_n2_distopt{suffix}", "zbv", pp=2, dp=2, n=2, clip_grad=0.5, distributed_optimizer=True, overlap_param_gather=overlap)
+    for suffix, overlap in (("", False), ("_overlap_param_gather", True))
+] + [
+    Case(
+        "bitpipe_pp2_dp2_n2_distopt_overlap_param_gather", "bitpipe", pp=2, dp=2, n=2, clip_grad=0.5, distributed_optimizer=True,
+        overlap_param_gather=True,
+    )
+]
+#: each overlapped case and the same case without the overlap
+OVERLAPPED = [
+    (case, next(c for c in CASES if c.name == case.name.replace("_overlap_param_gather", "")))
+    for case in CASES
+    if case.overlap_param_gather
 ]
 LAUNCH_TIMEOUT = 800
 
@@ -54,6 +72,31 @@ def test_distributed_optimizer_equals_single_process_training(case, references, 
     records = launched[case]
     assert {name for r in records for name in r["optimizers"]} == {"DistributedOptimizer"}
     assert_equals_reference(case, records, references[case.reference_key])
+
+
+@pytest.mark.parametrize("case, plain", OVERLAPPED, ids=lambda c: c.name)
+def test_overlapped_param_gather_equals_the_blocking_one(case, plain, launched):
+    """Every chunk's gather is still in flight after each step and is waited for by the next
+    forward before any module uses a parameter; losses, local gradient shards, grad norms and
+    weights equal the run whose steps gather at once, bit for bit."""
+    from megatron_bitpipe.schedules import ScheduleChoice
+
+    chunks = ScheduleChoice(case.schedule).placement(case.pp).chunks_per_rank
+    overlapped, blocking = launched[case], launched[plain]
+    for rank, (mine, theirs) in enumerate(zip(overlapped, blocking)):
+        assert [entry["gathers_in_flight"] for entry in theirs["steps"]] == [0] * len(theirs["steps"])
+        # one bucket group per chunk, each gathered asynchronously after its chunk's step
+        assert [entry["gathers_in_flight"] for entry in mine["steps"]] == [chunks] * len(mine["steps"]), f"rank {rank}"
+        assert mine["gathers_in_flight_after_eval"] == 0, f"rank {rank}: the evaluation's forwards waited for every gather"
+        assert mine["parameter_uses"]["checked"] > 0 and mine["parameter_uses"]["unwaited"] == 0, f"rank {rank}"
+        assert mine["replica_diff"] == theirs["replica_diff"]
+        assert mine["eval"] == theirs["eval"]
+        for step, (a, b) in enumerate(zip(mine["steps"], theirs["steps"])):
+            assert a["losses"] == b["losses"] and a["grad_norm"] == b["grad_norm"], f"rank {rank} step {step}"
+            for what in ("grads", "weights"):
+                assert a[what].keys() == b[what].keys()
+                for name in a[what]:
+                    assert torch.equal(a[what][name], b[what][name]), f"rank {rank} step {step} {what} {name}"
 
 
 def _bf16(case):
