@@ -301,6 +301,9 @@ class RunConfig:
         overlap_grad_reduce: gradients are reduced during the backward, by bucket: always with a
             plan-executed schedule (its eager per-chunk reduction), with megatron-core's
             schedules when ``--overlap-grad-reduce`` is given.
+        overlap_param_gather: ``--overlap-param-gather`` with ``--use-distributed-optimizer``: each
+            chunk's parameter all-gather starts after its step and the next forward waits for it
+            (:attr:`~megatron_bitpipe.execution.replicas.ChunkDistributedDataParallel.overlaps_param_gather`).
         overlap_p2p_comm: ``--overlap-p2p-comm`` where the schedule overlaps its pipeline
             messages (the plan executor's and megatron-core's interleaved schedule); off otherwise.
         replica_slowdown: ``--emulate-replica-slowdown``: one factor per data-parallel replica
@@ -344,6 +347,7 @@ class RunConfig:
     distributed_optimizer: bool = False
     layout_independent_init: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     overlap_p2p_comm: bool = False
     replica_slowdown: Optional[Tuple[float, ...]] = None
     stage_layers: Optional[StageLayers] = None
@@ -440,6 +444,8 @@ class RunConfig:
             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
             layout_independent_init=bool(getattr(args, "layout_independent_init", False)),
             overlap_grad_reduce=schedule.plan_executed or bool(getattr(args, "overlap_grad_reduce", False)),
+            overlap_param_gather=bool(getattr(args, "overlap_param_gather", False))
+            and bool(getattr(args, "use_distributed_optimizer", False)),
             overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", False)) and (schedule.plan_executed or interleaved),
             replica_slowdown=None if slowdown is None else tuple(slowdown),
             stage_layers=_stage_layers(args, schedule.placement(pipeline)),

@@ -51,6 +51,7 @@ __all__ = [
     "make_forward_backward_func",
     "make_step_func",
     "pipeline_groups_of",
+    "finish_param_gathers",
     "plan_forward_backward_func",
     "start_param_gathers",
 ]
@@ -194,6 +195,14 @@ def start_param_gathers(chunks, groups: PipelineGroups) -> None:
     for c in stage_order(groups):
         if isinstance(chunks[c], ChunkDistributedDataParallel):
             chunks[c].dispatch_param_gather()
+
+
+def finish_param_gathers(chunks) -> None:
+    """Wait for every overlapped parameter all-gather of ``chunks`` still in flight, so their
+    weights can be read outside a forward (a checkpoint); no communication of its own."""
+    for chunk in chunks:
+        if isinstance(chunk, ChunkDistributedDataParallel):
+            chunk.finish_param_gather()
 
 
 def _check_supported(schedule, chunks, placement, config, seq_length, decoder_seq_length) -> None:

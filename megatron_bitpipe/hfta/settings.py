@@ -88,6 +88,7 @@ _NOT_YET = {
     "optimizer": (("adam",), "--optimizer other than adam"),
     "data_parallel_mode": ((SYNC.name,), f"--data-parallel-mode other than {SYNC.name}"),
     "qk_layernorm": ((False,), "--qk-layernorm"),
+    "overlap_param_gather": ((False,), "--overlap-param-gather (a fused array's optimizer shards its state itself and gathers nothing)"),
     "apply_layernorm_1p": ((False,), "--apply-layernorm-1p"),
 }
 

@@ -275,6 +275,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="megatron's interleaved schedule: overlap its p2p with compute (bitpipe's plans post each receive where the plan says, right after the previous action, with or without the flag)",
     )
     group.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the data-parallel gradient reduction (always on with bitpipe)")
+    group.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="overlap the distributed optimizer's parameter all-gather with the next forward: each chunk's gather starts "
+        "right after its step, in stage order, and its first forward waits for it (needs --use-distributed-optimizer "
+        "and --overlap-grad-reduce, as in Megatron-LM)",
+    )
     add_bitpipe_args(parser)
     data_parallel = parser.add_argument_group(title="data-parallel mode")
     add_data_parallel_mode_arg(data_parallel)
@@ -453,6 +460,18 @@ def _checked_placement(args) -> Optional[Placement]:
     return choice.placement(pp)
 
 
+def _overlap_problems(args) -> List[str]:
+    """Megatron-LM's rules for ``--overlap-param-gather`` (its ``validate_args``), with its flag names."""
+    if not getattr(args, "overlap_param_gather", False):
+        return []
+    problems = []
+    if not args.use_distributed_optimizer:
+        problems.append("--overlap-param-gather is only supported with the distributed optimizer: add --use-distributed-optimizer")
+    if not args.overlap_grad_reduce:
+        problems.append("--overlap-param-gather must be used with --overlap-grad-reduce")
+    return problems
+
+
 def _recompute_problems(args) -> List[str]:
     """Megatron-LM's recompute rules for the chunks of the schedule that runs (each distinct
     non-zero number of layers a chunk holds)."""
@@ -609,6 +628,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
         problems += decentralized_problems(args)
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
+    problems += _overlap_problems(args)
     problems += optimizer_problems(args, schedule=resolved_schedule(args))
     problems += _data_problems(args)
     problems += hfta_problems(args)

@@ -39,6 +39,7 @@ from .. import megatron_compat
 from ..run_config import RunConfig
 from ..model.build import PipelineModel
 from ..execution.distributed_optimizer import SHARDING_TYPE
+from ..execution.forward_backward import finish_param_gathers
 from . import optimizer_state
 from ..checkpoint_checks import (
     CHECKPOINT_VERSION,
@@ -179,6 +180,7 @@ def save_checkpoint(
     is called on each rank between its shards and the index (the fault injection's point).
     """
     directory = checkpoint_dir(root, state.iteration)
+    finish_param_gathers(model.chunks)  # --overlap-param-gather: the weights after the step
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()

@@ -121,11 +121,13 @@ def ddp_config(run: RunConfig) -> DistributedDataParallelConfig:
     per-chunk sync) or with ``--overlap-grad-reduce``. Reduce-scattered for megatron's
     distributed optimizer (``--use-distributed-optimizer``), except for a fused array
     (``run.hfta``), whose DDP all-reduces while its optimizer shards the state itself
-    (:mod:`megatron_bitpipe.hfta.optimizer`)."""
+    (:mod:`megatron_bitpipe.hfta.optimizer`). With ``--overlap-param-gather`` the distributed
+    optimizer's parameter all-gather is overlapped with the next forward."""
     return DistributedDataParallelConfig(
         overlap_grad_reduce=run.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=run.distributed_optimizer and run.hfta is None,
+        overlap_param_gather=run.overlap_param_gather and run.hfta is None,
         delay_wgrad_compute=run.schedule.splits_backward,  # TE's deferred weights: DDP's hook after backward_dw
     )
 

@@ -16,6 +16,9 @@ megatron-core's schedules get the model's explicit process groups (``pg_collecti
 model config: ``finalize_model_grads_func`` (data-parallel reduction, tied-embedding
 all-reduce; with Optimus 2D also the column sums of :mod:`megatron_bitpipe.optimus.grads`),
 ``grad_scale_func`` (fp16 loss scaling) and, with ``--overlap-grad-reduce``, ``no_sync_func``. BitPipe's function needs none of them (its chunks carry their groups).
+With ``--overlap-param-gather`` a gather the optimizer step did not start is started before
+megatron-core's schedule runs, in stage order, as the plan executor does
+(:func:`~megatron_bitpipe.execution.forward_backward.start_param_gathers`).
 
 With ``--emulate-replica-slowdown`` every training call on a rank of data-parallel replica
 ``r`` is followed by ``(F_r - 1)`` times its duration of emulated compute
@@ -33,7 +36,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from ..optimus.grads import finalize_model_grads_func
 from ..run_config import RunConfig
 from ..model.build import PipelineModel
-from ..execution.forward_backward import make_forward_backward_func
+from ..execution.forward_backward import make_forward_backward_func, start_param_gathers
 
 __all__ = ["Schedule"]
 
@@ -86,6 +89,8 @@ class Schedule:
             data_iterator = [iter(batches) for _ in self.model.chunks]  # each chunk reads every micro-batch
         else:
             data_iterator = iter(batches)
+        if self.run_config.megatron_schedule is not None:
+            start_param_gathers(self.model.chunks, self.model.groups)
         started = time.perf_counter()
         reports = self.function(
             forward_step_func=forward_step_func,

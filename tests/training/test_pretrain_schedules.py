@@ -3,7 +3,8 @@ NCCL's p2p rules: strict p2p).
 
 The zero-bubble family (ZB-H1, ZB-V, DualPipeV), DualPipe and Chimera each train the tiny GPT
 on PP 2 x DP 2 with the distributed optimizer and log the single process's per-iteration
-losses, grad norms, learning rates and validation losses (rtol 1e-5, from ``--log-json``);
+losses, grad norms, learning rates and validation losses (rtol 1e-5, from ``--log-json``),
+ZB-V with the parameter all-gather overlapped with the next forward (``--overlap-param-gather``);
 DualPipe and Chimera hold two replicas whose pipelines end away from their start, so they run
 the model with untied embeddings (the tied model is refused, :mod:`tests.plugin.test_plugin_args`)
 against an untied single process. A torch_dist checkpoint saved under one schedule at
@@ -29,6 +30,8 @@ MODEL = tiny_gpt(ITERS)
 UNTIED = ["--untie-embeddings-and-output-weights"]
 #: schedule -> whether its placement needs untied embeddings
 SCHEDULES = {"zb-h1": False, "zbv": False, "dualpipev": False, "dualpipe": True, "chimera": True}
+#: the schedules whose run overlaps the distributed optimizer's parameter all-gather
+OVERLAP_PARAM_GATHER = {"zbv"}
 #: resumed run -> (schedule and layout, the run whose checkpoint it loads)
 RESUMES = {
     "resume_dualpipev_pp4_from_zbv": (["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "4"], "zbv"),
@@ -59,6 +62,8 @@ def runs(tmp_path_factory) -> Dict[str, Dict[int, dict]]:
     launch(train_in_process, 1, "gpt", [*MODEL, *UNTIED, *log("single_untied")], timeout=300)
     for schedule, untied in SCHEDULES.items():
         layout = ["--pipeline-schedule", schedule, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+        if schedule in OVERLAP_PARAM_GATHER:
+            layout += ["--overlap-param-gather", "--overlap-grad-reduce"]
         save = ["--save", str(out / f"ckpt_{schedule}"), "--save-interval", str(SAVE_AT)]
         launch(train_in_process, 4, "gpt", [*MODEL, *layout, *(UNTIED if untied else []), *save, *log(schedule)], timeout=600)
     for name, (task, ranks, both, pipelined) in COMPOSED.items():
