@@ -46,15 +46,14 @@ class ChunkDistributedOptimizer(ChainedOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        """Step each chunk's optimizer, in stage order. A chunk whose DDP overlaps the parameter
-        all-gather (:attr:`~megatron_bitpipe.execution.replicas.ChunkDistributedDataParallel.overlaps_param_gather`)
-        has its gather started right after its own step, asynchronously (megatron's
-        ``start_param_sync(force_dispatch=True)``), so it runs during the later chunks' steps
-        and the next forward, whose pre-hooks wait for it; without the overlap megatron's step
-        gathers synchronously."""
-        success = True
+        """megatron's step of every chunk's optimizer (stage order); then each chunk whose DDP
+        overlaps the parameter all-gather
+        (:attr:`~megatron_bitpipe.execution.replicas.ChunkDistributedDataParallel.overlaps_param_gather`)
+        has its gather started, asynchronously and in stage order (megatron's
+        ``start_param_sync(force_dispatch=True)``), to run during the next forward, whose
+        pre-hooks wait for it. Without the overlap megatron's step gathers, blocking."""
+        success = super().step_with_ready_grads()
         for part in self.chained_optimizers:
-            success &= part.step_with_ready_grads()
             for chunk in part.model_chunks:
                 if getattr(chunk, "overlaps_param_gather", False):
                     chunk.start_param_sync(force_dispatch=True)

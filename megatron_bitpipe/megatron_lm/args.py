@@ -61,8 +61,6 @@ _HYBRID = (
 # (attribute, flag, why it cannot run with a plan-executed schedule, ``{schedule}`` its name); a
 # flag is set when the attribute is truthy (numbers: > 1 for the parallel sizes).
 _PLAN_CONFLICTS = (
-    ("overlap_param_gather", "--overlap-param-gather",
-     "{schedule}'s per-chunk distributed optimizers gather their parameters right after the step"),
     ("use_torch_fsdp2", "--use-torch-fsdp2", "{schedule} wraps each chunk in megatron DDP"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "{schedule} wraps each chunk in megatron DDP"),
     ("context_parallel_size", "--context-parallel-size", "context parallelism is not supported"),

@@ -28,7 +28,9 @@ Megatron-LM needs six things from the plugin; both routes call the same function
    :func:`optimizer_param_scheduler` is Megatron-LM's scheduler class with ``rex`` (and no
    warm-up of its own for Schedule-Free, which warms up itself); :func:`evaluate`,
    :func:`save_checkpoint` and :func:`load_checkpoint` run Megatron-LM's functions with
-   Schedule-Free's averaged weights in the model (:func:`~megatron_bitpipe.optimizers.averaged_weights`).
+   Schedule-Free's averaged weights in the model (:func:`~megatron_bitpipe.optimizers.averaged_weights`);
+   with ``--overlap-param-gather`` Megatron-LM's loops over the chunks that wait for (or force)
+   their parameter all-gathers take a plan schedule's chunks in stage order (:func:`in_stage_order`).
    With a plan schedule and ``--use-distributed-optimizer``, :func:`get_megatron_optimizer` builds one
    distributed optimizer per chunk, over the chunk's grad-sync group
    (:mod:`megatron_bitpipe.execution.distributed_optimizer`).
@@ -55,6 +57,8 @@ import functools
 import sys
 from typing import Callable
 
+from ..execution.forward_backward import pipeline_groups_of
+from ..execution.replicas import stage_order
 from ..megatron_args import BitPipeConfigError, resolved_schedule
 from ..megatron_compat import enable_moe_without_transformer_engine, megatron_lm_functions, with_keyword
 from ..optimizers import OWN_OPTIMIZERS, ParamScheduler, averaged_weights, build_megatron_optimizer
@@ -152,6 +156,7 @@ def _route_optimizer_functions(config: RunConfig, rex_beta: float) -> None:
         ("evaluate", evaluate),
         ("save_checkpoint", save_checkpoint),
         ("load_checkpoint", functools.partial(load_checkpoint, run=config)),
+        *((name, functools.partial(in_stage_order, run=config)) for name in _PARAM_SYNC_FUNCTIONS),
     ):
         current = getattr(training, name)
         megatron_fn = getattr(current, "megatron_bitpipe_original", current)
@@ -247,6 +252,24 @@ def optimizer_param_scheduler(config: RunConfig, rex_beta: float) -> Callable:
         return ParamScheduler(optimizer, rex_beta=rex_beta, **kwargs)
 
     return build
+
+
+#: Megatron-LM's functions (core_v0.16.1, core_v0.19.0) that walk the model chunks for
+#: ``--overlap-param-gather``: each waits for a chunk's gather in flight, or gathers it, blocking
+_PARAM_SYNC_FUNCTIONS = ("force_param_sync", "disable_forward_pre_hook", "enable_forward_pre_hook")
+
+
+def in_stage_order(megatron_fn: Callable, model_chunks, *args, run: RunConfig, **kwargs):
+    """Megatron-LM's ``megatron_fn`` (:data:`_PARAM_SYNC_FUNCTIONS`) over the chunks of a
+    plan-executed schedule in stage order
+    (:func:`~megatron_bitpipe.execution.replicas.stage_order`). Where no gather is in flight
+    (its forward waited for it already) megatron's ``start_param_sync(force_sync=True)``
+    gathers again, a blocking collective over the chunk's grad-sync group: it must come in the
+    same order on every rank, which the chunks' list order is not. Other schedules: unchanged."""
+    if run.executes_plan:
+        chunks = list(model_chunks)
+        model_chunks = [chunks[c] for c in stage_order(pipeline_groups_of(chunks))]
+    return megatron_fn(model_chunks, *args, **kwargs)
 
 
 def evaluate(megatron_evaluate: Callable, forward_step_func, data_iterator, model, *args, **kwargs):

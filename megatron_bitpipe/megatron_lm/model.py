@@ -36,7 +36,9 @@ for the non-distributed optimizer's grad norm, fp16/bf16 chunks are wrapped in t
 embeds, outputs upcast where it computes the loss) and each chunk gets its own megatron DDP
 over its grad-sync group, always with ``overlap_grad_reduce`` (the executor's eager per-chunk
 all-reduce; with ``--use-distributed-optimizer`` a reduce-scatter, and each chunk then has its
-own distributed optimizer: :func:`megatron_bitpipe.megatron_lm.hooks.get_megatron_optimizer`).
+own distributed optimizer: :func:`megatron_bitpipe.megatron_lm.hooks.get_megatron_optimizer`;
+with ``--overlap-param-gather`` that optimizer's parameter all-gather is overlapped with the next
+forward, :attr:`~megatron_bitpipe.execution.replicas.ChunkDistributedDataParallel.overlaps_param_gather`).
 
 The script's ``model_provider`` must pass ``config`` and ``pg_collection`` on to the model
 (Megatron-LM's ``gpt_builder`` does); a chunk built without them raises a clear error.
@@ -82,6 +84,7 @@ def _ddp_config(args, run_config: RunConfig) -> DistributedDataParallelConfig:
         check_for_large_grads=getattr(args, "check_for_large_grads", False),
         average_in_collective=getattr(args, "ddp_average_in_collective", False),
         use_distributed_optimizer=run_config.distributed_optimizer,
+        overlap_param_gather=run_config.overlap_param_gather,
         delay_wgrad_compute=run_config.schedule.splits_backward,  # TE's deferred weights: DDP's hook after backward_dw
     )
 

@@ -13,7 +13,9 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
   (4 ranks); the runtime route's tensor 2 x pipeline 2 run saves a checkpoint at iteration 2;
 * resuming that checkpoint (``--load``, ``--ckpt-step 2``) continues the same loss curve;
 * runtime route with ``--use-distributed-optimizer``, pipeline 2 x data parallel 2 (4 ranks,
-  one distributed optimizer per chunk), with BitPipe, ZB-V and DualPipeV, saving at iteration 2;
+  one distributed optimizer per chunk), with BitPipe (its parameter all-gather overlapped with
+  the next forward: ``--overlap-param-gather``; Megatron-LM's evaluation and checkpoint save
+  after it), ZB-V and DualPipeV, saving at iteration 2;
   BitPipe's checkpoint resumed with DualPipeV and ZB-V's with BitPipe, at tensor 2 x pipeline 2
   and the distributed optimizer, continue the curve;
 * the other plan schedules on the runtime route: ZB-H1 (pipeline 4, tied embeddings: megatron's
@@ -110,17 +112,23 @@ def untied_reference(checkout, workdir) -> Run:
     return _ok(torchrun(checkout / "pretrain_gpt.py", 1, [*TINY_GPT, UNTIE, "--layout-independent-init"], workdir))
 
 
+#: the distributed-optimizer runs that overlap its parameter all-gather with the next forward
+OVERLAP_PARAM_GATHER = {"bitpipe": ["--overlap-param-gather", "--overlap-grad-reduce"]}
+
+
 @pytest.fixture(scope="module")
 def distopt_runs(checkout, workdir) -> Callable[[str], Run]:
     """``run(schedule)``: the schedule at pipeline 2 x data parallel 2 with
-    ``--use-distributed-optimizer``, saving at iteration 2 into ``checkpoint_distopt_<schedule>``
-    where Megatron-LM's checkpoint writer runs (each schedule runs once per module)."""
+    ``--use-distributed-optimizer`` (BitPipe's with ``--overlap-param-gather``), saving at
+    iteration 2 into ``checkpoint_distopt_<schedule>`` where Megatron-LM's checkpoint writer
+    runs (each schedule runs once per module)."""
     runs: Dict[str, Run] = {}
 
     def run(schedule: str) -> Run:
         if schedule not in runs:
             save = [] if checkpoint_writer_problem(checkout) else ["--save", str(workdir / f"checkpoint_distopt_{schedule}"), "--save-interval", "2"]
             flags = [*TINY_GPT, "--pipeline-schedule", schedule, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", *save]
+            flags += OVERLAP_PARAM_GATHER.get(schedule, [])
             runs[schedule] = _ok(torchrun(checkout / "pretrain_gpt.py", 4, flags, workdir))
         return runs[schedule]
 
