@@ -59,14 +59,6 @@ class ChunkDistributedOptimizer(ChainedOptimizer):
                     chunk.start_param_sync(force_dispatch=True)
         return success
 
-    def finish_param_gather(self) -> None:
-        """Wait for every chunk's parameter all-gather still in flight (overlapped gathers):
-        the weights are complete afterwards; no communication of its own."""
-        for part in self.chained_optimizers:
-            for chunk in part.model_chunks:
-                if hasattr(chunk, "finish_param_gather"):
-                    chunk.finish_param_gather()
-
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs) -> Dict:
         metadata = kwargs.get("metadata") or {}
         sharding = metadata.get("distrib_optim_sharding_type")

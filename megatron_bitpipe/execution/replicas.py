@@ -113,18 +113,16 @@ class ChunkDistributedDataParallel(DistributedDataParallel):
         """
         return self.ddp_config.use_distributed_optimizer and self.ddp_config.overlap_param_gather
 
-    def dispatch_param_gather(self) -> bool:
+    def dispatch_param_gather(self) -> None:
         """Start this chunk's parameter all-gather (asynchronously) unless it was started since
         the last gradient sync or no forward pre-hook would wait for it (Megatron-LM removes
-        them for its first iteration and its evaluations); whether it started one. Callers
-        walk the chunks in stage order."""
+        them for its first iteration and its evaluations). Callers walk the chunks in stage
+        order."""
         if not self.overlaps_param_gather:
-            return False
+            return
         state = megatron_compat.param_gather_state(self)
-        if state.dispatched or not state.hooks_enabled:
-            return False
-        self.start_param_sync(force_dispatch=True)
-        return True
+        if not state.dispatched and state.hooks_enabled:
+            self.start_param_sync(force_dispatch=True)
 
     def finish_param_gather(self) -> None:
         """Wait for this chunk's parameter all-gather if one is in flight (before reading the
