@@ -6,9 +6,10 @@ losses, grad norms and learning rates for iterations 3 and 4 (rtol 1e-5):
 
 * BitPipe, pipeline 2 x data parallel 2 with the distributed optimizer -> megatron-core's 1F1B,
   tensor 2 (sequence parallel) x pipeline 2, non-distributed optimizer; -> a single process
-  with the distributed optimizer;
+  with the distributed optimizer (its parameter all-gather overlapped: ``--overlap-param-gather``,
+  under megatron-core's own schedule);
 * megatron-core's interleaved schedule (pipeline 2, 2 chunks per rank) -> BitPipe with split
-  backward and the distributed optimizer;
+  backward and the distributed optimizer (``--overlap-param-gather``);
 * a single process, non-distributed optimizer -> a single process with the distributed one;
   -> Optimus 2D, tensor 4 (q = 2).
 
@@ -44,6 +45,8 @@ pytestmark = [pytest.mark.timeout(1500), pytest.mark.multirank]
 ITERS, SAVE_AT = 4, 2
 MODEL = tiny_gpt(ITERS)
 DISTOPT = ["--use-distributed-optimizer"]
+#: the distributed optimizer's parameter all-gather overlapped with the next forward
+OVERLAPPED = [*DISTOPT, "--overlap-param-gather", "--overlap-grad-reduce"]
 BITPIPE_DP2 = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2"]
 TP2_1F1B = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"]
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
@@ -88,10 +91,10 @@ def runs(out) -> Dict[str, Dict[int, dict]]:
     runs["single"] = _train(out, "single", 1, ["--save", str(out / "single"), *save])
     runs["bitpipe_dp2_distopt"] = _train(out, "bitpipe_dp2_distopt", 4, [*BITPIPE_DP2, *DISTOPT, "--save", str(out / "distopt"), *save])
     runs["1f1b_tp2_from_distopt"] = _train(out, "1f1b_tp2_from_distopt", 4, [*TP2_1F1B, "--load", str(out / "distopt"), *step])
-    runs["single_distopt_from_distopt"] = _train(out, "single_distopt_from_distopt", 1, [*DISTOPT, "--load", str(out / "distopt"), *step])
+    runs["single_distopt_from_distopt"] = _train(out, "single_distopt_from_distopt", 1, [*OVERLAPPED, "--load", str(out / "distopt"), *step])
     runs["interleaved"] = _train(out, "interleaved", 2, [*INTERLEAVED, "--save", str(out / "interleaved"), *save])
     runs["split_distopt_from_interleaved"] = _train(
-        out, "split_distopt_from_interleaved", 2, [*SPLIT, *DISTOPT, "--load", str(out / "interleaved"), *step]
+        out, "split_distopt_from_interleaved", 2, [*SPLIT, *OVERLAPPED, "--load", str(out / "interleaved"), *step]
     )
     runs["single_distopt_from_single"] = _train(out, "single_distopt_from_single", 1, [*DISTOPT, "--load", str(out / "single"), *step])
     runs["optimus_from_single"] = _train(out, "optimus_from_single", 4, [*OPTIMUS, "--load", str(out / "single"), *step])
