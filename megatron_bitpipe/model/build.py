@@ -22,6 +22,7 @@ from ..optimus.validation import check_optimus_model_config
 from ..schedules.layer_split import StageLayers
 from ..schedules.placement import Placement
 from ..execution.groups import ParallelGrid, PipelineGroups
+from .context_parallel import check_context_parallel_model
 from .experts import check_expert_layout
 from .init import initialize_from_seed, without_megatron_init
 from ..model_partition import ChunkSpec, chunk_specs
@@ -122,10 +123,16 @@ def build_pipeline_model(
     ``stage_layers`` gives each stage of a pipeline its layers, in pipeline order (default: equal
     stages of ``config.num_layers``; ``chunk_builder`` takes it as ``stage_layers``); the initial
     weights do not depend on it.
+
+    Context parallelism (``grid.cp`` > 1, ``config.context_parallel_size`` the same): each
+    sequence is split over ``grid.cp`` ranks (:mod:`.context_parallel`; feed each rank its
+    part, :func:`~.context_parallel.context_parallel_batch`), which needs SDPA core attention
+    in ``layer_spec``; what is refused: :func:`~.context_parallel.check_context_parallel_model`.
     """
     if tensor_parallel_mode == "optimus2d":
         check_optimus_model_config(config, grid.tp, vocab_size)
     check_expert_layout(config, grid)
+    check_context_parallel_model(config, grid, model_kwargs.get("layer_spec"), gradient_reduction)
     groups = PipelineGroups.build(grid, placement, tensor_parallel_mode, replica_groups=gradient_reduction == "replicas")
     init_megatron_state(groups.rank_pgs, seed)
     chunks = chunk_builder(
