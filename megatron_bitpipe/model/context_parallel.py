@@ -44,7 +44,6 @@ __all__ = [
     "context_parallel_batch",
     "gather_keys_values",
     "causal_chunk_masks",
-    "check_context_parallel_model",
 ]
 
 
@@ -144,31 +143,3 @@ def causal_chunk_masks(seq_length: int, cp_size: int, cp_rank: int, device) -> L
         out.append((slice(local * chunk, (local + 1) * chunk), keys, mask))
     return out
 
-
-def check_context_parallel_model(config, grid, layer_spec, gradient_reduction: str) -> None:
-    """Refuse, in one ValueError naming the flag and the rule, a model that context parallelism
-    (``grid.cp`` > 1) does not support here; nothing at ``grid.cp = 1``. Called before any group
-    exists. The rules: ``config.context_parallel_size`` equals ``grid.cp``; the layers' core
-    attention is :class:`~.sdpa_attention.SdpaDotProductAttention` (``--attention-backend
-    sdpa``: megatron-core's local ``DotProductAttention`` has no context parallelism, and
-    Transformer Engine's is not wired here); no mixture of experts; synchronous data-parallel
-    gradient reduction (not decentralized data parallelism or ABS-SGD)."""
-    from .sdpa_attention import SdpaDotProductAttention, uses_core_attention
-
-    if config.context_parallel_size != grid.cp:
-        raise ValueError(
-            f"the model config's context_parallel_size {config.context_parallel_size} differs from "
-            f"--context-parallel-size {grid.cp} of the layout"
-        )
-    if grid.cp == 1:
-        return
-    flag = f"--context-parallel-size {grid.cp}"
-    if layer_spec is None or not uses_core_attention(layer_spec, SdpaDotProductAttention):
-        raise ValueError(
-            f"{flag} needs --attention-backend sdpa (a layer spec whose core attention is SdpaDotProductAttention): "
-            "megatron-core's local DotProductAttention has no context parallelism"
-        )
-    if config.num_moe_experts:
-        raise ValueError(f"{flag} with --num-experts is not supported")
-    if gradient_reduction != "data-parallel":
-        raise ValueError(f"{flag} needs synchronous data-parallel gradient reduction (not {gradient_reduction!r})")

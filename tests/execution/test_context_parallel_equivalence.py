@@ -89,3 +89,29 @@ def run_references(keys) -> dict:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_context_parallel_equals_single_process_training(case, references, launched):
     assert_equals_reference(case, launched[case], references[case.reference_key])
+
+
+# ---------------------------------------------------------------- the GPT script
+
+SCRIPT = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "127", "--seed", "1234",
+    "--lr", "1e-3", "--lr-warmup-iters", "1", "--train-iters", "3", "--adam-eps", "1e-4", "--clip-grad", "1.0",
+    "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", "--attention-backend", "sdpa",
+]  # fmt: skip
+
+
+def test_script_bitpipe_cp2_pp2_logs_the_single_process_curve(tmp_path):
+    """``pretrain_gpt.py --context-parallel-size 2 --pipeline-schedule bitpipe`` on 4 ranks (PP 2 x
+    CP 2) logs the single process's losses, grad norms and validation loss (rtol 1e-5)."""
+    from megatron_bitpipe.cpu.launcher import launch
+
+    from ..pretrain_support import assert_same_records, records, train_in_process
+
+    single, cp = tmp_path / "single.jsonl", tmp_path / "cp.jsonl"
+    launch(train_in_process, 1, "gpt", [*SCRIPT, "--log-json", str(single)], timeout=300)
+    parallel = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]
+    launch(train_in_process, 4, "gpt", [*SCRIPT, *parallel, "--log-json", str(cp)], timeout=300)
+    got, want = records(cp), records(single)
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    assert_same_records(got, want, range(1, 4), ("lm_loss", "grad_norm", "validation_lm_loss", "consumed_samples"))

@@ -22,12 +22,8 @@ import pytest
 import torch
 
 from megatron_bitpipe.execution.group_plan import GroupPlan, ParallelGrid
-from megatron_bitpipe.model.context_parallel import (
-    causal_chunk_masks,
-    check_context_parallel_model,
-    context_parallel_batch,
-    cp_positions,
-)
+from megatron_bitpipe.model.build import check_context_parallel_model
+from megatron_bitpipe.model.context_parallel import causal_chunk_masks, context_parallel_batch, cp_positions
 from megatron_bitpipe.schedules import placement as placements
 
 
@@ -136,3 +132,26 @@ def test_context_parallel_models_refused_before_any_group():
         check_context_parallel_model(config, grid, sdpa, "replicas")
     with pytest.raises(ValueError, match=r"context_parallel_size 2 differs from --context-parallel-size 1"):
         check_context_parallel_model(config, ParallelGrid(pp=2), sdpa, "data-parallel")
+
+
+def test_script_flags_refused_in_one_line_each():
+    from megatron_bitpipe.training.arguments import BitPipeConfigError, parse_args
+    from megatron_bitpipe.training.gpt import GPTTask
+
+    base = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "127", "--train-iters", "3", "--lr", "1e-3",
+            "--context-parallel-size", "2", "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2"]  # fmt: skip
+    args = parse_args(GPTTask(), [*base, "--attention-backend", "sdpa"], world_size=8)
+    assert args.data_parallel_size == 2 and args.context_parallel_size == 2
+    for extra, line in [
+        ([], "--context-parallel-size 2 needs --attention-backend sdpa"),
+        (["--attention-backend", "sdpa", "--attention-dropout", "0.1"], "--context-parallel-size 2 needs --attention-dropout 0"),
+        (["--attention-backend", "sdpa", "--seq-length", "18"], "--context-parallel-size 2 needs --seq-length 18 divisible by 2 x 2"),
+        (["--attention-backend", "sdpa", "--save", "ckpt"], "--context-parallel-size 2 with --save or --load is not supported"),
+        (["--attention-backend", "sdpa", "--pipeline-schedule", "1f1b"], "--context-parallel-size 2 runs with the plan-executed schedules"),
+    ]:
+        with pytest.raises(BitPipeConfigError) as refused:
+            parse_args(GPTTask(), [*base, *extra], world_size=4)
+        assert line in str(refused.value) and str(refused.value).count("--context-parallel-size") == 1
+    with pytest.raises(BitPipeConfigError, match=r"world size 4 is not divisible by .* x --context-parallel-size = 8"):
+        parse_args(GPTTask(), [*base, "--attention-backend", "sdpa", "--tensor-model-parallel-size", "2"], world_size=4)
