@@ -18,6 +18,8 @@ The training equivalence of every schedule under context parallelism is
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -44,8 +46,13 @@ class _Group:
 def test_split_equals_megatron_and_covers_every_position_once(cp, monkeypatch):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    # megatron reads a group's size and rank only once torch.distributed is initialised
+    # megatron reads the group's size and rank (0.16: group.size() once torch.distributed is
+    # initialised; 0.19: torch.distributed.get_world_size/get_rank of the group): the fake's
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: group.size())
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: group.rank())
+    # megatron-core 0.19 also asks whether context parallelism is its hybrid kind (it is not)
+    hybrid = dict(is_hybrid_cp=False) if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
 
     seq = 16
     tokens = torch.arange(2 * seq).view(2, seq)
@@ -53,7 +60,7 @@ def test_split_equals_megatron_and_covers_every_position_once(cp, monkeypatch):
     held = []
     for rank in range(cp):
         ours = context_parallel_batch(batch, _Group(cp, rank))
-        theirs = get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()}, cp_group=_Group(cp, rank))
+        theirs = get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()}, cp_group=_Group(cp, rank), **hybrid)
         for name in batch:
             assert torch.equal(ours[name], theirs[name]), name
         positions = cp_positions(seq, cp, rank)
