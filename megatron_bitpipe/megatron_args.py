@@ -97,15 +97,22 @@ COST_PLANNED_SCHEDULES = tuple(name for name in PLAN_SCHEDULES if REGISTRY[name]
 MICROBATCHES_SOURCE = "micro-batches per data-parallel rank (--global-batch-size / (--micro-batch-size x data-parallel size))"
 
 
+def model_parallel_size_of(args: argparse.Namespace) -> int:
+    """TP x CP x PP: the ranks holding one data-parallel replica (``--context-parallel-size``
+    counts where the namespace has it: Megatron-LM's, and this package's scripts')."""
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * cp
+
+
 def data_parallel_size_problems(args: argparse.Namespace) -> List[str]:
-    """The world size must be a multiple of TP x PP, the global batch of micro-batch x DP."""
+    """The world size must be a multiple of TP x CP x PP, the global batch of micro-batch x DP."""
     world = args.world_size
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    model_parallel = model_parallel_size_of(args)
     if world % model_parallel:
-        return [
-            f"world size {world} is not divisible by --tensor-model-parallel-size x "
-            f"--pipeline-model-parallel-size = {model_parallel}"
-        ]
+        sizes = "--tensor-model-parallel-size x --pipeline-model-parallel-size"
+        sizes += " x --context-parallel-size" if cp > 1 else ""
+        return [f"world size {world} is not divisible by {sizes} = {model_parallel}"]
     data_parallel = world // model_parallel
     per_step = args.micro_batch_size * data_parallel
     if args.global_batch_size % per_step:
@@ -173,7 +180,7 @@ def microbatches_per_data_parallel_rank(args: argparse.Namespace) -> int:
     problems = data_parallel_size_problems(args)
     if problems:
         raise BitPipeConfigError(problems[0])
-    data_parallel = args.world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    data_parallel = args.world_size // model_parallel_size_of(args)
     return args.global_batch_size // (args.micro_batch_size * data_parallel)
 
 
@@ -198,7 +205,7 @@ def microbatch_problems(
     batch_rules = [p for p in problems if p not in choice.problems(pp, None, layers, **names)]
     if not batch_rules:
         return problems
-    data_parallel = args.world_size // (args.tensor_model_parallel_size * pp)
+    data_parallel = args.world_size // model_parallel_size_of(args)
     per_microbatch = args.micro_batch_size * data_parallel
     fewest = choice.smallest_num_microbatches(pp)
     smallest = (

@@ -68,7 +68,7 @@ def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
 class ParallelLayout:
     """How the job's ranks are split.
 
-    Invariant: ``world == tensor * pipeline * data``.
+    Invariant: ``world == tensor * context * pipeline * data``.
 
     Attributes:
         tensor: tensor-parallel size (``--tensor-model-parallel-size``; Optimus 2D: ``q * q``).
@@ -80,6 +80,8 @@ class ParallelLayout:
         tensor_parallel_mode: ``1d`` (megatron's) or ``optimus2d`` (SUMMA).
         expert: expert-parallel size (``--expert-model-parallel-size``): each MoE layer's
             experts split over that many consecutive data-parallel ranks; divides ``data``.
+        context: context-parallel size (``--context-parallel-size``): ranks splitting each
+            sequence of a data-parallel replica (:mod:`megatron_bitpipe.model.context_parallel`).
     """
 
     tensor: int
@@ -89,10 +91,11 @@ class ParallelLayout:
     sequence_parallel: bool
     tensor_parallel_mode: str
     expert: int = 1
+    context: int = 1
 
     @property
     def world(self) -> int:
-        return self.tensor * self.pipeline * self.data
+        return self.tensor * self.context * self.pipeline * self.data
 
 
 @dataclass(frozen=True)
@@ -428,6 +431,7 @@ class RunConfig:
                 sequence_parallel=bool(args.sequence_parallel) and tensor > 1,
                 tensor_parallel_mode=getattr(args, "tensor_parallel_mode", "1d"),
                 expert=getattr(args, "expert_model_parallel_size", 1),
+                context=getattr(args, "context_parallel_size", 1),
             ),
             precision=Precision(bf16=bool(args.bf16), fp16=bool(args.fp16)),
             batches=Batches(

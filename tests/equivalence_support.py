@@ -58,11 +58,12 @@ class Case:
     overlap_param_gather: bool = False  # the distributed optimizer's gather overlapped with the next forward
     swiglu: bool = False  # a gated MLP (--swiglu): linear_fc1 is [gate; up], split with stride 2
     ep: int = 1  # expert-parallel ranks inside the data-parallel ones (a mixture-of-experts case's)
+    cp: int = 1  # context-parallel ranks splitting each sequence (needs an SDPA layer spec in model_kwargs)
     t_p2p: float = 0.0  # the message time (in t_F) the plan is ordered for
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def global_microbatches(self) -> int:
@@ -91,6 +92,15 @@ class Case:
         from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
 
         return mean_loss_forward_step(data_iterator, model)
+
+    def rank_forward_step(self, groups):
+        """The forward step this rank runs: :meth:`forward_step`, or with context parallelism
+        the same model's on this rank's part of every sequence."""
+        if self.cp == 1:
+            return self.forward_step
+        from megatron_bitpipe.benchmarking.megatron_baseline import context_parallel_forward_step
+
+        return context_parallel_forward_step(groups.rank_pgs.cp)
 
     def batches(self, step: Optional[int], count: int) -> list:
         """The global batch of ``step``; ``step=None``: the evaluation batch."""
@@ -185,9 +195,13 @@ def reference(tied: bool, global_microbatches: int, clip_grad: float, fp32_cross
     return reference_training(tied, global_microbatches, clip_grad, model_config(**mlp_fields(swiglu)), fp32_cross_entropy)
 
 
-def reference_training(tied: bool, global_microbatches: int, clip_grad: float, config, fp32_cross_entropy: bool = False) -> dict:
+def reference_training(
+    tied: bool, global_microbatches: int, clip_grad: float, config, fp32_cross_entropy: bool = False,
+    position_embedding_type: str = "learned_absolute",
+) -> dict:
     """Single-process training of the stock megatron-core GPTModel of ``config`` (its local layer
-    spec; with ``config.num_moe_experts`` megatron's local MoE layer in every layer)."""
+    spec; with ``config.num_moe_experts`` megatron's local MoE layer in every layer) with
+    ``position_embedding_type`` (megatron's ``learned_absolute`` or ``rope``)."""
     from megatron_bitpipe import megatron_compat
     from megatron_bitpipe.model.build import init_megatron_state
     from megatron_bitpipe.model.experts import moe_gpt_layer_specs
@@ -203,7 +217,8 @@ def reference_training(tied: bool, global_microbatches: int, clip_grad: float, c
         megatron_compat.enable_moe_without_transformer_engine()
         layer_spec = moe_gpt_layer_specs(config)[0]
     model = baseline.build_megatron_gpt_model(
-        config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied, layer_spec=layer_spec
+        config, pg, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied, layer_spec=layer_spec,
+        position_embedding_type=position_embedding_type,
     )
     initialize_from_seed([model], [ChunkLayers(0, NUM_LAYERS, True, True, tied)], SEED)
 
@@ -242,13 +257,14 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         overlap_p2p_comm=case.overlap_p2p_comm,
         deallocate_pipeline_outputs=case.deallocate_pipeline_outputs,
         sequence_parallel=case.sequence_parallel,
+        context_parallel_size=case.cp,
         **case.config_overrides(),
     )
     if choice.splits_backward:  # as the scripts do: the deferral contract before the model is built
         megatron_compat.enable_delay_wgrad_compute(config)
     model = build_pipeline_model(
         config,
-        ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp, ep=case.ep),
+        ParallelGrid(tp=case.tp, dp=case.dp, pp=case.pp, ep=case.ep, cp=case.cp),
         choice.placement(case.pp),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
@@ -266,6 +282,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     groups = model.groups
     optimizer = build_optimizer(model, _optimizer_config(case.clip_grad, case.distributed_optimizer))
     step_func = make_step_func(choice)
+    forward_step = case.rank_forward_step(groups)
 
     def full(tensor_of=lambda p: p) -> Dict[str, torch.Tensor]:
         return merge_full(
@@ -279,7 +296,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
         reports of this rank by global micro-batch index."""
         first = groups.dp_rank * case.n
         result = step_func(
-            forward_step_func=case.forward_step,
+            forward_step_func=forward_step,
             data_iterator=iter(case.batches(step, case.global_microbatches)[first : first + case.n]),
             model=model.chunks,
             num_microbatches=case.n,

@@ -19,7 +19,9 @@ there is one); on a CPU-only torch call :func:`megatron_bitpipe.cpu.enable_cpu_m
 * :func:`synthetic_microbatches`, :func:`mean_loss_forward_step` — deterministic
   ``(tokens, labels)`` data and a ``forward_step_func`` returning the mean token loss (the
   training scripts' :func:`megatron_bitpipe.training.gpt.gpt_forward_step` takes dict samples
-  and returns Megatron-LM's sum and token count instead).
+  and returns Megatron-LM's sum and token count instead);
+  :func:`context_parallel_forward_step` — the same data under context parallelism: each rank
+  runs its part of every sequence and reports the mean over the whole sequence.
 """
 
 from __future__ import annotations
@@ -272,3 +274,37 @@ def mean_loss_forward_step(data_iterator: Iterator, model: torch.nn.Module):
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     output = model(tokens, position_ids, None, labels=labels)
     return output, _mean_loss
+
+
+def context_parallel_forward_step(cp_group: dist.ProcessGroup):
+    """A ``forward_step_func`` like :func:`mean_loss_forward_step` for a model whose sequences
+    are split over ``cp_group`` (:mod:`megatron_bitpipe.model.context_parallel`).
+
+    Each rank runs its part of the micro-batch (tokens, labels and position ids cut to its
+    positions, :func:`~megatron_bitpipe.model.context_parallel.context_parallel_batch`). The
+    loss function returns megatron's three values — the sum of this rank's token losses and
+    their count, which megatron's schedule divides by, and the report — so each rank's loss is
+    its own mean and DDP's average over data x context parallel makes the gradient that of the
+    whole sequence's mean (equal counts per rank: the split is even). The report ``lm loss`` is
+    the whole sequence's mean token loss, the same on every rank of ``cp_group`` (one
+    all-reduce of the detached sum and count).
+    """
+    from ..model.context_parallel import context_parallel_batch
+
+    def loss_func(per_token_loss: torch.Tensor):
+        loss = per_token_loss.float().sum()
+        count = torch.tensor(per_token_loss.numel(), dtype=torch.int, device=loss.device)
+        total = torch.stack((loss.detach(), count.float()))
+        dist.all_reduce(total, group=cp_group)
+        return loss, count, {"lm loss": total[0] / total[1]}
+
+    def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+        tokens, labels = next(data_iterator)
+        if torch.cuda.is_available():
+            tokens, labels = tokens.cuda(), labels.cuda()
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        part = context_parallel_batch(dict(tokens=tokens, labels=labels, position_ids=position_ids), cp_group)
+        output = model(part["tokens"], part["position_ids"], None, labels=part["labels"])
+        return output, loss_func
+
+    return forward_step

@@ -141,7 +141,8 @@ class CpuDeviceMode(TorchFunctionMode):
     """Torch function mode that maps the CUDA device onto the CPU.
 
     Rewrites: a ``device=`` keyword naming a CUDA device (factory functions, ``Tensor.to``,
-    ``Tensor.new_*``...), a CUDA device passed positionally to ``Tensor.to``,
+    ``Tensor.new_*``...), a CUDA device passed positionally to ``Tensor.to``, ``pin_memory=True``
+    (to False: megatron's RoPE split of a context-parallel rank's positions asks for it),
     ``Tensor.cuda()`` (returns the tensor), ``Tensor.type()`` without arguments (CUDA type
     name for a CPU tensor). Every other call runs unchanged.
 
@@ -157,6 +158,8 @@ class CpuDeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Tuple, args: Tuple = (), kwargs: Dict | None = None):
         kwargs = kwargs or {}
+        if kwargs.get("pin_memory"):  # page-locked host memory serves copies to a GPU; there is none
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.cuda:
             # megatron moves already-allocated tensors with .cuda(); they already are "there".
             if self.audit is not None:

@@ -260,8 +260,8 @@ def finalize_grads(chunks, groups: PipelineGroups, config, num_tokens: torch.Ten
 
     Chunks go to the finaliser in stage order: blocking reductions (DDP without
     ``overlap_grad_reduce``) over the per-stage groups are then issued in the same order on
-    every rank. Per-token loss: the token count of every loss rank and data-parallel rank is
-    summed (the loss ranks of a V placement are not megatron's last pipeline stage) and every
+    every rank. Per-token loss: the token count of every loss rank and data- and
+    context-parallel rank is summed (the loss ranks of a V placement are not megatron's last pipeline stage) and every
     gradient divided by it.
     """
     ordered = [chunks[c] for c in stage_order(groups)]
@@ -270,7 +270,7 @@ def finalize_grads(chunks, groups: PipelineGroups, config, num_tokens: torch.Ten
     if config.calculate_per_token_loss:
         total = num_tokens.to(dtype=torch.float64)
         dist.all_reduce(total, group=groups.pp)
-        dist.all_reduce(total, group=groups.rank_pgs.dp)
+        dist.all_reduce(total, group=groups.rank_pgs.dp_cp)
         scale = 1.0 / max(total.item(), 1.0)
         for chunk in chunks:
             chunk.scale_gradients(scale)

@@ -14,12 +14,14 @@ order:
 
 1. ``tp``, ``dp``, ``pp``, ``mp``, ``solo``, ``world`` — the grid's (:class:`ParallelGrid`,
    megatron's default order, tp fastest); ``solo`` is one group per rank, ``world`` every rank;
+   with context parallelism (``grid.cp > 1``) then ``cp`` (the ranks sharing one sequence) and
+   ``dp-cp`` (megatron's data-parallel group with context parallelism: dp x cp);
 2. ``channel/<payload>/<pipeline>/<direction>/<parity>`` — one family per p2p channel group
    (:func:`~megatron_bitpipe.schedules.comm.channel_group_key`), each the grid's pipeline
    groups: a message of that channel travels on its sender's group of the family;
 3. ``stage/<s>`` — per stage of the placement, its gradient-sync groups: the ranks holding a
-   replica of the stage (one per pipeline) x the data-parallel ranks, one group per
-   tensor-parallel rank;
+   replica of the stage (one per pipeline) x the data-parallel ranks x the context-parallel
+   ranks, one group per tensor-parallel rank;
 4. with expert parallelism (``grid.ep > 1``): ``expert-dp``, ``ep``, ``tp-ep``, ``tp-ep-pp``,
    then ``expert-stage/<s>`` (a stage's replicas x the data-parallel ranks of one
    expert-parallel rank);
@@ -33,8 +35,8 @@ order:
 
 Warm-ups (:attr:`GroupPlan.warm_ups`), in order: each channel family in key order (an
 all-reduce over the rank's group, then one exchange over each of the family's links the rank
-sends or receives on), each stage family in stage order, ``ep`` and ``tp-ep`` and the expert
-stage families, the replica families. A rank takes part in a warm-up where it is a member;
+sends or receives on), ``cp`` and ``dp-cp`` (with context parallelism), each stage family in
+stage order, ``ep`` and ``tp-ep`` and the expert stage families, the replica families. A rank takes part in a warm-up where it is a member;
 every rank walks the same sequence, so the earliest unfinished warm-up always has all its
 members.
 
@@ -72,19 +74,24 @@ RankList = Tuple[int, ...]
 
 @dataclass(frozen=True)
 class ParallelGrid:
-    """A tp x dp x pp rank grid in megatron's default order, with ``ep`` expert-parallel ranks
-    inside the data-parallel ones.
+    """A tp x cp x dp x pp rank grid in megatron's default order, with ``ep`` expert-parallel
+    ranks inside the data-parallel ones.
 
-    Invariants: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, so a tensor-parallel group
-    is a run of ``tp`` consecutive ranks and pipeline ranks are ``tp * dp`` apart; ``ep``
-    divides ``dp``, and data-parallel rank ``d`` is expert-parallel rank ``d % ep`` of the
+    Invariants: ``rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``, so a
+    tensor-parallel group is a run of ``tp`` consecutive ranks, the ``cp`` ranks sharing one
+    sequence are ``tp`` apart and pipeline ranks are ``tp * cp * dp`` apart; ``ep`` divides
+    ``dp``, and data-parallel rank ``d`` is expert-parallel rank ``d % ep`` of the
     expert-parallel group ``d // ep`` (megatron's expert order: ep faster than expert dp).
+    ``dp`` counts data-parallel replicas (each its own micro-batches); the ``cp`` ranks of a
+    replica split each of its sequences (:mod:`megatron_bitpipe.model.context_parallel`).
+    Context parallelism with expert parallelism is refused (ValueError naming both flags).
     """
 
     tp: int = 1
     dp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self):
         if self.ep < 1 or self.dp % self.ep:
@@ -92,32 +99,60 @@ class ParallelGrid:
                 f"--expert-model-parallel-size {self.ep} must divide the data-parallel size {self.dp} "
                 "(expert-parallel ranks are data-parallel copies of one pipeline rank)"
             )
+        if self.cp < 1:
+            raise ValueError(f"--context-parallel-size {self.cp} must be at least 1")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(
+                f"--context-parallel-size {self.cp} with --expert-model-parallel-size {self.ep}: "
+                "context parallelism with expert parallelism is not supported"
+            )
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
-    def rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+    def rank(self, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> int:
+        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
     def coords(self, rank: int) -> Tuple[int, int, int]:
-        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
+        """``(tp_rank, dp_rank, pp_rank)`` of a global rank (its cp rank: :meth:`cp_rank`)."""
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        return tp_rank, dp_rank, rank // (self.tp * self.dp)
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        return tp_rank, dp_rank, rank // (self.tp * self.cp * self.dp)
+
+    def cp_rank(self, rank: int) -> int:
+        """The context-parallel rank of a global rank: which slice of each sequence it holds."""
+        return (rank // self.tp) % self.cp
+
+    def dp_cp_coords(self) -> List[Tuple[int, int]]:
+        """Every ``(dp_rank, cp_rank)``, cp fastest."""
+        return [(d, c) for d in range(self.dp) for c in range(self.cp)]
 
     def tp_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return [[self.rank(t, d, p, c) for t in range(self.tp)] for p in range(self.pp) for d, c in self.dp_cp_coords()]
 
     def dp_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        """Data-parallel groups: the replicas of one (tp, cp, pp) position (megatron's dp group
+        without context parallelism)."""
+        return [
+            [self.rank(t, d, p, c) for d in range(self.dp)] for p in range(self.pp) for c in range(self.cp) for t in range(self.tp)
+        ]
+
+    def cp_groups(self) -> List[List[int]]:
+        """Context-parallel groups: the ``cp`` ranks splitting one replica's sequences."""
+        return [[self.rank(t, d, p, c) for c in range(self.cp)] for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
+
+    def dp_cp_groups(self) -> List[List[int]]:
+        """Data x context-parallel groups (megatron's ``with_context_parallel`` data-parallel group)."""
+        return [[self.rank(t, d, p, c) for d, c in self.dp_cp_coords()] for p in range(self.pp) for t in range(self.tp)]
 
     def pp_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return [[self.rank(t, d, p, c) for p in range(self.pp)] for d, c in self.dp_cp_coords() for t in range(self.tp)]
 
     def mp_groups(self) -> List[List[int]]:
-        """Model-parallel (tp x pp) groups: all ranks holding one data-parallel replica."""
-        return [[self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+        """Model-parallel (tp x pp) groups: all ranks holding one copy of the weights at one
+        (dp, cp) position."""
+        return [[self.rank(t, d, p, c) for p in range(self.pp) for t in range(self.tp)] for d, c in self.dp_cp_coords()]
 
     def _expert(self, t: int, block: int, e: int, p: int) -> int:
         return self.rank(t, block * self.ep + e, p)
@@ -146,9 +181,9 @@ class ParallelGrid:
         blocks = range(self.dp // self.ep)
         return [[self._expert(t, b, e, p) for b in blocks] for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
 
-    def slices(self) -> List[Tuple[int, int]]:
-        """Every ``(tp_rank, dp_rank)``: one pipeline's ranks each, dp outer."""
-        return [(t, d) for d in range(self.dp) for t in range(self.tp)]
+    def slices(self) -> List[Tuple[int, int, int]]:
+        """Every ``(tp_rank, dp_rank, cp_rank)``: one pipeline's ranks each, dp outer, tp innermost."""
+        return [(t, d, c) for d, c in self.dp_cp_coords() for t in range(self.tp)]
 
 
 @dataclass(frozen=True)
@@ -241,11 +276,17 @@ class GroupPlan:
         """The plan of ``grid`` x ``placement`` (module docstring); ``replica_groups``: also the
         ``replica/<s>`` families (decentralized data parallelism). ValueError, naming the rule,
         for a mode that is not ``1d``/``optimus2d``, a non-square tensor-parallel size under
-        Optimus 2D, a placement of another number of pipeline ranks than ``grid.pp``, or a
+        Optimus 2D, context parallelism with Optimus 2D or with replica groups, a placement of another number of pipeline ranks than ``grid.pp``, or a
         placement holding two replicas of a stage on one rank."""
         if tensor_parallel_mode not in TENSOR_PARALLEL_MODES:
             raise ValueError(f"--tensor-parallel-mode {tensor_parallel_mode!r} is not one of {TENSOR_PARALLEL_MODES}")
         side = mesh_side(grid.tp) if tensor_parallel_mode == "optimus2d" else None
+        if grid.cp > 1 and side is not None:
+            raise ValueError(f"--context-parallel-size {grid.cp} with --tensor-parallel-mode optimus2d is not supported")
+        if grid.cp > 1 and replica_groups:
+            raise ValueError(
+                f"--context-parallel-size {grid.cp} with decentralized data parallelism (replica groups) is not supported"
+            )
         if placement.num_ranks != grid.pp:
             raise ValueError(
                 f"the {placement.name} placement has {placement.num_ranks} pipeline ranks, "
@@ -265,16 +306,18 @@ class GroupPlan:
             ("solo", [[r] for r in range(grid.world_size)]),
             ("world", [list(range(grid.world_size))]),
         ]
+        if grid.cp > 1:
+            families += [("cp", grid.cp_groups()), ("dp-cp", grid.dp_cp_groups())]
         keys = channel_keys(placement)
         families += [(channel_family(key), grid.pp_groups()) for key in keys]
 
-        def across_holders(stage: int, slices: Sequence[Tuple[int, Sequence[int]]]) -> List[List[int]]:
-            """One group per (tp rank, data-parallel ranks) of ``slices``: those ranks at every holder of the stage."""
+        def across_holders(stage: int, slices: Sequence[Tuple[int, Sequence[Tuple[int, int]]]]) -> List[List[int]]:
+            """One group per (tp rank, (dp, cp) ranks) of ``slices``: those ranks at every holder of the stage."""
             holders = stage_holders(placement, stage)
-            return [sorted(grid.rank(t, d, p) for p in holders for d in dps) for t, dps in slices]
+            return [sorted(grid.rank(t, d, p, c) for p in holders for d, c in dcs) for t, dcs in slices]
 
-        every_dp = list(range(grid.dp))
-        families += [(stage_family(s), across_holders(s, [(t, every_dp) for t in range(grid.tp)])) for s in stages]
+        every_dp_cp = grid.dp_cp_coords()
+        families += [(stage_family(s), across_holders(s, [(t, every_dp_cp) for t in range(grid.tp)])) for s in stages]
         experts = grid.ep > 1
         if experts:
             families += [
@@ -284,10 +327,10 @@ class GroupPlan:
                 ("tp-ep-pp", grid.tp_ep_pp_groups()),
             ]
             blocks = range(grid.dp // grid.ep)
-            expert_slices = [(t, [b * grid.ep + e for b in blocks]) for e in range(grid.ep) for t in range(grid.tp)]
+            expert_slices = [(t, [(b * grid.ep + e, 0) for b in blocks]) for e in range(grid.ep) for t in range(grid.tp)]
             families += [(expert_stage_family(s), across_holders(s, expert_slices)) for s in stages]
         replicated = [s for s in stages if replica_groups and placement.num_pipelines > 1]
-        families += [(replica_family(s), across_holders(s, [(t, [d]) for t, d in grid.slices()])) for s in replicated]
+        families += [(replica_family(s), across_holders(s, [(t, [(d, c)]) for t, d, c in grid.slices()])) for s in replicated]
         if side is not None:
             tp_lists = sorted(tuple(ranks) for ranks in grid.tp_groups())
             families += [
@@ -296,10 +339,12 @@ class GroupPlan:
             ]
         if placement.head_copies_embedding:
             ends = (placement.location(0, 0).rank, placement.location(0, placement.num_stages - 1).rank)
-            families.append(("embedding", [sorted(grid.rank(t, d, p) for p in ends) for t, d in grid.slices()]))
+            families.append(("embedding", [sorted(grid.rank(t, d, p, c) for p in ends) for t, d, c in grid.slices()]))
 
         links = placement_links(placement)
         warm_ups = [WarmUp(channel_family(key), tuple(links.get(key, ()))) for key in sorted(keys, key=lambda k: (k[0].value, *k[1:]))]
+        if grid.cp > 1:
+            warm_ups += [WarmUp("cp"), WarmUp("dp-cp")]
         warm_ups += [WarmUp(stage_family(s)) for s in stages]
         if experts:
             warm_ups += [WarmUp("ep"), WarmUp("tp-ep")] + [WarmUp(expert_stage_family(s)) for s in stages]

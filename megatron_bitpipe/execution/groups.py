@@ -13,10 +13,13 @@ rank, and :func:`warm_up` walks its warm-ups; no ``initialize_model_parallel``. 
 * ``rank_pgs`` — a ``ProcessGroupCollection`` for what spans all chunks of the rank: the
   megatron optimizer (``mp`` is the grad-norm group of the non-distributed optimizer,
   ``intra_dist_opt`` — every rank of the job — the distributed optimizer's),
-  ``finalize_model_grads``. ``dp``/``dp_cp`` are the plain data-parallel group.
+  ``finalize_model_grads``. ``dp`` is the plain data-parallel group, ``dp_cp`` the data x
+  context-parallel one (the same group without context parallelism), ``cp`` this rank's
+  context-parallel group (the ranks splitting its sequences; this rank alone at ``grid.cp = 1``).
 * ``model_pgs[c]`` — the collection for local chunk ``c``: its GPTModel and its
   ``DistributedDataParallel``. Same as ``rank_pgs`` except ``dp = dp_cp = expt_dp`` is the
-  chunk's grad-sync group (:meth:`PipelineGroups.grad_sync_group`).
+  chunk's grad-sync group (:meth:`PipelineGroups.grad_sync_group`: its stage's replicas x data
+  x context parallel).
   ``embd = pos_embd`` is this rank alone in both: tied embeddings live on one rank
   (:mod:`megatron_bitpipe.model.chunks`), so megatron's embedding all-reduces are skipped
   (a group of one, not None: ``finalize_model_grads`` looks a None embedding group up in the
@@ -25,7 +28,7 @@ rank, and :func:`warm_up` walks its warm-ups; no ``initialize_model_parallel``. 
   (:attr:`~megatron_bitpipe.schedules.placement.Placement.head_copies_embedding`: one pipeline whose first
   and last stage are on different ranks): then, on those two ranks, ``embd`` is megatron's
   embedding group, the first- and last-stage ranks of this (tp, dp) slice.
-  ``pp`` is the pipeline ranks of this (tp, dp) slice in grid order, for every chunk; its
+  ``pp`` is the pipeline ranks of this (tp, cp, dp) slice in grid order, for every chunk; its
   rank is the pipeline rank, *not* a stage index.
 * p2p channel groups, one per (payload, pipeline, direction, link parity) — see
   :meth:`channel_group`.
@@ -50,8 +53,13 @@ deadlock).
   pipeline rank and run one plan, so they reach every MoE layer's collectives together.
   Expert tensor parallelism equals tensor parallelism (``expt_tp = tp``).
 
-Context parallelism is off (``cp`` is this rank alone); with ``grid.ep == 1`` so is expert
-parallelism (``ep`` this rank alone, ``expt_dp = dp``).
+Context parallelism (``grid.cp`` > 1): ``cp`` is this rank's context-parallel group in every
+collection (the core attention all-gathers keys and values over it, megatron's schedules scale
+two-value losses by its size, RoPE takes this rank's positions from it), ``dp_cp`` of
+``rank_pgs`` the data x context-parallel group, and the grad-sync groups span the
+context-parallel ranks too: gradients are averaged over dp x cp, as megatron's DDP does over
+``with_context_parallel`` groups. With ``grid.ep == 1`` expert parallelism is off (``ep`` this
+rank alone, ``expt_dp = dp``).
 """
 
 from __future__ import annotations
@@ -101,6 +109,8 @@ def process_group_collection(
     mp: dist.ProcessGroup,
     solo: dist.ProcessGroup,
     world: dist.ProcessGroup,
+    cp: Optional[dist.ProcessGroup] = None,
+    dp_cp: Optional[dist.ProcessGroup] = None,
     embd: Optional[dist.ProcessGroup] = None,
     pos_embd: Optional[dist.ProcessGroup] = None,
     ep: Optional[dist.ProcessGroup] = None,
@@ -110,8 +120,9 @@ def process_group_collection(
 ) -> ProcessGroupCollection:
     """Every group megatron-core's GPTModel, DDP, optimizer and ``finalize_model_grads`` read.
 
-    Context parallelism is off: ``cp`` is ``solo`` (this rank alone), ``dp_cp = dp``,
-    ``tp_cp = tp``. Expert parallelism: ``ep``, ``tp_ep``, ``tp_ep_pp``, ``expt_dp`` as given,
+    Context parallelism: ``cp`` as given (default ``solo``, this rank alone: off), ``dp_cp`` as
+    given (default ``dp``); ``tp_cp = tp`` (megatron's MoE router alone reads it, and context
+    parallelism with experts is refused). Expert parallelism: ``ep``, ``tp_ep``, ``tp_ep_pp``, ``expt_dp`` as given,
     each defaulting to expert parallelism off (``solo``, ``tp``, ``mp``, ``dp``); expert tensor
     parallelism is tensor parallelism (``expt_tp = tp``). ``tp_dp_cp`` is ``tp``: the MoE router
     reduces over it only for megatron's ``global_aux_loss`` (statistics across the data-parallel
@@ -125,11 +136,11 @@ def process_group_collection(
         tp=tp,
         pp=pp,
         dp=dp,
-        dp_cp=dp,
+        dp_cp=dp_cp or dp,
         mp=mp,
         embd=embd,
         pos_embd=pos_embd,
-        cp=solo,
+        cp=cp or solo,
         tp_cp=tp,
         ep=ep or solo,
         expt_tp=tp,
@@ -213,6 +224,11 @@ class PipelineGroups:
         return self.grid.coords(self.rank)[2]
 
     @property
+    def cp_rank(self) -> int:
+        """This rank's context-parallel rank: which slices of each sequence it holds."""
+        return self.grid.cp_rank(self.rank)
+
+    @property
     def ep_rank(self) -> int:
         """This rank's expert-parallel rank (:class:`ParallelGrid`: data-parallel rank mod ``ep``)."""
         return self.dp_rank % self.grid.ep
@@ -227,10 +243,10 @@ class PipelineGroups:
         return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
     def pp_global_rank(self, pp_rank: int) -> int:
-        """Global rank of pipeline rank ``pp_rank`` in this rank's (tp, dp) slice."""
+        """Global rank of pipeline rank ``pp_rank`` in this rank's (tp, cp, dp) slice."""
         if not 0 <= pp_rank < self.grid.pp:
             raise ValueError(f"pipeline rank {pp_rank} outside [0, {self.grid.pp})")
-        return self.grid.rank(self.tp_rank, self.dp_rank, pp_rank)
+        return self.grid.rank(self.tp_rank, self.dp_rank, pp_rank, self.cp_rank)
 
     def channel_group(self, transfer: Transfer) -> dist.ProcessGroup:
         """The group ``transfer``'s message travels on.
@@ -258,8 +274,8 @@ class PipelineGroups:
         """Group over which local chunk ``chunk``'s gradients are averaged.
 
         All ranks holding a replica of the chunk's stage (one per pipeline: the mirror pair
-        for BitPipe) times data parallel, at this rank's tensor-parallel rank: size
-        ``num_pipelines * dp``. There is one group per stage, so two stages held by the same
+        for BitPipe) times data parallel times context parallel, at this rank's
+        tensor-parallel rank: size ``num_pipelines * dp * cp``. There is one group per stage, so two stages held by the same
         ranks (BitPipe's mirror pair holds four) never share a group: their collectives may
         be issued in different orders on the two ranks when they are asynchronous.
         *Blocking* collectives over these groups must still be issued in the same order on
@@ -303,7 +319,8 @@ class PipelineGroups:
         rank = dist.get_rank()
         pp_rank = grid.coords(rank)[2]
         groups = create_groups(plan, rank)
-        warm_up(plan, groups, pp_rank, lambda p: grid.rank(*grid.coords(rank)[:2], p))
+        tp_rank, dp_rank, _ = grid.coords(rank)
+        warm_up(plan, groups, pp_rank, lambda p: grid.rank(tp_rank, dp_rank, p, grid.cp_rank(rank)))
         stages = [s for s in range(placement.num_stages) if pp_rank in stage_holders(placement, s)]
         stage_groups = {s: groups[stage_family(s)] for s in stages}
         expert_stage_groups = {s: groups[expert_stage_family(s)] for s in stages} if grid.ep > 1 else None
@@ -317,7 +334,7 @@ class PipelineGroups:
         tp, pp, solo = groups["tp"], groups["pp"], groups["solo"]
         channels = {key: groups[channel_family(key)] for key in channel_keys(placement)}
         common = dict(tp=tp, pp=pp, mp=groups["mp"], solo=solo, world=groups["world"], embd=groups.get("embedding", solo),
-                      pos_embd=solo, **experts)  # fmt: skip
+                      pos_embd=solo, cp=groups.get("cp"), **experts)  # fmt: skip
         model_pgs = tuple(
             process_group_collection(
                 dp=stage_groups[stage],
@@ -332,7 +349,7 @@ class PipelineGroups:
             rank=rank,
             tp=tp,
             pp=pp,
-            rank_pgs=process_group_collection(dp=groups["dp"], expt_dp=groups.get("expert-dp"), **common),
+            rank_pgs=process_group_collection(dp=groups["dp"], dp_cp=groups.get("dp-cp"), expt_dp=groups.get("expert-dp"), **common),
             model_pgs=model_pgs,
             channels=channels,
             stage_groups=stage_groups,

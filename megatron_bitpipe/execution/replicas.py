@@ -188,7 +188,8 @@ def wrap_ddp(
 
 def _with_data_parallel(pgs, group):
     """``pgs`` with its data-parallel groups replaced by ``group`` (``pgs.cp`` is this rank
-    alone: context parallelism is off)."""
+    alone: context parallelism needs the data-parallel reduction,
+    :func:`~megatron_bitpipe.model.build.check_context_parallel_model`)."""
     local = copy.copy(pgs)
     local.dp = local.dp_cp = local.expt_dp = group
     return local

@@ -22,6 +22,7 @@ from ..optimus.validation import check_optimus_model_config
 from ..schedules.layer_split import StageLayers
 from ..schedules.placement import Placement
 from ..execution.groups import ParallelGrid, PipelineGroups
+from .sdpa_attention import SdpaDotProductAttention, uses_core_attention
 from .experts import check_expert_layout
 from .init import initialize_from_seed, without_megatron_init
 from ..model_partition import ChunkSpec, chunk_specs
@@ -30,7 +31,7 @@ from .precision import ChunkFloat16Module
 from ..execution.replicas import mark_replica_parameters, wrap_ddp
 from .sharded_state import attach_sharded_state_dicts
 
-__all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model"]
+__all__ = ["PipelineModel", "init_megatron_state", "build_pipeline_model", "check_context_parallel_model"]
 
 
 def init_megatron_state(pg_collection: ProcessGroupCollection, seed: int) -> None:
@@ -68,6 +69,33 @@ class PipelineModel:
     groups: PipelineGroups
     specs: List[ChunkSpec]
     config: TransformerConfig
+
+
+def check_context_parallel_model(config, grid, layer_spec, gradient_reduction: str) -> None:
+    """Refuse, in one ValueError naming the flag and the rule, a model that context parallelism
+    (``grid.cp`` > 1) does not support here; nothing at ``grid.cp = 1``. Called before any group
+    exists. The rules: ``config.context_parallel_size`` equals ``grid.cp``; the layers' core
+    attention is :class:`~.sdpa_attention.SdpaDotProductAttention` (``--attention-backend
+    sdpa``: megatron-core's local ``DotProductAttention`` has no context parallelism, and
+    Transformer Engine's is not wired here); no mixture of experts; synchronous data-parallel
+    gradient reduction (not decentralized data parallelism or ABS-SGD)."""
+    if config.context_parallel_size != grid.cp:
+        raise ValueError(
+            f"the model config's context_parallel_size {config.context_parallel_size} differs from "
+            f"--context-parallel-size {grid.cp} of the layout"
+        )
+    if grid.cp == 1:
+        return
+    flag = f"--context-parallel-size {grid.cp}"
+    if layer_spec is None or not uses_core_attention(layer_spec, SdpaDotProductAttention):
+        raise ValueError(
+            f"{flag} needs --attention-backend sdpa (a layer spec whose core attention is SdpaDotProductAttention): "
+            "megatron-core's local DotProductAttention has no context parallelism"
+        )
+    if config.num_moe_experts:
+        raise ValueError(f"{flag} with --num-experts is not supported")
+    if gradient_reduction != "data-parallel":
+        raise ValueError(f"{flag} needs synchronous data-parallel gradient reduction (not {gradient_reduction!r})")
 
 
 def build_pipeline_model(
@@ -122,10 +150,16 @@ def build_pipeline_model(
     ``stage_layers`` gives each stage of a pipeline its layers, in pipeline order (default: equal
     stages of ``config.num_layers``; ``chunk_builder`` takes it as ``stage_layers``); the initial
     weights do not depend on it.
+
+    Context parallelism (``grid.cp`` > 1, ``config.context_parallel_size`` the same): each
+    sequence is split over ``grid.cp`` ranks (:mod:`.context_parallel`; feed each rank its
+    part, :func:`~.context_parallel.context_parallel_batch`), which needs SDPA core attention
+    in ``layer_spec``; what is refused: :func:`check_context_parallel_model`.
     """
     if tensor_parallel_mode == "optimus2d":
         check_optimus_model_config(config, grid.tp, vocab_size)
     check_expert_layout(config, grid)
+    check_context_parallel_model(config, grid, model_kwargs.get("layer_spec"), gradient_reduction)
     groups = PipelineGroups.build(grid, placement, tensor_parallel_mode, replica_groups=gradient_reduction == "replicas")
     init_megatron_state(groups.rank_pgs, seed)
     chunks = chunk_builder(

@@ -37,9 +37,17 @@ What it computes, compared with ``DotProductAttention``:
   mask); selective recompute (``--recompute-modules core_attn``) restores the RNG states and
   replays the same mask.
 
+* **Context parallelism** (``pg_collection.cp`` of more than one rank, megatron's load-balanced
+  split of each sequence, :mod:`megatron_bitpipe.model.context_parallel`): the keys and values
+  of the whole sequence are all-gathered over the context-parallel group (their gradients
+  reduce-scattered), and each of this rank's two query chunks attends the keys up to its own
+  end, causally masked. Causal layers (GPT) only; no attention dropout (refused at
+  construction: no test shows its masks right under the split).
+
 Refused (``ValueError``/``NotImplementedError`` at construction or call): context parallelism
-> 1, sliding-window attention, ``softmax_type`` other than ``vanilla``, ``attention_bias``,
-packed sequences.
+in a layer that is not causal, with attention dropout, or with a ``config.context_parallel_size``
+other than the cp group's size; sliding-window attention, ``softmax_type`` other than
+``vanilla``, ``attention_bias``, packed sequences.
 
 :func:`with_core_attention` swaps the core attention of a layer spec. For Megatron-LM's own
 scripts (``--spec MODULE NAME`` imports a layer spec), this module offers
@@ -61,6 +69,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
 
+from .context_parallel import causal_chunk_masks, gather_keys_values
+
 __all__ = ["SdpaDotProductAttention", "with_core_attention", "uses_core_attention", "gpt_local_sdpa_layer_spec"]
 
 
@@ -80,11 +90,6 @@ class SdpaDotProductAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError(
-                f"--attention-backend sdpa does not support context parallelism (context_parallel_size "
-                f"{config.context_parallel_size}); use --context-parallel-size 1"
-            )
         window = getattr(config, "window_size", None)
         if window is not None:
             raise NotImplementedError("--attention-backend sdpa does not support sliding-window attention")
@@ -94,9 +99,16 @@ class SdpaDotProductAttention(MegatronModule):
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
+        self.cp_group = getattr(pg_collection, "cp", None)
+        cp_size = 1 if self.cp_group is None else self.cp_group.size()
+        if cp_size != config.context_parallel_size:
+            raise ValueError(
+                f"--context-parallel-size {config.context_parallel_size} but the attention's context-parallel group "
+                f"has {cp_size} ranks"
+            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -110,6 +122,17 @@ class SdpaDotProductAttention(MegatronModule):
         # scores by the layer number and multiplies them back in the softmax.
         self.softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if cp_size > 1:
+            if attn_mask_type != AttnMaskType.causal:
+                raise NotImplementedError(
+                    f"--context-parallel-size {cp_size} with --attention-backend sdpa supports causal attention only "
+                    f"(GPT), not {attn_mask_type.name} (BERT's padding mask)"
+                )
+            if self.dropout_p > 0.0:
+                raise NotImplementedError(
+                    f"--context-parallel-size {cp_size} with --attention-backend sdpa needs --attention-dropout 0 "
+                    f"(got {self.dropout_p})"
+                )
 
     def forward(
         self,
@@ -129,6 +152,8 @@ class SdpaDotProductAttention(MegatronModule):
             raise NotImplementedError(f"--attention-backend sdpa: unexpected core-attention arguments {sorted(extra_kwargs)}")
         heads, groups = query.size(2), key.size(2)
         causal = self.attn_mask_type == AttnMaskType.causal
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            return self._context_parallel(query, key, value)
         mask = None
         if not causal and attention_mask is not None:
             mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attends
@@ -160,6 +185,24 @@ class SdpaDotProductAttention(MegatronModule):
         else:
             context = attend()
         # [b, heads, sq, d] -> [sq, b, heads * d]
+        context = context.permute(2, 0, 1, 3).contiguous()
+        return context.view(context.size(0), context.size(1), heads * context.size(3))
+
+    def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[S / cp, b, heads, d]`` queries (its two chunks of megatron's split)
+        against the whole sequence's keys and values (all-gathered over the context-parallel
+        group), causally masked -> ``[S / cp, b, heads * d]``."""
+        heads, groups = query.size(2), key.size(2)
+        key, value = gather_keys_values(key, value, self.cp_group)
+        if heads != groups:  # head i reads group i // (heads / groups), as megatron does
+            key = key.repeat_interleave(heads // groups, dim=2)
+            value = value.repeat_interleave(heads // groups, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        parts = [
+            F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys], attn_mask=mask, scale=self.softmax_scale)
+            for rows, keys, mask in causal_chunk_masks(k.size(2), self.cp_group.size(), self.cp_group.rank(), q.device)
+        ]
+        context = torch.cat(parts, dim=2)
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(context.size(0), context.size(1), heads * context.size(3))
 

@@ -54,7 +54,7 @@ from ..schedules.layer_split import LayerSplitFlags, chunk_layer_counts, split_p
 from ..schedules.model_shape import shape_problems
 from ..schedules.placement import Placement
 from ..usage import FlagParser
-from ..data_parallel_modes import add_data_parallel_mode_arg
+from ..data_parallel_modes import SYNC, add_data_parallel_mode_arg, selected_mode
 from .abs_sgd.args import abs_sgd_problems, add_abs_sgd_args
 from .decentralized.args import add_decentralized_args, decentralized_problems
 from .faults import add_fault_args, fault_problems
@@ -259,6 +259,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "| between stages, x*n and (...)*n repeat, commas cosmetic",
     )
     group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="ranks splitting each sequence (megatron's load-balanced split; GPT with --attention-backend sdpa, "
+        "see docs/context_parallel.md)",
+    )
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None, help="default nccl with a GPU, gloo without")
     group.add_argument(
         "--distributed-timeout-minutes",
@@ -355,7 +362,7 @@ def build_parser(task=None, prog: Optional[str] = None) -> FlagParser:
 
 def _fill_derived(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
     args.world_size = world_size
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * max(args.context_parallel_size, 1)
     args.data_parallel_size = max(world_size // max(model_parallel, 1), 1)
     args.global_batch_size_defaulted = args.global_batch_size is None
     if args.global_batch_size is None:
@@ -524,6 +531,34 @@ def _attention_backend_problems(args) -> List[str]:
     return problems
 
 
+def _context_parallel_problems(args, task) -> List[str]:
+    """--context-parallel-size: what it runs with (docs/context_parallel.md)."""
+    cp = args.context_parallel_size
+    if cp < 1:
+        return [f"--context-parallel-size must be positive (got {cp})"]
+    if cp == 1:
+        return []
+    flag = f"--context-parallel-size {cp}"
+    rules = [
+        (args.seq_length % (2 * cp) != 0, f"needs --seq-length {args.seq_length} divisible by 2 x {cp} (two chunks per rank)"),
+        (args.attention_backend != "sdpa", "needs --attention-backend sdpa (megatron-core's local attention has no context parallelism)"),
+        (
+            resolved_schedule(args) not in PLAN_SCHEDULES or args.pipeline_model_parallel_size < 2,
+            f"runs with the plan-executed schedules ({', '.join(PLAN_SCHEDULES)}) at --pipeline-model-parallel-size >= 2; "
+            "megatron-core's own schedule functions (1f1b, interleaved, one stage) are not checked with it",
+        ),
+        (getattr(task, "name", "gpt") != "gpt", "is supported for GPT only (BERT's padding mask is not split)"),
+        (args.tensor_parallel_mode != "1d", "needs --tensor-parallel-mode 1d"),
+        (bool(getattr(args, "num_experts", None)), "with --num-experts is not supported"),
+        (bool(getattr(args, "hfta_models", None)), "with --hfta-models is not supported"),
+        (getattr(args, "coreset", None) is not None, "with --coreset is not supported"),
+        (args.attention_dropout > 0, f"needs --attention-dropout 0 (got {args.attention_dropout})"),
+        (selected_mode(args) != SYNC, f"needs --data-parallel-mode sync (got {selected_mode(args).name})"),
+        (args.save is not None or args.load is not None, "with --save or --load is not supported yet (checkpoints of context-parallel ranks)"),
+    ]
+    return [f"{flag} {rule}" for broken, rule in rules if broken]
+
+
 def _schedule_problems(args) -> List[str]:
     problems = []
     if args.lr_decay_iters <= args.lr_warmup_iters:
@@ -629,6 +664,7 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
     problems += _overlap_problems(args)
+    problems += _context_parallel_problems(args, task)
     problems += optimizer_problems(args, schedule=resolved_schedule(args))
     problems += _data_problems(args)
     problems += hfta_problems(args)

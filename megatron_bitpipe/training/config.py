@@ -84,6 +84,7 @@ def transformer_config(run: RunConfig, **overrides) -> TransformerConfig:
         init_method_std=model.init_method_std,
         tensor_model_parallel_size=run.layout.tensor,
         pipeline_model_parallel_size=run.layout.pipeline,
+        context_parallel_size=run.layout.context,
         virtual_pipeline_model_parallel_size=run.layout.virtual,
         sequence_parallel=run.layout.sequence_parallel,
         recompute_granularity=recompute.granularity,

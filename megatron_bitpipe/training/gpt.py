@@ -11,6 +11,9 @@
   ``BlendedMegatronDatasetBuilder`` otherwise.
 * **Loss.** Megatron-LM's: the masked sum of per-token cross entropy and the token count;
   with ``--coreset`` each sample's losses weighted (:mod:`.coreset.training`).
+* **Context parallelism** (``--context-parallel-size``): every rank of a context-parallel group
+  reads the same samples and runs its part of each sequence; their sums and counts add up to
+  the whole sequence's in the reported loss.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from typing import Dict
 import numpy as np
 import torch
 
+from megatron.core.utils import get_attr_wrapped_model
+
 from ..hfta.model import HftaGPTModel, hfta_gpt_layer_spec, hfta_loss
 from ..hfta.reports import hfta_iteration_losses, hfta_loss_names
 from ..model.chunks import build_gpt_chunks, default_gpt_layer_spec
+from ..model.context_parallel import context_parallel_batch
 from ..optimus.gpt_model import optimus_p2p_tensor_shapes
 from ..run_config import RunConfig
 from .data import indexed_datasets
@@ -92,11 +98,22 @@ def gpt_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
+#: the per-token entries of a GPT micro-batch: what a context-parallel rank keeps its part of
+PER_TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
 def _gpt_output(data_iterator, model):
-    """The model's output on the next micro-batch (a dict from the dataset) and the micro-batch."""
+    """The model's output on the next micro-batch (a dict from the dataset) and the micro-batch
+    — with context parallelism this rank's part of it (:data:`PER_TOKEN_KEYS` cut to its
+    positions in the model's context-parallel group,
+    :func:`~megatron_bitpipe.model.context_parallel.context_parallel_batch`)."""
     batch = next(data_iterator)
     if torch.cuda.is_available():
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    cp_group = get_attr_wrapped_model(model, "cp_group")
+    if cp_group is not None and cp_group.size() > 1:
+        # a new dict: every chunk of this rank is handed the same micro-batch object
+        batch = {**batch, **context_parallel_batch({k: batch[k] for k in PER_TOKEN_KEYS}, cp_group)}
     return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), batch
 
 

@@ -194,7 +194,9 @@ class TrainingLogger:
         if not self.active:
             return
         layout = self.run.layout
-        for r in sorted((r for r in ranks if r.dp_rank == 0), key=lambda r: (r.pp_rank, r.tp_rank)):
+        # one line per (tensor, pipeline) rank: data- and context-parallel ranks hold the same weights
+        first = {(r.pp_rank, r.tp_rank): r for r in reversed(ranks) if r.dp_rank == 0}
+        for r in (first[key] for key in sorted(first)):
             log(f" > number of parameters on (tensor, pipeline) model parallel rank ({r.tp_rank}, {r.pp_rank}): {r.parameters}")
         most, least = max(ranks, key=lambda r: r.memory_mib), min(ranks, key=lambda r: r.memory_mib)
         if len(ranks) == 1:

@@ -265,7 +265,8 @@ def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: 
         layout, batches = run.layout, run.batches
         distributed.log(
             f"{task.name}: {run.label} schedule, TP {layout.tensor} ({layout.tensor_parallel_mode}) x "
-            f"PP {layout.pipeline} x DP {layout.data}, {batches.num_microbatches} micro-batches "
+            f"PP {layout.pipeline} x DP {layout.data}{f' x CP {layout.context}' if layout.context > 1 else ''}, "
+            f"{batches.num_microbatches} micro-batches "
             f"of {batches.micro_batch_size} per data-parallel rank, padded vocabulary {run.padded_vocab_size}"
         )
         trainer = Trainer(task, args, run, tokenizer, env)

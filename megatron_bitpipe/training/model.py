@@ -53,7 +53,7 @@ def build_model(
         chunk_kwargs["layer_spec"] = spec
     return build_pipeline_model(
         config,
-        ParallelGrid(run.layout.tensor, run.layout.data, run.layout.pipeline, run.layout.expert),
+        ParallelGrid(run.layout.tensor, run.layout.data, run.layout.pipeline, run.layout.expert, run.layout.context),
         run.placement,
         vocab_size=run.padded_vocab_size,
         max_sequence_length=run.model.max_position_embeddings or run.model.seq_length,

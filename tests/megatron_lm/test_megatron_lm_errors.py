@@ -217,8 +217,8 @@ def test_flags_on_megatron_lm_parser():
 def test_incompatible_megatron_lm_flags_are_named_at_once():
     args = megatron_lm_args(
         "--pipeline-schedule", "bitpipe",
-        overlap_param_gather=True, context_parallel_size=2, world_size=8,
-        encoder_num_layers=4, decoder_num_layers=4, global_batch_size=6, use_legacy_models=True,
+        overlap_param_gather=True, context_parallel_size=2, world_size=8,  # DP = 8 / (PP 4 x CP 2) = 1: 5 micro-batches
+        encoder_num_layers=4, decoder_num_layers=4, global_batch_size=5, use_legacy_models=True,
         save="/checkpoints", ckpt_format="torch",
     )
     with pytest.raises(BitPipeConfigError) as info:

@@ -7,7 +7,8 @@ unfused ``DotProductAttention``.
 * The module on one rank (fp32, dropout 0): same output and input gradients as
   ``DotProductAttention`` for GPT's causal layers, BERT's padding mask (on the rows that reach a
   loss), GQA (with and without a mask), an explicit ``softmax_scale`` and
-  ``apply_query_key_layer_scaling``; context parallelism refused.
+  ``apply_query_key_layer_scaling``; a context-parallel size whose group the layer was not given
+  refused (context parallelism itself: ``tests/execution/test_context_parallel_equivalence.py``).
 * A whole GPT on one rank: same loss and every parameter gradient with either core attention
   (plain and GQA).
 * Attention dropout > 0: training outputs differ from evaluation, evaluation equals dropout 0
@@ -262,7 +263,7 @@ def test_module_equals_dot_product_attention(module_checks, name):
 
 
 @pytest.mark.multirank
-def test_context_parallelism_is_refused(module_checks):
+def test_context_parallel_size_without_its_group_is_refused(module_checks):
     assert module_checks["cp_refused"] is not None and "context" in module_checks["cp_refused"].lower()
 
 

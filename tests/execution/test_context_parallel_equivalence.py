@@ -1,0 +1,117 @@
+"""Context parallelism (each sequence split over ``cp`` ranks, SDPA core attention with the keys
+and values all-gathered) under the plan executor equals single-process training at the full
+sequence length (CPU ranks, gloo, fp32, strict p2p).
+
+For every case: every micro-batch's loss (the report is the whole sequence's mean, the same on
+every context-parallel rank), every gradient, the grad norm and every weight after each of STEPS
+optimizer steps, and the evaluation losses, equal the stock single-process model (unfused
+attention, the whole sequence on one rank; rtol 1e-5, :func:`equivalence_support.assert_equals_reference`):
+CP 2 with BitPipe (plain and with the split backward), ZB-V, DualPipeV and 1F1B at PP 2; CP 2 x
+TP 2 with sequence parallelism; CP 2 x DP 2 with the distributed optimizer; CP 4 at PP 1; GQA +
+RoPE + SwiGLU at CP 2 x PP 2. Every case runs on 4 ranks: one launch serves them all
+(``launched``, ``tests/conftest.py``). The pure-Python checks of the split and the mask are in
+``tests/model/test_context_parallel.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import pytest
+
+from ..equivalence_support import Case, assert_equals_reference, model_config, pipeline
+
+pytestmark = [pytest.mark.multirank, pytest.mark.strict_p2p]
+LAUNCH_TIMEOUT = 600
+
+
+@dataclass(frozen=True)
+class CpCase(Case):
+    """A GPT case on SDPA layers; ``gqa_rope``: 2 query groups of the 4 heads, RoPE, SwiGLU."""
+
+    gqa_rope: bool = False
+
+    @property
+    def reference_key(self):
+        return (self.tied, self.global_microbatches, self.clip_grad, self.gqa_rope)
+
+    def config_overrides(self) -> dict:
+        return dict(super().config_overrides(), **(dict(num_query_groups=2) if self.gqa_rope else {}))
+
+    def model_kwargs(self) -> dict:
+        from megatron_bitpipe.model.chunks import default_gpt_layer_spec
+        from megatron_bitpipe.model.sdpa_attention import SdpaDotProductAttention, with_core_attention
+
+        spec = with_core_attention(default_gpt_layer_spec(model_config()), SdpaDotProductAttention)
+        rope = dict(position_embedding_type="rope") if self.gqa_rope else {}
+        return dict(super().model_kwargs(), layer_spec=spec, **rope)
+
+
+CASES = [
+    CpCase("cp2_bitpipe_pp2_n4", "bitpipe", pp=2, n=4, cp=2),
+    CpCase("cp2_bitpipe_split_pp2_n4", "bitpipe", pp=2, n=4, cp=2, split_backward=True),
+    CpCase("cp2_zbv_pp2_n4_untied", "zbv", pp=2, n=4, cp=2, tied=False),
+    CpCase("cp2_dualpipev_pp2_n4", "dualpipev", pp=2, n=4, cp=2),
+    CpCase("cp2_1f1b_pp2_n4_untied", "1f1b", pp=2, n=4, cp=2, tied=False),
+    CpCase("cp2_tp2_sp_1f1b_pp1_n2", "1f1b", pp=1, n=2, cp=2, tp=2, sequence_parallel=True),
+    CpCase("cp2_dp2_distopt_1f1b_pp1_n2", "1f1b", pp=1, n=2, cp=2, dp=2, distributed_optimizer=True),
+    CpCase("cp4_1f1b_pp1_n4", "1f1b", pp=1, n=4, cp=4),
+    CpCase("cp2_gqa_rope_swiglu_bitpipe_pp2_n4", "bitpipe", pp=2, n=4, cp=2, swiglu=True, gqa_rope=True),
+]
+
+
+def run_cases(cases: List[Case]) -> dict:
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    return {case.name: pipeline(case) for case in cases}
+
+
+def run_references(keys) -> dict:
+    """The stock model at the full sequence on one rank (megatron's unfused attention)."""
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.training.config import mlp_fields
+
+    from ..equivalence_support import reference_training
+
+    enable_cpu_megatron()
+    out = {}
+    for tied, microbatches, clip, gqa_rope in keys:
+        extra = dict(num_query_groups=2, **mlp_fields(True)) if gqa_rope else {}
+        rope = "rope" if gqa_rope else "learned_absolute"
+        out[(tied, microbatches, clip, gqa_rope)] = reference_training(
+            tied, microbatches, clip, model_config(**extra), position_embedding_type=rope
+        )
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_context_parallel_equals_single_process_training(case, references, launched):
+    assert_equals_reference(case, launched[case], references[case.reference_key])
+
+
+# ---------------------------------------------------------------- the GPT script
+
+SCRIPT = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "127", "--seed", "1234",
+    "--lr", "1e-3", "--lr-warmup-iters", "1", "--train-iters", "3", "--adam-eps", "1e-4", "--clip-grad", "1.0",
+    "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", "--attention-backend", "sdpa",
+]  # fmt: skip
+
+
+def test_script_bitpipe_cp2_pp2_logs_the_single_process_curve(tmp_path):
+    """``pretrain_gpt.py --context-parallel-size 2 --pipeline-schedule bitpipe`` on 4 ranks (PP 2 x
+    CP 2) logs the single process's losses, grad norms and validation loss (rtol 1e-5)."""
+    from megatron_bitpipe.cpu.launcher import launch
+
+    from ..pretrain_support import assert_same_records, records, train_in_process
+
+    single, cp = tmp_path / "single.jsonl", tmp_path / "cp.jsonl"
+    launch(train_in_process, 1, "gpt", [*SCRIPT, "--log-json", str(single)], timeout=300)
+    parallel = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]
+    launch(train_in_process, 4, "gpt", [*SCRIPT, *parallel, "--log-json", str(cp)], timeout=300)
+    got, want = records(cp), records(single)
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    assert_same_records(got, want, range(1, 4), ("lm_loss", "grad_norm", "validation_lm_loss", "consumed_samples"))
