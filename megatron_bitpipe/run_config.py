@@ -43,6 +43,7 @@ from .schedules.placement import Placement
 __all__ = [
     "Batches",
     "Checkpointing",
+    "DataSettings",
     "Exits",
     "Kernels",
     "LearningRateSchedule",
@@ -52,6 +53,7 @@ __all__ = [
     "Precision",
     "Recompute",
     "RunConfig",
+    "TokenizerSettings",
     "model_shape_of",
     "padded_vocab_size",
 ]
@@ -279,6 +281,80 @@ class Logging:
 
 
 @dataclass(frozen=True)
+class TokenizerSettings:
+    """megatron-core's tokenizer, as Megatron-LM's flags name it.
+
+    Attributes:
+        tokenizer_type: ``--tokenizer-type`` (None: megatron-core's null tokenizer of
+            ``vocab_size`` tokens plus end-of-document).
+        vocab_file: ``--vocab-file``.
+        merge_file: ``--merge-file``.
+        tokenizer_model: ``--tokenizer-model``.
+        vocab_size: ``--vocab-size`` (the null and byte-level tokenizers' size; None: theirs).
+    """
+
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TokenizerSettings":
+        """The tokenizer flags of either route's namespace (absent ones: None)."""
+        return cls(**{name: getattr(args, name, None) for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Where a run's samples come from, and how many each split must hold.
+
+    Attributes:
+        paths: ``--data-path``, the blend as Megatron-LM writes it (prefixes, or weights and
+            prefixes); empty: mock data.
+        split: ``--split``, the train/validation/test shares of every dataset of the blend.
+        cache_path: ``--data-cache-path`` (None: beside the data).
+        eod_mask_loss: ``--eod-mask-loss``: no loss on end-of-document tokens.
+        train_samples: samples the training set must hold for ``--train-iters`` iterations
+            (``--train-iters`` x ``--global-batch-size``; ABS-SGD: as far as any replica's
+            stream reaches, :func:`~megatron_bitpipe.training.abs_sgd.dataset_train_samples`).
+        eval_iters: ``--eval-iters``, global batches per evaluation of the validation set and
+            of the test set (0: neither is built).
+        eval_interval: ``--eval-interval``, iterations between evaluations.
+    """
+
+    paths: Tuple[str, ...] = ()
+    split: str = "969, 30, 1"
+    cache_path: Optional[str] = None
+    eod_mask_loss: bool = False
+    train_samples: int = 0
+    eval_iters: int = 0
+    eval_interval: int = 1000
+
+    @property
+    def mock(self) -> bool:
+        """Whether the samples are synthetic (no ``--data-path``)."""
+        return not self.paths
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DataSettings":
+        """The data flags of either route's namespace; ``train_samples`` as the flag check
+        derived it (``dataset_train_samples``), else ``--train-iters`` x ``--global-batch-size``."""
+        train_samples = getattr(args, "dataset_train_samples", None)
+        if train_samples is None:
+            train_samples = (getattr(args, "train_iters", None) or 0) * (getattr(args, "global_batch_size", None) or 0)
+        return cls(
+            paths=tuple(getattr(args, "data_path", None) or ()),
+            split=getattr(args, "split", None) or cls.split,
+            cache_path=getattr(args, "data_cache_path", None),
+            eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+            train_samples=train_samples,
+            eval_iters=getattr(args, "eval_iters", 0) or 0,
+            eval_interval=getattr(args, "eval_interval", None) or cls.eval_interval,
+        )
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """The decisions of one run (see the module docstring).
 
@@ -330,6 +406,8 @@ class RunConfig:
             simulator's class and rules; its ``vocab_size`` the tokenizer's where known); None
             without ``--num-layers``.
         recompute: activation recomputation.
+        data: where the samples come from and how many each split holds.
+        tokenizer: the tokenizer the samples are read with.
         optimizer_settings: the optimizer's hyper-parameters.
         lr_schedule: the learning-rate schedule.
         seed: ``--seed``, what the initial weights (and the data order) are drawn from.
@@ -361,6 +439,8 @@ class RunConfig:
     distributed_backend: Optional[str] = None
     model: Optional[ModelShape] = None
     recompute: Recompute = Recompute()
+    data: DataSettings = DataSettings()
+    tokenizer: TokenizerSettings = TokenizerSettings()
     optimizer_settings: OptimizerSettings = OptimizerSettings()
     lr_schedule: LearningRateSchedule = LearningRateSchedule()
     seed: int = 1234
@@ -500,6 +580,8 @@ class RunConfig:
                 use_checkpoint=bool(getattr(args, "use_checkpoint_opt_param_scheduler", False)),
                 override=bool(getattr(args, "override_opt_param_scheduler", False)),
             ),
+            data=DataSettings.from_args(args),
+            tokenizer=TokenizerSettings.from_args(args),
         )
 
 

@@ -107,7 +107,7 @@ def _run_rank(runs: List[tuple], log_dir: str) -> Optional[List[dict]]:
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.gpt import GPTTask
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
     from megatron_bitpipe.training.loop import Trainer
 
     out = []
@@ -115,7 +115,7 @@ def _run_rank(runs: List[tuple], log_dir: str) -> Optional[List[dict]]:
         log_json = os.path.join(log_dir, f"{name}.jsonl")
         task = GPTTask()
         args = parse_args(task, [*flags, "--log-json", log_json])
-        tokenizer = build_tokenizer(args)
+        tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
         run = RunConfig.from_args(args, tokenizer.vocab_size)
         env = distributed.initialize(run, enable_cpu_megatron)
         load_before, started = os.getloadavg()[0], time.perf_counter()

@@ -161,11 +161,11 @@ def _run_rank(settings: Settings, flags: List[str], log_json: str) -> Optional[d
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
 
     task = _emulated_task(settings)
     args = parse_args(task, [*flags, "--log-json", log_json])
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     env = distributed.initialize(run, enable_cpu_megatron)
     with ExitConditions(run.exits, time.time()) as exits:

@@ -51,7 +51,7 @@ def time_steps(argv: List[str], warmup: int, iters: int) -> float:
     import torch
 
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.data import build_tokenizer
@@ -60,7 +60,7 @@ def time_steps(argv: List[str], warmup: int, iters: int) -> float:
 
     task = GPTTask()
     args = parse_args(task, argv)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     trainer = Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
     times = []

@@ -65,11 +65,11 @@ def _bench_rank(argv: List[str]) -> dict:
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.gpt import GPTTask
     from megatron_bitpipe.training.loop import Trainer
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
 
     task = GPTTask()
     args = parse_args(task, argv)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     trainer = Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
     rows = []

@@ -15,7 +15,9 @@ for a single process), ``data_parallel_size``, ``num_microbatches`` (per data-pa
 ``ffn_hidden_size`` (4 x hidden, or Megatron's SwiGLU size), ``kv_channels``,
 ``max_position_embeddings`` (``--seq-length``), ``global_batch_size`` (micro-batch x
 data-parallel size; ``global_batch_size_defaulted`` says the flag was left out), ``lr_decay_iters`` (``--train-iters``), ``use_mock_data`` (no
-``--data-path``), ``recompute_granularity`` (``selective`` with ``--recompute-activations``).
+``--data-path``), ``recompute_granularity`` (``selective`` with ``--recompute-activations``);
+after the checks, ``dataset_train_samples`` (the training samples the dataset must hold:
+:func:`~.abs_sgd.dataset_train_samples`).
 The run's decisions (the resolved schedule, layout, precision, batch shape, data-parallel mode,
 optimizer, padded vocabulary) are not namespace fields: :meth:`megatron_bitpipe.run_config.RunConfig.from_args`
 makes them once from the checked namespace and the tokenizer.
@@ -55,7 +57,7 @@ from ..schedules.model_shape import shape_problems
 from ..schedules.placement import Placement
 from ..usage import FlagParser
 from ..data_parallel_modes import SYNC, add_data_parallel_mode_arg, selected_mode
-from .abs_sgd.args import abs_sgd_problems, add_abs_sgd_args
+from .abs_sgd.args import abs_sgd_problems, add_abs_sgd_args, dataset_train_samples
 from .decentralized.args import add_decentralized_args, decentralized_problems
 from .faults import add_fault_args, fault_problems
 
@@ -701,4 +703,5 @@ def parse_args(
         cuda_available = torch.cuda.is_available()
     _fill_derived(args, world_size, cuda_available)
     validate(args, task, cuda_available)
+    args.dataset_train_samples = dataset_train_samples(args)  # the mode's rules are checked now
     return args

@@ -55,7 +55,7 @@ from ..hfta.bert import HftaBertChunk, hfta_bert_layer_spec
 from ..hfta.reports import hfta_iteration_losses, hfta_loss_names, model_loss
 from ..model.bert_model import build_bert_chunks, default_bert_layer_spec
 from ..run_config import RunConfig
-from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments
+from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments, BertDataSettings
 from .data import indexed_datasets
 from .model_kind import (
     ModelKind, core_attention, fused_p2p_shapes, is_fused_array, local_layer_spec, no_p2p_adjustment, own_iteration_losses,
@@ -267,31 +267,30 @@ class BertTask(BertArguments, PretrainTask):
     def model_flags(self):
         return {**super().model_flags(), "--bert-no-binary-head": lambda a: not getattr(a, "bert_binary_head", True)}
 
-    def build_datasets(self, args: argparse.Namespace, run: RunConfig, tokenizer):
-        train_samples = args.train_iters * run.batches.global_batch_size
-        valid_samples = args.eval_iters * run.batches.global_batch_size
-        if args.use_mock_data:
+    def build_datasets(self, run: RunConfig, tokenizer, settings: BertDataSettings):
+        train_samples = run.data.train_samples
+        valid_samples = run.data.eval_iters * run.batches.global_batch_size
+        if run.data.mock:
             data = MockBERTDataset(
-                MOCK_VALID_OFFSET + valid_samples, run.batches.seq_length, tokenizer.vocab_size, args.seed, mask_prob=args.mask_prob
+                MOCK_VALID_OFFSET + valid_samples, run.batches.seq_length, tokenizer.vocab_size, run.seed, mask_prob=settings.mask_prob
             )
             valid = torch.utils.data.Subset(data, range(MOCK_VALID_OFFSET, MOCK_VALID_OFFSET + valid_samples))
             return torch.utils.data.Subset(data, range(train_samples)), (valid if valid_samples else None), None
         from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 
         return indexed_datasets(
-            args,
             run,
             tokenizer,
             BERTMaskedWordPieceDataset,
             BERTMaskedWordPieceDatasetConfig,
-            masking_probability=args.mask_prob,
-            short_sequence_probability=args.short_seq_prob,
+            masking_probability=settings.mask_prob,
+            short_sequence_probability=settings.short_seq_prob,
             masking_max_ngram=3,
             masking_do_full_word=True,
             masking_do_permutation=False,
             masking_use_longer_ngrams=False,
             masking_use_geometric_distribution=False,
-            classification_head=args.bert_binary_head,
+            classification_head=settings.binary_head,
         )
 
 

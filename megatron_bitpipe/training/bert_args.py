@@ -9,11 +9,12 @@ and checks before it imports torch, megatron-core or :mod:`.bert` (whose
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import List
 
 from .task import TaskArguments
 
-__all__ = ["BERT_ROTARY_BASE", "BertArguments", "MOCK_FIRST_WORD", "MOCK_MIN_LENGTH", "WORDPIECE_TOKENIZERS"]
+__all__ = ["BERT_ROTARY_BASE", "BertArguments", "BertDataSettings", "MOCK_FIRST_WORD", "MOCK_MIN_LENGTH", "WORDPIECE_TOKENIZERS"]
 
 #: --tokenizer-type values megatron's BERT dataset works with (it needs [CLS], [SEP], [MASK])
 WORDPIECE_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
@@ -25,8 +26,26 @@ MOCK_FIRST_WORD = 4
 MOCK_MIN_LENGTH = 5
 
 
+@dataclass(frozen=True)
+class BertDataSettings:
+    """BERT's own data decisions.
+
+    Attributes:
+        mask_prob: ``--mask-prob``, the share of tokens masked, in (0, 1).
+        short_seq_prob: ``--short-seq-prob``, the share of samples cut short, in [0, 1].
+        binary_head: the sentence-order labels are drawn (not ``--bert-no-binary-head``).
+    """
+
+    mask_prob: float
+    short_seq_prob: float
+    binary_head: bool
+
+
 class BertArguments(TaskArguments):
     """BERT's flags (Megatron-LM's names) and the rules BERT adds to the common ones."""
+
+    def data_settings(self, args: argparse.Namespace) -> BertDataSettings:
+        return BertDataSettings(mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob, binary_head=args.bert_binary_head)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(title="BERT")

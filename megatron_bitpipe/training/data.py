@@ -14,7 +14,8 @@ a broadcast.
 ``BlendedMegatronDatasetBuilder`` (:func:`indexed_datasets`): ``--train-iters`` and
 ``--eval-iters`` global batches of samples (``--eval-iters`` for the test split too; ABS-SGD's
 training set: as far as any replica's stream can reach,
-:func:`~.abs_sgd.dataset_train_samples`), the blend and ``--split`` of the flags.
+:attr:`~megatron_bitpipe.run_config.DataSettings.train_samples`), the blend and ``--split`` of
+the run's :class:`~megatron_bitpipe.run_config.DataSettings`.
 
 **Evaluation** always runs on the first ``--eval-iters`` global batches of the validation
 set, so successive validation losses are comparable and do not depend on resumes; the test
@@ -33,37 +34,33 @@ download, which makes it the tokenizer of the built-in corpus
 
 from __future__ import annotations
 
-import argparse
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import megatron_compat
 from ..megatron_args import BitPipeConfigError
-from ..run_config import RunConfig
+from ..run_config import RunConfig, TokenizerSettings
 from .arguments import BYTE_LEVEL_TOKENIZER
-from .abs_sgd.args import dataset_train_samples
 
 __all__ = ["BYTE_LEVEL_TOKENIZER", "build_tokenizer", "indexed_datasets", "microbatches", "collate"]
 
 
-def build_tokenizer(args: argparse.Namespace):
-    """megatron-core's tokenizer for the flags (``tokenizer_type``, ``vocab_file``,
-    ``merge_file``, ``tokenizer_model``, ``vocab_size``); BitPipeConfigError naming the flag
-    if it fails."""
-    if args.tokenizer_type == BYTE_LEVEL_TOKENIZER:
+def build_tokenizer(settings: TokenizerSettings):
+    """megatron-core's tokenizer of ``settings``; BitPipeConfigError naming the flag if it fails."""
+    if settings.tokenizer_type == BYTE_LEVEL_TOKENIZER:
         from megatron.core.tokenizers import MegatronTokenizer
 
-        size = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
+        size = {} if settings.vocab_size is None else {"vocab_size": settings.vocab_size}
         return MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"}, **size)
-    tokenizer_type = args.tokenizer_type or "NullTokenizer"
+    tokenizer_type = settings.tokenizer_type or "NullTokenizer"
     try:
         return megatron_compat.build_tokenizer(
             tokenizer_type,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            tokenizer_model=args.tokenizer_model,
-            vocab_size=args.vocab_size,
+            vocab_file=settings.vocab_file,
+            merge_file=settings.merge_file,
+            tokenizer_model=settings.tokenizer_model,
+            vocab_size=settings.vocab_size,
         )
     except Exception as error:  # noqa: BLE001 - missing files or libraries: say which flag
         raise BitPipeConfigError(f"--tokenizer-type {tokenizer_type}: cannot build the tokenizer: {error}") from error
@@ -84,16 +81,16 @@ def _split_elements(dataset_class, config, prefix: str, split: int) -> int:
 
 
 def indexed_datasets(
-    args: argparse.Namespace, run: RunConfig, tokenizer, dataset_class, config_class, **fields
+    run: RunConfig, tokenizer, dataset_class, config_class, **fields
 ) -> Tuple[object, Optional[object], Optional[object]]:
-    """``(train, valid, test)`` megatron-core datasets of ``dataset_class`` over the
-    ``--data-path`` blend: ``--train-iters`` global batches of training samples and
-    ``--eval-iters`` of validation and of test samples (valid and test None with
+    """``(train, valid, test)`` megatron-core datasets of ``dataset_class`` over ``run``'s
+    ``--data-path`` blend: ``run.data.train_samples`` training samples and ``--eval-iters``
+    global batches of validation and of test samples (valid and test None with
     ``--eval-iters 0``; test None unless ``--split`` gives it a part of every dataset of the
     blend).
 
-    ``config_class`` (a ``BlendedMegatronDatasetConfig``) gets the common fields from the
-    flags (``--seed``, ``--seq-length``, ``--data-path``, ``--split``, ``--data-cache-path``,
+    ``config_class`` (a ``BlendedMegatronDatasetConfig``) gets the common fields from ``run``
+    (``--seed``, ``--seq-length``, ``--data-path``, ``--split``, ``--data-cache-path``,
     the tokenizer, memory-mapped ``.bin`` files) and the task's ``fields``. megatron-core's
     builder would loop forever on a split with a share but no data (a small corpus and the
     default ``--split 969, 30, 1``): such a split is left out, and BitPipeConfigError names
@@ -102,30 +99,31 @@ def indexed_datasets(
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.utils import get_blend_from_list
 
-    blend = get_blend_from_list(args.data_path)
+    data = run.data
+    blend = get_blend_from_list(list(data.paths))
     config = config_class(
-        random_seed=args.seed,
+        random_seed=run.seed,
         sequence_length=run.batches.seq_length,
         blend=blend,
-        split=args.split,
-        path_to_cache=args.data_cache_path,
+        split=data.split,
+        path_to_cache=data.cache_path,
         tokenizer=tokenizer,
         mmap_bin_files=True,
         **fields,
     )
-    needed = (True, args.eval_iters > 0, False)
+    needed = (True, data.eval_iters > 0, False)
     held = []
     for split, name in enumerate(_SPLITS):
         empty = [prefix for prefix in blend[0] if _split_elements(dataset_class, config, prefix, split) < 1]
         if empty and needed[split]:
             extra = " or set --eval-iters 0" if split else ""
-            raise BitPipeConfigError(f"--split {args.split}: the {name} set gets no data of {empty[0]}; give it a larger share{extra}")
+            raise BitPipeConfigError(f"--split {data.split}: the {name} set gets no data of {empty[0]}; give it a larger share{extra}")
         held.append(not empty)
     config.split_matrix = [share if has_data else None for share, has_data in zip(config.split_matrix, held)]
-    evaluated = args.eval_iters * run.batches.global_batch_size
-    samples = [dataset_train_samples(args), evaluated, evaluated]
+    evaluated = data.eval_iters * run.batches.global_batch_size
+    samples = [data.train_samples, evaluated, evaluated]
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, samples, lambda: True, config).build()
-    if args.eval_iters == 0:
+    if data.eval_iters == 0:
         return train, None, None
     return train, valid, test
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 from functools import partial
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -139,31 +139,33 @@ class GPTTask(GPTArguments, PretrainTask):
 
     name = "gpt"
 
-    def build_datasets(self, args: argparse.Namespace, run: RunConfig, tokenizer):
-        train, valid, test = self._datasets(args, run, tokenizer)
-        coreset = CoresetSettings.from_args(args)
+    def data_settings(self, args: argparse.Namespace) -> Optional[CoresetSettings]:
+        """The ``--coreset`` training set (None: the whole one)."""
+        return CoresetSettings.from_args(args)
+
+    def build_datasets(self, run: RunConfig, tokenizer, coreset: Optional[CoresetSettings]):
+        train, valid, test = self._datasets(run, tokenizer)
         if coreset is None:
             return train, valid, test
         log(coreset.summary())
         return CoresetDataset(train, coreset.coreset), valid, test
 
-    def _datasets(self, args: argparse.Namespace, run: RunConfig, tokenizer):
-        if args.use_mock_data:
+    def _datasets(self, run: RunConfig, tokenizer):
+        if run.data.mock:
             vocab = tokenizer.vocab_size
             seq_length = run.batches.seq_length
-            valid = MockGPTDataset(args.seed, "valid", seq_length, vocab) if args.eval_iters > 0 else None
-            return MockGPTDataset(args.seed, "train", seq_length, vocab), valid, None
+            valid = MockGPTDataset(run.seed, "valid", seq_length, vocab) if run.data.eval_iters > 0 else None
+            return MockGPTDataset(run.seed, "train", seq_length, vocab), valid, None
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
         return indexed_datasets(
-            args,
             run,
             tokenizer,
             GPTDataset,
             GPTDatasetConfig,
             reset_position_ids=False,
             reset_attention_mask=False,
-            eod_mask_loss=args.eod_mask_loss,
+            eod_mask_loss=run.data.eod_mask_loss,
             create_attention_mask=False,
         )
 

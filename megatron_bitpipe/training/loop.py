@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ..optimizers import averaged_weights
 from ..usage import reader_gone
-from ..run_config import RunConfig
+from ..run_config import RunConfig, TokenizerSettings
 from .optimizer import build_optimizer
 from . import distributed
 from .checkpoint import TrainingState, checkpoint_dir, load_checkpoint, save_checkpoint
@@ -79,7 +79,7 @@ class Trainer:
             with averaged_weights(self.optimizer):  # checkpoints hold Schedule-Free's averaged weights
                 loaded = load_checkpoint(run.checkpointing.load, self.model, self.optimizer, self.scheduler, args, run, task)
             self.state = loaded or self.state
-        self.train_data, self.valid_data, self.test_data = task.build_datasets(args, run, tokenizer)
+        self.train_data, self.valid_data, self.test_data = task.build_datasets(run, tokenizer, task.data_settings(args))
         models = 1 if run.hfta is None else run.hfta.num_models
         self.flops_per_iteration = model_flops_per_iteration(run, self.kind.causal_attention, models)
         #: the ``--inject-fault`` of this rank (none on the other ranks, and in a restarted job)
@@ -154,7 +154,7 @@ class Trainer:
             chunk.eval()
         reports: List[dict] = []
         with torch.no_grad(), averaged_weights(self.optimizer), self.data_parallel.evaluated_weights():
-            for batch in range(self.args.eval_iters):
+            for batch in range(self.run_config.data.eval_iters):
                 first = batch * self.run_config.batches.global_batch_size
                 batches = microbatches(dataset, first, self.run_config, self.groups.dp_rank)
                 reports += self.schedule.run(self.forward_step, batches, forward_only=True)
@@ -201,7 +201,7 @@ class Trainer:
         """:meth:`evaluate` after the last iteration, its cost logged (it can outlast a short run)."""
         started = time.perf_counter()
         losses = self.evaluate(dataset)
-        self.logger.final_evaluation(label, self.args.eval_iters, time.perf_counter() - started)
+        self.logger.final_evaluation(label, self.run_config.data.eval_iters, time.perf_counter() - started)
         return losses
 
     def train(self, exits: ExitConditions, watchdog: Optional[Watchdog] = None) -> None:
@@ -224,7 +224,7 @@ class Trainer:
         started, validation = time.perf_counter(), {}
         while self.state.iteration < args.train_iters:
             record = self.train_step()
-            if self.valid_data is not None and self._due(args.eval_interval):
+            if self.valid_data is not None and self._due(self.run_config.data.eval_interval):
                 self._at(self.state.iteration, "evaluation")
                 record.validation = self.evaluate()
                 record.extra.update(self.data_parallel.evaluation_fields())
@@ -258,7 +258,7 @@ def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: 
     anything is loaded).
     """
     started = time.time()
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     with ExitConditions(run.exits, started) as exits:
         env = distributed.initialize(run, cpu_fallback)

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 from ..megatron_args import BitPipeConfigError
+from ..run_config import TokenizerSettings
 from ..usage import USAGE_EXIT_STATUS, FlagParser, UsageError
 from .arguments import BYTE_LEVEL_TOKENIZER, BYTE_VOCAB, TOKENIZER_FILES
 
@@ -61,7 +62,7 @@ __all__ = [
     "stdlib_docs",
     "read_documents",
     "split_sentences",
-    "tokenizer_args",
+    "tokenizer_settings",
     "write_indexed_datasets",
     "stdlib_docs_dataset",
     "build_parser",
@@ -159,18 +160,16 @@ def split_sentences(text: str) -> List[str]:
     return sentences
 
 
-def tokenizer_args(
+def tokenizer_settings(
     tokenizer_type: str = BYTE_LEVEL_TOKENIZER,
     vocab_file: Optional[str] = None,
     merge_file: Optional[str] = None,
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
-) -> argparse.Namespace:
-    """The tokenizer flags :func:`~megatron_bitpipe.training.data.build_tokenizer` reads, as
-    the pretrain scripts' parser would leave them."""
-    return argparse.Namespace(
-        tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file, tokenizer_model=tokenizer_model, vocab_size=vocab_size
-    )
+) -> TokenizerSettings:
+    """The tokenizer :func:`~megatron_bitpipe.training.data.build_tokenizer` builds, named as the
+    pretrain scripts' flags name it (default: byte-level)."""
+    return TokenizerSettings(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
 
 
 def _encode(tokenizer, document: Dict[str, str], json_keys: Sequence[str], sentences: bool, append_eod: bool) -> Dict[str, List[List[int]]]:
@@ -186,7 +185,7 @@ def _encode(tokenizer, document: Dict[str, str], json_keys: Sequence[str], sente
     return encoded
 
 
-def _encode_batch(settings: argparse.Namespace, json_keys, sentences: bool, append_eod: bool, batch: List[Dict[str, str]]):
+def _encode_batch(settings: TokenizerSettings, json_keys, sentences: bool, append_eod: bool, batch: List[Dict[str, str]]):
     """Worker body: a batch of documents encoded with a tokenizer built from ``settings``."""
     from .data import build_tokenizer
 
@@ -203,7 +202,7 @@ def _batches(documents: Iterable[Dict[str, str]], size: int) -> Iterator[List[Di
 def write_indexed_datasets(
     documents: Iterable[Dict[str, str]],
     output_prefix: str,
-    tokenizer: argparse.Namespace,
+    tokenizer: TokenizerSettings,
     json_keys: Sequence[str] = ("text",),
     *,
     sentences: bool = False,
@@ -215,7 +214,7 @@ def write_indexed_datasets(
     """Tokenize ``documents`` (``{key: text}``) and write one Megatron indexed dataset per key
     (see the module docstring); key -> :class:`DatasetSummary`.
 
-    ``tokenizer`` holds the tokenizer flags (:func:`tokenizer_args`). ``log`` (if given)
+    ``tokenizer`` is the tokenizer to encode with (:func:`tokenizer_settings`). ``log`` (if given)
     receives a progress line every ``log_interval`` documents. If reading or tokenizing
     fails, the exception propagates and no partial ``.bin`` file is left behind.
     """
@@ -269,7 +268,7 @@ def write_indexed_datasets(
     return {key: DatasetSummary(prefix=prefixes[key], dtype=np.dtype(dtype).name, **counts[key]) for key in json_keys}
 
 
-def stdlib_docs_dataset(output_dir: str, tokenizer: Optional[argparse.Namespace] = None) -> str:
+def stdlib_docs_dataset(output_dir: str, tokenizer: Optional[TokenizerSettings] = None) -> str:
     """The ``--data-path`` prefix of the built-in corpus, preprocessed under ``output_dir``
     with ``tokenizer`` (default: byte-level) and ``--append-eod``; written on the first call,
     reused after (the name carries the Python version, whose topics it holds, and the
@@ -281,7 +280,7 @@ def stdlib_docs_dataset(output_dir: str, tokenizer: Optional[argparse.Namespace]
     """
     from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 
-    tokenizer = tokenizer or tokenizer_args()
+    tokenizer = tokenizer or tokenizer_settings()
     name = f"stdlib_docs_py{sys.version_info.major}{sys.version_info.minor}_{tokenizer.tokenizer_type}"
     prefix = f"{Path(output_dir) / name}_text_document"
     if not os.path.exists(get_idx_path(prefix)):
@@ -365,7 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problems = _problems(args)
         if problems:
             raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))
-        settings = tokenizer_args(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size)
+        settings = TokenizerSettings.from_args(args)
         build_tokenizer(settings)  # a broken tokenizer fails here, naming --tokenizer-type
         start = time.perf_counter()
         summaries = write_indexed_datasets(

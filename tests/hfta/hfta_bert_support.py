@@ -34,7 +34,7 @@ def hfta_flags() -> List[str]:
 def trainer(argv: List[str]):
     """The training loop of ``pretrain_bert.py`` with ``argv`` (mock data), on this rank."""
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
     from megatron_bitpipe.training import distributed
     from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.bert import BertTask
@@ -43,7 +43,7 @@ def trainer(argv: List[str]):
 
     task = BertTask()
     args = parse_args(task, argv)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     return Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
 

@@ -140,13 +140,13 @@ def _trainer(argv: List[str]):
     from megatron_bitpipe.training.arguments import parse_args
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.gpt import GPTTask
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
     from megatron_bitpipe.training.loop import Trainer
 
     task = GPTTask()
     bf16 = "--bf16" in argv
     args = parse_args(task, [*argv, "--distributed-backend", "gloo"] if bf16 else argv, cuda_available=bf16)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     return Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
 

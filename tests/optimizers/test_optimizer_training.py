@@ -54,11 +54,11 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
 
     task = make_task("gpt")
     args = parse_args(task, argv)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     trainer = Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
     with ExitConditions(run.exits, time.time()) as exits:

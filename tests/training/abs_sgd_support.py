@@ -43,8 +43,8 @@ class RecordingDataset:
 class RecordingGPTTask(GPTTask):
     """GPT whose training set records the indices read."""
 
-    def build_datasets(self, args, run, tokenizer):
-        train, valid, test = super().build_datasets(args, run, tokenizer)
+    def build_datasets(self, run, tokenizer, settings):
+        train, valid, test = super().build_datasets(run, tokenizer, settings)
         self.recorded = RecordingDataset(train)
         return self.recorded, valid, test
 
@@ -74,11 +74,11 @@ def train_case(argv: Sequence[str], log_json: str, probe: Optional[Callable] = N
     from megatron_bitpipe.checkpoint_rules import CheckpointError
     from megatron_bitpipe.training.exit_conditions import ExitConditions
     from megatron_bitpipe.training.loop import Trainer
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
 
     task = RecordingGPTTask()
     args = parse_args(task, [*argv, "--log-json", log_json])
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     env = distributed.initialize(run, enable_cpu_megatron)
     try:
@@ -137,14 +137,14 @@ def reference_gpt(argv: Sequence[str]):
     from megatron_bitpipe.model_partition import chunk_specs
     from megatron_bitpipe.model.chunks import build_gpt_chunks
     from megatron_bitpipe.training.arguments import parse_args
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
     from megatron_bitpipe.training.config import lr_scheduler, transformer_config, use_global_tp_group
     from megatron_bitpipe.training.data import build_tokenizer, collate
 
     enable_cpu_megatron()
     task = GPTTask()
     args = parse_args(task, list(argv), world_size=1)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     placement = run.placement
     groups = PipelineGroups.build(ParallelGrid(), placement)
@@ -158,7 +158,7 @@ def reference_gpt(argv: Sequence[str]):
     specs = chunk_specs(placement, config.num_layers, 0, not args.untie_embeddings_and_output_weights)
     initialize_from_seed([net], specs, args.seed, groups.tp)
     net.double()
-    return args, net, task.build_datasets(args, run, tokenizer)
+    return args, net, task.build_datasets(run, tokenizer, task.data_settings(args))
 
 
 def decays(name: str, param: torch.Tensor) -> bool:

@@ -131,19 +131,20 @@ def test_coreset_stream_cycles_the_selected_samples_in_training_order(tmp_path):
     assert [stream[p]["loss_weight"].item() for p in range(3)] == pytest.approx([0.6, 0.9, 1.5])  # γ x 3 / 10
 
 
-def _run_and_tokenizer(args):
-    """The run's decisions and the tokenizer its datasets are built with."""
-    from megatron_bitpipe.run_config import RunConfig
+def _datasets(args):
+    """GPT's datasets of the checked flags ``args``, as the training loop builds them."""
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
     from megatron_bitpipe.training.data import build_tokenizer
+    from megatron_bitpipe.training.gpt import GPTTask
 
-    tokenizer = build_tokenizer(args)
-    return RunConfig.from_args(args, tokenizer.vocab_size), tokenizer
+    task = GPTTask()
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
+    return task.build_datasets(RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, task.data_settings(args))
 
 
 def test_a_run_on_a_coreset_says_so_at_start_up(tmp_path, capsys):
     """The training log names the coreset, how many samples of how many it trains on and
     that their losses are weighted; a run without one says nothing of coresets."""
-    from megatron_bitpipe.training.gpt import GPTTask
 
     argv = [*MODEL, "--vocab-size", "64"]
     args = parse_args(GPTArguments(), argv, world_size=1, cuda_available=False)
@@ -151,10 +152,10 @@ def test_a_run_on_a_coreset_says_so_at_start_up(tmp_path, capsys):
     n = DatasetIdentity.from_args(args).train_samples
     write_coreset(path, CoresetFile(np.array([0, 5]), np.array([6.0, n - 6.0]), DatasetIdentity.from_args(args),
                                     {"method": "craig", "fraction": 0.25}))  # fmt: skip
-    GPTTask().build_datasets(args, *_run_and_tokenizer(args))
+    _datasets(args)
     assert "coreset" not in capsys.readouterr().out
     args = parse_args(GPTArguments(), [*argv, "--coreset", path], world_size=1, cuda_available=False)
-    train, _, _ = GPTTask().build_datasets(args, *_run_and_tokenizer(args))
+    train, _, _ = _datasets(args)
     assert len(train) == 2
     assert capsys.readouterr().out == (
         f"coreset: training on 2 of {n} training samples (method craig, fraction 0.25) from {path}, cycled; "
@@ -237,10 +238,10 @@ def test_script_errors_exit_2_before_any_work(tmp_path):
 
 def test_a_dataset_without_training_samples_exits_2(tmp_path):
     from megatron_bitpipe.training.coreset.select import main as select_main
-    from megatron_bitpipe.training.preprocess import tokenizer_args, write_indexed_datasets
+    from megatron_bitpipe.training.preprocess import tokenizer_settings, write_indexed_datasets
 
     documents = [{"text": f"document {i} " * 20} for i in range(10)]
-    write_indexed_datasets(iter(documents), str(tmp_path / "tiny"), tokenizer_args("ByteLevelTokenizer"), append_eod=True)
+    write_indexed_datasets(iter(documents), str(tmp_path / "tiny"), tokenizer_settings("ByteLevelTokenizer"), append_eod=True)
     data = ["--data-path", str(tmp_path / "tiny_text_document"), "--tokenizer-type", "ByteLevelTokenizer", "--vocab-size", "256"]
     argv = [*MODEL, *data, "--split", "0,100,0", "--eval-iters", "1", "--fraction", "0.5", "--coreset-method", "random", "--output", str(tmp_path / "x.npz")]
     status, err = _exit_and_stderr(select_main, argv)

@@ -26,7 +26,7 @@ from megatron_bitpipe.training.preprocess import (
     read_documents,
     split_sentences,
     stdlib_docs_dataset,
-    tokenizer_args,
+    tokenizer_settings,
     write_indexed_datasets,
 )
 
@@ -49,12 +49,12 @@ def _read_back(prefix: str):
 def _byte_tokenizer():
     from megatron_bitpipe.training.data import build_tokenizer
 
-    return build_tokenizer(tokenizer_args())
+    return build_tokenizer(tokenizer_settings())
 
 
 def test_documents_read_back_as_the_tokenizer_wrote_them(tmp_path):
     tokenizer = _byte_tokenizer()
-    summaries = write_indexed_datasets(DOCUMENTS, str(tmp_path / "corpus"), tokenizer_args(), ("text", "title"), append_eod=True)
+    summaries = write_indexed_datasets(DOCUMENTS, str(tmp_path / "corpus"), tokenizer_settings(), ("text", "title"), append_eod=True)
     text, title = summaries["text"], summaries["title"]
     assert text.prefix == str(tmp_path / "corpus_text_document") and text.dtype == "uint16"
     assert (text.documents, text.empty_documents, title.documents, title.empty_documents) == (3, 1, 3, 1)
@@ -69,7 +69,7 @@ def test_documents_read_back_as_the_tokenizer_wrote_them(tmp_path):
 
 def test_sentences_keep_their_document_boundaries(tmp_path):
     tokenizer = _byte_tokenizer()
-    summary = write_indexed_datasets(DOCUMENTS, str(tmp_path / "corpus"), tokenizer_args(), sentences=True, append_eod=True)["text"]
+    summary = write_indexed_datasets(DOCUMENTS, str(tmp_path / "corpus"), tokenizer_settings(), sentences=True, append_eod=True)["text"]
     assert summary.prefix.endswith("corpus_text_sentence")
     sequences, boundaries = _read_back(summary.prefix)
     sentences = [split_sentences(d["text"]) for d in DOCUMENTS if d["text"]]
@@ -94,8 +94,8 @@ def test_plain_text_documents(tmp_path):
 @pytest.mark.multirank
 def test_workers_write_the_same_files(tmp_path):
     documents = [{"text": f"document {i}: " + "word " * (i % 7)} for i in range(600)]  # several worker batches
-    one = write_indexed_datasets(documents, str(tmp_path / "one"), tokenizer_args(), append_eod=True)["text"].prefix
-    two = write_indexed_datasets(documents, str(tmp_path / "two"), tokenizer_args(), append_eod=True, workers=2)["text"].prefix
+    one = write_indexed_datasets(documents, str(tmp_path / "one"), tokenizer_settings(), append_eod=True)["text"].prefix
+    two = write_indexed_datasets(documents, str(tmp_path / "two"), tokenizer_settings(), append_eod=True, workers=2)["text"].prefix
     for suffix in (".bin", ".idx"):
         assert Path(one + suffix).read_bytes() == Path(two + suffix).read_bytes()
 

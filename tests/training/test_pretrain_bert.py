@@ -60,7 +60,7 @@ def _train_with_stub_tokenizer(argv: List[str]):
     tokenizer of ``--vocab-size`` tokens."""
     from megatron_bitpipe.training import loop
 
-    loop.build_tokenizer = lambda args: WordPieceStub(args.vocab_size)
+    loop.build_tokenizer = lambda settings: WordPieceStub(settings.vocab_size)
     return train_in_process("bert", argv)
 
 

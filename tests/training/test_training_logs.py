@@ -13,7 +13,7 @@ import pytest
 from megatron_bitpipe.data_parallel_modes import SYNC
 from megatron_bitpipe.schedules.model_shape import ModelShape
 from megatron_bitpipe.optimizers import OptimizerChoice
-from megatron_bitpipe.run_config import Batches, Logging, ParallelLayout, Precision, RunConfig
+from megatron_bitpipe.run_config import Batches, Logging, ParallelLayout, Precision, RunConfig, TokenizerSettings
 from megatron_bitpipe.schedules import ScheduleChoice
 from megatron_bitpipe.training.logs import IterationRecord, TrainingLogger
 from megatron_bitpipe.training.report import RankReport, model_flops_per_iteration, model_flops_per_sample
@@ -205,7 +205,7 @@ def _count_megatron_flops(argv):
     enable_cpu_megatron()
     task = GPTTask()
     args = parse_args(task, argv, world_size=1, cuda_available=False)
-    run = RunConfig.from_args(args, build_tokenizer(args).vocab_size)
+    run = RunConfig.from_args(args, build_tokenizer(TokenizerSettings.from_args(args)).vocab_size)
     model = model_kind_for(task.name, run).build_model(args, run)
     use_global_tp_group(model.groups.tp)
     batch = collate([MockGPTDataset(args.seed, "train", args.seq_length, run.padded_vocab_size)[i] for i in range(args.micro_batch_size)])

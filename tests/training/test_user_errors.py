@@ -172,7 +172,7 @@ def test_a_split_without_data_is_left_out_or_named(tmp_path):
 
     from megatron_bitpipe.megatron_args import BitPipeConfigError
     from megatron_bitpipe.training.arguments import parse_args
-    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.run_config import RunConfig, TokenizerSettings
     from megatron_bitpipe.training.data import build_tokenizer
     from megatron_bitpipe.training.gpt import GPTTask
 
@@ -186,8 +186,8 @@ def test_a_split_without_data_is_left_out_or_named(tmp_path):
         argv = [*MODEL, "--vocab-size", "100", "--tokenizer-type", "NullTokenizer", "--data-path", prefix,
                 "--data-cache-path", str(tmp_path / "cache"), "--eval-iters", "1", *flags]  # fmt: skip
         args = parse_args(GPTTask(), argv, world_size=1, cuda_available=False)
-        tokenizer = build_tokenizer(args)
-        return GPTTask().build_datasets(args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer)
+        tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
+        return GPTTask().build_datasets(RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, None)
 
     train, valid, test = datasets("--split", "80,10,10")
     assert train is not None and valid is not None and test is not None

@@ -27,6 +27,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Dict, List, Optional
 
+from ...run_config import DataSettings, TokenizerSettings
 from ...data_parallel_modes import SYNC, selected_mode
 from ..abs_sgd.args import dataset_train_samples
 from ..arguments import data_path_prefixes
@@ -48,20 +49,20 @@ def _normalised_split(split: str) -> str:
     return ",".join(f"{s / total:.6g}" for s in shares) if total > 0 else split
 
 
-def _data_path(args: argparse.Namespace) -> str:
-    if not args.data_path:
-        return f"mock data, --vocab-size {args.vocab_size}"
-    prefixes = data_path_prefixes(args.data_path)
-    weights = args.data_path[::2] if len(prefixes) * 2 == len(args.data_path) else []
+def _data_path(data: DataSettings, tokenizer: TokenizerSettings) -> str:
+    if data.mock:
+        return f"mock data, --vocab-size {tokenizer.vocab_size}"
+    prefixes = data_path_prefixes(data.paths)
+    weights = data.paths[::2] if len(prefixes) * 2 == len(data.paths) else []
     absolute = [os.path.abspath(p) for p in prefixes]
     return " ".join(f"{w} {p}" for w, p in zip(weights, absolute)) if weights else " ".join(absolute)
 
 
-def _tokenizer(args: argparse.Namespace) -> str:
-    parts = [args.tokenizer_type or "NullTokenizer", f"vocab_size={args.vocab_size}"]
+def _tokenizer(tokenizer: TokenizerSettings) -> str:
+    parts = [tokenizer.tokenizer_type or "NullTokenizer", f"vocab_size={tokenizer.vocab_size}"]
     for name in ("vocab_file", "merge_file", "tokenizer_model"):
-        if getattr(args, name, None):
-            parts.append(f"{name}={os.path.abspath(getattr(args, name))}")
+        if getattr(tokenizer, name):
+            parts.append(f"{name}={os.path.abspath(getattr(tokenizer, name))}")
     return " ".join(parts)
 
 
@@ -88,12 +89,13 @@ class DatasetIdentity:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DatasetIdentity":
+        data, tokenizer = DataSettings.from_args(args), TokenizerSettings.from_args(args)
         return cls(
-            data_path=_data_path(args),
-            split=_normalised_split(args.split) if args.data_path else "mock",
+            data_path=_data_path(data, tokenizer),
+            split="mock" if data.mock else _normalised_split(data.split),
             seq_length=int(args.seq_length),
             seed=int(args.seed),
-            tokenizer=_tokenizer(args),
+            tokenizer=_tokenizer(tokenizer),
             train_samples=int(dataset_train_samples(args)),
         )
 

@@ -182,7 +182,7 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optiona
     returns it. A process group this starts (for the proxy model) is ended; a caller's stays."""
     import torch.distributed as dist
 
-    from ...run_config import RunConfig
+    from ...run_config import RunConfig, TokenizerSettings
     from ..data import build_tokenizer
     from ..gpt import GPTTask
 
@@ -191,8 +191,9 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optiona
     identity = DatasetIdentity.from_args(args)
     n = identity.train_samples
     started = time.perf_counter()
-    tokenizer = build_tokenizer(args)
-    GPTTask().build_datasets(args, RunConfig.from_args(args, tokenizer.vocab_size), tokenizer)  # a dataset without training samples fails here, before any work
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
+    # the whole training set (the one chosen from): a dataset without training samples fails here, before any work
+    GPTTask().build_datasets(RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, None)
     timings = {"datasets_s": time.perf_counter() - started}
     if not settings.needs_model:
         if settings.fraction == 1.0:
@@ -233,9 +234,9 @@ def proxy_trainer(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], 
     from ..data import build_tokenizer
     from ..gpt import GPTTask
     from ..loop import Trainer
-    from ...run_config import RunConfig
+    from ...run_config import RunConfig, TokenizerSettings
 
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     run = RunConfig.from_args(args, tokenizer.vocab_size)
     env = distributed.initialize(run, cpu_fallback)
     return Trainer(GPTTask(), args, run, tokenizer, env)
