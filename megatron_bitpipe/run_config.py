@@ -408,6 +408,10 @@ class RunConfig:
         recompute: activation recomputation.
         data: where the samples come from and how many each split holds.
         tokenizer: the tokenizer the samples are read with.
+        task_settings: the task's own decisions, typed by the task
+            (:meth:`~megatron_bitpipe.training.task.TaskArguments.task_settings`: BERT's masking
+            and binary head, GPT's coreset; None: a run made without its task, or a task
+            without any).
         optimizer_settings: the optimizer's hyper-parameters.
         lr_schedule: the learning-rate schedule.
         seed: ``--seed``, what the initial weights (and the data order) are drawn from.
@@ -441,6 +445,7 @@ class RunConfig:
     recompute: Recompute = Recompute()
     data: DataSettings = DataSettings()
     tokenizer: TokenizerSettings = TokenizerSettings()
+    task_settings: object = None
     optimizer_settings: OptimizerSettings = OptimizerSettings()
     lr_schedule: LearningRateSchedule = LearningRateSchedule()
     seed: int = 1234
@@ -490,10 +495,12 @@ class RunConfig:
         return self.schedule.placement(self.layout.pipeline)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, vocab_size: Optional[int] = None) -> "RunConfig":
+    def from_args(cls, args: argparse.Namespace, vocab_size: Optional[int] = None, task=None) -> "RunConfig":
         """The decisions of checked flags (either route's namespace; the data-parallel size and
-        the batch sizes as Megatron-LM derives them) and of the tokenizer's ``vocab_size`` (None:
-        no tokenizer, no :attr:`padded_vocab_size`). Reads the ``--schedule-costs`` file."""
+        the batch sizes as Megatron-LM derives them), of the tokenizer's ``vocab_size`` (None:
+        no tokenizer, no :attr:`padded_vocab_size`) and of ``task``'s own flags (its
+        :meth:`~megatron_bitpipe.training.task.TaskArguments.task_settings`; None: no task).
+        Reads the ``--schedule-costs`` file."""
         schedule = schedule_choice(args)
         interleaved = REGISTRY[schedule.schedule].takes_virtual_size
         slowdown = getattr(args, "emulate_replica_slowdown", None)  # flags of this package's scripts only
@@ -582,6 +589,7 @@ class RunConfig:
             ),
             data=DataSettings.from_args(args),
             tokenizer=TokenizerSettings.from_args(args),
+            task_settings=None if task is None else task.task_settings(args),
         )
 
 
@@ -597,7 +605,7 @@ def _stage_layers(args: argparse.Namespace, placement: Placement) -> Optional[St
 #: ModelShape's fields a namespace may leave out or None (ModelShape's defaults then hold)
 _OPTIONAL_SHAPE_FLAGS = ("ffn_hidden_size", "num_query_groups", "normalization", "position_embedding_type",
                          "max_position_embeddings", "make_vocab_size_divisible_by", "hidden_dropout",
-                         "attention_dropout", "kv_channels", "norm_epsilon", "init_method_std")  # fmt: skip
+                         "attention_dropout", "kv_channels", "norm_epsilon", "init_method_std", "rotary_base")  # fmt: skip
 
 
 def model_shape_of(args: argparse.Namespace, vocab_size: Optional[int], moe: Optional[MoESettings]) -> Optional[ModelShape]:

@@ -116,7 +116,7 @@ def _run_rank(runs: List[tuple], log_dir: str) -> Optional[List[dict]]:
         task = GPTTask()
         args = parse_args(task, [*flags, "--log-json", log_json])
         tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-        run = RunConfig.from_args(args, tokenizer.vocab_size)
+        run = RunConfig.from_args(args, tokenizer.vocab_size, task)
         env = distributed.initialize(run, enable_cpu_megatron)
         load_before, started = os.getloadavg()[0], time.perf_counter()
         with ExitConditions(run.exits, time.time()) as exits:

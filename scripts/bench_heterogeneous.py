@@ -166,7 +166,7 @@ def _run_rank(settings: Settings, flags: List[str], log_json: str) -> Optional[d
     task = _emulated_task(settings)
     args = parse_args(task, [*flags, "--log-json", log_json])
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     env = distributed.initialize(run, enable_cpu_megatron)
     with ExitConditions(run.exits, time.time()) as exits:
         Trainer(task, args, run, tokenizer, env).train(exits)

@@ -61,7 +61,7 @@ def time_steps(argv: List[str], warmup: int, iters: int) -> float:
     task = GPTTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     trainer = Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
     times = []
     for step in range(warmup + iters):

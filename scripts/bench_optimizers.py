@@ -70,7 +70,7 @@ def _bench_rank(argv: List[str]) -> dict:
     task = GPTTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     trainer = Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
     rows = []
     while trainer.state.iteration < args.train_iters:

@@ -218,7 +218,7 @@ def build_share(train_args: argparse.Namespace, device):
         max_sequence_length=train_args.max_position_embeddings,
         position_embedding_type=train_args.position_embedding_type,
         rotary_base=train_args.rotary_base,
-        layer_spec=kind.layer_spec(train_args, run, config),  # SDPA's core attention under --attention-backend sdpa
+        layer_spec=kind.layer_spec(run, config),  # SDPA's core attention under --attention-backend sdpa
     )
 
     def middle_stage(chunk_config, spec, pgs, tie):  # no embedding, no head: what a middle stage holds

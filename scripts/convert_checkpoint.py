@@ -86,10 +86,10 @@ def convert(old_root: str, new_root: str, step=None) -> str:
     argv = _model_argv(signature) + ([] if bert_binary_head else ["--bert-no-binary-head"])
     argv += ["--use-checkpoint-opt_param-scheduler", "--no-save-rng", "--save", new_root]
     args = parse_args(task, argv, world_size=1, cuda_available=False)
-    run = dataclasses.replace(RunConfig.from_args(args), padded_vocab_size=signature[_VOCAB_FLAG])  # the checkpoint's
+    run = dataclasses.replace(RunConfig.from_args(args, task=task), padded_vocab_size=signature[_VOCAB_FLAG])  # the checkpoint's
     distributed.initialize(run, enable_cpu_megatron)
     try:
-        model = model_kind_for(task.name, run).build_model(args, run)
+        model = model_kind_for(task.name, run).build_model(run)
         optimizer = build_optimizer(model, optimizer_config(run), hfta=run.hfta)
         adam = optimizer.chained_optimizers[0].optimizer  # one fp32 Adam over the single-process model
         shards = {}

@@ -217,7 +217,7 @@ def main_signalled(task: str, argv: List[str], signal_rank: int, signal_call: in
 
         return signalling_forward_step
 
-    REGISTRY[plain.name] = dataclasses.replace(plain, forward_step=lambda a, r: signalling(plain.forward_step(a, r)))
+    REGISTRY[plain.name] = dataclasses.replace(plain, forward_step=lambda r: signalling(plain.forward_step(r)))
     try:
         return run_script(the_task, lambda: the_task, argv, cpu_fallback=enable_cpu_megatron)
     finally:

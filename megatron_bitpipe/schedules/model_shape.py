@@ -92,8 +92,8 @@ class ModelShape:
     ``ffn_hidden_size`` defaults to ``4h``, ``num_query_groups`` to the heads,
     ``max_position_embeddings`` to ``seq_length``, ``kv_channels`` to ``h / a``. ``vocab_size``
     is the tokenizer's (None where the shape is made before the tokenizer, as on Megatron-LM's
-    route: :attr:`padded_vocab_size` then raises). ``norm_epsilon`` and ``init_method_std``
-    change no count here; they are what the model is built with. ``moe`` (None: every layer dense) makes
+    route: :attr:`padded_vocab_size` then raises). ``norm_epsilon``, ``init_method_std`` and
+    ``rotary_base`` (RoPE's base) change no count here; they are what the model is built with. ``moe`` (None: every layer dense) makes
     the layers its frequency selects mixture-of-experts layers; a list frequency holds one
     entry per layer.
     """
@@ -119,6 +119,7 @@ class ModelShape:
     kv_channels: Optional[int] = None
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
+    rotary_base: int = 10000
     moe: Optional[MoEShape] = None
 
     def __post_init__(self) -> None:

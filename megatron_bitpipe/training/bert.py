@@ -41,7 +41,6 @@ is per sequence.
 
 from __future__ import annotations
 
-import argparse
 import functools
 from dataclasses import replace
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -55,7 +54,7 @@ from ..hfta.bert import HftaBertChunk, hfta_bert_layer_spec
 from ..hfta.reports import hfta_iteration_losses, hfta_loss_names, model_loss
 from ..model.bert_model import build_bert_chunks, default_bert_layer_spec
 from ..run_config import RunConfig
-from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments, BertDataSettings
+from .bert_args import MOCK_FIRST_WORD, MOCK_MIN_LENGTH, WORDPIECE_TOKENIZERS, BertArguments, BertSettings
 from .data import indexed_datasets
 from .model_kind import (
     ModelKind, core_attention, fused_p2p_shapes, is_fused_array, local_layer_spec, no_p2p_adjustment, own_iteration_losses,
@@ -267,7 +266,8 @@ class BertTask(BertArguments, PretrainTask):
     def model_flags(self):
         return {**super().model_flags(), "--bert-no-binary-head": lambda a: not getattr(a, "bert_binary_head", True)}
 
-    def build_datasets(self, run: RunConfig, tokenizer, settings: BertDataSettings):
+    def build_datasets(self, run: RunConfig, tokenizer):
+        settings = _bert_settings(run)
         train_samples = run.data.train_samples
         valid_samples = run.data.eval_iters * run.batches.global_batch_size
         if run.data.mock:
@@ -294,13 +294,20 @@ class BertTask(BertArguments, PretrainTask):
         )
 
 
-def bert_losses(args: argparse.Namespace) -> Tuple[str, ...]:
+def _bert_settings(run: RunConfig) -> BertSettings:
+    """BERT's own decisions in ``run``; ValueError for a run made without the BERT task."""
+    if not isinstance(run.task_settings, BertSettings):
+        raise ValueError("a BERT run's RunConfig needs BERT's settings: RunConfig.from_args(args, vocab_size, task)")
+    return run.task_settings
+
+
+def bert_losses(run: RunConfig) -> Tuple[str, ...]:
     """The losses one BERT reports: ``lm loss`` and ``sop loss``, ``lm loss`` only without the binary head."""
-    return ("lm loss", "sop loss") if args.bert_binary_head else ("lm loss",)
+    return ("lm loss", "sop loss") if _bert_settings(run).binary_head else ("lm loss",)
 
 
-def _binary_head(args: argparse.Namespace, run: RunConfig) -> dict:
-    return dict(add_binary_head=args.bert_binary_head)
+def _binary_head(run: RunConfig) -> dict:
+    return dict(add_binary_head=_bert_settings(run).binary_head)
 
 
 #: megatron-core ``BertModel`` chunks (:func:`~megatron_bitpipe.model.bert_model.build_bert_chunks`,
@@ -313,8 +320,8 @@ BERT = ModelKind(
     chunk_builder=build_bert_chunks,
     layer_spec=local_layer_spec(default_bert_layer_spec),
     chunk_kwargs=_binary_head,
-    forward_step=lambda args, run: bert_forward_step,
-    loss_names=lambda args, run: bert_losses(args),
+    forward_step=lambda run: bert_forward_step,
+    loss_names=bert_losses,
     iteration_losses=own_iteration_losses,
     p2p_shapes=no_p2p_adjustment,
     causal_attention=False,
@@ -326,13 +333,13 @@ HFTA_BERT = replace(
     BERT,
     name="hfta-bert",
     chosen_when=is_fused_array,
-    layer_spec=lambda args, run, config: hfta_bert_layer_spec(run.hfta.num_models, core_attention(run)),
-    chunk_kwargs=lambda args, run: dict(_binary_head(args, run), model_class=HftaBertChunk, hfta=run.hfta),
-    forward_step=lambda args, run: functools.partial(
+    layer_spec=lambda run, config: hfta_bert_layer_spec(run.hfta.num_models, core_attention(run)),
+    chunk_kwargs=lambda run: dict(_binary_head(run), model_class=HftaBertChunk, hfta=run.hfta),
+    forward_step=lambda run: functools.partial(
         bert_forward_step, loss_func=functools.partial(hfta_bert_loss, run.hfta.num_models)
     ),
-    loss_names=lambda args, run: hfta_loss_names(bert_losses(args), run.hfta.num_models),
-    iteration_losses=lambda args, run, losses: hfta_iteration_losses(losses, bert_losses(args), run.hfta.num_models),
+    loss_names=lambda run: hfta_loss_names(bert_losses(run), run.hfta.num_models),
+    iteration_losses=lambda run, losses: hfta_iteration_losses(losses, bert_losses(run), run.hfta.num_models),
     p2p_shapes=fused_p2p_shapes,
 )
 

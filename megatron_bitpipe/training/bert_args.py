@@ -14,7 +14,7 @@ from typing import List
 
 from .task import TaskArguments
 
-__all__ = ["BERT_ROTARY_BASE", "BertArguments", "BertDataSettings", "MOCK_FIRST_WORD", "MOCK_MIN_LENGTH", "WORDPIECE_TOKENIZERS"]
+__all__ = ["BERT_ROTARY_BASE", "BertArguments", "BertSettings", "MOCK_FIRST_WORD", "MOCK_MIN_LENGTH", "WORDPIECE_TOKENIZERS"]
 
 #: --tokenizer-type values megatron's BERT dataset works with (it needs [CLS], [SEP], [MASK])
 WORDPIECE_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
@@ -27,8 +27,8 @@ MOCK_MIN_LENGTH = 5
 
 
 @dataclass(frozen=True)
-class BertDataSettings:
-    """BERT's own data decisions.
+class BertSettings:
+    """BERT's own decisions (:attr:`~megatron_bitpipe.run_config.RunConfig.task_settings`).
 
     Attributes:
         mask_prob: ``--mask-prob``, the share of tokens masked, in (0, 1).
@@ -44,8 +44,8 @@ class BertDataSettings:
 class BertArguments(TaskArguments):
     """BERT's flags (Megatron-LM's names) and the rules BERT adds to the common ones."""
 
-    def data_settings(self, args: argparse.Namespace) -> BertDataSettings:
-        return BertDataSettings(mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob, binary_head=args.bert_binary_head)
+    def task_settings(self, args: argparse.Namespace) -> BertSettings:
+        return BertSettings(mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob, binary_head=args.bert_binary_head)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(title="BERT")

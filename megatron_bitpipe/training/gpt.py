@@ -139,12 +139,13 @@ class GPTTask(GPTArguments, PretrainTask):
 
     name = "gpt"
 
-    def data_settings(self, args: argparse.Namespace) -> Optional[CoresetSettings]:
-        """The ``--coreset`` training set (None: the whole one)."""
+    def task_settings(self, args: argparse.Namespace) -> Optional[CoresetSettings]:
+        """GPT's own decision: the ``--coreset`` training set (None: the whole one)."""
         return CoresetSettings.from_args(args)
 
-    def build_datasets(self, run: RunConfig, tokenizer, coreset: Optional[CoresetSettings]):
+    def build_datasets(self, run: RunConfig, tokenizer):
         train, valid, test = self._datasets(run, tokenizer)
+        coreset = run.task_settings
         if coreset is None:
             return train, valid, test
         log(coreset.summary())
@@ -174,8 +175,8 @@ class GPTTask(GPTArguments, PretrainTask):
 GPT_LOSSES = ("lm loss",)
 
 
-def _rotary_base(args: argparse.Namespace, run: RunConfig) -> dict:
-    return dict(rotary_base=args.rotary_base)
+def _rotary_base(run: RunConfig) -> dict:
+    return dict(rotary_base=run.model.rotary_base)
 
 
 #: megatron-core ``GPTModel`` chunks (the local layer spec, with SDPA's core attention under
@@ -187,8 +188,8 @@ GPT = ModelKind(
     chunk_builder=build_gpt_chunks,
     layer_spec=local_layer_spec(default_gpt_layer_spec),
     chunk_kwargs=_rotary_base,
-    forward_step=lambda args, run: gpt_forward_step,
-    loss_names=lambda args, run: GPT_LOSSES,
+    forward_step=lambda run: gpt_forward_step,
+    loss_names=lambda run: GPT_LOSSES,
     iteration_losses=own_iteration_losses,
     p2p_shapes=no_p2p_adjustment,
     causal_attention=True,
@@ -210,11 +211,11 @@ HFTA_GPT = replace(
     GPT,
     name="hfta-gpt",
     chosen_when=is_fused_array,
-    layer_spec=lambda args, run, config: hfta_gpt_layer_spec(run.hfta.num_models, args.normalization, core_attention(run)),
-    chunk_kwargs=lambda args, run: dict(_rotary_base(args, run), model_class=HftaGPTModel, hfta=run.hfta),
-    forward_step=lambda args, run: partial(hfta_forward_step, run.hfta.num_models),
-    loss_names=lambda args, run: hfta_loss_names(GPT_LOSSES, run.hfta.num_models),
-    iteration_losses=lambda args, run, losses: hfta_iteration_losses(losses, GPT_LOSSES, run.hfta.num_models),
+    layer_spec=lambda run, config: hfta_gpt_layer_spec(run.hfta.num_models, run.model.normalization, core_attention(run)),
+    chunk_kwargs=lambda run: dict(_rotary_base(run), model_class=HftaGPTModel, hfta=run.hfta),
+    forward_step=lambda run: partial(hfta_forward_step, run.hfta.num_models),
+    loss_names=lambda run: hfta_loss_names(GPT_LOSSES, run.hfta.num_models),
+    iteration_losses=lambda run, losses: hfta_iteration_losses(losses, GPT_LOSSES, run.hfta.num_models),
     p2p_shapes=fused_p2p_shapes,
 )
 

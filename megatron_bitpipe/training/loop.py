@@ -65,9 +65,9 @@ class Trainer:
         self.started = time.perf_counter()  # the summary's total time: set-up and training
         self.task, self.args, self.run_config, self.env = task, args, run, env
         self.kind = model_kind_for(task.name, run)
-        self.loss_names = self.kind.loss_names(args, run)
-        self.forward_step = self.kind.forward_step(args, run)
-        self.model = self.kind.build_model(args, run)
+        self.loss_names = self.kind.loss_names(run)
+        self.forward_step = self.kind.forward_step(run)
+        self.model = self.kind.build_model(run)
         self.groups = self.model.groups
         use_global_tp_group(self.groups.tp)
         self.optimizer = build_optimizer(self.model, optimizer_config(run), run.optimizer, run.hfta)
@@ -79,7 +79,7 @@ class Trainer:
             with averaged_weights(self.optimizer):  # checkpoints hold Schedule-Free's averaged weights
                 loaded = load_checkpoint(run.checkpointing.load, self.model, self.optimizer, self.scheduler, args, run, task)
             self.state = loaded or self.state
-        self.train_data, self.valid_data, self.test_data = task.build_datasets(run, tokenizer, task.data_settings(args))
+        self.train_data, self.valid_data, self.test_data = task.build_datasets(run, tokenizer)
         models = 1 if run.hfta is None else run.hfta.num_models
         self.flops_per_iteration = model_flops_per_iteration(run, self.kind.causal_attention, models)
         #: the ``--inject-fault`` of this rank (none on the other ranks, and in a restarted job)
@@ -259,7 +259,7 @@ def run_training(task: PretrainTask, args: argparse.Namespace, *, cpu_fallback: 
     """
     started = time.time()
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     with ExitConditions(run.exits, started) as exits:
         env = distributed.initialize(run, cpu_fallback)
         layout, batches = run.layout, run.batches

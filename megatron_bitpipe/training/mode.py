@@ -90,12 +90,12 @@ class TrainingParts:
     def forward_step(self) -> Callable:
         """megatron's ``forward_step_func`` of the run's model kind, for training (wrapped by
         :attr:`wrap_forward_step`)."""
-        return self.wrap_forward_step(self.kind.forward_step(self.args, self.run))
+        return self.wrap_forward_step(self.kind.forward_step(self.run))
 
     @property
     def loss_names(self) -> Tuple[str, ...]:
         """The keys of the model kind's loss reports."""
-        return self.kind.loss_names(self.args, self.run)
+        return self.kind.loss_names(self.run)
 
     def synchronize(self) -> None:
         """Wait for this rank's device work (timings measure it)."""

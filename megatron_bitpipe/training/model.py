@@ -17,7 +17,6 @@ replicas; :mod:`.decentralized` exchanges parameters between the replicas).
 
 from __future__ import annotations
 
-import argparse
 from typing import Callable, List, Optional
 
 import torch
@@ -33,22 +32,21 @@ __all__ = ["build_model"]
 
 
 def build_model(
-    args: argparse.Namespace,
     run: RunConfig,
     chunk_builder: Callable[..., List[torch.nn.Module]],
-    layer_spec: Callable[[argparse.Namespace, RunConfig, TransformerConfig], Optional[ModuleSpec]],
+    layer_spec: Callable[[RunConfig, TransformerConfig], Optional[ModuleSpec]],
     **chunk_kwargs,
 ) -> PipelineModel:
     """This rank's chunks of ``run``'s placement, seed-initialised and DDP-wrapped (collective).
 
     ``chunk_builder`` makes the chunks (``build_gpt_chunks``, ``build_bert_chunks``);
-    ``layer_spec(args, run, config)`` is their layer spec (``None``: the builder's default);
+    ``layer_spec(run, config)`` is their layer spec (``None``: the builder's default);
     ``chunk_kwargs`` go to ``build_pipeline_model`` and from there to the chunk builder
     (``rotary_base``, ``add_binary_head``...). Called by
     :meth:`~.model_kind.ModelKind.build_model` with the kind's pieces.
     """
     config = transformer_config(run)
-    spec = layer_spec(args, run, config)
+    spec = layer_spec(run, config)
     if spec is not None:
         chunk_kwargs["layer_spec"] = spec
     return build_pipeline_model(

@@ -9,13 +9,13 @@ also states which task offers it and when the run's decisions
 (:func:`~.model_registry.model_kind_for`). The modules defining a task's kinds end with their
 ``KINDS``; :mod:`.model_registry` lists them.
 
-Its callables take the checked flags and the run's decisions (the p2p shapes also the built
-model), so a kind is one value per model family and variant, shared by all runs.
+Its callables take the run's decisions (the p2p shapes also the built model; the task's own
+in :attr:`~megatron_bitpipe.run_config.RunConfig.task_settings`), so a kind is one value per
+model family and variant, shared by all runs.
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -48,14 +48,14 @@ class ModelKind:
         chosen_when: ``chosen_when(run)`` — whether ``run``'s decisions ask for this kind;
             ``None`` for the task's plain kind, chosen when no other kind of the task is.
         chunk_builder: the chunk builder of :func:`~megatron_bitpipe.model.build.build_pipeline_model`.
-        layer_spec: ``layer_spec(args, run, config)`` — the chunks' transformer layer spec;
+        layer_spec: ``layer_spec(run, config)`` — the chunks' transformer layer spec;
             ``None``: the chunk builder's own default.
-        chunk_kwargs: ``chunk_kwargs(args, run)`` — further keywords of the chunk builder
+        chunk_kwargs: ``chunk_kwargs(run)`` — further keywords of the chunk builder
             (``rotary_base``, ``add_binary_head``, a fused array's ``model_class`` and ``hfta``).
-        forward_step: ``forward_step(args, run)`` — megatron's ``forward_step_func``; its
+        forward_step: ``forward_step(run)`` — megatron's ``forward_step_func``; its
             ``loss_func`` reports ``[loss sum, count]`` under each of :attr:`loss_names`.
-        loss_names: ``loss_names(args, run)`` — the names of the loss reports, in log order.
-        iteration_losses: ``iteration_losses(args, run, losses)`` — a training iteration's
+        loss_names: ``loss_names(run)`` — the names of the loss reports, in log order.
+        iteration_losses: ``iteration_losses(run, losses)`` — a training iteration's
             reduced losses -> (the losses it logs, further JSON/line fields of
             :attr:`~.logs.IterationRecord.extra`).
         p2p_shapes: ``p2p_shapes(run, model)`` — megatron's ``adjust_tensor_shapes_fn`` for
@@ -68,18 +68,18 @@ class ModelKind:
     task: str
     chosen_when: Optional[Callable[[RunConfig], bool]]
     chunk_builder: Callable[..., List[torch.nn.Module]]
-    layer_spec: Callable[[argparse.Namespace, RunConfig, TransformerConfig], Optional[ModuleSpec]]
-    chunk_kwargs: Callable[[argparse.Namespace, RunConfig], Dict[str, object]]
-    forward_step: Callable[[argparse.Namespace, RunConfig], ForwardStep]
-    loss_names: Callable[[argparse.Namespace, RunConfig], Tuple[str, ...]]
-    iteration_losses: Callable[[argparse.Namespace, RunConfig, Dict[str, float]], Tuple[Dict[str, float], Dict[str, object]]]
+    layer_spec: Callable[[RunConfig, TransformerConfig], Optional[ModuleSpec]]
+    chunk_kwargs: Callable[[RunConfig], Dict[str, object]]
+    forward_step: Callable[[RunConfig], ForwardStep]
+    loss_names: Callable[[RunConfig], Tuple[str, ...]]
+    iteration_losses: Callable[[RunConfig, Dict[str, float]], Tuple[Dict[str, float], Dict[str, object]]]
     p2p_shapes: Callable[[RunConfig, PipelineModel], Optional[Callable]]
     causal_attention: bool
 
-    def build_model(self, args: argparse.Namespace, run: RunConfig) -> PipelineModel:
+    def build_model(self, run: RunConfig) -> PipelineModel:
         """This rank's chunks of ``run``'s placement, initialised from ``--seed`` alone, wrapped in
         megatron DDP (a collective call: it creates the process groups)."""
-        return build_model(args, run, self.chunk_builder, self.layer_spec, **self.chunk_kwargs(args, run))
+        return build_model(run, self.chunk_builder, self.layer_spec, **self.chunk_kwargs(run))
 
 
 def core_attention(run: RunConfig) -> Optional[type]:
@@ -87,7 +87,7 @@ def core_attention(run: RunConfig) -> Optional[type]:
     return SdpaDotProductAttention if run.kernels.attention_backend == "sdpa" else None
 
 
-def builder_layer_spec(args: argparse.Namespace, run: RunConfig, config: TransformerConfig) -> None:
+def builder_layer_spec(run: RunConfig, config: TransformerConfig) -> None:
     """A :attr:`ModelKind.layer_spec` that leaves the layer spec to the chunk builder."""
     return None
 
@@ -98,14 +98,14 @@ def local_layer_spec(default: Callable[[TransformerConfig], ModuleSpec]):
     :class:`~megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention` as core attention;
     otherwise the chunk builder's own default."""
 
-    def layer_spec(args: argparse.Namespace, run: RunConfig, config: TransformerConfig) -> Optional[ModuleSpec]:
+    def layer_spec(run: RunConfig, config: TransformerConfig) -> Optional[ModuleSpec]:
         attention = core_attention(run)
         return None if attention is None else with_core_attention(default(config), attention)
 
     return layer_spec
 
 
-def own_iteration_losses(args: argparse.Namespace, run: RunConfig, losses: Dict[str, float]):
+def own_iteration_losses(run: RunConfig, losses: Dict[str, float]):
     """A :attr:`ModelKind.iteration_losses` that logs the reduced losses as they are."""
     return losses, {}
 

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Dict, Sequence, Tuple
 
 import torch
@@ -33,7 +32,7 @@ from .model_kind import core_attention
 __all__ = ["moe_iteration_losses", "moe_layer_specs"]
 
 
-def moe_layer_specs(args: argparse.Namespace, run: RunConfig, config: TransformerConfig) -> Tuple[ModuleSpec, ...]:
+def moe_layer_specs(run: RunConfig, config: TransformerConfig) -> Tuple[ModuleSpec, ...]:
     """The :attr:`~.model_kind.ModelKind.layer_spec` of the MoE GPT: one spec per layer of the full model."""
     specs = moe_gpt_layer_specs(config)
     attention = core_attention(run)
@@ -48,7 +47,7 @@ def tracked_losses(names: Sequence[str], device: torch.device) -> torch.Tensor:
     return torch.stack(values) if values else torch.zeros(0, device=device)
 
 
-def moe_iteration_losses(args: argparse.Namespace, run: RunConfig, losses: Dict[str, float]):
+def moe_iteration_losses(run: RunConfig, losses: Dict[str, float]):
     """The :attr:`~.model_kind.ModelKind.iteration_losses` of the MoE GPT (module docstring):
     ``losses`` and the auxiliary losses of the iteration."""
     names = run.moe.logged_losses
@@ -57,7 +56,7 @@ def moe_iteration_losses(args: argparse.Namespace, run: RunConfig, losses: Dict[
     if dist.is_initialized():
         dist.all_reduce(totals)
     clear_aux_losses_tracker()
-    divisor = run.layout.data * run.batches.num_microbatches * run.moe.num_moe_layers(args.num_layers)
+    divisor = run.layout.data * run.batches.num_microbatches * run.moe.num_moe_layers(run.model.num_layers)
     logged = dict(losses)
     logged.update({name: float(total) / divisor for name, total in zip(names, totals.tolist())})
     return logged, {}

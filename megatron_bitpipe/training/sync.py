@@ -56,7 +56,7 @@ class SyncStrategy(DataParallelStrategy):
         success, grad_norm, _ = optimizer.step()
         if success:
             p.scheduler.step(increment=global_batch_size)
-        losses, extra = p.kind.iteration_losses(p.args, p.run, reduce_losses(reports, p.loss_names, p.model.groups.tp_rank, device))
+        losses, extra = p.kind.iteration_losses(p.run, reduce_losses(reports, p.loss_names, p.model.groups.tp_rank, device))
         p.synchronize()
         elapsed = time.perf_counter() - start
         state.iteration += 1

@@ -38,9 +38,10 @@ class TaskArguments:
         """Problems with the parsed flags, each naming its flag (no communication)."""
         return []
 
-    def data_settings(self, args: argparse.Namespace) -> object:
-        """The task's own data decisions of checked flags, typed (None: it has none): what
-        :meth:`PretrainTask.build_datasets` receives beside the run's common ones."""
+    def task_settings(self, args: argparse.Namespace) -> object:
+        """The task's own decisions of checked flags, typed (None: it has none):
+        :attr:`~megatron_bitpipe.run_config.RunConfig.task_settings`, which its datasets and
+        model kinds read."""
         return None
 
 
@@ -58,9 +59,8 @@ class PretrainTask(TaskArguments):
         values (:data:`~megatron_bitpipe.checkpoint_rules.MODEL_SHAPE_FLAGS` and the task's own)."""
         return dict(MODEL_SHAPE_FLAGS)
 
-    def build_datasets(self, run: RunConfig, tokenizer, settings: object) -> Tuple[object, Optional[object], Optional[object]]:
+    def build_datasets(self, run: RunConfig, tokenizer) -> Tuple[object, Optional[object], Optional[object]]:
         """``(train, valid, test)`` random-access datasets of samples (as many as ``run``'s global
-        batches read: ``run.data``) with the task's ``settings`` (:meth:`data_settings`); valid
-        None without evaluation, test None where there is no test split (evaluated once, after
-        training)."""
+        batches read: ``run.data``, with the task's ``run.task_settings``); valid None without
+        evaluation, test None where there is no test split (evaluated once, after training)."""
         raise NotImplementedError

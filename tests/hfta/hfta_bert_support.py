@@ -44,7 +44,7 @@ def trainer(argv: List[str]):
     task = BertTask()
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     return Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
 
 

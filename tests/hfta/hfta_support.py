@@ -147,7 +147,7 @@ def _trainer(argv: List[str]):
     bf16 = "--bf16" in argv
     args = parse_args(task, [*argv, "--distributed-backend", "gloo"] if bf16 else argv, cuda_available=bf16)
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     return Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
 
 

@@ -59,7 +59,7 @@ def _train_and_compare_replicas(argv: List[str]) -> float:
     task = make_task("gpt")
     args = parse_args(task, argv)
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     trainer = Trainer(task, args, run, tokenizer, distributed.initialize(run, enable_cpu_megatron))
     with ExitConditions(run.exits, time.time()) as exits:
         trainer.train(exits)

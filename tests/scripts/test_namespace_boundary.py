@@ -48,14 +48,9 @@ CHECKPOINT_METADATA = {
 SIMULATOR_CLI = {"schedules/cli.py": {"layout_search", "cost_model", "recommendation", "_recommend", "_model_step"}}
 #: below RunConfig.from_args, still taking the namespace (this list only shrinks)
 PENDING = {
-    "training/bert.py": {"bert_losses", "_binary_head"},
     "training/checkpoint.py": {"save_checkpoint", "_no_checkpoint", "load_checkpoint", "_report"},
     "training/coreset/select.py": {"select", "proxy_trainer", "_select_with_model"},
-    "training/gpt.py": {"_rotary_base"},
     "training/loop.py": {"run_training", "__init__"},
-    "training/model.py": {"build_model"},
-    "training/model_kind.py": {"builder_layer_spec", "own_iteration_losses", "build_model", "layer_spec"},
-    "training/moe.py": {"moe_layer_specs", "moe_iteration_losses"},
     "training/abs_sgd/args.py": {"dataset_train_samples"},
 }
 #: torch's dispatch protocols call their parameter ``args`` (a tuple of operands)

@@ -43,8 +43,8 @@ class RecordingDataset:
 class RecordingGPTTask(GPTTask):
     """GPT whose training set records the indices read."""
 
-    def build_datasets(self, run, tokenizer, settings):
-        train, valid, test = super().build_datasets(run, tokenizer, settings)
+    def build_datasets(self, run, tokenizer):
+        train, valid, test = super().build_datasets(run, tokenizer)
         self.recorded = RecordingDataset(train)
         return self.recorded, valid, test
 
@@ -79,7 +79,7 @@ def train_case(argv: Sequence[str], log_json: str, probe: Optional[Callable] = N
     task = RecordingGPTTask()
     args = parse_args(task, [*argv, "--log-json", log_json])
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     env = distributed.initialize(run, enable_cpu_megatron)
     try:
         trainer = Trainer(task, args, run, tokenizer, env)
@@ -145,7 +145,7 @@ def reference_gpt(argv: Sequence[str]):
     task = GPTTask()
     args = parse_args(task, list(argv), world_size=1)
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     placement = run.placement
     groups = PipelineGroups.build(ParallelGrid(), placement)
     use_global_tp_group(groups.tp)
@@ -158,7 +158,7 @@ def reference_gpt(argv: Sequence[str]):
     specs = chunk_specs(placement, config.num_layers, 0, not args.untie_embeddings_and_output_weights)
     initialize_from_seed([net], specs, args.seed, groups.tp)
     net.double()
-    return args, net, task.build_datasets(run, tokenizer, task.data_settings(args))
+    return args, net, task.build_datasets(run, tokenizer)
 
 
 def decays(name: str, param: torch.Tensor) -> bool:

@@ -139,7 +139,7 @@ def _datasets(args):
 
     task = GPTTask()
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    return task.build_datasets(RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, task.data_settings(args))
+    return task.build_datasets(RunConfig.from_args(args, tokenizer.vocab_size, task), tokenizer)
 
 
 def test_a_run_on_a_coreset_says_so_at_start_up(tmp_path, capsys):

@@ -24,8 +24,8 @@ OPTIMUS = ["--tensor-model-parallel-size", "4", "--tensor-parallel-mode", "optim
 def chosen(task, *flags, world_size=1):
     """The kind ``task`` trains with ``flags`` and the flags' RunConfig."""
     args = parse_args(task, [*MODEL, *flags], world_size=world_size, cuda_available=False)
-    run = RunConfig.from_args(args)
-    return model_kind_for(task.name, run), args, run
+    run = RunConfig.from_args(args, task=task)
+    return model_kind_for(task.name, run), run
 
 
 def test_every_kind_is_registered_under_its_task_in_listing_order():
@@ -35,26 +35,26 @@ def test_every_kind_is_registered_under_its_task_in_listing_order():
 
 
 def test_the_flags_choose_the_kind_and_the_kind_states_losses_and_attention():
-    gpt, args, run = chosen(GPTTask())
-    assert gpt.name == "gpt" and gpt.loss_names(args, run) == ("lm loss",) and gpt.causal_attention
-    assert gpt.iteration_losses(args, run, {"lm loss": 2.0}) == ({"lm loss": 2.0}, {})
-    fused, args, run = chosen(GPTTask(), *HFTA)
-    assert fused.name == "hfta-gpt" and fused.loss_names(args, run) == ("lm loss", "lm loss 0", "lm loss 1", "lm loss 2")
+    gpt, run = chosen(GPTTask())
+    assert gpt.name == "gpt" and gpt.loss_names(run) == ("lm loss",) and gpt.causal_attention
+    assert gpt.iteration_losses(run, {"lm loss": 2.0}) == ({"lm loss": 2.0}, {})
+    fused, run = chosen(GPTTask(), *HFTA)
+    assert fused.name == "hfta-gpt" and fused.loss_names(run) == ("lm loss", "lm loss 0", "lm loss 1", "lm loss 2")
     shapes = fused.p2p_shapes(run, None)
     assert shapes([(16, 2, 32)], [(16, 2, 32)]) == ([(16, 6, 32)], [(16, 6, 32)])
     assert chosen(GPTTask(), *OPTIMUS, world_size=4)[0].name == "optimus-gpt"
-    moe, args, run = chosen(GPTTask(), "--num-experts", "4", "--moe-z-loss-coeff", "1e-3", "--disable-bias-linear")
-    assert moe.name == "moe-gpt" and moe.loss_names(args, run) == ("lm loss",) and moe.causal_attention
-    bert, args, run = chosen(BertTask())
-    assert bert.name == "bert" and bert.loss_names(args, run) == ("lm loss", "sop loss") and not bert.causal_attention
-    bert, args, run = chosen(BertTask(), "--bert-no-binary-head")
-    assert bert.loss_names(args, run) == ("lm loss",) and bert.chunk_kwargs(args, run) == {"add_binary_head": False}
-    fused, args, run = chosen(BertTask(), "--bert-no-binary-head", *HFTA)
-    assert fused.name == "hfta-bert" and fused.loss_names(args, run) == ("lm loss", "lm loss 0", "lm loss 1", "lm loss 2")
+    moe, run = chosen(GPTTask(), "--num-experts", "4", "--moe-z-loss-coeff", "1e-3", "--disable-bias-linear")
+    assert moe.name == "moe-gpt" and moe.loss_names(run) == ("lm loss",) and moe.causal_attention
+    bert, run = chosen(BertTask())
+    assert bert.name == "bert" and bert.loss_names(run) == ("lm loss", "sop loss") and not bert.causal_attention
+    bert, run = chosen(BertTask(), "--bert-no-binary-head")
+    assert bert.loss_names(run) == ("lm loss",) and bert.chunk_kwargs(run) == {"add_binary_head": False}
+    fused, run = chosen(BertTask(), "--bert-no-binary-head", *HFTA)
+    assert fused.name == "hfta-bert" and fused.loss_names(run) == ("lm loss", "lm loss 0", "lm loss 1", "lm loss 2")
 
 
 def test_a_run_asking_for_two_kinds_is_refused():
-    _, _, run = chosen(GPTTask(), *HFTA)
+    _, run = chosen(GPTTask(), *HFTA)
     both = dataclasses.replace(run, layout=dataclasses.replace(run.layout, tensor_parallel_mode="optimus2d"))
     with pytest.raises(ValueError, match="asks for the gpt model kinds hfta-gpt and optimus-gpt"):
         model_kind_for("gpt", both)

@@ -206,7 +206,7 @@ def _count_megatron_flops(argv):
     task = GPTTask()
     args = parse_args(task, argv, world_size=1, cuda_available=False)
     run = RunConfig.from_args(args, build_tokenizer(TokenizerSettings.from_args(args)).vocab_size)
-    model = model_kind_for(task.name, run).build_model(args, run)
+    model = model_kind_for(task.name, run).build_model(run)
     use_global_tp_group(model.groups.tp)
     batch = collate([MockGPTDataset(args.seed, "train", args.seq_length, run.padded_vocab_size)[i] for i in range(args.micro_batch_size)])
     with FlopCounterMode(display=False) as counter:

@@ -187,7 +187,7 @@ def test_a_split_without_data_is_left_out_or_named(tmp_path):
                 "--data-cache-path", str(tmp_path / "cache"), "--eval-iters", "1", *flags]  # fmt: skip
         args = parse_args(GPTTask(), argv, world_size=1, cuda_available=False)
         tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-        return GPTTask().build_datasets(RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, None)
+        return GPTTask().build_datasets(RunConfig.from_args(args, tokenizer.vocab_size), tokenizer)
 
     train, valid, test = datasets("--split", "80,10,10")
     assert train is not None and valid is not None and test is not None

@@ -193,7 +193,7 @@ def select(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], Optiona
     started = time.perf_counter()
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
     # the whole training set (the one chosen from): a dataset without training samples fails here, before any work
-    GPTTask().build_datasets(RunConfig.from_args(args, tokenizer.vocab_size), tokenizer, None)
+    GPTTask().build_datasets(RunConfig.from_args(args, tokenizer.vocab_size), tokenizer)
     timings = {"datasets_s": time.perf_counter() - started}
     if not settings.needs_model:
         if settings.fraction == 1.0:
@@ -237,9 +237,10 @@ def proxy_trainer(args: argparse.Namespace, cpu_fallback: Optional[Callable[[], 
     from ...run_config import RunConfig, TokenizerSettings
 
     tokenizer = build_tokenizer(TokenizerSettings.from_args(args))
-    run = RunConfig.from_args(args, tokenizer.vocab_size)
+    task = GPTTask()
+    run = RunConfig.from_args(args, tokenizer.vocab_size, task)
     env = distributed.initialize(run, cpu_fallback)
-    return Trainer(GPTTask(), args, run, tokenizer, env)
+    return Trainer(task, args, run, tokenizer, env)
 
 
 def _select_with_model(args, settings: SelectionSettings, n: int, cpu_fallback, timings: dict, log) -> Selection:
