@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from ..data_parallel_modes import SYNC
+from ..flag_set import FlagSet
 
-__all__ = ["HftaSettings", "add_hfta_args", "hfta_problems", "hfta_settings"]
+__all__ = ["HFTA_FLAGS", "HftaSettings", "add_hfta_args", "hfta_problems", "hfta_settings"]
 
 
 def _float_list(text: str) -> Tuple[float, ...]:
@@ -122,3 +123,7 @@ def hfta_problems(args: argparse.Namespace) -> List[str]:
     if refused:
         problems.append("--hfta-models does not compose yet with: " + "; ".join(refused))
     return problems
+
+
+#: HFTA's flags and rules on the pretraining scripts' command line
+HFTA_FLAGS = FlagSet("hfta", add_hfta_args, hfta_problems)

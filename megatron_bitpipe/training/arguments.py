@@ -49,7 +49,7 @@ from ..megatron_args import (
     resolved_schedule,
     virtual_size_problems,
 )
-from ..hfta.settings import add_hfta_args, hfta_problems
+from ..hfta.settings import HFTA_FLAGS
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 from ..schedules.layer_split import LayerSplitFlags, chunk_layer_counts, split_problems
@@ -57,13 +57,14 @@ from ..schedules.model_shape import shape_problems
 from ..schedules.placement import Placement
 from ..usage import FlagParser
 from ..data_parallel_modes import SYNC, add_data_parallel_mode_arg, selected_mode
-from .abs_sgd.args import abs_sgd_problems, add_abs_sgd_args, dataset_train_samples
-from .decentralized.args import add_decentralized_args, decentralized_problems
-from .faults import add_fault_args, fault_problems
+from .abs_sgd.args import ABS_SGD_FLAGS, dataset_train_samples
+from .decentralized.args import DECENTRALIZED_FLAGS
+from .faults import FAULT_FLAGS
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "BYTE_LEVEL_TOKENIZER",
+    "FLAG_SETS",
     "BitPipeConfigError",
     "CHECKPOINT_FORMATS",
     "EXIT_SIGNALS",
@@ -73,6 +74,9 @@ __all__ = [
     "validate",
 ]
 
+#: the rooms beside the core with flags of their own (:class:`~megatron_bitpipe.flag_set.FlagSet`), in
+#: ``--help`` order: each adds its flags, and its rules are asked with the common ones
+FLAG_SETS = (ABS_SGD_FLAGS, DECENTRALIZED_FLAGS, HFTA_FLAGS, FAULT_FLAGS)
 #: --attention-backend values: Megatron-LM's auto and local, and torch's SDPA
 ATTENTION_BACKENDS = ("auto", "local", "sdpa")
 #: --ckpt-format values (Megatron-LM's spelling)
@@ -292,10 +296,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "and --overlap-grad-reduce, as in Megatron-LM)",
     )
     add_bitpipe_args(parser)
-    data_parallel = parser.add_argument_group(title="data-parallel mode")
-    add_data_parallel_mode_arg(data_parallel)
-    add_abs_sgd_args(data_parallel)
-    add_decentralized_args(parser)
+    add_data_parallel_mode_arg(parser.add_argument_group(title="data-parallel mode"))
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -355,8 +356,8 @@ def build_parser(task=None, prog: Optional[str] = None) -> FlagParser:
     for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_logging_args, _add_checkpoint_args, _add_data_args):
         add(parser)
     add_optimizer_args(parser)
-    add_hfta_args(parser)
-    add_fault_args(parser)
+    for flag_set in FLAG_SETS:
+        flag_set.add_args(parser)
     if task is not None:
         task.add_arguments(parser)
     return parser
@@ -661,16 +662,14 @@ def validate(args: argparse.Namespace, task=None, cuda_available: bool = False) 
         problems += _pipeline_problems(args)
         problems += _layer_split_problems(args)
         problems += _recompute_problems(args)
-        problems += abs_sgd_problems(args)
-        problems += decentralized_problems(args)
+        problems += [problem for flag_set in FLAG_SETS if flag_set.needs_sizes for problem in flag_set.problems(args)]
     problems += _precision_problems(args, cuda_available)
     problems += _schedule_problems(args)
     problems += _overlap_problems(args)
     problems += _context_parallel_problems(args, task)
     problems += optimizer_problems(args, schedule=resolved_schedule(args))
     problems += _data_problems(args)
-    problems += hfta_problems(args)
-    problems += fault_problems(args)
+    problems += [problem for flag_set in FLAG_SETS if not flag_set.needs_sizes for problem in flag_set.problems(args)]
     if task is not None:
         problems += task.validate(args)
     if problems:

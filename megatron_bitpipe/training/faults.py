@@ -37,7 +37,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional
 
-__all__ = ["FAULTS", "FAULT_POINTS", "RESTART_COUNTS", "FaultInjection", "add_fault_args", "fault_problems", "job_restart"]
+from ..flag_set import FlagSet
+
+__all__ = ["FAULTS", "FAULT_FLAGS", "FAULT_POINTS", "RESTART_COUNTS", "FaultInjection", "add_fault_args", "fault_problems", "job_restart"]
 
 #: ``--inject-fault`` values
 FAULTS = ("hang", "crash", "slow")
@@ -101,6 +103,10 @@ def fault_problems(args: argparse.Namespace) -> List[str]:
     if args.inject_fault == "slow" and args.inject_fault_sleep <= 0:
         problems.append(f"--inject-fault-sleep must be positive (got {args.inject_fault_sleep})")
     return problems
+
+
+#: the fault-injection flags and rules on the pretraining scripts' command line
+FAULT_FLAGS = FlagSet("fault injection", add_fault_args, fault_problems)
 
 
 def job_restart(environ: Mapping[str, str]) -> Optional[str]:

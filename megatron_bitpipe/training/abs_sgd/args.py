@@ -19,8 +19,10 @@ from typing import List, Optional, Tuple
 from ...megatron_args import BitPipeConfigError, schedule_choice
 from ...schedules import REGISTRY, ScheduleChoice
 from ...data_parallel_modes import ABS_SGD, data_parallel_mode, selected_mode
+from ...flag_set import FlagSet
 
 __all__ = [
+    "ABS_SGD_FLAGS",
     "TRIGGERS",
     "AbsSgdSettings",
     "add_abs_sgd_args",
@@ -58,10 +60,10 @@ def _float_list(text: str) -> Tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def add_abs_sgd_args(group) -> None:
-    """Add ABS-SGD's flags and ``--emulate-replica-slowdown`` to ``group`` (the parser's
-    data-parallel group, which holds ``--data-parallel-mode``:
-    :func:`megatron_bitpipe.data_parallel_modes.add_data_parallel_mode_arg`)."""
+def add_abs_sgd_args(parser: argparse.ArgumentParser) -> None:
+    """Add ABS-SGD's flags and ``--emulate-replica-slowdown`` to ``parser`` (group ``ABS-SGD``;
+    ``--data-parallel-mode`` itself: :func:`megatron_bitpipe.data_parallel_modes.add_data_parallel_mode_arg`)."""
+    group = parser.add_argument_group(title="ABS-SGD (--data-parallel-mode abs-sgd) and replica slowdown")
     group.add_argument(
         "--abs-trigger",
         choices=TRIGGERS,
@@ -310,3 +312,7 @@ def abs_sgd_problems(args: argparse.Namespace) -> List[str]:
             f"too few for --abs-min-microbatches {rule.lowest} x --micro-batch-size {args.micro_batch_size} each"
         )
     return problems
+
+
+#: ABS-SGD's flags and rules on the pretraining scripts' command line
+ABS_SGD_FLAGS = FlagSet("abs-sgd", add_abs_sgd_args, abs_sgd_problems, needs_sizes=True)

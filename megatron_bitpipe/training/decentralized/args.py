@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import List
 
 from ...data_parallel_modes import DECENTLAM, DMSGD, LSGD, data_parallel_mode, decentralized_modes, selected_mode
+from ...flag_set import FlagSet
 
 __all__ = [
     "GOSSIP_MODES",
     "TOPOLOGIES",
     "DecentralizedSettings",
+    "DECENTRALIZED_FLAGS",
     "add_decentralized_args",
     "decentralized_problems",
 ]
@@ -153,3 +155,7 @@ def decentralized_problems(args: argparse.Namespace) -> List[str]:
         if args.lsgd_period is not None and args.lsgd_period < 1:
             problems.append(f"--lsgd-period must be >= 1 (got {args.lsgd_period})")
     return problems
+
+
+#: the decentralized modes' flags and rules on the pretraining scripts' command line
+DECENTRALIZED_FLAGS = FlagSet("decentralized", add_decentralized_args, decentralized_problems, needs_sizes=True)
