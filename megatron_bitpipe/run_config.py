@@ -317,7 +317,7 @@ class DataSettings:
         eod_mask_loss: ``--eod-mask-loss``: no loss on end-of-document tokens.
         train_samples: samples the training set must hold for ``--train-iters`` iterations
             (``--train-iters`` x ``--global-batch-size``; ABS-SGD: as far as any replica's
-            stream reaches, :func:`~megatron_bitpipe.training.abs_sgd.dataset_train_samples`).
+            stream reaches, :func:`~megatron_bitpipe.training.abs_sgd.train_samples_of`).
         eval_iters: ``--eval-iters``, global batches per evaluation of the validation set and
             of the test set (0: neither is built).
         eval_interval: ``--eval-interval``, iterations between evaluations.

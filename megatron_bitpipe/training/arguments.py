@@ -17,7 +17,7 @@ for a single process), ``data_parallel_size``, ``num_microbatches`` (per data-pa
 data-parallel size; ``global_batch_size_defaulted`` says the flag was left out), ``lr_decay_iters`` (``--train-iters``), ``use_mock_data`` (no
 ``--data-path``), ``recompute_granularity`` (``selective`` with ``--recompute-activations``);
 after the checks, ``dataset_train_samples`` (the training samples the dataset must hold:
-:func:`~.abs_sgd.dataset_train_samples`).
+:func:`~.abs_sgd.train_samples_of`).
 The run's decisions (the resolved schedule, layout, precision, batch shape, data-parallel mode,
 optimizer, padded vocabulary) are not namespace fields: :meth:`megatron_bitpipe.run_config.RunConfig.from_args`
 makes them once from the checked namespace and the tokenizer.
@@ -57,7 +57,7 @@ from ..schedules.model_shape import shape_problems
 from ..schedules.placement import Placement
 from ..usage import FlagParser
 from ..data_parallel_modes import SYNC, add_data_parallel_mode_arg, selected_mode
-from .abs_sgd.args import ABS_SGD_FLAGS, dataset_train_samples
+from .abs_sgd.args import ABS_SGD_FLAGS, train_samples_of
 from .decentralized.args import DECENTRALIZED_FLAGS
 from .faults import FAULT_FLAGS
 
@@ -702,5 +702,5 @@ def parse_args(
         cuda_available = torch.cuda.is_available()
     _fill_derived(args, world_size, cuda_available)
     validate(args, task, cuda_available)
-    args.dataset_train_samples = dataset_train_samples(args)  # the mode's rules are checked now
+    args.dataset_train_samples = train_samples_of(args)  # the mode's rules are checked now
     return args

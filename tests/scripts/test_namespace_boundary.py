@@ -51,7 +51,6 @@ PENDING = {
     "training/checkpoint.py": {"save_checkpoint", "_no_checkpoint", "load_checkpoint", "_report"},
     "training/coreset/select.py": {"select", "proxy_trainer", "_select_with_model"},
     "training/loop.py": {"run_training", "__init__"},
-    "training/abs_sgd/args.py": {"dataset_train_samples"},
 }
 #: torch's dispatch protocols call their parameter ``args`` (a tuple of operands)
 TORCH_PROTOCOLS = {"__torch_dispatch__", "__torch_function__", "_target_device", "_on_cpu", "_audited_move", "_check",

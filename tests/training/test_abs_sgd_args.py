@@ -6,7 +6,7 @@ import pytest
 
 from megatron_bitpipe.megatron_args import BitPipeConfigError
 from megatron_bitpipe.run_config import RunConfig
-from megatron_bitpipe.training.abs_sgd import AbsSgdSettings, dataset_train_samples
+from megatron_bitpipe.training.abs_sgd import AbsSgdSettings, train_samples_of
 from megatron_bitpipe.training.abs_sgd.args import CountRule
 from megatron_bitpipe.training.abs_sgd.counts import SpeedEstimate, plan_counts, stream_samples
 from megatron_bitpipe.training.arguments import parse_args
@@ -71,10 +71,10 @@ def test_defaults():
 
 
 def test_dataset_holds_the_furthest_stream():
-    assert dataset_train_samples(parse()) == 4 * 16
+    assert train_samples_of(parse()) == 4 * 16
     # 4 iterations x at most 8 micro-batches x 4 replicas x 2 samples
-    assert dataset_train_samples(parse(*ABS)) == 4 * 8 * 4 * 2
-    assert dataset_train_samples(parse(*ABS, "--abs-trigger", "fixed", "--abs-replica-microbatches", "1,1,1,3")) == 4 * 3 * 4 * 2
+    assert train_samples_of(parse(*ABS)) == 4 * 8 * 4 * 2
+    assert train_samples_of(parse(*ABS, "--abs-trigger", "fixed", "--abs-replica-microbatches", "1,1,1,3")) == 4 * 3 * 4 * 2
 
 
 def test_streams_are_disjoint_and_equal_counts_give_synchronous_order():

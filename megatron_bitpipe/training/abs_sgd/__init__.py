@@ -18,8 +18,8 @@ Fast replicas do more micro-batches, nobody waits for the slowest.
 See ``docs/heterogeneous.md``.
 """
 
-from .args import AbsSgdSettings, abs_sgd_problems, add_abs_sgd_args, dataset_train_samples
+from .args import AbsSgdSettings, abs_sgd_problems, add_abs_sgd_args, train_samples_of
 
 # .step (the loop's side) is imported by the strategies' registry (training.mode_registry):
 # it needs the data module, which needs .args.
-__all__ = ["AbsSgdSettings", "abs_sgd_problems", "add_abs_sgd_args", "dataset_train_samples"]
+__all__ = ["AbsSgdSettings", "abs_sgd_problems", "add_abs_sgd_args", "train_samples_of"]

@@ -27,7 +27,7 @@ __all__ = [
     "AbsSgdSettings",
     "add_abs_sgd_args",
     "abs_sgd_problems",
-    "dataset_train_samples",
+    "train_samples_of",
     "count_rule",
     "CountRule",
 ]
@@ -221,7 +221,7 @@ def _initial_count(args: argparse.Namespace) -> int:
     return min(allowed, key=lambda n: (abs(n - args.num_microbatches), n))
 
 
-def dataset_train_samples(args: argparse.Namespace) -> int:
+def train_samples_of(args: argparse.Namespace) -> int:
     """Training samples a dataset must hold for ``--train-iters`` iterations.
 
     Synchronous: ``--train-iters`` x ``--global-batch-size``. ABS-SGD: replica ``r`` reads

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ...run_config import DataSettings, TokenizerSettings
 from ...data_parallel_modes import SYNC, selected_mode
-from ..abs_sgd.args import dataset_train_samples
+from ..abs_sgd.args import train_samples_of
 from ..arguments import data_path_prefixes
 
 if TYPE_CHECKING:  # numpy is imported where a file is read or written: --help and flag errors come without it
@@ -96,7 +96,7 @@ class DatasetIdentity:
             seq_length=int(args.seq_length),
             seed=int(args.seed),
             tokenizer=_tokenizer(tokenizer),
-            train_samples=int(dataset_train_samples(args)),
+            train_samples=int(train_samples_of(args)),
         )
 
     def differences(self, other: "DatasetIdentity") -> List[str]:
