@@ -64,8 +64,11 @@ _COST_FLAGS = {
     "data_parallel_size": ("--data-parallel-size", "data-parallel ranks each stage's gradients are averaged over, besides BitPipe's two replicas (default 1)"),
     "t_a2a": ("--t-a2a", "latency of one all-to-all (dispatch or combine) of a mixture-of-experts layer among --expert-model-parallel-size ranks, in TIME units (default 0)"),
     "a2a_bandwidth": ("--a2a-bandwidth", "bytes per TIME unit one rank's all-to-all sends off the rank; adds bytes/bandwidth to each all-to-all of an MoE layer (default 0: none)"),
+    "t_cp": ("--t-cp", "latency of one context-parallel collective (a layer's key/value all-gather in F, its gradients' reduce-scatter in B / I) among --context-parallel-size ranks, in TIME units (default 0)"),
+    "cp_bandwidth": ("--cp-bandwidth", "all-gather / reduce-scatter bus bandwidth of the context-parallel group in bytes per TIME unit (as nccl-tests reports it); adds bytes/bandwidth to each (default 0: none)"),
 }
-_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME", "data_parallel_size": "N", "a2a_bandwidth": "BYTES_PER_TIME"}
+_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME",
+                  "data_parallel_size": "N", "a2a_bandwidth": "BYTES_PER_TIME", "cp_bandwidth": "BYTES_PER_TIME"}  # fmt: skip
 #: the command's one-line description (--help)
 DESCRIPTION = "Plan, validate and simulate pipeline schedules: per-rank actions, makespan, bubble, peak activations."
 #: bytes of a GiB, the unit of the memory the commands print and of --max-memory

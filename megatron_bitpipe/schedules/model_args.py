@@ -47,6 +47,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, layout_flags: bool = Tr
     model.add_argument("--seq-length", type=int, default=None, metavar="S")
     model.add_argument("--max-position-embeddings", type=int, default=None, metavar="P", help="default --seq-length")
     model.add_argument("--micro-batch-size", type=int, default=1, metavar="B")
+    model.add_argument("--context-parallel-size", type=int, default=1, metavar="CP",
+                       help="ranks splitting every sequence (2 CP load-balanced chunks; keys and values all-gathered per "
+                       "layer, --t-cp, --cp-bandwidth); the model's costs and memory are one such rank's (default 1)")
     model.add_argument("--vocab-size", type=int, default=None, metavar="V")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="M")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -115,6 +118,8 @@ def model_shape(args: argparse.Namespace) -> Optional[ModelShape]:
             raise ScheduleConfigError(f"{', '.join(given + layer_split_flags(args).names)}: the model's flags need --num-layers")
         if args.num_experts is not None:
             raise ScheduleConfigError("--num-experts: the model's flags need --num-layers")
+        if args.context_parallel_size != 1:
+            raise ScheduleConfigError("--context-parallel-size: the model's flags need --num-layers")
         return None
     missing = [f"--{k.replace('_', '-')}" for k in _REQUIRED if getattr(args, k) is None]
     if missing:
@@ -130,6 +135,7 @@ def model_shape(args: argparse.Namespace) -> Optional[ModelShape]:
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, attention_backend=args.attention_backend,
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout, moe=moe,
+            context_parallel_size=args.context_parallel_size,
         )  # fmt: skip
     except ValueError as error:
         raise ScheduleConfigError(str(error)) from None
