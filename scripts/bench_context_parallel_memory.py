@@ -18,7 +18,7 @@ scores), and the median step time (the CPU's; wall clock of 4 processes sharing 
 
 Usage::
 
-    python scripts/bench_context_parallel_memory.py                 # S 128, 256, 512; minutes
+    python scripts/bench_context_parallel_memory.py                 # S 64, 128, 256; 3 launches of 4 ranks, minutes
     python scripts/bench_context_parallel_memory.py --json          # one JSON list
 """
 
@@ -109,14 +109,14 @@ def predicted_peak(cp: int, pp: int, schedule: str, seq: int, args: dict) -> flo
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lengths", type=int, nargs="+", default=[128, 256, 512])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--seq-lengths", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--layers", type=int, default=8, help="transformer layers (BitPipe PP 4: a multiple of 8)")
+    parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("-N", "--num-microbatches", type=int, default=4, dest="n")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
     parser.add_argument("--json", action="store_true")
     ns = parser.parse_args(argv)
