@@ -51,8 +51,9 @@ Writes ``--output`` (default ``costs.json``): one JSON object whose keys are fie
 (F), ``t_backward`` (B), ``t_weight`` (W), ``t_input`` (I) and ``t_forward_deferring`` (F_d)
 when the split was measured,
 ``t_p2p``, ``p2p_bytes``, ``p2p_bandwidth``, ``t_sync``, ``grad_bytes``, ``sync_bandwidth``,
-``data_parallel_size``, and ``t_a2a`` and ``a2a_bandwidth`` at 0 (set them to cost the
-all-to-alls of a mixture-of-experts model). ``python -m megatron_bitpipe.schedules simulate --costs FILE``,
+``data_parallel_size``, and ``t_a2a``, ``a2a_bandwidth``, ``t_cp`` and ``cp_bandwidth`` at 0
+(set them to cost the all-to-alls of a mixture-of-experts model and the key/value exchange of
+context parallelism). ``python -m megatron_bitpipe.schedules simulate --costs FILE``,
 ``--schedule-costs FILE`` of the pretrain scripts, ``scripts/bench_emulated.py --costs FILE``
 and ``scripts/predict_throughput.py --costs FILE`` read it. What was measured and how is
 printed; the last line is ``wrote FILE``.

@@ -34,7 +34,10 @@ reported and the next one runs):
    ``--pipeline-model-parallel-layout`` whose embedding and loss stages on rank 0 hold no layer
    (``dualpipev-pp4-layout``), and a mixture-of-experts GPT under BitPipe
    PP 2 x EP 2 (``moe-bitpipe-pp2-ep2``: the experts split over the two data-parallel ranks of
-   each pipeline rank, the alltoall dispatcher, against ``ref-moe-gpt-fp32``). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
+   each pipeline rank, the alltoall dispatcher, against ``ref-moe-gpt-fp32``), and BitPipe PP 2 x
+   CP 2 (``bitpipe-pp2-cp2``: context parallelism, keys and values all-gathered over NCCL, against
+   ``ref-gpt-cp-fp32``, the tiny GPT with SDPA attention and no dropout; GPU-only, its CPU
+   equivalence being the test suite's, and not yet run on a GPU). Each run's per-iteration losses must equal its reference's: rtol 1e-4 in
    fp32, 2e-2 in bf16. The two Transformer Engine items run only where ``transformer_engine``
    is importable; elsewhere they are ``skipped (Transformer Engine not importable)``.
 5. ``fault-hang-pp4``, ``fault-crash-pp4``: BitPipe PP4 with ``--inject-fault hang`` (then
@@ -402,6 +405,13 @@ COMMON = ["--seed", "1234", "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-gr
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
        "--disable-bias-linear"]  # fmt: skip
 
+#: the context-parallel items' model: SDPA core attention (the one with context parallelism) and no
+#: dropout (its masks under the sequence split are not the single process's)
+CONTEXT_PARALLEL = ["--attention-backend", "sdpa", "--attention-dropout", "0", "--hidden-dropout", "0"]
+#: items that need a GPU although they are fp32 (the context-parallel pair: its CPU equivalence is
+#: tests/execution/test_context_parallel_equivalence.py's; here it is NCCL's on one shared GPU)
+GPU_ONLY = ("ref-gpt-cp-fp32", "bitpipe-pp2-cp2")
+
 #: the fault items' flags: rank 1 fails at the start of iteration 2's training step; the job
 #: must end within the 15 s timeout plus the watchdog's bound (docs/faults.md)
 FAULT_FLAGS = ["--inject-fault-rank", "1", "--inject-fault-iteration", "2", "--distributed-timeout-minutes", "0.25"]
@@ -480,13 +490,15 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
         "ref-bert-fp32": (bert, [], "fp32"),
         "ref-gpt-te-fp32": (gpt, te_layers, "fp32"),
         "ref-moe-gpt-fp32": (gpt, MOE, "fp32"),
+        "ref-gpt-cp-fp32": (gpt, CONTEXT_PARALLEL, "fp32"),
     }
     for name, (script, extra, precision) in references.items():
         model = ("BERT" if script == bert else "MoE GPT" if extra == MOE else "GPT")
+        model += " with SDPA attention, no dropout" if extra == CONTEXT_PARALLEL else ""
         model += " on Transformer Engine layers" if extra == te_layers else ""
         items.append(Item(name, "reference", [py, script, *tiny, *extra, *log_json(name)], timeout(name, "reference"),
                           f"{model} tiny, one process, {precision} (the reference)",
-                          needs_gpu=precision == "bf16" or extra == te_layers, needs_te=extra == te_layers,
+                          needs_gpu=precision == "bf16" or extra == te_layers or name in GPU_ONLY, needs_te=extra == te_layers,
                           log_json=str(work / f"{name}.jsonl")))  # fmt: skip
 
     sharing, sharing_env, wrapper_flags = nccl_sharing(nccl_version)
@@ -511,6 +523,8 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
         ("moe-bitpipe-pp2-ep2", gpt, [*MOE, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2",
                                       "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
          "ref-moe-gpt-fp32", "MoE GPT, BitPipe PP2 x EP2 (alltoall)"),
+        ("bitpipe-pp2-cp2", gpt, [*CONTEXT_PARALLEL, "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2",
+                                  "--context-parallel-size", "2"], "ref-gpt-cp-fp32", "BitPipe PP2 x CP2 (keys and values all-gathered)"),
     ]  # fmt: skip
     launcher = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPTS / "gpu_rank.py"), *wrapper_flags]
     for name, script, layout, reference, what in runs:
@@ -519,7 +533,7 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
         env = dict(sharing_env)  # NCCL's variables; gloo (the dry run) ignores them
         items.append(Item(name, "multirank", [*launcher, script, *tiny, *layout, *log_json(name)], timeout(name, "multirank"),
                           f"{what}, 4 ranks" + ("" if dry_run else f" on one GPU ({sharing})") + f", {precision} vs {reference}",
-                          needs_gpu=precision == "bf16" or te, needs_te=te, env=env, log_json=str(work / f"{name}.jsonl"),
+                          needs_gpu=precision == "bf16" or te or name in GPU_ONLY, needs_te=te, env=env, log_json=str(work / f"{name}.jsonl"),
                           reference=reference, rtol=RTOL[precision]))  # fmt: skip
     for fault in ("hang", "crash"):
         name = f"fault-{fault}-pp4"

@@ -39,10 +39,11 @@ from .errors import MICROBATCH_FLAG, PlanError, ScheduleConfigError
 from .layer_split import split_layers
 from .layout_search import LayoutSearch, search_layouts
 from .lower import lower
-from .model_args import add_model_arguments, layer_split_flags, model_shape, training_memory
+from .context_layouts import search_context_layouts, weigh_layouts
+from .model_args import WEIGH_FLAG, add_hardware_arguments, add_model_arguments, hardware, layer_split_flags, model_shape, training_memory
 from .model_step import ModelStep, simulate_model
 from .nccl import check_nccl
-from .recommend import Budget, Recommendation, format_recommendation, recommend
+from .recommend import Budget, Recommendation, format_recommendation, recommend, training_variants
 from .registry import REGISTRY, schedule_names
 from .simulate import simulate
 from .validate import validate_plan
@@ -64,8 +65,11 @@ _COST_FLAGS = {
     "data_parallel_size": ("--data-parallel-size", "data-parallel ranks each stage's gradients are averaged over, besides BitPipe's two replicas (default 1)"),
     "t_a2a": ("--t-a2a", "latency of one all-to-all (dispatch or combine) of a mixture-of-experts layer among --expert-model-parallel-size ranks, in TIME units (default 0)"),
     "a2a_bandwidth": ("--a2a-bandwidth", "bytes per TIME unit one rank's all-to-all sends off the rank; adds bytes/bandwidth to each all-to-all of an MoE layer (default 0: none)"),
+    "t_cp": ("--t-cp", "latency of one context-parallel collective (a layer's key/value all-gather in F, its gradients' reduce-scatter in B / I) among --context-parallel-size ranks, in TIME units (default 0)"),
+    "cp_bandwidth": ("--cp-bandwidth", "all-gather / reduce-scatter bus bandwidth of the context-parallel group in bytes per TIME unit (as nccl-tests reports it); adds bytes/bandwidth to each (default 0: none)"),
 }
-_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME", "data_parallel_size": "N", "a2a_bandwidth": "BYTES_PER_TIME"}
+_COST_METAVARS = {"p2p_bytes": "BYTES", "p2p_bandwidth": "BYTES_PER_TIME", "grad_bytes": "BYTES", "sync_bandwidth": "BYTES_PER_TIME",
+                  "data_parallel_size": "N", "a2a_bandwidth": "BYTES_PER_TIME", "cp_bandwidth": "BYTES_PER_TIME"}  # fmt: skip
 #: the command's one-line description (--help)
 DESCRIPTION = "Plan, validate and simulate pipeline schedules: per-rank actions, makespan, bubble, peak activations."
 #: bytes of a GiB, the unit of the memory the commands print and of --max-memory
@@ -134,9 +138,6 @@ def _add_recommend_parser(commands) -> None:
                        help="micro-batches of one step per data-parallel rank")
     batch.add_argument("--global-batch-size", type=int, metavar="G",
                        help="instead of -N: N = G / (--micro-batch-size x --data-parallel-size)")
-    sub.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="with --global-batch-size (default 1)")
-    sub.add_argument("--num-layers", type=int, default=None, metavar="L",
-                     help="transformer layers: also check that they fill each schedule's stages")
     sub.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, dest="vp",
                      help="interleaved's chunks per rank (default 2)")
     add_cost_arguments(sub)
@@ -147,6 +148,10 @@ def _add_recommend_parser(commands) -> None:
     budget.add_argument("--max-weight-copies", type=int, default=None, choices=(1, 2), metavar="{1,2}",
                         help="copies of the model's weights (with their gradients and optimizer state) a rank may hold: "
                         "BitPipe, Chimera and DualPipe hold 2 (default: no limit)")
+    budget.add_argument("--max-memory", type=float, default=None, metavar="GIB",
+                        help=f"with {WEIGH_FLAG}: memory of every rank in GiB (default: no limit)")
+    add_model_arguments(sub, layout_flags=False)  # --num-layers alone: check that the layers fill each schedule's stages
+    add_hardware_arguments(sub)
     sub.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -159,6 +164,7 @@ def _add_layout_search_parser(commands) -> None:
     add_model_arguments(sub, layout_flags=False)
     sub.add_argument("--max-memory", type=float, default=None, metavar="GIB",
                      help="memory budget of every pipeline rank in GiB (2^30 bytes; default: no limit)")
+    add_hardware_arguments(sub)
     sub.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -176,6 +182,79 @@ def layout_search(args: argparse.Namespace) -> LayoutSearch:
         return search_layouts(plan, costs, model, training_memory(args, costs.data_parallel_size), budget)
     except ValueError as error:
         raise ScheduleConfigError(str(error)) from None
+
+
+def _weighed_model(args: argparse.Namespace, command: str):
+    """The model, hardware, training memory and ranks of ``--weigh-context-parallel``."""
+    model = model_shape(args)
+    if model is None:
+        raise ScheduleConfigError(f"{command} {WEIGH_FLAG} needs the model: --num-layers, --hidden-size, "
+                                  "--num-attention-heads, --seq-length, --vocab-size")  # fmt: skip
+    if args.max_memory is not None and args.max_memory <= 0:
+        raise ScheduleConfigError(f"--max-memory must be > 0 GiB (got {args.max_memory:g})")
+    budget = None if args.max_memory is None else args.max_memory * GIB
+    dp = cost_model(args).data_parallel_size
+    return model, hardware(args), training_memory(args, dp), args.pp * args.context_parallel_size, budget
+
+
+def weighed_layout_search(args: argparse.Namespace):
+    """``layout-search --weigh-context-parallel``: every PP x CP layout's search."""
+    model, hw, training, ranks, budget = _weighed_model(args, "layout-search")
+    choice = ScheduleChoice(args.schedule, args.split_backward, None, args.vp)
+    try:
+        return search_context_layouts(choice, model, hw, ranks, args.num_microbatches, training, budget)
+    except ValueError as error:
+        raise ScheduleConfigError(str(error)) from None
+
+
+def format_weighed_layout_search(found) -> str:
+    """One block per layout: its flags and its search, or the rules it breaks."""
+    lines = []
+    for layout, search, problems in found:
+        lines.append(f"PP {layout.pipeline} x CP {layout.context} ({' '.join(layout.flags)}), world {layout.world}:")
+        lines += ["  " + line for line in (format_layout_search(search).splitlines() if search else ["refused: " + "; ".join(problems)])]
+    return "\n".join(lines)
+
+
+def weighed_recommendation(args: argparse.Namespace):
+    """``recommend --weigh-context-parallel``: every training variant on every PP x CP layout."""
+    model, hw, training, ranks, budget = _weighed_model(args, "recommend")
+    microbatches = args.num_microbatches
+    if microbatches is None:
+        per_step = args.micro_batch_size * training.data_parallel_size
+        if args.global_batch_size < 1 or args.global_batch_size % per_step:
+            raise ScheduleConfigError(f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
+                                      f"--micro-batch-size x --data-parallel-size = {per_step}")  # fmt: skip
+        microbatches = args.global_batch_size // per_step
+    if microbatches < 1:
+        raise ScheduleConfigError(f"--num-microbatches must be >= 1 (got {microbatches})")
+    try:
+        return weigh_layouts(model, hw, ranks, microbatches, training, training_variants(args.vp), budget), microbatches, budget
+    except ValueError as error:
+        raise ScheduleConfigError(str(error)) from None
+
+
+def format_weighed_recommendation(weighed, microbatches: int, budget: Optional[float]) -> str:
+    """The (layout, schedule) rows fastest first within the budget, then the refusals."""
+    (steps, refused) = weighed
+    limit = "no memory limit" if budget is None else f"at most {budget / GIB:g} GiB per rank"
+    header = ("rank", "PP", "CP", "schedule", "step time (ms)", "peak memory (GiB)", "activations (GiB)", "fits", "flags")
+    rows = [header] + [
+        (str(i), str(r.layout.pipeline), str(r.layout.context), r.choice.label, f"{r.step.makespan:.1f}",
+         f"{r.step.peak_memory / GIB:.2f}", f"{max(m.activations for m in r.step.memory) / GIB:.2f}",
+         "yes" if r.fits else "no", " ".join(r.flags))
+        for i, r in enumerate(steps, 1)
+    ]  # fmt: skip
+    widths = [max(len(row[k]) for row in rows) for k in range(len(header) - 1)]
+    lines = [f"N={microbatches}, {limit}; every PP x CP layout costed from the model's FLOPs and the hardware figures"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+    if refused:
+        lines.append("refused:")
+        lines += [f"  PP {layout.pipeline} x CP {layout.context} {choice.label}: {'; '.join(problems)}" for layout, choice, problems in refused]
+    best = next((r for r in steps if r.fits), None)
+    lines.append(f"fastest within the budget: PP {best.layout.pipeline} x CP {best.layout.context} {best.choice.label}"
+                 if best else "no layout fits the budget")  # fmt: skip
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def format_layout_search(search: LayoutSearch) -> str:
@@ -270,6 +349,22 @@ def recommendation(args: argparse.Namespace) -> Recommendation:
 
 
 def _recommend(prog: str, args: argparse.Namespace) -> int:
+    if args.weigh_context_parallel:
+        try:
+            weighed, microbatches, budget = weighed_recommendation(args)
+        except (ScheduleConfigError, OSError, json.JSONDecodeError, ValueError) as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return USAGE_EXIT_STATUS
+        steps, refused = weighed
+        if args.json:
+            print(json.dumps({"num_microbatches": microbatches, "max_memory_bytes": budget, "layouts": [r.summary() for r in steps],
+                              "refused": [{"pp": l.pipeline, "cp": l.context, "label": c.label, "problems": p} for l, c, p in refused]}))  # fmt: skip
+        else:
+            print(format_weighed_recommendation(weighed, microbatches, budget))
+        return 0
+    if args.max_memory is not None:
+        print(f"{prog}: error: --max-memory needs {WEIGH_FLAG} (without it the budget is --max-activations, in Ma)", file=sys.stderr)
+        return USAGE_EXIT_STATUS
     try:
         result = recommendation(args)
     except (ScheduleConfigError, OSError, json.JSONDecodeError, ValueError) as exc:
@@ -331,6 +426,15 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         return 0
     if args.command == "recommend":
         return _recommend(parser.prog, args)
+    if args.command == "layout-search" and args.weigh_context_parallel:
+        try:
+            found = weighed_layout_search(args)
+        except (ScheduleConfigError, OSError, json.JSONDecodeError) as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return USAGE_EXIT_STATUS
+        print(json.dumps([{"pp": l.pipeline, "cp": l.context, "flags": list(l.flags), "search": s.summary() if s else None,
+                           "problems": p} for l, s, p in found]) if args.json else format_weighed_layout_search(found))  # fmt: skip
+        return 0 if any(s and s.best for _, s, _ in found) else 1
     if args.command == "layout-search":
         try:
             search = layout_search(args)

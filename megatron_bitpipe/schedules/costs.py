@@ -12,6 +12,13 @@ micro-batch) in milliseconds. :func:`analytic_costs` derives them from a
   ``f = 4h`` that is ``24bsh² + 4bs²h``), backward twice the forward, at an *achieved*
   throughput (not the datasheet peak). Embedding, LM head, norms and softmax are left out;
 * point-to-point — latency plus ``[s, b, h]`` activation bytes over a link bandwidth;
+* context parallelism — the shape is one context-parallel rank's
+  (:class:`~.model_shape.ModelShape` ``context_parallel_size``): its tokens' FLOPs and messages;
+  each layer's key/value all-gather (``F``) and reduce-scatter (``B``, ``I``) take ``t_cp`` plus
+  the bytes one rank receives or sends (:meth:`~.model_shape.ModelShape.context_exchange_bytes`)
+  over the collective's *bus* bandwidth (as nccl-tests reports it: a ring all-gather or
+  reduce-scatter of ``g`` ranks moves ``(g - 1) / g`` of the whole tensor through each rank,
+  which is what the bytes count), :meth:`CostModel.context_exchange_time`;
 * gradient sync — the bytes of one device share's gradients and the all-reduce bus
   bandwidth; the simulator times each stage's ring all-reduce over its group (replicas x
   data-parallel ranks, :meth:`CostModel.sync_time`): ``2 (g-1) / g x bytes /
@@ -77,6 +84,12 @@ class CostModel:
             share of the group's all-to-all bandwidth); with the bytes of a model's MoE layer
             (:meth:`~.model_shape.ModelShape.all_to_all_bytes`) gives the bandwidth term. 0:
             no bandwidth term.
+        t_cp: latency of one context-parallel collective (a layer's key/value all-gather in
+            ``F`` or its gradients' reduce-scatter in ``B`` / ``I``); none at context parallelism 1.
+        cp_bandwidth: all-gather / reduce-scatter *bus* bandwidth of the context-parallel group
+            (bytes per time unit, as nccl-tests reports it); with a model's
+            :meth:`~.model_shape.ModelShape.context_exchange_bytes` gives the bandwidth term. 0: no
+            bandwidth term.
     """
 
     t_forward: float = 1.0
@@ -93,6 +106,8 @@ class CostModel:
     data_parallel_size: int = 1
     t_a2a: float = 0.0
     a2a_bandwidth: float = 0.0
+    t_cp: float = 0.0
+    cp_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -145,9 +160,13 @@ class CostModel:
         """Time of one all-to-all that sends ``bytes_sent`` bytes off each rank: ``t_a2a``
         plus ``bytes_sent / a2a_bandwidth``; 0 when nothing leaves the rank (expert
         parallelism 1)."""
-        if bytes_sent <= 0:
-            return 0.0
-        return self.t_a2a + (bytes_sent / self.a2a_bandwidth if self.a2a_bandwidth > 0 else 0.0)
+        return _collective_time(self.t_a2a, self.a2a_bandwidth, bytes_sent)
+
+    def context_exchange_time(self, bytes_moved: float) -> float:
+        """Time of one layer's context-parallel key/value all-gather (or its gradients'
+        reduce-scatter) that brings ``bytes_moved`` bytes onto each rank (or sends them off it):
+        ``t_cp`` plus ``bytes_moved / cp_bandwidth``; 0 when nothing moves (context parallelism 1)."""
+        return _collective_time(self.t_cp, self.cp_bandwidth, bytes_moved)
 
     def with_all_to_alls(self, moe_layers: float, bytes_sent: float) -> "CostModel":
         """These costs with a device share's mixture-of-experts exchange folded in: each of its
@@ -164,7 +183,8 @@ class CostModel:
 
     def sync_time(self, stage_weight: float, replicas: int) -> float:
         """All-reduce time of the gradients of a stage of ``stage_weight`` device shares held
-        by ``replicas`` slots, among those and the data-parallel ranks."""
+        by ``replicas`` ranks of one data-parallel replica (its slots times the context-parallel
+        ranks), among those and the data-parallel ranks."""
         group = replicas * int(self.data_parallel_size)
         ring = 0.0
         if self.sync_bandwidth > 0 and group > 1:
@@ -180,6 +200,13 @@ class CostModel:
             ActionType.BACKWARD_WEIGHT: self.weight_time,
         }
         return per_share.get(action.type, 0.0) * stage_weight
+
+
+def _collective_time(latency: float, bandwidth: float, bytes_moved: float) -> float:
+    """``latency + bytes_moved / bandwidth`` (no bandwidth term at bandwidth 0); 0 when nothing moves."""
+    if bytes_moved <= 0:
+        return 0.0
+    return latency + (bytes_moved / bandwidth if bandwidth > 0 else 0.0)
 
 
 def read_cost_file(path: str) -> Dict[str, float]:
@@ -205,6 +232,9 @@ class Hardware:
         bytes_per_element: activation element size (2 for fp16/bf16).
         grad_bytes_per_element: gradient element size in the all-reduce (2, or 4 with
             fp32 gradient reduction).
+        cp_latency_ms: latency of one context-parallel all-gather or reduce-scatter.
+        cp_bandwidth_gbs: their bus bandwidth in the context-parallel group (GB/s, as
+            nccl-tests reports it).
     """
 
     achieved_tflops: float
@@ -213,18 +243,22 @@ class Hardware:
     allreduce_bandwidth_gbs: float = 100.0
     bytes_per_element: int = 2
     grad_bytes_per_element: int = 2
+    cp_latency_ms: float = 0.02
+    cp_bandwidth_gbs: float = 100.0
 
     def __post_init__(self) -> None:
-        if self.achieved_tflops <= 0 or self.p2p_bandwidth_gbs <= 0 or self.allreduce_bandwidth_gbs <= 0:
+        bandwidths = (self.p2p_bandwidth_gbs, self.allreduce_bandwidth_gbs, self.cp_bandwidth_gbs)
+        if self.achieved_tflops <= 0 or min(bandwidths) <= 0:
             raise ValueError("throughput and bandwidths must be > 0")
-        if self.p2p_latency_ms < 0:
+        if self.p2p_latency_ms < 0 or self.cp_latency_ms < 0:
             raise ValueError("latency must be >= 0")
 
 
 def analytic_costs(
     shape: ModelShape, pipeline_size: int, hardware: Hardware, data_parallel_size: int = 1
 ) -> CostModel:
-    """CostModel (ms) for ``shape`` cut into ``pipeline_size`` device shares.
+    """CostModel (ms) for ``shape`` cut into ``pipeline_size`` device shares, on one
+    context-parallel rank of ``shape``'s (the context-parallel collectives' figures included).
 
     Raises ValueError unless ``pipeline_size`` divides the layers.
     """
@@ -241,4 +275,6 @@ def analytic_costs(
         grad_bytes=layers * shape.layer_parameters() * hardware.grad_bytes_per_element,
         sync_bandwidth=hardware.allreduce_bandwidth_gbs * 1e6,
         data_parallel_size=data_parallel_size,
+        t_cp=hardware.cp_latency_ms,
+        cp_bandwidth=hardware.cp_bandwidth_gbs * 1e6,
     )

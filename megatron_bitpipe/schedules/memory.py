@@ -12,7 +12,9 @@ Per parameter (:class:`TrainingMemory`): its own bytes (2 with ``--bf16``, else 
 gradient (megatron's gradient buffer: 4 bytes), and the optimizer's state — Adam's two
 moments (8 bytes) or SGD's momentum (4 bytes), plus an fp32 main copy of a bf16 parameter
 (4 bytes) — divided, with ``--use-distributed-optimizer``, over the stage's gradient-sync group
-(its replicas x ``--data-parallel-size`` ranks). Megatron's padding of its buffers is left out.
+(its replicas x ``--data-parallel-size`` x ``--context-parallel-size`` ranks). Megatron's
+padding of its buffers is left out. Under context parallelism every rank holds a whole stage's
+weights and one context-parallel rank's activations (:mod:`.model_shape`: ``s / CP`` tokens).
 
 Mixture-of-experts layers (:mod:`.moe_shape`) hold their router and shared expert like any
 weight and ``E / EP`` experts per expert-parallel rank
@@ -142,7 +144,8 @@ def rank_memory(
             f"--expert-model-parallel-size {expert_parallel} must divide --data-parallel-size {training.data_parallel_size}: "
             "an expert-parallel group is data-parallel copies of one stage"
         )
-    shards = placement.num_pipelines * training.data_parallel_size if training.distributed_optimizer else 1
+    group = placement.num_pipelines * training.data_parallel_size * model.context_parallel_size  # a stage's gradient-sync ranks
+    shards = group if training.distributed_optimizer else 1
     expert_shards = max(1, shards // expert_parallel)
     out = []
     for rank, chunks in enumerate(_chunk_parameters(model, placement, layers)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from .costs import Hardware
 from .errors import ScheduleConfigError
 from .layer_split import EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LOSS_FLAG, LayerSplitFlags
 from .memory import OPTIMIZERS, TrainingMemory
@@ -21,7 +22,7 @@ from .model_shape import ATTENTION_BACKENDS, NORMALIZATIONS, POSITION_EMBEDDINGS
 from ..moe_settings import parse_moe_layer_freq
 from .moe_shape import MoEShape
 
-__all__ = ["add_model_arguments", "layer_split_flags", "model_shape", "training_memory"]
+__all__ = ["add_hardware_arguments", "add_model_arguments", "hardware", "layer_split_flags", "model_shape", "training_memory"]
 
 #: the flags a model needs besides --num-layers
 _REQUIRED = ("hidden_size", "num_attention_heads", "seq_length", "vocab_size")
@@ -47,6 +48,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, layout_flags: bool = Tr
     model.add_argument("--seq-length", type=int, default=None, metavar="S")
     model.add_argument("--max-position-embeddings", type=int, default=None, metavar="P", help="default --seq-length")
     model.add_argument("--micro-batch-size", type=int, default=1, metavar="B")
+    model.add_argument("--context-parallel-size", type=int, default=1, metavar="CP",
+                       help="ranks splitting every sequence (2 CP load-balanced chunks; keys and values all-gathered per "
+                       "layer, --t-cp, --cp-bandwidth); the model's costs and memory are one such rank's (default 1)")
     model.add_argument("--vocab-size", type=int, default=None, metavar="V")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="M")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -115,6 +119,8 @@ def model_shape(args: argparse.Namespace) -> Optional[ModelShape]:
             raise ScheduleConfigError(f"{', '.join(given + layer_split_flags(args).names)}: the model's flags need --num-layers")
         if args.num_experts is not None:
             raise ScheduleConfigError("--num-experts: the model's flags need --num-layers")
+        if args.context_parallel_size != 1:
+            raise ScheduleConfigError("--context-parallel-size: the model's flags need --num-layers")
         return None
     missing = [f"--{k.replace('_', '-')}" for k in _REQUIRED if getattr(args, k) is None]
     if missing:
@@ -130,9 +136,41 @@ def model_shape(args: argparse.Namespace) -> Optional[ModelShape]:
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, attention_backend=args.attention_backend,
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout, moe=moe,
+            context_parallel_size=args.context_parallel_size,
         )  # fmt: skip
     except ValueError as error:
         raise ScheduleConfigError(str(error)) from None
+
+
+#: the hardware flags (:class:`~.costs.Hardware`'s fields) that --weigh-context-parallel costs every layout from
+_HARDWARE_FLAGS = ("achieved_tflops", "p2p_latency_ms", "p2p_bandwidth_gbs", "allreduce_bandwidth_gbs", "cp_latency_ms", "cp_bandwidth_gbs")
+WEIGH_FLAG = "--weigh-context-parallel"
+
+
+def add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--weigh-context-parallel`` and the hardware figures it costs every layout from."""
+    group = parser.add_argument_group(
+        "pipeline against context parallelism", f"with {WEIGH_FLAG}, every split of the -D x --context-parallel-size ranks "
+        "into PP stages of CP context-parallel ranks is costed from the model's FLOPs and these figures (milliseconds; "
+        "the --t-* flags and --costs do not apply)"
+    )
+    group.add_argument(WEIGH_FLAG, action="store_true", help="try every PP x CP split of the ranks (needs the model and --achieved-tflops)")
+    group.add_argument("--achieved-tflops", type=float, default=None, metavar="TFLOPS", help="sustained matrix-multiply TFLOP/s of one device")
+    for name in _HARDWARE_FLAGS[1:]:
+        group.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(Hardware, name), metavar="X",
+                           help=f"default {getattr(Hardware, name):g}")
+
+
+def hardware(args: argparse.Namespace) -> Hardware:
+    """The hardware figures of ``--weigh-context-parallel``; ScheduleConfigError naming the flag."""
+    if args.achieved_tflops is None:
+        raise ScheduleConfigError(f"{WEIGH_FLAG} needs --achieved-tflops (every layout is costed from the model's FLOPs)")
+    if args.costs or any(getattr(args, k, None) is not None for k in ("t_forward", "t_backward", "t_p2p", "t_sync", "t_cp")):
+        raise ScheduleConfigError(f"{WEIGH_FLAG} costs every layout from the hardware flags: drop --costs and the --t-* flags")
+    try:
+        return Hardware(**{k: getattr(args, k) for k in _HARDWARE_FLAGS}, bytes_per_element=2 if args.bf16 else 4)
+    except ValueError as error:
+        raise ScheduleConfigError(f"--achieved-tflops / the bandwidth and latency flags: {error}") from None
 
 
 def training_memory(args: argparse.Namespace, data_parallel_size: int) -> TrainingMemory:

@@ -56,6 +56,25 @@ shared expert's (0 without one), ``R = s b K c`` expert inputs per rank and micr
   ranks and the combine sends their outputs back, each moving the part that leaves the rank,
   ``(EP - 1) / EP`` of it (:meth:`ModelShape.all_to_all_bytes`); a backward runs both again.
 
+Context parallelism (``context_parallel_size``, ``CP``; ``--context-parallel-size``,
+:mod:`megatron_bitpipe.model.context_parallel`) cuts every sequence into ``2 CP`` chunks of
+``c = s / (2 CP)`` tokens, rank ``r`` holding chunks ``r`` and ``2 CP - 1 - r``. Every count above
+is then one context-parallel rank's: ``s b`` becomes the rank's ``s b / CP`` tokens (linear FLOPs,
+saved activations, the embedding's and the head's, pipeline messages ``[s / CP, b, h]``), except
+
+* attention: the rank's queries read the keys up to their own chunk's end, each diagonal block
+  computed whole and masked: ``(2 CP + 1) c^2`` (query, key) pairs per sequence
+  (:attr:`ModelShape.attention_pairs`; the whole ``s^2`` at ``CP = 1``), so the scores and context
+  cost ``4 b h`` FLOPs per pair and materialised scores ``a b`` elements per pair;
+* the gathered keys and values the attention keeps for its backward: ``2 s b g d`` elements
+  per layer instead of the rank's own ``2 s b g d / CP``;
+* the key/value exchange (:meth:`ModelShape.context_exchange_bytes`): per layer and
+  micro-batch, ``F``'s all-gather brings ``2 (CP - 1) / CP x s b g d`` elements onto the rank,
+  and the backward's reduce-scatter of their gradients (in ``B``, or a split backward's ``I``;
+  none in ``W``) sends as many off it.
+
+Context parallelism with MoE layers is not modelled (training refuses it too).
+
 Pure Python, no torch.
 """
 
@@ -90,7 +109,9 @@ class ModelShape:
     ``hidden_size`` and ``num_query_groups`` divides ``num_attention_heads``; with learned
     absolute positions ``max_position_embeddings >= seq_length``; dropouts in ``[0, 1)``.
     ``ffn_hidden_size`` defaults to ``4h``, ``num_query_groups`` to the heads,
-    ``max_position_embeddings`` to ``seq_length``, ``kv_channels`` to ``h / a``. ``vocab_size``
+    ``max_position_embeddings`` to ``seq_length``, ``kv_channels`` to ``h / a``;
+    ``context_parallel_size >= 1``, and above 1 it divides ``seq_length`` in ``2 CP`` equal chunks
+    and the layers are dense. ``vocab_size``
     is the tokenizer's (None where the shape is made before the tokenizer, as on Megatron-LM's
     route: :attr:`padded_vocab_size` then raises). ``norm_epsilon``, ``init_method_std`` and
     ``rotary_base`` (RoPE's base) change no count here; they are what the model is built with. ``moe`` (None: every layer dense) makes
@@ -121,6 +142,7 @@ class ModelShape:
     init_method_std: float = 0.02
     rotary_base: int = 10000
     moe: Optional[MoEShape] = None
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         problems = shape_problems(
@@ -130,11 +152,14 @@ class ModelShape:
             position_embedding_type=self.position_embedding_type, max_position_embeddings=self.max_position_embeddings,
             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by, vocab_size=self.vocab_size,
             hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
+            context_parallel_size=self.context_parallel_size,
         )  # fmt: skip
         if self.normalization not in NORMALIZATIONS:
             problems.append(f"--normalization: choose from {', '.join(NORMALIZATIONS)} (got {self.normalization!r})")
         if self.attention_backend not in ATTENTION_BACKENDS:
             problems.append(f"--attention-backend: choose from {', '.join(ATTENTION_BACKENDS)} (got {self.attention_backend!r})")
+        if self.moe and self.context_parallel_size > 1:
+            problems.append(f"--context-parallel-size {self.context_parallel_size} with --num-experts is not modelled")
         if problems:
             raise ValueError(problems[0])
         if self.moe:
@@ -175,7 +200,25 @@ class ModelShape:
 
     @property
     def _tokens(self) -> int:
-        return self.seq_length * self.micro_batch_size
+        """``s b / CP``: one context-parallel rank's tokens of a micro-batch."""
+        return self.seq_length * self.micro_batch_size // self.context_parallel_size
+
+    @property
+    def attention_pairs(self) -> int:
+        """(query, key) pairs one rank's attention computes per sequence: ``s^2`` at ``CP = 1``,
+        else ``(2 CP + 1) c^2`` with ``c = s / (2 CP)`` (module docstring)."""
+        cp, s = self.context_parallel_size, self.seq_length
+        if cp == 1:
+            return s * s
+        chunk = s // (2 * cp)
+        return (2 * cp + 1) * chunk * chunk
+
+    def context_exchange_bytes(self, element_bytes: int) -> float:
+        """Bytes of one layer's key/value exchange for one micro-batch: what ``F``'s all-gather
+        brings onto a rank, and what the backward's reduce-scatter (``B`` or ``I``) sends off it,
+        ``2 (CP - 1) / CP x s b g d e``; 0 at ``CP = 1``."""
+        cp = self.context_parallel_size
+        return 2 * (cp - 1) / cp * self.seq_length * self.micro_batch_size * self.kv_size * element_bytes
 
     # mixture of experts
     def is_moe_layer(self, layer: int) -> bool:
@@ -243,11 +286,12 @@ class ModelShape:
     # FLOPs (one micro-batch)
     def layer_forward_flops(self, moe: bool = False) -> float:
         """Matrix-multiply FLOPs of one layer's forward: QKV ``2 s b h (h + 2gd)``, scores and
-        context ``4 b s^2 h``, projection ``2 s b h^2``, MLP ``2 s b h f (k + 1)``; ``moe``: an
+        context ``4 b s^2 h`` (``4 b h`` per pair of :attr:`attention_pairs`), projection ``2 s b h^2``, MLP ``2 s b h f (k + 1)``; ``moe``: an
         MoE layer's on one rank, router, experts and shared expert instead of the MLP (module
         docstring)."""
-        t, s, h = self._tokens, self.seq_length, self.hidden_size
-        attention = 2 * t * h * (h + 2 * self.kv_size) + 4 * t * s * h + 2 * t * h * h
+        t, h = self._tokens, self.hidden_size
+        scores = 4 * self.micro_batch_size * self.attention_pairs * h
+        attention = 2 * t * h * (h + 2 * self.kv_size) + scores + 2 * t * h * h
         if not moe:
             return attention + 2 * t * h * self.ffn * (self._gate + 1)
         experts = 2 * self._routed_tokens * h * self._expert_ffn * (self._gate + 1)
@@ -274,12 +318,16 @@ class ModelShape:
 
     def layer_activation_bytes(self, element_bytes: int, moe: bool = False) -> float:
         """What one layer's forward saves for its backward (module docstring); ``moe``: an MoE
-        layer's, whose router probabilities are fp32."""
-        t, s, a = self._tokens, self.seq_length, self.num_attention_heads
+        layer's, whose router probabilities are fp32; under context parallelism with the
+        gathered keys and values."""
+        t, a = self._tokens, self.num_attention_heads
         router = t * self.moe.num_experts if moe else 0  # fp32 probabilities
         total = element_bytes * (self._linear_activation_elements(moe) - router) + _FP32_BYTES * router
+        # the gathered keys and values: the whole sequence's instead of the rank's own
+        others = self.seq_length * self.micro_batch_size - t  # the other context-parallel ranks' tokens
+        total += element_bytes * 2 * self.kv_size * others
         if self.attention_backend in _MATERIALISED_SCORES:
-            scores = a * t * s
+            scores = a * self.micro_batch_size * self.attention_pairs
             total += element_bytes * scores
             if self.attention_dropout > 0:
                 total += (element_bytes + 1) * scores
@@ -327,6 +375,7 @@ def shape_problems(
     vocab_size: Optional[int] = None,
     hidden_dropout: float = 0.0,
     attention_dropout: float = 0.0,
+    context_parallel_size: int = 1,
 ) -> List[str]:
     """Every rule a GPT's sizes break, one message per rule naming the flag (Megatron-LM's
     names); ``[]`` if none. Optional sizes are checked when given. Pure."""
@@ -334,7 +383,8 @@ def shape_problems(
                  seq_length=seq_length, micro_batch_size=micro_batch_size, ffn_hidden_size=ffn_hidden_size,
                  num_query_groups=num_query_groups, kv_channels=kv_channels,
                  max_position_embeddings=max_position_embeddings,
-                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, vocab_size=vocab_size)  # fmt: skip
+                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, vocab_size=vocab_size,
+                 context_parallel_size=context_parallel_size)  # fmt: skip
     problems = [f"{_flag(name)} must be >= 1 (got {value})" for name, value in sizes.items() if value is not None and value < 1]
     if problems:
         return problems
@@ -344,6 +394,11 @@ def shape_problems(
         problems.append(f"--num-query-groups {num_query_groups} must divide --num-attention-heads {num_attention_heads}")
     if position_embedding_type == "learned_absolute" and (max_position_embeddings or seq_length) < seq_length:
         problems.append(f"--max-position-embeddings {max_position_embeddings} must be >= --seq-length {seq_length}")
+    if context_parallel_size > 1 and seq_length % (2 * context_parallel_size):
+        problems.append(
+            f"--context-parallel-size {context_parallel_size} needs --seq-length {seq_length} divisible by "
+            f"2 x {context_parallel_size} (two equal chunks per rank)"
+        )
     for name, value in (("hidden_dropout", hidden_dropout), ("attention_dropout", attention_dropout)):
         if not 0.0 <= value < 1.0:
             problems.append(f"{_flag(name)} must be in [0, 1) (got {value})")

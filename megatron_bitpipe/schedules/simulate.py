@@ -282,7 +282,7 @@ def _schedule_syncs(
         if missing:
             raise PlanError(f"SYNC of rank {members[0][0]} chunk {members[0][1]} never issued by replica(s) {missing}")
         stage = placement.role(*members[0]).stage
-        duration = costs.sync_time(stage_costs.stages[stage].sync_weight, len(members))
+        duration = costs.sync_time(stage_costs.stages[stage].sync_weight, len(members) * stage_costs.context_parallel_size)
         start = max(max(issued[m] for m in members), max(lane_free[r] for r, _ in members))
         for rank, chunk in members:
             lane_free[rank] = start + duration

@@ -19,6 +19,11 @@ and the head and loss (the last stage):
   :meth:`~.model_shape.ModelShape.all_to_all_bytes`): the dispatch and the combine in ``F``,
   both again in ``B`` and in a split backward's ``I`` (the input gradients travel back), none
   in ``W``;
+* under context parallelism (the model's ``context_parallel_size``) every layer adds its
+  key/value exchange (:meth:`~.costs.CostModel.context_exchange_time` of
+  :meth:`~.model_shape.ModelShape.context_exchange_bytes`): the all-gather in ``F``, the
+  gradients' reduce-scatter in ``B`` and in a split backward's ``I``, none in ``W``; the
+  gradient all-reduce's group is ``CP`` times larger (:attr:`StageCosts.context_parallel_size`);
 * a stage's gradient all-reduce scales with its parameters (in device shares: ``L / D``
   dense layers' parameters = 1; an MoE layer counts its experts on one expert-parallel rank,
   all timed over the stage's group).
@@ -79,9 +84,11 @@ class StageCost:
 @dataclass(frozen=True)
 class StageCosts:
     """The :class:`StageCost` of every stage of one pipeline, in pipeline order (every pipeline
-    of a placement holds the same split)."""
+    of a placement holds the same split); ``context_parallel_size``: the context-parallel ranks
+    every slot's gradient all-reduce spans besides the replicas and data-parallel ranks."""
 
     stages: Tuple[StageCost, ...]
+    context_parallel_size: int = 1
 
     @classmethod
     def uniform(cls, costs: CostModel, placement: Placement) -> "StageCosts":
@@ -99,6 +106,7 @@ class StageCosts:
         ranks (module docstring); ``element_bytes`` is the activations' element size."""
         moe_ratio = model.layer_forward_flops(moe=True) / model.layer_forward_flops() if model.moe else 0.0
         all_to_all = costs.all_to_all_time(model.all_to_all_bytes(element_bytes))  # one dispatch or combine
+        kv_exchange = costs.context_exchange_time(model.context_exchange_bytes(element_bytes))  # one layer's, one way
         share = model.num_layers / num_ranks  # layers of one device share
         per_layer = {kind: costs.compute_time(Action(kind, 0, 0), 1.0 / share) for kind in
                      (ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)}  # fmt: skip
@@ -111,7 +119,7 @@ class StageCosts:
             moe = model.moe_layer_count(layers.first_layer(stage), count)
             dense = count - moe
             computed = dense + moe * moe_ratio  # the stage's layers in dense layers' compute
-            exchange = 2 * moe * all_to_all  # dispatch and combine of every MoE layer
+            exchange = 2 * moe * all_to_all + count * kv_exchange  # MoE dispatch and combine; keys and values
             parameters = dense * model.layer_parameters() + (moe * model.layer_parameters(moe=True) if moe else 0)
             if stage == 0:
                 parameters += model.embedding_parameters()
@@ -136,4 +144,4 @@ class StageCosts:
                 activation_bytes=activation + (model.head_activation_bytes(element_bytes) if has_head else 0),
                 weight_grad_bytes=weight_grad + (model.head_weight_grad_bytes(element_bytes) if has_head else 0),
             ))  # fmt: skip
-        return cls(tuple(stages))
+        return cls(tuple(stages), model.context_parallel_size)

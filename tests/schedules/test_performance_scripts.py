@@ -92,7 +92,7 @@ def test_cost_file_is_read_by_every_consumer(tmp_path, capsys):
     calibrate.write_cost_file(str(path), costs)
     written = json.loads(path.read_text())
     assert set(written) == {"t_forward", "t_backward", "t_p2p", "p2p_bytes", "p2p_bandwidth", "t_sync", "grad_bytes",
-                            "sync_bandwidth", "data_parallel_size", "t_a2a", "a2a_bandwidth"}
+                            "sync_bandwidth", "data_parallel_size", "t_a2a", "a2a_bandwidth", "t_cp", "cp_bandwidth"}
     assert CostModel(**written) == costs
 
     from megatron_bitpipe.schedules.cli import main as schedules_cli

@@ -165,7 +165,7 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
     items = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 27, 7))
     names = [i.name for i in items]
-    assert names[0] == "environment" and len(names) == len(set(names)) == 29
+    assert names[0] == "environment" and len(names) == len(set(names)) == 31
     multirank = [i for i in items if i.kind == "multirank"]
     assert multirank[0].name == gpu_check.CONTROL and "--pipeline-schedule" not in multirank[0].command
     assert {i.reference for i in multirank} <= {i.name for i in items if i.kind == "reference"}
@@ -210,6 +210,14 @@ def test_items_and_their_flags(tmp_path, monkeypatch):
     assert layout.reference == "ref-gpt-fp32" and f"--pipeline-model-parallel-layout {gpu_check.UNEVEN_LAYOUT}" in " ".join(layout.command)
     moe = next(i for i in items if i.name == "moe-bitpipe-pp2-ep2")
     assert moe.reference == "ref-moe-gpt-fp32" and " ".join(moe.command).count("--expert-model-parallel-size 2") == 1
+    cp = next(i for i in items if i.name == "bitpipe-pp2-cp2")
+    assert cp.reference == "ref-gpt-cp-fp32" and cp.needs_gpu and next(i for i in items if i.name == cp.reference).needs_gpu
+    cp_args = _script_args(cp.command, "pretrain_gpt.py")
+    parsed = parse_args(GPTTask(), cp_args, world_size=4, cuda_available=True)
+    assert (parsed.context_parallel_size, parsed.pipeline_model_parallel_size, parsed.attention_backend) == (2, 2, "sdpa")
+    reference = parse_args(GPTTask(), _script_args(next(i for i in items if i.name == cp.reference).command, "pretrain_gpt.py"),
+                           world_size=1, cuda_available=True)  # fmt: skip
+    assert (reference.attention_dropout, reference.hidden_dropout, reference.attention_backend) == (0.0, 0.0, "sdpa")
     gpt = next(i for i in items if i.name == "gpt-0.5b-bf16").command
     assert " ".join(gpt).count("--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048") == 1
     new = gpu_check.build_items(tmp_path / "out", tmp_path / "work", dry_run=False, nccl_version=(2, 30, 1))
@@ -249,7 +257,8 @@ def test_dry_run_items_fit_a_cpu(tmp_path):
     items = gpu_check.build_items(tmp_path, tmp_path, dry_run=True, nccl_version=None)
     runnable = [i for i in items if not i.needs_gpu]
     assert {i.kind for i in runnable} == {"environment", "reference", "multirank", "fault"}
-    assert all(i.kind in ("train", "benchmark", "calibrate") or "--bf16" in i.command or i.needs_te for i in items if i.needs_gpu)
+    assert all(i.kind in ("train", "benchmark", "calibrate") or "--bf16" in i.command or i.needs_te or i.name in gpu_check.GPU_ONLY
+               for i in items if i.needs_gpu)  # fmt: skip
     for item in runnable[1:]:
         bert = "pretrain_bert.py" in " ".join(item.command)
         args = _script_args(item.command, "pretrain_bert.py" if bert else "pretrain_gpt.py")

@@ -45,7 +45,11 @@ CHECKPOINT_METADATA = {
     "training/load_plan.py": {"from_run"},  # the layout flags' values, compared with the saved namespace's
 }
 #: the schedule command line: its namespace is the simulator's own configuration
-SIMULATOR_CLI = {"schedules/cli.py": {"layout_search", "cost_model", "recommendation", "_recommend", "_model_step"}}
+SIMULATOR_CLI = {
+    "schedules/cli.py": {"layout_search", "cost_model", "recommendation", "_recommend", "_model_step",
+                         "_weighed_model", "weighed_layout_search", "weighed_recommendation"},
+    "schedules/model_args.py": {"hardware"},
+}  # fmt: skip
 #: below RunConfig.from_args, still taking the namespace (this list only shrinks)
 PENDING = {
     "training/checkpoint.py": {"save_checkpoint", "_no_checkpoint", "load_checkpoint", "_report"},
