@@ -21,8 +21,10 @@ starts a process, directly or through a fixture, fails naming the test.
 and takes the fixtures
 
 * ``launched`` — :class:`LaunchedCases`: ``launched[case]`` is ``case``'s record from every
-  rank; each world size is launched once, when a test first needs it;
-* ``references`` — ``{reference_key: record}`` for every case of the module, one launch.
+  rank; each world size is launched once, when a test first needs it, with the cases the
+  session's selected tests need (all of them when the whole module runs; ``-k`` on a case's
+  id launches that case alone);
+* ``references`` — :class:`References`, ``{reference_key: record}`` for those cases, one launch.
 
 **Strict p2p.** One way to ask for it: the ``strict_p2p`` marker. A module marked
 ``strict_p2p`` (``pytestmark``) runs with ``MEGATRON_BITPIPE_STRICT_P2P=1``: its ranks' gloo
@@ -38,6 +40,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+from collections.abc import Mapping
 from typing import Dict, List
 
 import pytest
@@ -117,40 +120,112 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
+def _wanted(request, fixture: str, cases) -> list:
+    """The module's ``cases`` that this session's selected tests need through ``fixture``: the
+    ``case`` parameter of each selected test that takes the fixture, and every case when a
+    selected test takes it without one (it may ask for any case). In CASES order."""
+    module = request.module
+    names, everything = set(), False
+    for item in request.session.items:
+        if getattr(item, "module", None) is not module or fixture not in getattr(item, "fixturenames", ()):
+            continue
+        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+        if case is None or not hasattr(case, "name"):
+            everything = True
+            break
+        names.add(case.name)
+    return list(cases) if everything else [c for c in cases if c.name in names]
+
+
 class LaunchedCases:
     """The per-rank records of a module's multi-rank cases, one launch per world size.
 
-    ``self[case]`` launches ``case.world_size`` ranks running ``run_cases`` on every case of that
-    world size (once; later lookups reuse the records) and returns ``case``'s entry from every
-    rank, by rank. :meth:`ranks` gives the whole per-rank outputs of a world size's launch.
+    ``self[case]`` launches ``case.world_size`` ranks running ``run_cases`` on the cases of that
+    world size the session's selected tests need (:func:`_wanted`: all of them when the whole
+    module runs) and returns ``case``'s entry from every rank, by rank; later lookups reuse the
+    records, and a case outside the first launch (a test asking for one it was not
+    parametrized with) gets a launch of its own. :meth:`ranks` gives the whole per-rank outputs
+    of a world size's launches, merged.
     """
 
-    def __init__(self, run_cases, cases, timeout: float):
+    def __init__(self, run_cases, cases, wanted, timeout: float):
         self._run_cases = run_cases
         self._cases = list(cases)
+        self._wanted = list(wanted)
         self._timeout = timeout
         self._outputs: Dict[int, List[dict]] = {}
+        self._launched: set = set()
 
-    def ranks(self, world_size: int) -> List[dict]:
-        if world_size not in self._outputs:
+    def _launch(self, world_size: int, extra=()) -> None:
+        cases = [c for c in self._wanted + list(extra) if c.world_size == world_size and c.name not in self._launched]
+        cases = list({c.name: c for c in cases}.values())
+        if not cases:
+            if world_size in self._outputs:
+                return
             cases = [c for c in self._cases if c.world_size == world_size]
             if not cases:
                 raise KeyError(f"no case of world size {world_size}")
-            self._outputs[world_size] = launch(self._run_cases, world_size, cases, timeout=self._timeout)
+        outputs = launch(self._run_cases, world_size, cases, timeout=self._timeout)
+        self._launched.update(c.name for c in cases)
+        merged = self._outputs.setdefault(world_size, [{} for _ in outputs])
+        for into, output in zip(merged, outputs):
+            into.update(output)
+
+    def ranks(self, world_size: int) -> List[dict]:
+        if world_size not in self._outputs:
+            self._launch(world_size)
         return self._outputs[world_size]
 
     def __getitem__(self, case) -> List[dict]:
-        return [output[case.name] for output in self.ranks(case.world_size)]
+        if case.name not in self._launched:
+            self._launch(case.world_size, [case])
+        return [output[case.name] for output in self._outputs[case.world_size]]
+
+
+class References(Mapping):
+    """``{reference_key: record}``: the single-process records of a module's cases, from one
+    rank running ``run_references`` on the keys of the cases the session's selected tests need
+    (:func:`_wanted`), launched at the first lookup; a key outside them gets a launch of its own.
+    Iterating (``values()``, ``items()``) gives those keys' records."""
+
+    def __init__(self, run_references, keys, timeout: float):
+        self._run_references = run_references
+        self._keys = sorted(set(keys))
+        self._timeout = timeout
+        self._records: dict = {}
+
+    def _load(self, extra=()) -> None:
+        keys = [k for k in self._keys if k not in self._records]
+        keys += [k for k in extra if k not in self._records and k not in keys]
+        if keys:
+            self._records.update(launch(self._run_references, 1, keys, timeout=self._timeout)[0])
+
+    def __getitem__(self, key):
+        if key not in self._records:
+            self._load([key])
+        return self._records[key]
+
+    def __iter__(self):
+        self._load()
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        self._load()
+        return len(self._records)
+
+
+def _launch_timeout(module) -> float:
+    return getattr(module, "LAUNCH_TIMEOUT", DEFAULT_LAUNCH_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def launched(request) -> LaunchedCases:
     module = request.module
-    return LaunchedCases(module.run_cases, module.CASES, getattr(module, "LAUNCH_TIMEOUT", DEFAULT_LAUNCH_TIMEOUT))
+    return LaunchedCases(module.run_cases, module.CASES, _wanted(request, "launched", module.CASES), _launch_timeout(module))
 
 
 @pytest.fixture(scope="module")
-def references(request) -> dict:
+def references(request) -> References:
     module = request.module
-    keys = sorted({case.reference_key for case in module.CASES})
-    return launch(module.run_references, 1, keys, timeout=getattr(module, "LAUNCH_TIMEOUT", DEFAULT_LAUNCH_TIMEOUT))[0]
+    keys = {case.reference_key for case in _wanted(request, "references", module.CASES)}
+    return References(module.run_references, keys, _launch_timeout(module))

@@ -50,9 +50,9 @@ from .errors import PlanError
 from .placement import Placement
 from .costs import CostModel
 from .simulate import simulate
-from .split_backward import split_backward
+from .split_backward import timed_split_backward
 
-__all__ = ["latency_aware_split", "list_schedule"]
+__all__ = ["latency_aware_split", "list_schedule", "timed_latency_aware_split"]
 
 F, B, I, W = ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
 _EPS = 1e-9
@@ -233,9 +233,16 @@ def latency_aware_split(
     times (module docstring). All hold at most ``activation_limit`` Ma per rank; a tie
     keeps the earlier plan, the lock-step one first.
     """
+    return timed_latency_aware_split(plan, costs, activation_limit, free)[0]
+
+
+def timed_latency_aware_split(
+    plan: SchedulePlan, costs: CostModel, activation_limit: float, free: Sequence[int]
+) -> Tuple[SchedulePlan, float]:
+    """:func:`latency_aware_split` and its simulated makespan under ``costs`` (what it was
+    chosen by: callers that compare it need not simulate it again)."""
     plan = plan.compute_only()
-    placed = split_backward(plan, costs, activation_limit)
-    timeline = simulate(placed, costs)
+    placed, timeline = timed_split_backward(plan, costs, activation_limit)
     placement = plan.placement
     index_in_pipeline = {m: plan.microbatches_of_pipeline(p).index(m) for m, p in enumerate(plan.microbatch_pipeline)}
 
@@ -265,4 +272,4 @@ def latency_aware_split(
         result = simulate(scheduled, costs)
         if result.makespan < best_makespan - _EPS and max(result.peak_activations) <= activation_limit + _EPS:
             best, best_makespan = scheduled, result.makespan
-    return best
+    return best, best_makespan

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import replace
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .actions import Action, SchedulePlan
 from .comm import receive_action, send_action
@@ -66,10 +66,22 @@ def lower(plan: SchedulePlan, receive_lookahead: int = 0) -> SchedulePlan:
 def _lower_rank(plan: SchedulePlan, rank: int, receive_lookahead: int) -> tuple:
     placement = plan.placement
     actions = plan.actions[rank]
+    # Which RECV / SEND type (or none) an action gets depends on its type and chunk alone.
+    receive_types: Dict[tuple, object] = {}
+    send_types: Dict[tuple, object] = {}
+
+    def message(found: Dict[tuple, object], make, part: Action) -> Optional[Action]:
+        key = (part.type, part.chunk)
+        if key not in found:
+            template = make(placement, rank, part)
+            found[key] = None if template is None else template.type
+        kind = found[key]
+        return None if kind is None else Action(kind, part.chunk, part.microbatch)
+
     receives_before: Dict[int, List[Action]] = defaultdict(list)
     for index, action in enumerate(actions):
         for part in action.parts:
-            receive = receive_action(placement, rank, part)
+            receive = message(receive_types, receive_action, part)
             if receive is not None:
                 receives_before[max(0, index - receive_lookahead)].append(receive)
     lowered: List[Action] = []
@@ -77,7 +89,7 @@ def _lower_rank(plan: SchedulePlan, rank: int, receive_lookahead: int) -> tuple:
         lowered.extend(receives_before[index])
         lowered.append(action)
         for part in action.parts:
-            send = send_action(placement, rank, part)
+            send = message(send_types, send_action, part)
             if send is not None:
                 lowered.append(send)
     return tuple(lowered)

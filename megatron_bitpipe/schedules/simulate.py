@@ -241,12 +241,14 @@ def simulate(
                             peak[rank] = max(peak[rank], in_flight[rank])
                         elif part.type in ENDS_BACKWARD:
                             in_flight[rank] -= stage.activation_shares
-                        in_flight_bytes[rank] += {
-                            F: stage.activation_bytes,
-                            B: -stage.activation_bytes,
-                            I: stage.weight_grad_bytes - stage.activation_bytes,
-                            W: -stage.weight_grad_bytes,
-                        }[part.type]
+                        if part.type is F:
+                            in_flight_bytes[rank] += stage.activation_bytes
+                        elif part.type is B:
+                            in_flight_bytes[rank] += -stage.activation_bytes
+                        elif part.type is I:
+                            in_flight_bytes[rank] += stage.weight_grad_bytes - stage.activation_bytes
+                        else:  # W (the only other compute part)
+                            in_flight_bytes[rank] += -stage.weight_grad_bytes
                         peak_bytes[rank] = max(peak_bytes[rank], in_flight_bytes[rank])
                     clock[rank] = end
                     busy[rank] += end - start

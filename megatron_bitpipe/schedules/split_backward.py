@@ -38,7 +38,7 @@ from .errors import PlanError
 from .costs import CostModel
 from .simulate import SimulationResult, simulate
 
-__all__ = ["SPLIT_BACKWARD_SUFFIX", "split_backward"]
+__all__ = ["SPLIT_BACKWARD_SUFFIX", "split_backward", "timed_split_backward"]
 
 #: what a split plan's name adds to its schedule's (``bitpipe+split-backward``): the one spelling
 #: of the variant, as in ``--split-backward``
@@ -71,6 +71,14 @@ def split_backward(
         A compute-only plan named with :data:`SPLIT_BACKWARD_SUFFIX` (``bitpipe+split-backward``),
         the same forwards and input gradients in the same order per rank.
     """
+    return timed_split_backward(plan, costs, activation_limit)[0]
+
+
+def timed_split_backward(
+    plan: SchedulePlan, costs: Optional[CostModel] = None, activation_limit: Optional[float] = None
+) -> Tuple[SchedulePlan, SimulationResult]:
+    """:func:`split_backward` and its simulation under ``costs`` (the one it was chosen by:
+    callers that compare it need not simulate it again)."""
     plan = plan.compute_only()
     if not any(a.type is ActionType.BACKWARD for _, a in plan):
         raise PlanError(f"plan '{plan.name}' has no whole backward (B) to split")
@@ -83,7 +91,7 @@ def split_backward(
     ]
     arrivals = _arrivals(simulate(_with_actions(plan, ordered), costs))
     split_costs = costs.as_split()  # the W's are placed at the split plan's action times
-    best: Optional[Tuple[float, SchedulePlan]] = None
+    best: Optional[Tuple[float, SchedulePlan, SimulationResult]] = None
     for _ in range(ROUNDS):
         candidate = _with_actions(plan, [
             with_eager_syncs(_place_weight_grads(plan, rank, ordered[rank], arrivals, split_costs, limit))
@@ -91,9 +99,9 @@ def split_backward(
         ])
         result = simulate(candidate, costs)
         if best is None or result.makespan < best[0] - _EPS:
-            best = (result.makespan, candidate)
+            best = (result.makespan, candidate, result)
         arrivals = _arrivals(result)
-    return best[1]
+    return best[1], best[2]
 
 
 def _place_weight_grads(

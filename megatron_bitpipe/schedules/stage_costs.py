@@ -49,6 +49,15 @@ from .placement import Placement
 __all__ = ["StageCost", "StageCosts"]
 
 
+#: the :class:`StageCost` field that holds each compute action type's time
+_TIME_FIELDS = {
+    ActionType.FORWARD: "forward",
+    ActionType.BACKWARD: "backward",
+    ActionType.BACKWARD_INPUT: "input",
+    ActionType.BACKWARD_WEIGHT: "weight",
+}
+
+
 @dataclass(frozen=True)
 class StageCost:
     """One micro-batch on one stage, in the cost model's time unit and in bytes.
@@ -73,12 +82,8 @@ class StageCost:
 
     def time(self, kind: ActionType) -> float:
         """The time of a compute action of type ``kind`` (0 for ``SYNC``)."""
-        return {
-            ActionType.FORWARD: self.forward,
-            ActionType.BACKWARD: self.backward,
-            ActionType.BACKWARD_INPUT: self.input,
-            ActionType.BACKWARD_WEIGHT: self.weight,
-        }.get(kind, 0.0)
+        field_name = _TIME_FIELDS.get(kind)
+        return 0.0 if field_name is None else getattr(self, field_name)
 
 
 @dataclass(frozen=True)

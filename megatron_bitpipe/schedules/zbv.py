@@ -33,7 +33,7 @@ from .actions import Action, ActionType, SchedulePlan, make_plan
 from .compose import lockstep_order, with_eager_syncs
 from .errors import PP_FLAG
 from .generator import PLAN_RUNNER, ScheduleGenerator
-from .list_scheduling import latency_aware_split
+from .list_scheduling import timed_latency_aware_split
 from .placement import v_shape
 from .costs import CostModel
 from .simulate import simulate
@@ -123,10 +123,10 @@ def generate(
         return lockstep_plan(num_ranks, num_microbatches, forward_only=True)
     costs = costs or CostModel()
     paper = paper_plan(num_ranks, num_microbatches)
-    scheduled = latency_aware_split(lockstep_plan(num_ranks, num_microbatches), costs, num_ranks,
-                                    (num_ranks // 2, num_ranks))
+    scheduled, makespan = timed_latency_aware_split(lockstep_plan(num_ranks, num_microbatches), costs, num_ranks,
+                                                    (num_ranks // 2, num_ranks))
     scheduled = dataclasses.replace(scheduled, name="zbv")
-    if simulate(scheduled, costs).makespan < simulate(paper, costs).makespan:
+    if makespan < simulate(paper, costs).makespan:
         return scheduled
     return paper
 
