@@ -349,7 +349,8 @@ def _bitpipe(case: Case) -> dict:
     losses = {}
     for pipeline in range(groups.placement.num_pipelines):
         batches = mine[pipeline * per_pipeline : (pipeline + 1) * per_pipeline]
-        losses.update(_run_pipeline(model, groups, pipeline, batches, per_pipeline))
+        # megatron's divisor: every micro-batch of this data-parallel rank (DDP sums the replicas)
+        losses.update(_run_pipeline(model, groups, pipeline, batches, len(mine)))
     finalize_model_grads([model[c] for c in stage_order(groups)], pg_collection=groups.rank_pgs)
     record["losses"] = losses
     record["grads"] = merge_full(

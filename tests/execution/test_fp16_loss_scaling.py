@@ -1,0 +1,162 @@
+"""fp16 with dynamic loss scaling: the plan schedules skip the steps Megatron's own schedule skips.
+
+The reference is megatron-core's ``forward_backward_no_pipelining`` on one process (the loss
+scaled by megatron's ``grad_scale_func`` and divided by the number of micro-batches, fp16
+weights, megatron's mixed-precision Adam with its dynamic grad scaler). BitPipe, ZB-V and
+DualPipeV at pipeline 2 train the same fp16 model from the same weights on the same batches,
+with fp16 gradient buffers and with ``grad_reduce_in_fp32`` (``--accumulate-allreduce-grads-in-fp32``),
+BitPipe also with its per-chunk distributed optimizers. The initial loss scale is far too
+large, so the first steps overflow in fp16 and are skipped while the scale halves.
+
+Asserted per step: the same steps skipped, the same loss scale in every chunk's optimizer (one
+scale for the whole model), the micro-batch losses equal — bit for bit up to the first applied
+update (the forward in fp16 is the same arithmetic in any layout), afterwards to ``LOSS_RTOL``:
+the gradients are summed in another order (two pipelines' halves, then the all-reduce), which
+in fp16 buffers rounds differently from one running sum.
+
+One launch per world size (1 and 2 ranks) serves all cases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import pytest
+import torch
+
+from megatron_bitpipe.cpu.launcher import launch
+
+from ..equivalence_support import ADAM_EPS, LR, MICRO_BATCH, SEED, SEQ, VOCAB, gpt_batches, model_config
+
+pytestmark = [pytest.mark.multirank]
+
+STEPS = 7
+MICROBATCHES = 4
+#: far above what the tiny GPT's fp16 backward holds: the first steps overflow
+INITIAL_LOSS_SCALE = 2.0**24
+#: relative difference of the losses once updates applied (fp16 gradient sums in another order)
+LOSS_RTOL = 2e-4
+
+
+@dataclass(frozen=True)
+class Fp16Case:
+    name: str
+    schedule: str  # "megatron": megatron-core's forward_backward_no_pipelining on one rank
+    pp: int
+    grad_reduce_in_fp32: bool
+    distributed_optimizer: bool = False
+
+
+REFERENCES = [Fp16Case(f"megatron_fp32_grads_{f}", "megatron", 1, f) for f in (False, True)]
+CASES = [
+    Fp16Case(f"{schedule}_pp2_{'fp32' if fp32 else 'fp16'}_grads", schedule, 2, fp32)
+    for schedule in ("bitpipe", "zbv", "dualpipev")
+    for fp32 in (False, True)
+] + [Fp16Case("bitpipe_pp2_fp16_grads_distopt", "bitpipe", 2, False, distributed_optimizer=True)]
+
+
+def fp16_training(case: Fp16Case) -> dict:
+    """Train ``case`` for STEPS steps on this rank; per step the loss scale the backward used,
+    every chunk optimizer's loss scale after the step, whether it was applied, the losses."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel import schedules as megatron_schedules
+
+    from megatron_bitpipe import schedules
+    from megatron_bitpipe.benchmarking.megatron_baseline import mean_loss_forward_step
+    from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.execution.forward_backward import make_step_func
+    from megatron_bitpipe.execution.groups import ParallelGrid
+    from megatron_bitpipe.model.build import build_pipeline_model
+    from megatron_bitpipe.optimus.grads import finalize_model_grads_func
+    from megatron_bitpipe.schedules.placement import looped
+    from megatron_bitpipe.training.optimizer import build_optimizer
+
+    enable_cpu_megatron()
+    megatron = case.schedule == "megatron"
+    choice = None if megatron else schedules.ScheduleChoice(case.schedule)
+    config = model_config(pipeline_model_parallel_size=case.pp, fp16=True, params_dtype=torch.float16, pipeline_dtype=torch.float16)
+    model = build_pipeline_model(
+        config, ParallelGrid(pp=case.pp), looped(1) if megatron else choice.placement(case.pp),
+        vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED,
+        ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=not megatron, grad_reduce_in_fp32=case.grad_reduce_in_fp32,
+            use_distributed_optimizer=case.distributed_optimizer,
+        ),
+    )
+    optimizer = build_optimizer(
+        model,
+        OptimizerConfig(
+            optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.01, fp16=True, params_dtype=torch.float16,
+            initial_loss_scale=INITIAL_LOSS_SCALE, use_distributed_optimizer=case.distributed_optimizer,
+        ),
+    )
+    model.config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's training loop sets it
+    model.config.finalize_model_grads_func = finalize_model_grads_func(model.groups.mesh)
+    step_func = None if megatron else make_step_func(choice)
+    out: dict = {"steps": []}
+    for step in range(STEPS):
+        for chunk in model.chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        scale = float(optimizer.get_loss_scale())
+        kwargs = dict(
+            forward_step_func=mean_loss_forward_step, data_iterator=iter(gpt_batches(step, MICROBATCHES)), model=model.chunks,
+            num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+        )
+        if megatron:
+            reports = megatron_schedules.forward_backward_no_pipelining(**kwargs, pg_collection=model.groups.rank_pgs)
+            losses = {m: r["lm loss"].item() for m, r in enumerate(reports)}
+        else:
+            losses = {m: r["lm loss"].item() for m, r in step_func(**kwargs).losses.items()}
+        applied, _, _ = optimizer.step()
+        parts = getattr(optimizer, "chained_optimizers", [optimizer])
+        out["steps"].append(
+            dict(scale=scale, applied=bool(applied), losses=losses, scales_after=[float(p.get_loss_scale()) for p in parts])
+        )
+    return out
+
+
+def run_fp16_cases(cases: List[Fp16Case]) -> dict:
+    return {case.name: fp16_training(case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {case.grad_reduce_in_fp32: launch(fp16_training, 1, case, timeout=600)[0] for case in REFERENCES}
+
+
+@pytest.fixture(scope="module")
+def launched() -> dict:
+    ranks = launch(run_fp16_cases, 2, CASES, timeout=900)
+    return {case.name: [rank[case.name] for rank in ranks] for case in CASES}
+
+
+def test_the_reference_skips_overflowing_steps_then_trains(references):
+    """The test is about skipped steps: the reference must skip some and apply some."""
+    for reference in references.values():
+        applied = [s["applied"] for s in reference["steps"]]
+        assert not applied[0] and any(applied), applied
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_same_skips_loss_scales_and_losses_as_megatron(case, references, launched):
+    reference = references[case.grad_reduce_in_fp32]["steps"]
+    first_update = next(i for i, s in enumerate(reference) if s["applied"])
+    for rank, record in enumerate(launched[case.name]):
+        steps = record["steps"]
+        assert [s["applied"] for s in steps] == [s["applied"] for s in reference], f"rank {rank}: skipped steps"
+        assert [s["scale"] for s in steps] == [s["scale"] for s in reference], f"rank {rank}: loss scale"
+        for step, (mine, expected) in enumerate(zip(steps, reference)):
+            assert set(mine["scales_after"]) == {expected["scales_after"][0]}, f"rank {rank} step {step}: one loss scale"
+    for step, expected in enumerate(reference):
+        losses = {}
+        for record in launched[case.name]:
+            losses.update(record["steps"][step]["losses"])
+        assert sorted(losses) == list(range(MICROBATCHES))
+        rtol = 0.0 if step <= first_update else LOSS_RTOL
+        torch.testing.assert_close(
+            torch.tensor([losses[m] for m in range(MICROBATCHES)]), torch.tensor([expected["losses"][m] for m in range(MICROBATCHES)]),
+            rtol=rtol, atol=0.0, msg=lambda m: f"step {step}: {m}",
+        )
