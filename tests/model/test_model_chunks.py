@@ -6,7 +6,8 @@ One 2-rank and one 4-rank launch build the bidirectional-V (BitPipe) chunks on s
 layouts and check their structure, then push the same global batch through them by hand,
 without a schedule: each pipeline runs its half of the micro-batches stage by stage
 (forward, loss, backward) over the p2p channel groups, with the local hand-over at the turn
-of the V; then megatron's ``finalize_model_grads`` averages over the grad-sync groups and the
+of the V, each loss divided by all the rank's micro-batches; then megatron's
+``finalize_model_grads`` sums the replicas (averaging over data parallelism) and the
 optimizer steps. Loss, gradients, grad norm and weights must equal the reference, and the
 two replicas must stay bit-identical.
 """
