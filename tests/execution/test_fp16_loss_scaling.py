@@ -14,7 +14,8 @@ update (the forward in fp16 is the same arithmetic in any layout), afterwards to
 the gradients are summed in another order (two pipelines' halves, then the all-reduce), which
 in fp16 buffers rounds differently from one running sum.
 
-One launch per world size (1 and 2 ranks) serves all cases.
+One launch per world size serves all cases (``tests/conftest.py``: ``references`` on one
+rank, ``launched`` on two).
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ from typing import List
 import pytest
 import torch
 
-from megatron_bitpipe.cpu.launcher import launch
-
 from ..equivalence_support import ADAM_EPS, LR, MICRO_BATCH, SEED, SEQ, VOCAB, gpt_batches, model_config
 
-pytestmark = [pytest.mark.multirank]
+pytestmark = [pytest.mark.strict_p2p]
 
 STEPS = 5
 MICROBATCHES = 4
@@ -48,8 +47,16 @@ class Fp16Case:
     grad_reduce_in_fp32: bool
     distributed_optimizer: bool = False
 
+    @property
+    def world_size(self) -> int:
+        return self.pp
 
-REFERENCES = [Fp16Case(f"megatron_fp32_grads_{f}", "megatron", 1, f) for f in (False, True)]
+    @property
+    def reference_key(self) -> bool:
+        """The reference with the same gradient-buffer precision."""
+        return self.grad_reduce_in_fp32
+
+
 CASES = [
     Fp16Case(f"{schedule}_pp2_{'fp32' if fp32 else 'fp16'}_grads", schedule, 2, fp32)
     for schedule in ("bitpipe", "zbv", "dualpipev")
@@ -119,22 +126,16 @@ def fp16_training(case: Fp16Case) -> dict:
     return out
 
 
-def run_fp16_cases(cases: List[Fp16Case]) -> dict:
+def run_cases(cases: List[Fp16Case]) -> dict:
     return {case.name: fp16_training(case) for case in cases}
 
 
-@pytest.fixture(scope="module")
-def references() -> dict:
-    runs = launch(run_fp16_cases, 1, REFERENCES, timeout=900)[0]
-    return {case.grad_reduce_in_fp32: runs[case.name] for case in REFERENCES}
+def run_references(keys) -> dict:
+    """Megatron's own schedule on one process, with fp32 gradient buffers or not (``keys``)."""
+    return {key: fp16_training(Fp16Case(f"megatron_fp32_grads_{key}", "megatron", 1, key)) for key in keys}
 
 
-@pytest.fixture(scope="module")
-def launched() -> dict:
-    ranks = launch(run_fp16_cases, 2, CASES, timeout=900)
-    return {case.name: [rank[case.name] for rank in ranks] for case in CASES}
-
-
+@pytest.mark.multirank
 def test_the_reference_skips_overflowing_steps_then_trains(references):
     """The test is about skipped steps: the reference skips the first three and applies the rest."""
     for reference in references.values():
@@ -142,11 +143,12 @@ def test_the_reference_skips_overflowing_steps_then_trains(references):
         assert [s["scale"] for s in reference["steps"]] == [2.0**20, 2.0**20, 2.0**19] + [2.0**18] * (STEPS - 3)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_same_skips_loss_scales_and_losses_as_megatron(case, references, launched):
-    reference = references[case.grad_reduce_in_fp32]["steps"]
+    reference = references[case.reference_key]["steps"]
     first_update = next(i for i, s in enumerate(reference) if s["applied"])
-    for rank, record in enumerate(launched[case.name]):
+    for rank, record in enumerate(launched[case]):
         steps = record["steps"]
         assert [s["applied"] for s in steps] == [s["applied"] for s in reference], f"rank {rank}: skipped steps"
         assert [s["scale"] for s in steps] == [s["scale"] for s in reference], f"rank {rank}: loss scale"
@@ -154,7 +156,7 @@ def test_same_skips_loss_scales_and_losses_as_megatron(case, references, launche
             assert set(mine["scales_after"]) == {expected["scales_after"][0]}, f"rank {rank} step {step}: one loss scale"
     for step, expected in enumerate(reference):
         losses = {}
-        for record in launched[case.name]:
+        for record in launched[case]:
             losses.update(record["steps"][step]["losses"])
         assert sorted(losses) == list(range(MICROBATCHES))
         rtol = 0.0 if step <= first_update else LOSS_RTOL
@@ -162,3 +164,46 @@ def test_same_skips_loss_scales_and_losses_as_megatron(case, references, launche
             torch.tensor([losses[m] for m in range(MICROBATCHES)]), torch.tensor([expected["losses"][m] for m in range(MICROBATCHES)]),
             rtol=rtol, atol=0.0, msg=lambda m: f"step {step}: {m}",
         )
+
+
+class _Scaler:
+    """What megatron's ``prepare_grads`` uses of a grad scaler: ``inv_scale`` and ``update``."""
+
+    inv_scale = torch.ones(1)
+
+    def __init__(self):
+        self.updates: List[bool] = []
+
+    def __bool__(self) -> bool:
+        return True
+
+    def update(self, found_inf: bool) -> None:
+        self.updates.append(found_inf)
+
+
+class _ChunkOptimizer:
+    """A chunk's mixed-precision optimizer as far as its grad scaler goes: megatron's
+    ``prepare_grads`` unscales with ``inv_scale``, then updates the scaler with its own
+    chunk's (all-reduced) overflow flag and returns it."""
+
+    def __init__(self, overflow: bool):
+        self.grad_scaler, self.overflow = _Scaler(), overflow
+
+    def prepare_grads(self) -> bool:
+        assert self.grad_scaler.inv_scale is _Scaler.inv_scale
+        self.grad_scaler.update(self.overflow)
+        return self.overflow
+
+
+def test_an_overflow_in_one_chunk_updates_every_chunks_scaler():
+    """Per-chunk distributed optimizers: an overflow in one chunk's gradients updates every
+    chunk's grad scaler as an overflow (one loss scale, every chunk skips)."""
+    from megatron_bitpipe.execution.distributed_optimizer import ChunkDistributedOptimizer
+
+    chain = ChunkDistributedOptimizer.__new__(ChunkDistributedOptimizer)
+    chain.chained_optimizers = [_ChunkOptimizer(False), _ChunkOptimizer(True), _ChunkOptimizer(False)]
+    assert chain.prepare_grads() is True
+    assert [part.grad_scaler.updates for part in chain.chained_optimizers] == [[True]] * 3
+    chain.chained_optimizers = [_ChunkOptimizer(False), _ChunkOptimizer(False)]
+    assert chain.prepare_grads() is False
+    assert [part.grad_scaler.updates for part in chain.chained_optimizers] == [[False]] * 2
