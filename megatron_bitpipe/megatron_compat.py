@@ -39,6 +39,11 @@ patch release in the range behaves like its neighbours:
   **extra_kwargs)``, empty for self-attention), which
   :class:`~megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention` accepts and
   refuses when not empty. Nothing to adapt here.
+* :func:`scale_gradient_reduction` — the factor megatron DDP multiplies a bucket's gradients
+  by before their reduction (``gradient_scaling_factor`` of every bucket of ``buffers`` and
+  ``expert_parallel_buffers``, kept by the buffer for the buckets it builds; set once in the
+  DDP's constructor from its group size and ``average_in_collective``); the same in 0.16.1 and
+  0.19.2, found by its name.
 * :func:`param_gather_state`, :func:`finish_param_gathers` — megatron DDP's overlapped
   parameter all-gather (``overlap_param_gather``) per bucket group: ``param_gather_dispatched``
   (set when the gather is started, cleared by ``finish_grad_sync``), ``param_gather_handle``
@@ -81,6 +86,7 @@ __all__ = [
     "reads_common_state_in_index",
     "enable_delay_wgrad_compute",
     "ddp_gradient_hooks",
+    "scale_gradient_reduction",
     "ParamGatherState",
     "param_gather_state",
     "finish_param_gathers",
@@ -178,6 +184,16 @@ def ddp_gradient_hooks(module: torch.nn.Module) -> Dict[torch.nn.Parameter, Call
     if not callable(make_hook) or not isinstance(buckets, dict):
         return {}
     return {param: make_hook(param) for param in buckets}
+
+
+def scale_gradient_reduction(ddp, factor: float) -> None:
+    """Multiply by ``factor`` the pre-reduction scaling of every gradient bucket of megatron DDP
+    ``ddp`` (dense and expert-parallel): after it, each reduction (all-reduce or
+    reduce-scatter) yields ``factor`` times what it did. Call once, right after construction."""
+    for buffer in list(ddp.buffers) + list(ddp.expert_parallel_buffers):
+        buffer.gradient_scaling_factor *= factor
+        for bucket in buffer.buckets:
+            bucket.gradient_scaling_factor *= factor
 
 
 @dataclass(frozen=True)

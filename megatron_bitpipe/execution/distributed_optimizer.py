@@ -35,7 +35,11 @@ class ChunkDistributedOptimizer(ChainedOptimizer):
     """Per-chunk megatron ``DistributedOptimizer``\\ s that step, clip and checkpoint as one.
 
     Stepping, clipping and the grad norm are ``ChainedOptimizer``'s (one norm over every
-    rank's shards). :meth:`sharded_state_dict` / :meth:`load_state_dict` use one state dict
+    rank's shards). With a loss scale (``--fp16``) every chunk's optimizer has its own grad
+    scaler, and ``ChainedOptimizer`` would update each with its own chunk's overflow while
+    scaling the loss by the first one's; :meth:`prepare_grads` updates all of them with one
+    overflow flag, that of the whole model on every rank, so they keep one loss scale and skip
+    the same steps as megatron's single optimizer. :meth:`sharded_state_dict` / :meth:`load_state_dict` use one state dict
     for the whole chain (module docstring); :meth:`load_state_dict` expects the layout of the
     last :meth:`sharded_state_dict` call (``is_loading=True``), as megatron's loaders do.
     """
@@ -43,6 +47,28 @@ class ChunkDistributedOptimizer(ChainedOptimizer):
     def __init__(self, chained_optimizers: List[DistributedOptimizer]):
         super().__init__(chained_optimizers)
         self._param_counts: Optional[List[int]] = None
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Copy and unscale every chunk's gradients and check them for inf/NaN (each chunk's
+        check is megatron's, reduced over all ranks), then update every chunk's grad scaler
+        with the flag of all chunks: True skips the step of every chunk on every rank."""
+        flags: List[bool] = []
+        for part in self.chained_optimizers:
+            scaler = part.grad_scaler
+            if not scaler:
+                flags.append(part.prepare_grads())
+                continue
+            part.grad_scaler = _DeferredUpdate(scaler, flags)
+            try:
+                part.prepare_grads()
+            finally:
+                part.grad_scaler = scaler
+        found_inf = any(flags)
+        for part in self.chained_optimizers:
+            if part.grad_scaler:
+                part.grad_scaler.update(found_inf)
+        return found_inf
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
@@ -119,6 +145,22 @@ class ChunkDistributedOptimizer(ChainedOptimizer):
                 part.optimizer.state[param]["step"] = step.clone()
             start += count
         self._synchronize_steps()
+
+
+class _DeferredUpdate:
+    """A chunk optimizer's grad scaler while it checks its gradients: unscales with the
+    scaler's own ``inv_scale`` and records the overflow flag instead of updating (megatron's
+    ``prepare_grads`` reads ``inv_scale`` and calls ``update`` once)."""
+
+    def __init__(self, scaler, flags: List[bool]):
+        self._scaler, self._flags = scaler, flags
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        return self._scaler.inv_scale
+
+    def update(self, found_inf: bool) -> None:
+        self._flags.append(bool(found_inf))
 
 
 def build_distributed_optimizer(

@@ -183,7 +183,8 @@ class PlanExecutor:
         tensor_shape: shape of every activation and gradient crossing ranks.
         forward_step_func: megatron-style ``forward_step_func(data_iterator, model)``.
         source: the step's micro-batches.
-        loss_divisor: what each micro-batch loss is divided by — micro-batches per replica.
+        loss_divisor: what each micro-batch loss is divided by — the step's micro-batches, as in
+            megatron's schedules (:mod:`.replicas` sums the replicas' gradients).
         eager_sync: start each chunk's gradient all-reduce at its ``SYNC``.
     """
 

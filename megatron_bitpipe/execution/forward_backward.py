@@ -132,7 +132,7 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
         if plan.placement != placement:
             raise ValueError(f"{choice.schedule} plans use the {plan.placement.name} placement; the chunks were built for {placement.name}")
         start_param_gathers(chunks, groups)
-        divisor = microbatches_per_replica(num_microbatches, placement)
+        microbatches_per_replica(num_microbatches, placement)  # an even split, or ValueError
         eager = all(getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks)
         executor = PlanExecutor(
             plan,
@@ -142,7 +142,7 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
             p2p_tensor_shape(config, seq_length, micro_batch_size, groups, adjust_tensor_shapes_fn),
             forward_step_func=forward_step_func,
             source=MicrobatchSource(data_iterator, num_microbatches),
-            loss_divisor=divisor,
+            loss_divisor=num_microbatches,
             eager_sync=eager and not forward_only,
             collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step,

@@ -7,15 +7,20 @@ once in the gradient norm.
 
 **Gradient averaging.** Each chunk gets its own megatron ``DistributedDataParallel`` whose
 data-parallel group is the chunk's grad-sync group (all replicas of the stage x data
-parallel, ``R * DP`` ranks for ``R`` pipelines; :func:`wrap_ddp`). DDP averages over that
-group. With ``N`` micro-batches on a data-parallel rank, ``N / R`` of them per pipeline, and
-each micro-batch's loss divided by :func:`microbatches_per_replica` (= ``N / R``, the
-``num_microbatches`` megatron's ``forward_step`` divides by), every replica's local gradient
-is ``(R / N) * sum of its micro-batches' gradients``; averaging over ``R * DP`` ranks gives
+parallel, ``R * DP`` ranks for ``R`` pipelines; :func:`wrap_ddp`). With ``N`` micro-batches on
+a data-parallel rank, ``N / R`` of them per pipeline (:func:`microbatches_per_replica` checks
+the split), each micro-batch's loss is divided by ``N``, as megatron's own schedules divide it
+(the ``num_microbatches`` megatron's ``forward_step`` divides by), so every backward sees the
+same scaled loss as in one pipeline — with ``--fp16`` the same loss scale over the same
+number, hence the same fp16 overflows. Every replica's local gradient is then ``1 / N`` times
+the sum of its micro-batches' gradients, and DDP *sums* the replicas: :func:`wrap_ddp`
+multiplies megatron's pre-reduction scaling (``1 / (R * DP)``, or an average in the collective)
+by ``R`` (:attr:`ChunkDistributedDataParallel.replica_gradient_factor`), giving
 ``1 / (N * DP) * sum over the global batch`` — the gradient of one model trained on the
-whole global batch of ``N * DP`` micro-batches. (With ``calculate_per_token_loss`` DDP sums
-instead and megatron's ``finalize_model_grads`` divides by a token count it broadcasts from the
-last pipeline rank, which in a V placement is not where the losses are.)
+whole global batch of ``N * DP`` micro-batches. (With ``calculate_per_token_loss`` megatron
+does not divide the loss, DDP sums and megatron's ``finalize_model_grads`` divides by a token
+count it broadcasts from the last pipeline rank, which in a V placement is not where the
+losses are: :func:`~.forward_backward.finalize_grads` sums the count over the loss ranks.)
 
 **Grad norm.** megatron's non-distributed optimizer sums squared gradients over parameters
 for which ``megatron.core.transformer.module.param_is_not_shared(p)`` is true (i.e. no
@@ -63,9 +68,9 @@ GRADIENT_REDUCTIONS = ("data-parallel", "replicas", "none")
 def microbatches_per_replica(num_microbatches: int, placement: Placement) -> int:
     """Micro-batches each pipeline runs out of ``num_microbatches`` (one data-parallel rank's).
 
-    This is the divisor of each micro-batch loss that makes DDP's average over the
-    grad-sync group equal the single-model gradient (module docstring). ValueError, naming
-    ``--global-batch-size``, unless every pipeline gets the same number (at least one).
+    ValueError, naming ``--global-batch-size``, unless every pipeline gets the same number (at
+    least one). (Each micro-batch loss is still divided by ``num_microbatches``: module
+    docstring.)
     """
     pipelines = placement.num_pipelines
     if num_microbatches < pipelines or num_microbatches % pipelines:
@@ -89,6 +94,11 @@ class ChunkDistributedDataParallel(DistributedDataParallel):
     """
 
     gradient_exchange = None
+    #: what the reduction multiplies a local gradient by beyond megatron's own average over
+    #: the DDP's group: ``R`` (the placement's pipelines) where the replicas' gradients are
+    #: summed (module docstring), 1 otherwise. An exchange that replaces the reduction scales
+    #: the local gradients by it too.
+    replica_gradient_factor = 1
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -163,6 +173,11 @@ def wrap_ddp(
       :meth:`~.groups.PipelineGroups.grad_sync_group` itself (ABS-SGD's delayed all-reduce,
       :mod:`megatron_bitpipe.training.abs_sgd`).
 
+    With ``"data-parallel"`` and ``"replicas"`` (and no ``calculate_per_token_loss``) megatron's
+    average over the group becomes a sum over the stage's ``R`` replicas and an average over
+    the rest (:attr:`ChunkDistributedDataParallel.replica_gradient_factor` = ``R``; module
+    docstring); with ``"none"`` the caller's reduction owns that factor.
+
     ``config`` is the caller's (shared) config: ``get_model_config`` of every wrapped chunk
     returns it. Every chunk is a single bucket: megatron turns bucketing off on pipeline
     ranks > 0, and a stage's replicas sit on different pipeline ranks, so only uniform
@@ -180,10 +195,16 @@ def wrap_ddp(
         collections = [_with_data_parallel(pgs, pgs.cp) for pgs in groups.model_pgs]
     else:
         raise ValueError(f"gradient_reduction {gradient_reduction!r} is not one of {GRADIENT_REDUCTIONS}")
-    return [
+    wrapped = [
         ChunkDistributedDataParallel(config, ddp_config, chunk, disable_bucketing=True, pg_collection=pgs)
         for chunk, pgs in zip(chunks, collections)
     ]
+    replicas = groups.placement.num_pipelines
+    if gradient_reduction != "none" and not config.calculate_per_token_loss and replicas > 1:
+        for ddp in wrapped:
+            megatron_compat.scale_gradient_reduction(ddp, replicas)
+            ddp.replica_gradient_factor = replicas
+    return wrapped
 
 
 def _with_data_parallel(pgs, group):

@@ -57,11 +57,20 @@ class ChunkMomentum:
     ``pairs`` are the chunk's (model parameter, optimizer parameter) in a fixed order (the
     same on every rank of ``group``); the model parameter's ``main_grad`` is the local
     gradient, the optimizer parameter (the fp32 main copy under mixed precision) keys the
-    optimizer state.
+    optimizer state. ``gradient_factor`` is what the DDP's own reduction would multiply the local
+    gradient by beyond its average over ``group``
+    (:attr:`~megatron_bitpipe.execution.replicas.ChunkDistributedDataParallel.replica_gradient_factor`).
     """
 
-    def __init__(self, optimizer: "OnebitLamb", pairs: List[Tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup):
+    def __init__(
+        self,
+        optimizer: "OnebitLamb",
+        pairs: List[Tuple[torch.Tensor, torch.Tensor]],
+        group: dist.ProcessGroup,
+        gradient_factor: float = 1.0,
+    ):
         self.optimizer = optimizer
+        self.gradient_factor = gradient_factor
         self.pairs = pairs
         self.numel = sum(main.numel() for _, main in pairs)
         device = pairs[0][1].device if pairs else None
@@ -83,7 +92,7 @@ class ChunkMomentum:
         with torch.no_grad():
             for (model, main), m in zip(self.pairs, momenta):
                 beta1 = betas[id(main)]
-                m.mul_(beta1).add_(model.main_grad.float(), alpha=1 - beta1)
+                m.mul_(beta1).add_(model.main_grad.float(), alpha=(1 - beta1) * self.gradient_factor)
             if self.averager is not None:
                 scaled = [m.reshape(-1) * self.optimizer.state[main]["scaling_coeff"] for (_, main), m in zip(self.pairs, momenta)]
                 padding = self.averager.numel - self.numel
@@ -171,7 +180,7 @@ class OnebitLamb(Lamb):
                 )
             pairs = [(p, optimizer_param_of[id(p)]) for p in unwrap_model(ddp).parameters() if p.requires_grad]
             covered.update(id(main) for _, main in pairs)
-            self.chunks.append(ChunkMomentum(self, pairs, ddp.dp_cp_group))
+            self.chunks.append(ChunkMomentum(self, pairs, ddp.dp_cp_group, ddp.replica_gradient_factor))
         missing = [p for g in self.param_groups for p in g["params"] if id(p) not in covered]
         if missing:
             raise ValueError(f"{len(missing)} optimizer parameters belong to no model chunk")

@@ -6,7 +6,8 @@ One 2-rank and one 4-rank launch build the bidirectional-V (BitPipe) chunks on s
 layouts and check their structure, then push the same global batch through them by hand,
 without a schedule: each pipeline runs its half of the micro-batches stage by stage
 (forward, loss, backward) over the p2p channel groups, with the local hand-over at the turn
-of the V; then megatron's ``finalize_model_grads`` averages over the grad-sync groups and the
+of the V, each loss divided by all the rank's micro-batches; then megatron's
+``finalize_model_grads`` sums the replicas (averaging over data parallelism) and the
 optimizer steps. Loss, gradients, grad norm and weights must equal the reference, and the
 two replicas must stay bit-identical.
 """
@@ -349,7 +350,8 @@ def _bitpipe(case: Case) -> dict:
     losses = {}
     for pipeline in range(groups.placement.num_pipelines):
         batches = mine[pipeline * per_pipeline : (pipeline + 1) * per_pipeline]
-        losses.update(_run_pipeline(model, groups, pipeline, batches, per_pipeline))
+        # megatron's divisor: every micro-batch of this data-parallel rank (DDP sums the replicas)
+        losses.update(_run_pipeline(model, groups, pipeline, batches, len(mine)))
     finalize_model_grads([model[c] for c in stage_order(groups)], pg_collection=groups.rank_pgs)
     record["losses"] = losses
     record["grads"] = merge_full(

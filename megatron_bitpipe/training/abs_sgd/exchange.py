@@ -3,8 +3,8 @@
 A :class:`GradientExchange` is launched right after an iteration's compute. Each chunk's
 gradient buffer then holds ``G_c / d_c``: the sum ``G_c`` of the gradients of the
 micro-batches that went through the chunk, divided by the divisor ``d_c`` the schedule
-applied to each loss (the micro-batches per pipeline it ran in one call; 1 when a replica
-runs its micro-batches one call each). The exchange copies every DDP bucket, scales the
+applied to each loss (the micro-batches it ran in one call, over all its pipelines; 1 when
+a replica runs its micro-batches one call each). The exchange copies every DDP bucket, scales the
 copy by ``d_c / M_ref`` (``M_ref`` = ``--global-batch-size / --micro-batch-size``) and
 all-reduces it (sum) asynchronously over the chunk's grad-sync group (every replica of the
 stage x data parallel), with megatron DDP's own coalesced collective. Once complete the
@@ -12,8 +12,9 @@ copy holds ``sum of G / M_ref`` over the job; :meth:`GradientExchange.write_grad
 ``sum of G / M`` into the buffers, ``M`` the micro-batches of the iteration over all
 replicas (a multiplication by ``M_ref / M``, skipped when they are equal).
 
-Synchronous data parallelism scales each bucket by ``1 / (replicas x dp)`` and all-reduces
-it with the same collective; with equal counts summing to ``M_ref``, ``d_c / M_ref`` is that
+Synchronous data parallelism scales each bucket by ``1 / dp`` (megatron's ``1 / (replicas x
+dp)`` times the replicas, whose gradients it sums: :mod:`megatron_bitpipe.execution.replicas`)
+and all-reduces it with the same collective; with equal counts summing to ``M_ref``, ``d_c / M_ref`` is that
 very number, so a zero-delay exchange reproduces it bit for bit.
 
 The statistics (a float64 vector, summed over the job on the default group alongside) are

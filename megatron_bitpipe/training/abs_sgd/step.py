@@ -77,7 +77,6 @@ class AbsSgdStrategy(DataParallelStrategy):
         self.dp, self.replica = grid.dp, groups.dp_rank
         self.layout = StatsLayout(grid.dp, grid.tp * grid.pp, tuple(parts.loss_names))
         self.adaptive = self.settings.trigger == "time" and grid.tp * grid.pp == 1
-        self.pipelines = groups.placement.num_pipelines
         self.micro_batch_size = parts.run.batches.micro_batch_size
         self.speeds = SpeedEstimate()
         start = parts.state.consumed_train_samples // (self.micro_batch_size * grid.dp)
@@ -127,7 +126,7 @@ class AbsSgdStrategy(DataParallelStrategy):
         count = counts[self.replica]
         reports = self._run(range(self.next_position, self.next_position + count))
         self.next_position += count
-        return count, count // self.pipelines, reports
+        return count, count, reports
 
     def _loss_totals(self, reports) -> torch.Tensor:
         """``[sum, count]`` per loss name of this rank's reports (TP rank 0 only: every TP
