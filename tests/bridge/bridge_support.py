@@ -130,7 +130,7 @@ def train(case: Dict) -> Dict:
 
     from megatron_bitpipe.bridge import forward_step, install
 
-    record: Dict = {"loss": [], "grad_norm": [], "valid": [], "test": []}
+    record: Dict = {"loss": [], "grad_norm": [], "valid": [], "test": [], "pp": case["pp"], "tp": case.get("tp", 1)}
 
     class Recorder(Callback):
         def on_train_step_end(self, context):

@@ -71,16 +71,23 @@ def four_ranks() -> Dict[str, list]:
     return {name: [rank[i] for rank in ranks] for i, name in enumerate(FOUR_RANKS)}
 
 
-def _assert_equal(record, reference):
+def _assert_equal(record, reference, *, validation: bool):
     assert record["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
-    assert record["valid"] == pytest.approx(reference["valid"], rel=1e-5)
+    if validation:
+        assert record["valid"] == pytest.approx(reference["valid"], rel=1e-5)
     assert record["test"] == pytest.approx(reference["test"], rel=1e-5)
     assert len(record["loss"]) == 3 and record["valid"] and record["test"]
 
 
 def _assert_run(ranks, reference):
-    _assert_equal(ranks[-1], reference)  # Bridge logs the losses of the last pipeline rank
+    # Bridge's validation loader of a GPT dataset is "cyclic" (megatron's random sampler), which
+    # draws each data-parallel rank's samples from its own bucket of the set: with data
+    # parallelism the validation batches are other samples than one process's, by Bridge's design
+    # (its training and test loaders, "single", are not). The validation loss is compared where
+    # the layout has no data parallelism.
+    data_parallel = len(ranks) // (ranks[-1]["pp"] * ranks[-1]["tp"]) > 1
+    _assert_equal(ranks[-1], reference, validation=not data_parallel)  # Bridge logs the losses of the last pipeline rank
     assert all(rank["grad_norm"] == ranks[-1]["grad_norm"] for rank in ranks)
     assert all(rank["hooks"] for rank in ranks), "grad_scale_func, finalize_model_grads_func or timers missed a chunk"
 
