@@ -73,6 +73,10 @@ def _distributed_optimizer(cfg) -> bool:
     return bool(cfg.ddp.use_distributed_optimizer or cfg.optimizer.use_distributed_optimizer)
 
 
+def _overlap_param_gather(cfg) -> bool:
+    return bool(cfg.ddp.overlap_param_gather or cfg.optimizer.overlap_param_gather)
+
+
 FIELDS = (
     _model("pipeline_schedule"),
     _model("split_backward"),
@@ -133,7 +137,7 @@ FIELDS = (
     Field("data_parallel_size", "--data-parallel-size", "data_parallel_size", _data_parallel_size),
     Field("world_size", "--world-size", "WORLD_SIZE", lambda cfg: int(os.environ.get("WORLD_SIZE", "1"))),
     Field("use_distributed_optimizer", "--use-distributed-optimizer", "ddp.use_distributed_optimizer", _distributed_optimizer),
-    Field("overlap_param_gather", "--overlap-param-gather", "ddp.overlap_param_gather"),
+    Field("overlap_param_gather", "--overlap-param-gather", "ddp.overlap_param_gather", _overlap_param_gather),
     Field("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances", "ddp.num_distributed_optimizer_instances"),
     Field("accumulate_allreduce_grads_in_fp32", "--accumulate-allreduce-grads-in-fp32", "ddp.grad_reduce_in_fp32"),
     Field("check_for_nan_in_loss_and_grad", "--check-for-nan-in-loss-and-grad", "ddp.check_for_nan_in_grad"),
@@ -193,7 +197,7 @@ def in_bridge_terms(message: str) -> str:
 
 def bridge_problems(cfg) -> List[str]:
     """Every rule of the Megatron-LM route that the container ``cfg`` breaks, one line each in
-    Bridge's field names, then the Bridge route's own (empty: none). Local."""
+    Bridge's field names, then the Bridge route's own. Local."""
     args = megatron_lm_namespace(cfg)
     try:
         validate_megatron_lm_args(args)
@@ -201,11 +205,10 @@ def bridge_problems(cfg) -> List[str]:
     except BitPipeConfigError as error:
         problems = [in_bridge_terms(line.strip()) for line in str(error).splitlines()[1:]]
     schedule = args.pipeline_schedule
-    if args.use_distributed_optimizer:
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
         problems.append(
-            f"ddp.use_distributed_optimizer cannot be used with model.pipeline_schedule {schedule} through Megatron-Bridge yet: "
-            "Bridge builds one megatron optimizer over megatron's data-parallel group, and each chunk's gradients are "
-            "reduced over its own replica x data-parallel group (Megatron-LM's route builds one per chunk)"
+            f"ddp.overlap_param_gather cannot be used with model.pipeline_schedule {schedule} without "
+            "ddp.use_distributed_optimizer: only the distributed optimizer all-gathers parameters after its step"
         )
     if cfg.peft is not None:
         problems.append(f"peft cannot be used with model.pipeline_schedule {schedule}: adapters are added before "

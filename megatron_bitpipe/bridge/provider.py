@@ -25,18 +25,20 @@ the build reads (``_bitpipe_args``).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megatron.bridge.models import GPTModelProvider
 from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
 from megatron.core.enums import ModelType
 
-from ..megatron_lm.model import _bitpipe_chunks, initialize_chunks_from_seed
+from ..megatron_lm.model import build_plan_chunks, initialize_chunks_from_seed
 from ..plugin import installed_schedule
+from ..run_config import RunConfig
 
-__all__ = ["BitPipeGPTModelProvider"]
+__all__ = ["BitPipeGPTModelProvider", "installed_run"]
 
 
 @dataclass
@@ -70,14 +72,7 @@ class BitPipeGPTModelProvider(GPTModelProvider):
     def provide_distributed_model(self, ddp_config=None, model_type=ModelType.encoder_or_decoder, **kwargs) -> List:
         """Bridge's ``provide_distributed_model``; with a plan-executed schedule, this rank's
         chunks of its placement (module docstring). Collective (process groups)."""
-        installed = installed_schedule()
-        args = getattr(self, "_bitpipe_args", None)
-        if installed is None or installed.run_config is None or args is None:
-            raise RuntimeError(
-                f"pipeline_schedule {self.pipeline_schedule!r}: call megatron_bitpipe.bridge.install(cfg) before "
-                "Megatron-Bridge's pretrain(cfg, ...)"
-            )
-        run_config = installed.run_config
+        run_config, args = installed_run(self)
         if not run_config.executes_plan:
             model = super().provide_distributed_model(ddp_config=ddp_config, model_type=model_type, **kwargs)
             initialize_chunks_from_seed(model, args.seed, self._pg_collection.tp)
@@ -89,9 +84,23 @@ class BitPipeGPTModelProvider(GPTModelProvider):
             raise RuntimeError("cfg.model's precision changed after megatron_bitpipe.bridge.install(cfg)")
         padded = calculate_padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
         args.padded_vocab_size = padded if self.should_pad_vocab else self.vocab_size
-        return _bitpipe_chunks(
+        return build_plan_chunks(
             args, run_config, _chunk_maker, type(self).__name__, self, model_type, kwargs.get("wrap_with_ddp", True)
         )
+
+
+def installed_run(model_config) -> Tuple[RunConfig, argparse.Namespace]:
+    """The run's decisions and the container's Megatron-LM namespace, kept by
+    :func:`megatron_bitpipe.bridge.install` for ``model_config`` (``cfg.model``); RuntimeError
+    when it has not run."""
+    installed = installed_schedule()
+    namespace = getattr(model_config, "_bitpipe_args", None)
+    if installed is None or installed.run_config is None or namespace is None:
+        raise RuntimeError(
+            f"pipeline_schedule {model_config.pipeline_schedule!r}: call megatron_bitpipe.bridge.install(cfg) before "
+            "Megatron-Bridge's pretrain(cfg, ...)"
+        )
+    return installed.run_config, namespace
 
 
 def _chunk_maker(*, pre_process: bool, post_process: bool, config, pg_collection, share_embeddings_and_output_weights: bool):

@@ -7,7 +7,9 @@ patched). :func:`install` checks the container (:mod:`.fields`: the Megatron-LM 
 in Bridge's field names), makes its :class:`~megatron_bitpipe.run_config.RunConfig` and
 registers the schedule with the Megatron-LM route's forward_backward function, whose loss
 reports end on the last pipeline stage, where Bridge's ``train_step`` and ``evaluate`` average
-them. Local: call on every rank before ``pretrain``.
+them; Bridge's optimizer build and parameter-gather loops take the plan schedule's chunks
+(:mod:`.optimizer`: one distributed optimizer per chunk). Local: call on every rank before
+``pretrain``.
 
 :func:`forward_step` is Bridge's GPT forward step with the batch the plan schedules need:
 a pipeline rank that embeds a pipeline's first stage or computes a pipeline's loss gets
@@ -18,6 +20,7 @@ megatron's own schedules, get Bridge's batch.
 
 from __future__ import annotations
 
+import os
 from typing import FrozenSet
 
 from ..megatron_compat import enable_moe_without_transformer_engine
@@ -25,7 +28,9 @@ from ..megatron_lm.losses import make_megatron_lm_forward_backward_func
 from ..plugin import installed_schedule, register
 from ..run_config import RunConfig
 from ..schedules.placement import Placement
+from .builder import BitPipeGPTModelConfig
 from .fields import checked_namespace
+from .optimizer import route_optimizer
 from .provider import BitPipeGPTModelProvider
 
 __all__ = ["forward_step", "install"]
@@ -35,19 +40,39 @@ def install(cfg) -> RunConfig:
     """Check the container ``cfg`` (:class:`~megatron_bitpipe.megatron_args.BitPipeConfigError`
     naming each offending Bridge field), and install its schedule for Bridge's training and
     evaluation. Returns the run's RunConfig. Local; idempotent."""
-    if not isinstance(cfg.model, BitPipeGPTModelProvider):
+    if not isinstance(cfg.model, (BitPipeGPTModelProvider, BitPipeGPTModelConfig)):
         raise TypeError(
             f"cfg.model is a {type(cfg.model).__name__}: use megatron_bitpipe.bridge.BitPipeGPTModelProvider "
-            "(BitPipeGPTModelProvider.from_provider(cfg.model, pipeline_schedule=...)) to choose a pipeline schedule"
+            "(BitPipeGPTModelProvider.from_provider(cfg.model, pipeline_schedule=...)) or, for a GPTModelConfig, "
+            "megatron_bitpipe.bridge.BitPipeGPTModelConfig (BitPipeGPTModelConfig.from_config(cfg.model, "
+            "pipeline_schedule=...)) to choose a pipeline schedule"
         )
     args = checked_namespace(cfg)
     config = RunConfig.from_args(args)
+    _optimizer_checkpoints(cfg, config)
     if config.moe is not None:
         enable_moe_without_transformer_engine()
     plan_func = make_megatron_lm_forward_backward_func(config.schedule) if config.executes_plan else None
     register(config.schedule.schedule, plan_func=plan_func, run_config=config)
+    route_optimizer()
     cfg.model._bitpipe_args = args
     return config
+
+
+def _optimizer_checkpoints(cfg, config: RunConfig) -> None:
+    """``checkpoint.dist_ckpt_optim_fully_reshardable`` switched on (and said on rank 0) for a
+    plan schedule with the distributed optimizer: its per-chunk optimizers save that form only,
+    which any schedule and layout loads (as the Megatron-LM route's
+    :func:`~megatron_bitpipe.megatron_lm.args.configure_optimizer_checkpoints`)."""
+    if not (config.executes_plan and config.distributed_optimizer) or cfg.checkpoint.dist_ckpt_optim_fully_reshardable:
+        return
+    cfg.checkpoint.dist_ckpt_optim_fully_reshardable = True
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"megatron_bitpipe: model.pipeline_schedule {config.schedule_name} with ddp.use_distributed_optimizer saves its "
+            "optimizer state fully reshardable (checkpoint.dist_ckpt_optim_fully_reshardable)",
+            flush=True,
+        )
 
 
 def _data_ranks(placement: Placement) -> FrozenSet[int]:

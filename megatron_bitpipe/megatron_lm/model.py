@@ -72,7 +72,7 @@ from ..execution.replicas import mark_replica_parameters, wrap_ddp
 from ..model.sharded_state import attach_sharded_state_dicts
 from ..run_config import RunConfig
 
-__all__ = ["get_bitpipe_model", "initialize_chunks_from_seed"]
+__all__ = ["build_plan_chunks", "builder_chunk_maker", "get_bitpipe_model", "initialize_chunks_from_seed"]
 
 
 def _ddp_config(args, run_config: RunConfig) -> DistributedDataParallelConfig:
@@ -147,7 +147,7 @@ def _provider_name(model_provider_func: Callable) -> str:
     return f"the {name} of {code.co_filename}" if code is not None else f"the model provider {name}"
 
 
-def _builder_chunk_maker(builder) -> ChunkMaker:
+def builder_chunk_maker(builder) -> ChunkMaker:
     """Chunks from a Megatron-LM ``GPTModelBuilder``: one builder per chunk, whose model config
     carries the chunk's transformer config and tying."""
     model_config = megatron_compat.builder_model_config(builder)
@@ -183,7 +183,7 @@ def get_bitpipe_model(
     args = get_args()
     config = config if config is not None else core_transformer_config_from_args(args)
     maker = _provider_chunk_maker(args, model_provider_func)
-    return _bitpipe_chunks(args, run_config, maker, _provider_name(model_provider_func), config, model_type, wrap_with_ddp)
+    return build_plan_chunks(args, run_config, maker, _provider_name(model_provider_func), config, model_type, wrap_with_ddp)
 
 
 def build_bitpipe_model_with(run_config: RunConfig, builder, megatron_build: Callable, *args, **kwargs) -> List[torch.nn.Module]:
@@ -202,14 +202,20 @@ def build_bitpipe_model_with(run_config: RunConfig, builder, megatron_build: Cal
     call = inspect.signature(megatron_build).bind(*args, **kwargs)
     call.apply_defaults()
     config = megatron_compat.builder_model_config(builder).transformer
-    maker = _builder_chunk_maker(builder)
+    maker = builder_chunk_maker(builder)
     name = type(builder).__name__
-    return _bitpipe_chunks(get_args(), run_config, maker, name, config, call.arguments["model_type"], call.arguments["wrap_with_ddp"])
+    return build_plan_chunks(get_args(), run_config, maker, name, config, call.arguments["model_type"], call.arguments["wrap_with_ddp"])
 
 
-def _bitpipe_chunks(
+def build_plan_chunks(
     args, run_config: RunConfig, make: ChunkMaker, builder: str, config, model_type, wrap_with_ddp: bool
 ) -> List[torch.nn.Module]:
+    """This rank's chunks of ``run_config``'s placement, each made by ``make`` (named
+    ``builder`` in messages) from ``config`` with the chunk's layer range (the module
+    docstring's flow): seed-only weights, fp16/bf16 wrapper, per-chunk DDP unless
+    ``wrap_with_ddp`` is false. ``args`` is Megatron-LM's namespace (or the Megatron-Bridge
+    container's, :func:`megatron_bitpipe.bridge.fields.megatron_lm_namespace`); its
+    ``model_type`` is set. Collective over all ranks (process groups)."""
     if model_type != ModelType.encoder_or_decoder:
         raise BitPipeConfigError(f"--pipeline-schedule {run_config.schedule.schedule} does not support {model_type} models (encoder-decoder)")
     args.model_type = model_type

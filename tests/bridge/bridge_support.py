@@ -3,12 +3,14 @@
 :func:`recipe` is the container (mock data, NullTokenizer, local layers, fp32, no dropout);
 :func:`train` runs on every rank of a launch (or in one process) and returns the rank's record:
 the training loss and grad norm of every iteration and the validation and test losses Bridge
-averaged (present on the last pipeline rank, where Bridge reads losses).
+averaged (present on the last pipeline rank, where Bridge reads losses), whether every chunk's
+model config holds what Bridge set on ``cfg.model`` after the build, the optimizer's class and
+the class of what each chunk's DDP wraps; :func:`train_all` runs several cases in one launch.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from .cpu_shims import enable_bridge_on_cpu, start_bridge_on_cpu
 
@@ -18,13 +20,19 @@ VOCAB_SIZE = 128
 
 def recipe(*, schedule: str, pp: int, tp: int = 1, num_layers: int = 4, iters: int = 3, decay_iters: Optional[int] = None,
            micro_batch: int = 2, global_batch: int = 8, save: Optional[str] = None, load: Optional[str] = None,
-           stock: bool = False, **model):
+           stock: bool = False, distributed_optimizer: bool = False, overlap_param_gather: bool = False,
+           mixed_precision: Optional[str] = None, builder: bool = False, **model):
     """The container of the tiny recipe (``iters`` iterations of a learning-rate schedule of
     ``decay_iters``, default ``iters``; a checkpoint at the end under ``save``; resumed from
     ``load`` without its RNG state, which the recipe without dropout does not use, and with the
     scheduler settings of the container, not of the checkpoint: megatron's scheduler refuses a
     saved weight-decay step count of another ``iters``, constant here); ``stock``:
-    Bridge's own GPTModelProvider (no schedule)."""
+    Bridge's own GPTModelProvider (no schedule); ``distributed_optimizer``, ``overlap_param_gather``:
+    ``ddp.use_distributed_optimizer`` and ``ddp.overlap_param_gather`` (with
+    ``ddp.overlap_grad_reduce``, as megatron requires); ``mixed_precision``: a Bridge recipe
+    name (``"bf16_mixed"``); ``builder``: Bridge's model-config route (a ``BitPipeGPTModelConfig``
+    holding a ``TransformerConfig``) instead of a provider; ``model``: more ``cfg.model`` fields
+    (the mixture-of-experts ones)."""
     enable_bridge_on_cpu()
     import torch.nn.functional as F
     from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
@@ -56,23 +64,27 @@ def recipe(*, schedule: str, pp: int, tp: int = 1, num_layers: int = 4, iters: i
         apply_rope_fusion=False, cross_entropy_loss_fusion=False, bf16=False, fp16=False, params_dtype=None,
     )
     fields.update(model)
-    if stock:
+    import torch
+
+    fields["params_dtype"] = torch.float32
+    if builder:
+        provider = _model_config(schedule, fields)
+    elif stock:
         provider = GPTModelProvider(**fields)
     else:
         provider = BitPipeGPTModelProvider(pipeline_schedule=schedule, **fields)
-    import torch
-
-    provider.params_dtype = torch.float32
     return ConfigContainer(
         model=provider,
         train=TrainingConfig(train_iters=iters, global_batch_size=global_batch, micro_batch_size=micro_batch),
         validation=ValidationConfig(eval_interval=iters, eval_iters=1),
         optimizer=OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, clip_grad=1.0,
-                                  bf16=False, fp16=False, use_distributed_optimizer=False),
+                                  bf16=False, fp16=False, use_distributed_optimizer=distributed_optimizer,
+                                  overlap_param_gather=overlap_param_gather),
         scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=1, lr_decay_iters=decay_iters or iters, start_weight_decay=0.01,
                                   end_weight_decay=0.01, weight_decay_incr_style="constant",
                                   override_opt_param_scheduler=load is not None),
-        ddp=DistributedDataParallelConfig(use_distributed_optimizer=False),
+        ddp=DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer, overlap_param_gather=overlap_param_gather,
+                                          overlap_grad_reduce=overlap_param_gather),
         dataset=GPTDatasetConfig(random_seed=1234, reset_attention_mask=False, reset_position_ids=False,
                                  eod_mask_loss=False, seq_length=SEQ_LENGTH, num_dataset_builder_threads=1, blend=None,
                                  blend_per_split=None, split="1,1,1", dataloader_type="single", num_workers=0,
@@ -83,8 +95,29 @@ def recipe(*, schedule: str, pp: int, tp: int = 1, num_layers: int = 4, iters: i
                                     load_rng=False),
         rng=RNGConfig(seed=1234),
         dist=DistributedInitConfig(distributed_backend="gloo"),
-        mixed_precision=None,
+        mixed_precision=mixed_precision,
     )
+
+
+def _model_config(schedule: str, fields: Dict):
+    """The recipe's model on Bridge's model-config route: the GPT fields on the config, the
+    others on its ``TransformerConfig``."""
+    import dataclasses
+
+    from megatron.bridge.models.transformer_config import TransformerConfig
+
+    from megatron_bitpipe.bridge import BitPipeGPTModelConfig
+
+    own = {f.name for f in dataclasses.fields(BitPipeGPTModelConfig)}
+    transformer = TransformerConfig(**{name: value for name, value in fields.items() if name not in own})
+    return BitPipeGPTModelConfig(transformer=transformer, pipeline_schedule=schedule,
+                                 **{name: value for name, value in fields.items() if name in own})
+
+
+def train_all(cases: List[Dict]) -> List[Dict]:
+    """:func:`train` of each case in turn, in one launch (Bridge's ``pretrain`` tears megatron's
+    groups down after each run; the launch's process group stays)."""
+    return [train(case) for case in cases]
 
 
 def train(case: Dict) -> Dict:
@@ -97,15 +130,17 @@ def train(case: Dict) -> Dict:
 
     from megatron_bitpipe.bridge import forward_step, install
 
-    record: Dict = {"loss": [], "grad_norm": [], "valid": [], "test": []}
+    record: Dict = {"loss": [], "grad_norm": [], "valid": [], "test": [], "pp": case["pp"], "tp": case.get("tp", 1)}
 
     class Recorder(Callback):
         def on_train_step_end(self, context):
             if context.loss_dict:
                 record["loss"].append(float(context.loss_dict["lm loss"]))
             record["grad_norm"].append(None if context.grad_norm is None else float(context.grad_norm))
-            if not record.get("hooks"):
+            if "hooks" not in record:
                 record["hooks"] = _hooks_on_every_chunk(context)
+                record["optimizer"] = type(context.optimizer).__name__
+                record["chunks"] = sorted({type(chunk.module).__name__ for chunk in context.model})
 
         def on_eval_end(self, context):
             if context.total_loss_dict:

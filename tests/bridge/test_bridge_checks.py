@@ -46,13 +46,19 @@ def test_a_valid_container_installs_bitpipe():
          "model.context_parallel_size cannot be used with model.pipeline_schedule bitpipe: context parallelism is not supported"),
         (lambda cfg: setattr(cfg.model, "virtual_pipeline_model_parallel_size", 2),
          "model.virtual_pipeline_model_parallel_size"),
-        (lambda cfg: setattr(cfg.ddp, "use_distributed_optimizer", True),
-         "ddp.use_distributed_optimizer cannot be used with model.pipeline_schedule bitpipe through Megatron-Bridge yet"),
-        (lambda cfg: setattr(cfg.ddp, "overlap_param_gather", True), "ddp.overlap_param_gather cannot be used"),
+        (lambda cfg: setattr(cfg.ddp, "overlap_param_gather", True),
+         "ddp.overlap_param_gather cannot be used with model.pipeline_schedule bitpipe without ddp.use_distributed_optimizer"),
+        (lambda cfg: setattr(cfg.ddp, "num_distributed_optimizer_instances", 2),
+         "ddp.num_distributed_optimizer_instances cannot be used with model.pipeline_schedule bitpipe"),
+        (lambda cfg: setattr(cfg.model, "moe_token_dispatcher_type", "flex") or setattr(cfg.model, "num_moe_experts", 4),
+         "model.moe_token_dispatcher_type flex cannot be used with model.pipeline_schedule bitpipe"),
+        (lambda cfg: setattr(cfg.model, "expert_model_parallel_size", 4) or setattr(cfg.model, "num_moe_experts", 4),
+         "model.expert_model_parallel_size 4 must divide the data-parallel size 2"),
         (lambda cfg: setattr(cfg.train, "global_batch_size", 6), "train.global_batch_size"),
         (lambda cfg: setattr(cfg.model, "delay_wgrad_compute", True), "model.delay_wgrad_compute cannot be used"),
     ],
-    ids=["fsdp2", "megatron-fsdp", "cp", "vp", "distributed-optimizer", "param-gather", "microbatches", "delay-wgrad"],
+    ids=["fsdp2", "megatron-fsdp", "cp", "vp", "param-gather-alone", "optimizer-instances", "moe-flex", "moe-ep",
+         "microbatches", "delay-wgrad"],
 )
 def test_refused_fields_are_named(change, line):
     cfg = recipe(schedule="bitpipe", pp=2, num_layers=4)
@@ -61,6 +67,28 @@ def test_refused_fields_are_named(change, line):
         _install(cfg)
     assert line in str(error.value)
     assert "--" not in str(error.value), "a flag name was left untranslated"
+
+
+def test_the_distributed_optimizer_saves_fully_reshardable(capsys):
+    cfg = recipe(schedule="bitpipe", pp=2, num_layers=4, distributed_optimizer=True, overlap_param_gather=True)
+    config = _install(cfg)
+    assert config.distributed_optimizer and config.overlap_param_gather
+    assert cfg.checkpoint.dist_ckpt_optim_fully_reshardable
+    assert "checkpoint.dist_ckpt_optim_fully_reshardable" in capsys.readouterr().out
+
+
+def test_bridges_optimizer_and_param_gathers_are_routed():
+    import megatron.bridge.training.optim as bridge_optim
+    import megatron.bridge.training.train as bridge_train
+
+    from megatron_bitpipe.bridge import optimizer
+
+    _install(recipe(schedule="bitpipe", pp=2, num_layers=4))
+    _install(recipe(schedule="bitpipe", pp=2, num_layers=4))  # idempotent: wrapped once
+    assert bridge_optim.get_megatron_optimizer.func is optimizer.get_megatron_optimizer
+    assert not hasattr(bridge_optim.get_megatron_optimizer.args[0], "megatron_bitpipe_original")
+    for name in optimizer.PARAM_SYNC_FUNCTIONS:
+        assert getattr(bridge_train, name).func is optimizer.in_stage_order
 
 
 def test_recompute_counts_a_chunks_layers():
@@ -74,6 +102,22 @@ def test_odd_pipeline_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(BitPipeConfigError, match="model.pipeline_model_parallel_size must be even"):
         _install(recipe(schedule="bitpipe", pp=3, num_layers=6, global_batch=6))
+
+
+def test_the_model_config_route_installs():
+    from megatron.training.models.gpt import GPTModelConfig
+
+    from megatron_bitpipe.bridge import BitPipeGPTModelConfig
+
+    cfg = recipe(schedule="zbv", pp=2, num_layers=4, builder=True)
+    assert isinstance(cfg.model, BitPipeGPTModelConfig) and cfg.model.hidden_size == 32  # on its TransformerConfig
+    config = _install(cfg)
+    assert config.schedule_name == "zbv" and config.layout.data == 2
+    stock = GPTModelConfig(transformer=cfg.model.transformer, vocab_size=cfg.model.vocab_size)
+    assert BitPipeGPTModelConfig.from_config(stock, pipeline_schedule="bitpipe").transformer is cfg.model.transformer
+    cfg.model = stock
+    with pytest.raises(TypeError, match=r"BitPipeGPTModelConfig.from_config\(cfg.model"):
+        _install(cfg)
 
 
 def test_stock_provider_names_ours():

@@ -37,7 +37,7 @@ FLAG_LAYER = re.compile(
 MEGATRON_LM_HOOKS = {
     "megatron_lm/args.py": {"hold_layer_split", "release_layer_split", "configure_optimizer_checkpoints"},
     "megatron_lm/hooks.py": {"setup", "get_megatron_optimizer_config"},
-    "megatron_lm/model.py": {"_ddp_config", "_provider_chunk_maker", "_bitpipe_chunks"},
+    "megatron_lm/model.py": {"_ddp_config", "_provider_chunk_maker", "build_plan_chunks"},
 }
 #: the flags a checkpoint records beside its tensors, and their comparison with the run's
 CHECKPOINT_METADATA = {
