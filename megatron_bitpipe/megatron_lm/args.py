@@ -63,7 +63,6 @@ _HYBRID = (
 _PLAN_CONFLICTS = (
     ("use_torch_fsdp2", "--use-torch-fsdp2", "{schedule} wraps each chunk in megatron DDP"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "{schedule} wraps each chunk in megatron DDP"),
-    ("context_parallel_size", "--context-parallel-size", "context parallelism is not supported"),
     ("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances",
      "{schedule} shards each chunk's optimizer state over its replica x data-parallel group"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported"),

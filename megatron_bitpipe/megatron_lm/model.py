@@ -214,7 +214,7 @@ def _bitpipe_chunks(
         raise BitPipeConfigError(f"--pipeline-schedule {run_config.schedule.schedule} does not support {model_type} models (encoder-decoder)")
     args.model_type = model_type
     layout = run_config.layout
-    grid = ParallelGrid(tp=layout.tensor, dp=layout.data, pp=layout.pipeline, ep=layout.expert)
+    grid = ParallelGrid(tp=layout.tensor, dp=layout.data, pp=layout.pipeline, ep=layout.expert, cp=layout.context)
     check_expert_layout(config, grid)
     groups = PipelineGroups.build(grid, run_config.placement)
 
