@@ -24,8 +24,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
-from ..megatron_lm.args import VIRTUAL_SIZE_FLAG, add_megatron_lm_args, validate_megatron_lm_args
-from ..megatron_args import BitPipeConfigError
+from ..megatron_lm.args import VIRTUAL_SIZE_FLAG, add_megatron_lm_args, context_parallel_problems, validate_megatron_lm_args
+from ..megatron_args import BitPipeConfigError, resolved_schedule
+from ..schedules import ScheduleChoice
 
 __all__ = ["FIELDS", "Field", "bridge_problems", "checked_namespace", "in_bridge_terms", "megatron_lm_namespace"]
 
@@ -199,12 +200,21 @@ def bridge_problems(cfg) -> List[str]:
     """Every rule of the Megatron-LM route that the container ``cfg`` breaks, one line each in
     Bridge's field names, then the Bridge route's own. Local."""
     args = megatron_lm_namespace(cfg)
+    schedule = args.pipeline_schedule
+    context_parallel = (args.context_parallel_size or 1) > 1
+    # Megatron-LM's context-parallel rules (its --spec, --cp-comm-type) do not apply: Bridge refuses it below
+    megatron_lm_only = set(context_parallel_problems(args, schedule)) if context_parallel else set()
     try:
         validate_megatron_lm_args(args)
         problems = []
     except BitPipeConfigError as error:
-        problems = [in_bridge_terms(line.strip()) for line in str(error).splitlines()[1:]]
-    schedule = args.pipeline_schedule
+        lines = [line.strip() for line in str(error).splitlines()[1:]]
+        problems = [in_bridge_terms(line) for line in lines if line not in megatron_lm_only]
+    if context_parallel and ScheduleChoice(resolved_schedule(args)).plan_executed:
+        problems.append(
+            f"model.context_parallel_size cannot be used with model.pipeline_schedule {schedule}: context parallelism is "
+            "not supported through Megatron-Bridge yet (Megatron-LM's pretrain_gpt.py runs it: docs/megatron_lm.md)"
+        )
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         problems.append(
             f"ddp.overlap_param_gather cannot be used with model.pipeline_schedule {schedule} without "

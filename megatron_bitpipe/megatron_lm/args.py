@@ -18,8 +18,9 @@ combined with, Megatron-LM's batch-size ramps (``--rampup-batch-size``, core_v0.
 backwards (split or whole), the uneven-layout flags' rules on the placement's stages, the
 activation-recompute rules for its chunks (``--num-layers`` / stages per pipeline layers, ``2 x
 --pipeline-model-parallel-size`` stages for bitpipe, zbv and dualpipev, or the uneven split's
-counts: :func:`~megatron_bitpipe.megatron_args.recompute_problems`) and, with
-``--num-experts``, the mixture-of-experts rules (:func:`moe_problems`). It raises
+counts: :func:`~megatron_bitpipe.megatron_args.recompute_problems`), with
+``--num-experts`` the mixture-of-experts rules (:func:`moe_problems`) and with
+``--context-parallel-size`` > 1 the context-parallel ones (:func:`context_parallel_problems`). It raises
 :class:`~megatron_bitpipe.megatron_args.BitPipeConfigError` listing every offending flag.
 
 :func:`hold_layer_split` runs before Megatron-LM's ``validate_args``: a plan-executed schedule
@@ -42,7 +43,10 @@ __all__ = [
     "VIRTUAL_SIZE_FLAG",
     "add_megatron_lm_args",
     "chain_args_provider",
+    "CP_COMM_TYPES",
+    "SDPA_SPEC",
     "configure_optimizer_checkpoints",
+    "context_parallel_problems",
     "hold_layer_split",
     "release_layer_split",
     "validate_megatron_lm_args",
@@ -63,7 +67,6 @@ _HYBRID = (
 _PLAN_CONFLICTS = (
     ("use_torch_fsdp2", "--use-torch-fsdp2", "{schedule} wraps each chunk in megatron DDP"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "{schedule} wraps each chunk in megatron DDP"),
-    ("context_parallel_size", "--context-parallel-size", "context parallelism is not supported"),
     ("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances",
      "{schedule} shards each chunk's optimizer state over its replica x data-parallel group"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction is not supported"),
@@ -106,7 +109,26 @@ _LAYER_SPLIT_FIELDS = (
     ("account_for_loss_in_pipeline_split", False),
     ("pipeline_model_parallel_layout", None),
 )
-_PARALLEL_SIZES = {"context_parallel_size", "num_distributed_optimizer_instances", "gtp_weight_remat_size"}
+_PARALLEL_SIZES = {"num_distributed_optimizer_instances", "gtp_weight_remat_size"}
+#: Megatron-LM's ``--cp-comm-type`` values the SDPA attention's key/value exchange implements
+#: (:mod:`megatron_bitpipe.model.context_parallel`); Megatron-LM's default, ``p2p``, is its ring.
+CP_COMM_TYPES = ("allgather",)
+#: The layer spec context parallelism needs on Megatron-LM's scripts (local layers, SDPA core attention)
+SDPA_SPEC = ("megatron_bitpipe.model.sdpa_attention", "gpt_local_sdpa_layer_spec")
+# Megatron-LM flags a plan-executed schedule cannot be combined with at --context-parallel-size > 1;
+# same form as _PLAN_CONFLICTS (``{cp}``: the size).
+_CONTEXT_PARALLEL_CONFLICTS = (
+    ("hierarchical_context_parallel_sizes", "--hierarchical-context-parallel-sizes",
+     "the SDPA attention exchanges keys and values over one context-parallel group"),
+    ("hybrid_context_parallel", "--hybrid-context-parallel", "the sequences are split over the one context-parallel group"),
+    ("sft", "--sft", "its packed sequences (THD) reach the SDPA attention, which takes no packed_seq_params"),
+    ("dataloader_inter_document_masking", "--dataloader-inter-document-masking",
+     "its packed sequences (THD) reach the SDPA attention, which takes no packed_seq_params"),
+    ("num_experts", "--num-experts", "mixture-of-experts layers with context parallelism are not supported"),
+    ("save", "--save", "the checkpoints' replica ids do not count the context-parallel ranks yet"),
+    ("load", "--load", "the checkpoints' replica ids do not count the context-parallel ranks yet"),
+    ("pretrained_checkpoint", "--pretrained-checkpoint", "the checkpoints' replica ids do not count the context-parallel ranks yet"),
+)
 # Mixture-of-experts flags a plan-executed schedule cannot be combined with (with --num-experts);
 # same form as _PLAN_CONFLICTS.
 _MOE_CONFLICTS = (
@@ -236,6 +258,8 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             problems += split_problems(flags, placement, args.num_layers, VIRTUAL_SIZE_FLAG)
         for size in chunk_layer_counts(flags, placement, args.num_layers, stages, VIRTUAL_SIZE_FLAG):
             problems += [p for p in recompute_problems(args, size) if p not in problems]
+        if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+            problems += context_parallel_problems(args, schedule)
         if getattr(args, "num_experts", None) and placement is not None:
             problems += moe_problems(args, schedule, placement.num_pipelines)
         checkpoints = any(getattr(args, name, None) for name in ("save", "load", "pretrained_checkpoint"))
@@ -264,6 +288,71 @@ def configure_optimizer_checkpoints(args: argparse.Namespace) -> None:
             "its optimizer state fully reshardable (--dist-ckpt-optim-fully-reshardable)",
             flush=True,
         )
+
+
+def context_parallel_problems(args: argparse.Namespace, schedule: str) -> List[str]:
+    """The rules of ``--context-parallel-size`` > 1 with a plan-executed ``schedule`` on
+    Megatron-LM's namespace after ``validate_args``, one line per broken rule (local: imports the
+    ``--spec`` module, as Megatron-LM's model builder will).
+
+    The chunks' core attention must be this package's SDPA one, the only local attention that
+    splits keys and values over the context-parallel group (megatron-core's local
+    ``DotProductAttention`` asserts a context-parallel size of 1): ``--transformer-impl local``
+    and a ``--spec`` whose layers use :class:`~megatron_bitpipe.model.sdpa_attention.SdpaDotProductAttention`
+    (:data:`SDPA_SPEC`), every ``--cp-comm-type`` one of :data:`CP_COMM_TYPES`, ``--attention-dropout 0``
+    (the layer refuses dropout under the split); and none of :data:`_CONTEXT_PARALLEL_CONFLICTS`.
+    Megatron-LM's own rules (``--seq-length`` a multiple of ``2 x CP``, the world size a
+    multiple of TP x CP x PP) are checked by its ``validate_args`` before.
+    """
+    cp = args.context_parallel_size
+    with_cp = f"with --context-parallel-size {cp} and --pipeline-schedule {schedule}"
+    spec_flag = "--spec " + " ".join(SDPA_SPEC)
+    problems = []
+    if getattr(args, "transformer_impl", "local") != "local":
+        problems.append(
+            f"--transformer-impl {args.transformer_impl} cannot be used {with_cp}: Transformer Engine's context-parallel "
+            f"attention is not wired to {schedule}'s chunks (a GPU-only path, not run here); use --transformer-impl local "
+            f"with {spec_flag}"
+        )
+    elif not _spec_uses_sdpa(getattr(args, "spec", None)):
+        given = "no --spec" if not getattr(args, "spec", None) else "--spec " + " ".join(args.spec)
+        problems.append(
+            f"--context-parallel-size {cp} with --pipeline-schedule {schedule} needs {spec_flag} (or a layer spec of yours "
+            f"whose core attention is SdpaDotProductAttention), got {given}: megatron-core's local DotProductAttention "
+            "has no context parallelism"
+        )
+    unsupported = [value for value in _as_list(getattr(args, "cp_comm_type", None) or []) if value not in CP_COMM_TYPES]
+    for value in dict.fromkeys(unsupported):
+        problems.append(
+            f"--cp-comm-type {value} cannot be used {with_cp}: the SDPA attention exchanges keys and values by "
+            f"{' or '.join(CP_COMM_TYPES)} only (Megatron-LM's default is p2p); pass --cp-comm-type {CP_COMM_TYPES[0]}"
+        )
+    if (getattr(args, "attention_dropout", 0.0) or 0.0) > 0:
+        problems.append(
+            f"--attention-dropout {args.attention_dropout} cannot be used {with_cp}: the SDPA attention refuses dropout "
+            "under the split (Megatron-LM's default is 0.1); pass --attention-dropout 0"
+        )
+    for attribute, flag, reason in _CONTEXT_PARALLEL_CONFLICTS:
+        if getattr(args, attribute, None):
+            problems.append(f"{flag} cannot be used {with_cp}: {reason}")
+    return problems
+
+
+def _spec_uses_sdpa(spec) -> bool:
+    """Whether Megatron-LM's ``--spec MODULE NAME`` names a layer spec whose self-attention's
+    core attention is SdpaDotProductAttention (False for no spec, ``--spec local``, a name that
+    does not import or not a layer spec)."""
+    import importlib
+
+    from ..model.sdpa_attention import SdpaDotProductAttention, uses_core_attention
+
+    if not spec or len(spec) != 2:
+        return False
+    try:
+        layer_spec = getattr(importlib.import_module(spec[0]), spec[1])
+    except (ImportError, AttributeError):
+        return False
+    return hasattr(layer_spec, "submodules") and uses_core_attention(layer_spec, SdpaDotProductAttention)
 
 
 def _as_list(value) -> list:

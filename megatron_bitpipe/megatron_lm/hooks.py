@@ -21,7 +21,10 @@ Megatron-LM needs six things from the plugin; both routes call the same function
    tokens may compute the loss too (BitPipe's edge ranks, rank 0 of the V schedules), so every
    tensor-parallel rank there needs tokens, labels and loss mask; Megatron-LM's
    ``get_batch_on_this_tp_rank`` broadcasts all of them on its ``mtp_on_this_rank`` path and
-   only half of them on a first or last pipeline stage.
+   only half of them on a first or last pipeline stage. With ``--context-parallel-size`` the
+   script's ``get_batch`` then cuts them for this context-parallel rank itself
+   (``get_batch_on_this_cp_rank``, on megatron's context-parallel group, which is the chunks'
+   one); the plan executor hands the cut batch to the chunks unchanged.
 5. **Optimizers and schedules** (:mod:`megatron_bitpipe.optimizers`):
    :func:`get_megatron_optimizer_config` and :func:`get_megatron_optimizer` build ``--optimizer
    lamb``, ``onebit_lamb`` and ``schedulefree_adamw`` (Megatron-LM's own optimizers otherwise);

@@ -17,8 +17,10 @@ DualPipe and Chimera: two, one per pipeline; ZB-H1: one) by calling the script's
   (:class:`~megatron_bitpipe.execution.groups.PipelineGroups` ``rank_pgs``, plain data
   parallelism, which Megatron-LM's loop reads off the model for its loss average and
   checkpoints; with ``--expert-model-parallel-size`` its expert-parallel groups, which a
-  mixture-of-experts layer's token dispatcher uses); each chunk's DDP reduces over its
-  grad-sync group, the mirror pair x data parallel, and expert gradients over the chunk's
+  mixture-of-experts layer's token dispatcher uses; with ``--context-parallel-size`` its
+  context-parallel group, over which the SDPA core attention gathers keys and values, and the
+  data x context-parallel group Megatron-LM averages the loss over); each chunk's DDP reduces over its
+  grad-sync group, the mirror pair x data (x context) parallel, and expert gradients over the chunk's
   expert grad-sync group (the mirror pair x the data-parallel ranks holding the same experts).
 
 The chunk flow is the runtime's :func:`~megatron_bitpipe.model.chunks.build_chunks` (config
@@ -220,7 +222,7 @@ def build_plan_chunks(
         raise BitPipeConfigError(f"--pipeline-schedule {run_config.schedule.schedule} does not support {model_type} models (encoder-decoder)")
     args.model_type = model_type
     layout = run_config.layout
-    grid = ParallelGrid(tp=layout.tensor, dp=layout.data, pp=layout.pipeline, ep=layout.expert)
+    grid = ParallelGrid(tp=layout.tensor, dp=layout.data, pp=layout.pipeline, ep=layout.expert, cp=layout.context)
     check_expert_layout(config, grid)
     groups = PipelineGroups.build(grid, run_config.placement)
 

@@ -33,7 +33,7 @@ import torch
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_bitpipe.megatron_args import BitPipeConfigError
-from megatron_bitpipe.megatron_lm.args import add_megatron_lm_args, chain_args_provider, validate_megatron_lm_args
+from megatron_bitpipe.megatron_lm.args import SDPA_SPEC, add_megatron_lm_args, chain_args_provider, validate_megatron_lm_args
 from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.megatron_lm.checkout import (
     MegatronLMCheckoutError,
@@ -217,7 +217,7 @@ def test_flags_on_megatron_lm_parser():
 def test_incompatible_megatron_lm_flags_are_named_at_once():
     args = megatron_lm_args(
         "--pipeline-schedule", "bitpipe",
-        overlap_param_gather=True, context_parallel_size=2, world_size=8,  # DP = 8 / (PP 4 x CP 2) = 1: 5 micro-batches
+        overlap_param_gather=True, use_torch_fsdp2=True,
         encoder_num_layers=4, decoder_num_layers=4, global_batch_size=5, use_legacy_models=True,
         save="/checkpoints", ckpt_format="torch",
     )
@@ -225,7 +225,7 @@ def test_incompatible_megatron_lm_flags_are_named_at_once():
         validate_megatron_lm_args(args)
     text = str(info.value)
     for expected in (
-        "--context-parallel-size cannot be used",
+        "--use-torch-fsdp2 cannot be used",
         "--use-legacy-models cannot be used",
         "bitpipe does not support encoder-decoder models",
         "even number of micro-batches",
@@ -253,17 +253,72 @@ def test_plan_schedules_refuse_what_they_cannot_run_on_megatron_lm(schedule):
     else:
         with pytest.raises(BitPipeConfigError, match=f"--pipeline-schedule {schedule} puts a pipeline's embedding and output layer on different ranks .*: add --untie-embeddings-and-output-weights"):
             validate_megatron_lm_args(megatron_lm_args(*flags))
-    refused = dict(context_parallel_size=2, world_size=8, gtp_weight_remat_size=2, use_tp_pp_dp_mapping=True)
+    refused = dict(gtp_weight_remat_size=2, use_tp_pp_dp_mapping=True)
     deferral = "defer_embedding_wgrad_compute" if choice.splits_backward else "delay_wgrad_compute"
     with pytest.raises(BitPipeConfigError) as info:
         validate_megatron_lm_args(megatron_lm_args(*flags, **untie, **refused, **{deferral: True}))
-    for flag in ("--context-parallel-size", "--tensor-parallel-num-weight-shards", "--use-tp-pp-dp-mapping", "--" + deferral.replace("_", "-")):
+    for flag in ("--tensor-parallel-num-weight-shards", "--use-tp-pp-dp-mapping", "--" + deferral.replace("_", "-")):
         assert f"{flag} cannot be used with --pipeline-schedule {schedule}: " in str(info.value), str(info.value)
     other = "delay_wgrad_compute" if choice.splits_backward else "defer_embedding_wgrad_compute"
     validate_megatron_lm_args(megatron_lm_args(*flags, **untie, **{other: True}))  # Megatron-LM's own rules then apply
     if not choice.splits_backward:
         with pytest.raises(BitPipeConfigError, match=f"--defer-embedding-wgrad-compute cannot be used with --pipeline-schedule {schedule}: --split-backward defers"):
             validate_megatron_lm_args(megatron_lm_args(*flags, "--split-backward", **untie, defer_embedding_wgrad_compute=True))
+
+
+def context_parallel_args(*argv, **fields) -> argparse.Namespace:
+    """:func:`megatron_lm_args` at context parallel 2 x pipeline 2 (4 ranks) as Megatron-LM's
+    ``validate_args`` leaves it, with the flags context parallelism needs: local layers, the SDPA
+    layer spec, ``--cp-comm-type allgather``, no attention dropout."""
+    cp = dict(
+        context_parallel_size=2, pipeline_model_parallel_size=2, data_parallel_size=1, transformer_impl="local",
+        spec=list(SDPA_SPEC), cp_comm_type=["allgather"], attention_dropout=0.0,
+    )
+    return megatron_lm_args(*argv, **dict(cp, **fields))
+
+
+@pytest.mark.parametrize("schedule", ["bitpipe", "zbv"])
+def test_plan_schedules_state_the_context_parallel_rules(schedule):
+    """--context-parallel-size runs with the SDPA spec and Megatron-LM's allgather exchange; every
+    other combination is named by its flag, one line each, all at once; Megatron-LM's own schedule
+    keeps Megatron-LM's rules."""
+    flags = ("--pipeline-schedule", schedule)
+    validate_megatron_lm_args(context_parallel_args(*flags))
+    validate_megatron_lm_args(context_parallel_args(*flags, cp_comm_type=["allgather", "allgather"]))  # one per layer
+    refused = dict(
+        spec=["local"], cp_comm_type=["p2p", "a2a+p2p", "p2p"], attention_dropout=0.1, hierarchical_context_parallel_sizes=[2, 1],
+        hybrid_context_parallel=True, sft=True, save="/checkpoints", load="/checkpoints",
+    )
+    with pytest.raises(BitPipeConfigError) as info:
+        validate_megatron_lm_args(context_parallel_args(*flags, **refused))
+    text = str(info.value)
+    with_cp = f"with --context-parallel-size 2 and --pipeline-schedule {schedule}"
+    expected = [
+        f"--context-parallel-size 2 with --pipeline-schedule {schedule} needs --spec megatron_bitpipe.model.sdpa_attention "
+        "gpt_local_sdpa_layer_spec (or a layer spec of yours whose core attention is SdpaDotProductAttention), got --spec local",
+        f"--cp-comm-type p2p cannot be used {with_cp}: the SDPA attention exchanges keys and values by allgather only",
+        f"--cp-comm-type a2a+p2p cannot be used {with_cp}",
+        f"--attention-dropout 0.1 cannot be used {with_cp}",
+        f"--hierarchical-context-parallel-sizes cannot be used {with_cp}",
+        f"--hybrid-context-parallel cannot be used {with_cp}",
+        f"--sft cannot be used {with_cp}",
+        f"--save cannot be used {with_cp}",
+        f"--load cannot be used {with_cp}",
+    ]
+    for line in expected:
+        assert line in text, text
+    assert text.count("\n") == len(expected), text  # one line per rule, after the heading
+    moe = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+    with pytest.raises(BitPipeConfigError, match=f"invalid arguments:\n  --num-experts cannot be used {with_cp}: mixture-of-experts layers with context parallelism are not supported$"):
+        validate_megatron_lm_args(context_parallel_args(*flags, **moe))
+    with pytest.raises(BitPipeConfigError, match=f"--transformer-impl transformer_engine cannot be used {with_cp}: Transformer Engine's "
+                       "context-parallel attention is not wired"):
+        validate_megatron_lm_args(context_parallel_args(*flags, transformer_impl="transformer_engine", spec=None))
+    with pytest.raises(BitPipeConfigError, match="needs --spec .*, got no --spec"):
+        validate_megatron_lm_args(context_parallel_args(*flags, spec=None))
+    with pytest.raises(BitPipeConfigError, match="needs --spec .*, got --spec megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec"):
+        validate_megatron_lm_args(context_parallel_args(*flags, spec=["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]))
+    validate_megatron_lm_args(context_parallel_args(**refused))  # Megatron-LM's own schedule: its own rules
 
 
 def moe_args(*argv, **fields) -> argparse.Namespace:
