@@ -299,9 +299,10 @@ def virtual_size_problems(args: argparse.Namespace, *, virtual_size_flag: str = 
 def bitpipe_arg_problems(args: argparse.Namespace, *, virtual_size_flag: str = VP_FLAG, batch_ramp: bool = False) -> List[str]:
     """Every rule the parsed flags (Megatron-LM's names) break, one message each; no communication.
     ``virtual_size_flag`` names the flag that sets ``virtual_pipeline_model_parallel_size``.
-    ``batch_ramp``: the global batch size changes during training (Megatron-LM's batch-size
-    ramps, which the caller refuses by their flags), so ``--global-batch-size`` is not the
-    user's number of micro-batches and the micro-batch rules are not checked against it."""
+    ``batch_ramp``: the global batch size changes during training (a batch-size ramp, whose every
+    step the caller checks: :func:`~megatron_bitpipe.batch_ramp.ramp_problems`), so
+    ``--global-batch-size`` is not the number of micro-batches of every step and the micro-batch
+    rules are not checked against it."""
     problems = data_parallel_size_problems(args)
     num_microbatches = None if problems or batch_ramp else microbatches_per_data_parallel_rank(args)
     schedule = getattr(args, "pipeline_schedule", "default")  # as given: the rules below name the flag

@@ -60,6 +60,14 @@ patch release in the range behaves like its neighbours:
   nvidia-resiliency-ext); the synchronous save hands its file writer's results over in the
   rank's own process (``filesystem_async._results_queue`` in 0.16-0.19), not through the
   helper process megatron-core spawns for them.
+* :func:`batch_size_calculator`, :data:`BATCH_RAMPS` — megatron-core's number-of-micro-batches
+  calculators (``megatron.core.num_microbatches_calculator``), built as objects (not its
+  module-global one): 0.16 ramps the global batch up linearly (``--rampup-batch-size START
+  INCR SAMPLES``, ``RampupBatchsizeNumMicroBatchesCalculator``); 0.19 removed that calculator
+  (its ``rampup_batch_size`` argument is accepted and ignored) and steps the global batch by
+  consumed samples (``--step-batch-size-schedule "THRESHOLD:BS ..."``,
+  ``StepBatchsizeNumMicroBatchesCalculator``, thresholds in tokens given a sequence length).
+  Which ramps exist is read from the module's classes.
 * :func:`megatron_lm_functions` — where Megatron-LM's training code looks up what the runtime
   route wraps (argument parsing, batch broadcast, model builders), and :func:`with_keyword`
   for calls whose arguments moved between positions and keywords.
@@ -95,6 +103,11 @@ __all__ = [
     "megatron_lm_functions",
     "builder_model_config",
     "with_keyword",
+    "BATCH_RAMPS",
+    "BatchRampUnsupported",
+    "batch_size_calculator",
+    "has_batch_ramp",
+    "ramp_end_samples",
 ]
 
 _BACKWARD_STEP_TAKES_MODEL_TYPE = "model_type" in inspect.signature(_schedules.backward_step).parameters
@@ -351,3 +364,82 @@ def with_keyword(function, name: str, args: tuple, kwargs: dict, change) -> Tupl
     bound.apply_defaults()
     bound.arguments[name] = change(bound.arguments[name])
     return bound.args, bound.kwargs
+
+
+# megatron-core's number-of-micro-batches calculators ---------------------------------------
+
+#: the batch-size ramps by Megatron-LM's flag -> the calculator class megatron-core implements
+#: it with (0.16: the linear ramp-up; 0.19: the step schedule)
+_RAMP_CALCULATORS = {
+    "--rampup-batch-size": "RampupBatchsizeNumMicroBatchesCalculator",
+    "--step-batch-size-schedule": "StepBatchsizeNumMicroBatchesCalculator",
+}
+BATCH_RAMPS = tuple(_RAMP_CALCULATORS)
+
+
+class BatchRampUnsupported(ValueError):
+    """The installed megatron-core has no calculator for the ramp a flag asks for."""
+
+
+def _calculators():
+    from megatron.core import num_microbatches_calculator
+
+    return num_microbatches_calculator
+
+
+def has_batch_ramp(flag: str) -> bool:
+    """Whether the installed megatron-core's calculators implement ``flag``'s ramp."""
+    return hasattr(_calculators(), _RAMP_CALCULATORS[flag])
+
+
+def batch_size_calculator(
+    *,
+    global_batch_size: Optional[int],
+    micro_batch_size: int,
+    data_parallel_size: int,
+    rampup_batch_size=None,
+    step_batch_size_schedule: Optional[str] = None,
+    seq_length: Optional[int] = None,
+):
+    """A new megatron-core number-of-micro-batches calculator (its module-global one is left
+    alone): ``update(consumed_samples, consistency_check)``, then ``get()`` (micro-batches per
+    data-parallel rank) and ``get_current_global_batch_size()``. The ramp up
+    (``rampup_batch_size``: start, increment, samples, up to ``global_batch_size``) or the step
+    schedule (``step_batch_size_schedule``; its thresholds are tokens with ``seq_length``, as
+    Megatron-LM passes it), else the constant ``global_batch_size``. Built quiet (as a rank > 0).
+    :class:`BatchRampUnsupported` naming the flag where megatron-core lacks that ramp; megatron's
+    own assertions (a malformed ramp) come through as ValueError."""
+    module = _calculators()
+    quiet_rank = 1
+    try:
+        if rampup_batch_size is not None:
+            cls = _ramp_class(module, "--rampup-batch-size")
+            start, increment, samples = (int(v) for v in rampup_batch_size)
+            return cls(global_batch_size, micro_batch_size, data_parallel_size, False, quiet_rank, start, increment, samples)
+        if step_batch_size_schedule is not None:
+            cls = _ramp_class(module, "--step-batch-size-schedule")
+            return cls(micro_batch_size, data_parallel_size, False, quiet_rank, step_batch_size_schedule, seq_length)
+        return module.ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size, False, quiet_rank)
+    except (AssertionError, ZeroDivisionError) as error:
+        raise ValueError(str(error) or type(error).__name__) from None
+
+
+def _ramp_class(module, flag: str):
+    cls = getattr(module, _RAMP_CALCULATORS[flag], None)
+    if cls is None:
+        other = next(f for f in BATCH_RAMPS if f != flag and hasattr(module, _RAMP_CALCULATORS[f]))
+        raise BatchRampUnsupported(
+            f"{flag}: the installed megatron-core has no such batch-size ramp (megatron-core 0.16 ramps up with "
+            f"--rampup-batch-size, 0.19 replaced it by --step-batch-size-schedule); use {other}"
+        )
+    return cls
+
+
+def ramp_end_samples(calculator) -> int:
+    """The consumed samples from which ``calculator``'s global batch no longer changes: the
+    ramp-up's SAMPLES (its ``ramup_samples``: from above it, ``--global-batch-size``), the step
+    schedule's last threshold (its parsed ``schedule``, in samples), 0 for a constant one."""
+    if hasattr(calculator, "ramup_samples"):
+        return int(calculator.ramup_samples) + 1
+    schedule = getattr(calculator, "schedule", None)
+    return int(schedule[-1][0]) if schedule else 0

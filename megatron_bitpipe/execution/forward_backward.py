@@ -13,7 +13,8 @@ placement, p2p channels and gradient-sync groups.
 One step:
 
 1. the plan for ``(D, num_microbatches)`` is generated, with its sends and receives as
-   actions (pure Python, identical on every rank), and validated — bad arguments raise
+   actions (pure Python, identical on every rank), and validated, once per N (the step
+   function's :class:`PlanCache`: a batch-size ramp's steps run different N) — bad arguments raise
    :class:`~megatron_bitpipe.schedules.ScheduleConfigError` naming the flag before any
    communication; with ``overlap_param_gather`` every chunk whose parameter all-gather its
    optimizer step did not start gets it started, in stage order (:func:`start_param_gathers`);
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Callable, Iterator, List, Optional, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ __all__ = [
     "forward_backward_bitpipe",
     "make_forward_backward_func",
     "make_step_func",
+    "PlanCache",
     "pipeline_groups_of",
     "finish_param_gathers",
     "plan_forward_backward_func",
@@ -57,11 +59,28 @@ __all__ = [
 ]
 
 
-@functools.lru_cache(maxsize=64)
-def _plan(choice: schedules.ScheduleChoice, num_ranks: int, num_microbatches: int, forward_only: bool) -> SchedulePlan:
-    plan = choice.plan(num_ranks, num_microbatches, forward_only)
-    schedules.validate_plan(plan)
-    return plan
+class PlanCache:
+    """The plans of one schedule choice, each generated and validated once: one per (ranks,
+    micro-batches per data-parallel rank N, forward-only), so a batch-size ramp, whose steps run
+    different N, and evaluation (forward-only) each get their own. Owned by the step function
+    that runs them (:func:`make_step_func`); pure Python, identical on every rank."""
+
+    def __init__(self, choice: schedules.ScheduleChoice):
+        self.choice = choice
+        self._plans: Dict[Tuple[int, int, bool], SchedulePlan] = {}
+
+    def plan(self, num_ranks: int, num_microbatches: int, forward_only: bool) -> SchedulePlan:
+        """The validated plan (:class:`~megatron_bitpipe.schedules.ScheduleConfigError` naming
+        the rule N breaks, before any communication)."""
+        key = (num_ranks, num_microbatches, forward_only)
+        if key not in self._plans:
+            plan = self.choice.plan(num_ranks, num_microbatches, forward_only)
+            schedules.validate_plan(plan)
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def __len__(self) -> int:
+        return len(self._plans)
 
 
 def pipeline_groups_of(model: List[torch.nn.Module]) -> PipelineGroups:
@@ -102,6 +121,7 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
     and a V, so it and ``pg_collection`` are accepted for the signature and not used.
     """
     split_enabled: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+    plans = PlanCache(choice)
 
     def step(
         *,
@@ -128,7 +148,7 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
         if choice.splits_backward and not all(c in split_enabled for c in chunks):
             enable_split_backward(chunks)
             split_enabled.update(chunks)
-        plan = _plan(choice, placement.num_ranks, num_microbatches, forward_only)
+        plan = plans.plan(placement.num_ranks, num_microbatches, forward_only)
         if plan.placement != placement:
             raise ValueError(f"{choice.schedule} plans use the {plan.placement.name} placement; the chunks were built for {placement.name}")
         start_param_gathers(chunks, groups)
@@ -159,6 +179,7 @@ def make_step_func(choice: schedules.ScheduleChoice) -> Callable[..., StepResult
             config.timers("forward-backward").stop()
         return result
 
+    step.plans = plans
     return step
 
 

@@ -13,8 +13,10 @@ initialised, on every rank: :func:`~megatron_bitpipe.megatron_args.bitpipe_arg_p
 (among them the schedule's own rules and tied embeddings on a placement whose pipelines end
 apart: dualpipe, chimera) plus, when this package's plan executor runs the schedule (bitpipe,
 chimera, zb-h1, zbv, dualpipe, dualpipev), the Megatron-LM features its chunks cannot be
-combined with, Megatron-LM's batch-size ramps (``--rampup-batch-size``, core_v0.19.0's
-``--step-batch-size-schedule``: a plan is made for one number of micro-batches per step), Megatron-LM's weight-gradient deferral flags that contradict the schedule's
+combined with, the schedule's rules for every number of micro-batches a batch-size ramp
+reaches (``--rampup-batch-size`` at core_v0.16.1, ``--step-batch-size-schedule`` at core_v0.19.0:
+:func:`~megatron_bitpipe.batch_ramp.ramp_problems`, from megatron-core's own calculator, as
+Megatron-LM's training code builds it), Megatron-LM's weight-gradient deferral flags that contradict the schedule's
 backwards (split or whole), the uneven-layout flags' rules on the placement's stages, the
 activation-recompute rules for its chunks (``--num-layers`` / stages per pipeline layers, ``2 x
 --pipeline-model-parallel-size`` stages for bitpipe, zbv and dualpipev, or the uneven split's
@@ -33,8 +35,16 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Optional
 
+from ..batch_ramp import batch_ramp_of, ramp_problems
 from ..moe_settings import expert_bias_problems
-from ..megatron_args import BitPipeConfigError, add_bitpipe_args, bitpipe_arg_problems, recompute_problems, resolved_schedule
+from ..megatron_args import (
+    BitPipeConfigError,
+    add_bitpipe_args,
+    bitpipe_arg_problems,
+    model_parallel_size_of,
+    recompute_problems,
+    resolved_schedule,
+)
 from ..optimizers import OPTIMIZERS, REX, add_optimizer_args, optimizer_problems
 from ..schedules import ScheduleChoice
 from ..schedules.layer_split import HELD_ATTRIBUTE, LayerSplitFlags, chunk_layer_counts, split_layers, split_problems
@@ -76,15 +86,6 @@ _PLAN_CONFLICTS = (
     ("yaml_cfg", "--yaml-cfg", "{schedule} reads the model from command-line flags"),
     ("gtp_weight_remat_size", "--tensor-parallel-num-weight-shards",
      "{schedule} builds its process groups over tensor x data x pipeline ranks, without a weight-shard axis"),
-)
-# Megatron-LM's batch-size ramps (core_v0.19.0 adds the step schedule), (attribute, flag). A
-# plan-executed schedule refuses them, and its micro-batch rules are then not checked against
-# --global-batch-size (the ramp's final size, or beside a step schedule Megatron-LM's default).
-_BATCH_RAMPS = (("rampup_batch_size", "--rampup-batch-size"), ("step_batch_size_schedule", "--step-batch-size-schedule"))
-_BATCH_RAMP_RULE = (
-    "it changes the number of micro-batches per step during training, and {schedule} runs one plan made for a fixed "
-    "number of them (--global-batch-size / (--micro-batch-size x data-parallel size)): batch-size ramps are not "
-    "supported with plan schedules yet; give a fixed --global-batch-size instead"
 )
 # Flags that cannot be combined with split backwards (--split-backward, or a schedule that always
 # splits: ScheduleChoice.splits_backward; ``{split}`` names which), then those that cannot be
@@ -226,11 +227,11 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     :attr:`~megatron_bitpipe.schedules.ScheduleChoice.plan_executed`); each message names the
     schedule."""
     choice = ScheduleChoice(resolved_schedule(args), split_backward=bool(getattr(args, "split_backward", False)))
-    ramps = [flag for attribute, flag in _BATCH_RAMPS if getattr(args, attribute, None)] if choice.plan_executed else []
-    problems: List[str] = bitpipe_arg_problems(args, virtual_size_flag=VIRTUAL_SIZE_FLAG, batch_ramp=bool(ramps))
+    ramp = batch_ramp_of(args, implemented_only=True) if choice.plan_executed else None
+    problems: List[str] = bitpipe_arg_problems(args, virtual_size_flag=VIRTUAL_SIZE_FLAG, batch_ramp=ramp is not None)
     # the cost file, if any, is checked above
-    for flag in ramps:
-        problems.append(f"{flag} cannot be used with --pipeline-schedule {choice.schedule}: {_BATCH_RAMP_RULE.format(schedule=choice.schedule)}")
+    if ramp is not None and args.world_size % model_parallel_size_of(args) == 0:
+        problems += _megatron_lm_ramp_problems(args, ramp, choice)
     problems += optimizer_problems(args, schedule=choice.schedule, megatron_lm=True)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(
@@ -270,6 +271,15 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             )
     if problems:
         raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def _megatron_lm_ramp_problems(args: argparse.Namespace, ramp, choice: ScheduleChoice) -> List[str]:
+    """The schedule's rules for every step of Megatron-LM's ramp (``--train-iters`` steps, or
+    those ``--train-samples`` gives), on the namespace after ``validate_args``."""
+    return ramp_problems(
+        ramp, choice, args.pipeline_model_parallel_size, args.micro_batch_size, args.world_size // model_parallel_size_of(args),
+        train_iters=getattr(args, "train_iters", None), train_samples=getattr(args, "train_samples", None),
+    )  # fmt: skip
 
 
 def configure_optimizer_checkpoints(args: argparse.Namespace) -> None:

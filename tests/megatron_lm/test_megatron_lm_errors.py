@@ -10,9 +10,11 @@
   bitpipe before loading it, saying why, and so it does the hybrid (Mamba) models' scripts
   (pretrain_mamba.py at both tags, pretrain_hybrid.py at core_v0.19.0), also when a patched
   script runs without it;
-* the batch-size ramps (``--rampup-batch-size``, ``--step-batch-size-schedule``) are refused by
-  their flag and the rule, without the micro-batch rules of a --global-batch-size the user
-  did not give;
+* the batch-size ramps (``--rampup-batch-size`` on megatron-core 0.16, ``--step-batch-size-schedule``
+  on 0.19): every N the ramp reaches is checked against the schedule's rules, the first step
+  breaking one named in one line with the flag (not the micro-batch rules of a
+  --global-batch-size the user did not give); a ramp megatron-core lacks is Megatron-LM's own
+  business (core_v0.19.0 trains ``--rampup-batch-size`` at --global-batch-size);
 * the zero-bubble family's refusals on Megatron-LM's route, each naming its flag;
 * the mixture-of-experts rules of the plan schedules, all named at once (torch_dist checkpoints pass);
 * the loss reports of every rank holding a pipeline's last stage (BitPipe's two edge ranks,
@@ -33,6 +35,7 @@ import torch
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_bitpipe.megatron_args import BitPipeConfigError
+from megatron_bitpipe.megatron_compat import has_batch_ramp
 from megatron_bitpipe.megatron_lm.args import SDPA_SPEC, add_megatron_lm_args, chain_args_provider, validate_megatron_lm_args
 from megatron_bitpipe.cpu.launcher import launch
 from megatron_bitpipe.megatron_lm.checkout import (
@@ -462,29 +465,41 @@ def test_model_builder_must_honour_config_and_process_groups():
         _check_chunk(_Chunk(6, ours, block=_HybridStack), spec, ours, builder, schedule="bitpipe")
 
 
-BATCH_RAMP_RULE = (
-    "cannot be used with --pipeline-schedule {schedule}: it changes the number of micro-batches per step during "
-    "training, and {schedule} runs one plan made for a fixed number of them (--global-batch-size / (--micro-batch-size "
-    "x data-parallel size)): batch-size ramps are not supported with plan schedules yet; give a fixed "
-    "--global-batch-size instead"
-)
-
-
 @pytest.mark.parametrize("schedule", ["bitpipe", "zbv"])
-def test_batch_size_ramps_are_refused_by_their_flag_and_rule(schedule):
-    """Megatron-LM sets --global-batch-size to --micro-batch-size x data-parallel size beside a
-    step schedule (core_v0.19.0 refuses both flags together), so the refusal names the ramp, and
-    not the micro-batch rules of a batch size the user did not give; megatron's own schedules
-    run the ramps."""
+def test_batch_size_ramps_are_checked_at_every_number_of_micro_batches(schedule):
+    """4 ranks at pipeline 2: data parallel 2. Megatron-LM sets --global-batch-size to
+    --micro-batch-size x data-parallel size beside a step schedule (core_v0.19.0 refuses both
+    flags together), so a ramp's steps, not that default, are checked; megatron's own schedules
+    run any ramp."""
     flags = ("--pipeline-schedule", schedule)
-    for ramp, flag in ((dict(step_batch_size_schedule="0:8 1K:16", global_batch_size=1), "--step-batch-size-schedule"),
-                       (dict(rampup_batch_size=["2", "2", "100"]), "--rampup-batch-size")):
-        with pytest.raises(BitPipeConfigError) as info:
-            validate_megatron_lm_args(megatron_lm_args(*flags, **ramp))
-        assert str(info.value) == f"invalid arguments:\n  {flag} {BATCH_RAMP_RULE.format(schedule=schedule)}"
-        validate_megatron_lm_args(megatron_lm_args(**ramp))
+    base = dict(pipeline_model_parallel_size=2, train_iters=10, seq_length=16)
+    if has_batch_ramp("--rampup-batch-size"):
+        good, bad = dict(rampup_batch_size=["4", "4", "16"], global_batch_size=12), dict(rampup_batch_size=["2", "2", "16"], global_batch_size=12)
+        flag = "--rampup-batch-size 2 2 16"
+    else:
+        good = dict(step_batch_size_schedule="0:4 128:8 256:12", global_batch_size=2)
+        bad = dict(step_batch_size_schedule="0:2 128:8", global_batch_size=2)
+        flag = '--step-batch-size-schedule "0:2 128:8"'
+    validate_megatron_lm_args(megatron_lm_args(*flags, **base, **good))
+    with pytest.raises(BitPipeConfigError) as info:
+        validate_megatron_lm_args(megatron_lm_args(*flags, **base, **bad))
+    (line,) = str(info.value).splitlines()[1:]
+    assert line.startswith(f"  {flag}: iteration 1 (0 samples consumed) has a global batch of 2, so N = global batch / (--micro-batch-size 1 x data-parallel size 2) = 1: ")
+    assert ("needs an even number of micro-batches" if schedule == "bitpipe" else "zbv needs at least") in line
+    validate_megatron_lm_args(megatron_lm_args(**base, **bad))  # megatron's 1F1B: its own rules
     with pytest.raises(BitPipeConfigError, match="micro-batches per data-parallel rank"):  # a fixed batch keeps its rules
-        validate_megatron_lm_args(megatron_lm_args(*flags, global_batch_size=1))
+        validate_megatron_lm_args(megatron_lm_args(*flags, **base, global_batch_size=2))
+
+
+def test_a_ramp_megatron_core_does_not_implement_is_left_to_megatron_lm():
+    """core_v0.19.0 parses --rampup-batch-size and trains at --global-batch-size; core_v0.16.1
+    has no --step-batch-size-schedule. The plan schedule's rules then apply to --global-batch-size."""
+    flags = ("--pipeline-schedule", "bitpipe")
+    base = dict(pipeline_model_parallel_size=2, train_iters=10, seq_length=16)
+    missing = dict(step_batch_size_schedule="0:2 128:8") if has_batch_ramp("--rampup-batch-size") else dict(rampup_batch_size=["2", "2", "16"])
+    validate_megatron_lm_args(megatron_lm_args(*flags, **base, **missing, global_batch_size=8))
+    with pytest.raises(BitPipeConfigError, match="micro-batches per data-parallel rank"):
+        validate_megatron_lm_args(megatron_lm_args(*flags, **base, **missing, global_batch_size=2))
 
 
 def test_hybrid_models_are_refused_before_communication():

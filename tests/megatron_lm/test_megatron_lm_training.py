@@ -59,6 +59,9 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
 * context parallelism: BitPipe at context parallel 2 x pipeline 2 (the SDPA layer spec through
   ``--spec``, ``--cp-comm-type allgather``, strict p2p) on both routes equal to one process at
   context parallel 1 with megatron-core's local attention;
+* a batch-size ramp (``--rampup-batch-size`` at core_v0.16.1, ``--step-batch-size-schedule`` at
+  core_v0.19.0, with ``--train-samples``): BitPipe at pipeline 2 x data parallel 2 (strict p2p),
+  a plan per number of micro-batches, equal to one process through the ramp;
 * a script that ends, or exits 0, leaving its process groups is followed by the route's clean-up
   (gloo's groups left to the interpreter's exit can abort a finished rank); one that fails keeps
   them.
@@ -70,6 +73,8 @@ loaded, so it cannot run on a CPU machine at all; core_v0.19.0 has no pretrain_b
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import re
 import shutil
 import subprocess
 import sys
@@ -338,6 +343,55 @@ def test_learnable_softmax_offset_with_bitpipe_equals_one_process(checkout, work
     reference = _ok(torchrun(checkout / "pretrain_gpt.py", 1, [*TINY_GPT, *LEARNABLE_SOFTMAX, "--layout-independent-init"], workdir))
     run = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*TINY_GPT, *LEARNABLE_SOFTMAX, *BITPIPE, *LAYOUTS["tp2_pp2"]], workdir))
     _assert_same_curve(run, reference, rtol=1e-6)
+
+
+def _without(flags, *names):
+    """``flags`` less each of ``names`` and its value."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in names:
+            skip = True
+        else:
+            out.append(flag)
+    return out
+
+
+# A batch-size ramp through Megatron-LM's sample-based training (--train-samples 40): global
+# batches 4, 4, 8, 12, 12, i.e. N = 2, 2, 4, 6, 6 micro-batches per data-parallel rank at data
+# parallel 2 (BitPipe's rule: an even N). core_v0.16.1 ramps up (--rampup-batch-size); at
+# core_v0.19.0 megatron-core ignores that flag and steps by consumed tokens (16 per sample).
+RAMPS = {
+    "core_v0.16.1": ["--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12"],
+    "core_v0.19.0": ["--step-batch-size-schedule", "0:4 128:8 256:12"],
+}
+RAMP_GLOBAL_BATCHES = [4, 4, 8, 12, 12]
+
+
+@pytest.mark.strict_p2p
+@pytest.mark.timeout(1800)
+def test_batch_size_ramp_with_bitpipe_equals_one_process(checkout, workdir):
+    """BitPipe at pipeline 2 x data parallel 2 through the ramp trains like one process through
+    it: the same loss and grad norm at each of the 5 iterations, the same validation losses
+    (after iterations 2 and 4, and the final ones after the ramp: the weights), and both consume
+    the ramp's samples per iteration (Megatron-LM's data order: its sampler's consecutive
+    micro-batches)."""
+    tag = find_checkout(checkout).tag
+    flags = [*_without(TINY_GPT, "--global-batch-size", "--train-iters"), "--train-samples", "40", *RAMPS[tag]]
+    reference = _ok(torchrun(checkout / "pretrain_gpt.py", 1, [*flags, "--layout-independent-init"], workdir, timeout=1500))
+    run = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*flags, *BITPIPE, "--pipeline-model-parallel-size", "2"], workdir, timeout=1500))
+    assert sorted(run.losses) == sorted(reference.losses) == [1, 2, 3, 4, 5]
+    for i in reference.losses:
+        assert run.losses[i] == pytest.approx(reference.losses[i], rel=RTOL), f"iteration {i}"
+        assert run.grad_norms[i] == pytest.approx(reference.grad_norms[i], rel=1e-3), f"grad norm, iteration {i}"
+    assert run.evals.keys() == reference.evals.keys() and (5, "validation") in run.evals
+    for key, loss in reference.evals.items():
+        assert run.evals[key] == pytest.approx(loss, rel=RTOL), f"evaluation {key}"
+    for output in (run.output, reference.output):
+        batches = [int(b) for b in re.findall(r"\| global batch size: +(\d+) \|", output)]
+        consumed = [int(c) for c in re.findall(r"\| consumed samples: +(\d+) \|", output)]
+        assert batches == RAMP_GLOBAL_BATCHES and consumed == list(itertools.accumulate(RAMP_GLOBAL_BATCHES))
 
 
 RECOMPUTE = {
