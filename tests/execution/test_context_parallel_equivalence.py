@@ -16,7 +16,7 @@ RoPE + SwiGLU at CP 2 x PP 2. Every case runs on 4 ranks: one launch serves them
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -31,21 +31,35 @@ class CpCase(Case):
     """A GPT case on SDPA layers; ``gqa_rope``: 2 query groups of the 4 heads, RoPE, SwiGLU."""
 
     gqa_rope: bool = False
+    recompute: Tuple[Tuple[str, object], ...] = ()  # TransformerConfig fields of activation recompute
+    stage_layers: Tuple[int, ...] = ()  # transformer layers per stage in pipeline order (default: even)
 
     @property
     def reference_key(self):
         return (self.tied, self.global_microbatches, self.clip_grad, self.gqa_rope)
 
     def config_overrides(self) -> dict:
-        return dict(super().config_overrides(), **(dict(num_query_groups=2) if self.gqa_rope else {}))
+        gqa = dict(num_query_groups=2) if self.gqa_rope else {}
+        return dict(super().config_overrides(), **gqa, **dict(self.recompute))
 
     def model_kwargs(self) -> dict:
         from megatron_bitpipe.model.chunks import default_gpt_layer_spec
         from megatron_bitpipe.model.sdpa_attention import SdpaDotProductAttention, with_core_attention
 
         spec = with_core_attention(default_gpt_layer_spec(model_config()), SdpaDotProductAttention)
+        from megatron_bitpipe.schedules.layer_split import StageLayers
+
         rope = dict(position_embedding_type="rope") if self.gqa_rope else {}
-        return dict(super().model_kwargs(), layer_spec=spec, **rope)
+        uneven = dict(stage_layers=StageLayers(self.stage_layers)) if self.stage_layers else {}
+        return dict(super().model_kwargs(), layer_spec=spec, **rope, **uneven)
+
+
+def full(method: str, layers: int):
+    return (("recompute_granularity", "full"), ("recompute_method", method), ("recompute_num_layers", layers))
+
+
+def selective(*modules: str):
+    return (("recompute_granularity", "selective"), ("recompute_modules", list(modules)))
 
 
 CASES = [
@@ -58,6 +72,19 @@ CASES = [
     CpCase("cp2_dp2_distopt_1f1b_pp1_n2", "1f1b", pp=1, n=2, cp=2, dp=2, distributed_optimizer=True),
     CpCase("cp4_1f1b_pp1_n4", "1f1b", pp=1, n=4, cp=4),
     CpCase("cp2_gqa_rope_swiglu_bitpipe_pp2_n4", "bitpipe", pp=2, n=4, cp=2, swiglu=True, gqa_rope=True),
+    # the other plan schedules
+    CpCase("cp2_zbh1_pp2_n4", "zb-h1", pp=2, n=4, cp=2),
+    CpCase("cp2_dualpipe_pp2_n4_untied", "dualpipe", pp=2, n=4, cp=2, tied=False),
+    CpCase("cp2_chimera_pp2_n4_untied", "chimera", pp=2, n=4, cp=2, tied=False),
+    CpCase("cp2_interleaved_v2_pp2_n4", "interleaved", pp=2, n=4, cp=2),
+    # activation recompute (full: uniform and block; selective: the core attention) and uneven stages
+    CpCase("cp2_bitpipe_split_pp2_n4_full_uniform1", "bitpipe", pp=2, n=4, cp=2, split_backward=True, recompute=full("uniform", 1)),
+    CpCase("cp2_zbv_pp2_n4_full_block1", "zbv", pp=2, n=4, cp=2, recompute=full("block", 1)),
+    CpCase("cp2_1f1b_pp2_n4_selective", "1f1b", pp=2, n=4, cp=2, recompute=selective("core_attn")),
+    CpCase("cp2_tp2_sp_1f1b_pp1_n2_full_uniform2", "1f1b", pp=1, n=2, cp=2, tp=2, sequence_parallel=True, recompute=full("uniform", 2)),
+    CpCase("cp2_bitpipe_pp2_n4_uneven_3122", "bitpipe", pp=2, n=4, cp=2, stage_layers=(3, 1, 2, 2)),
+    CpCase("cp2_zbv_pp2_n4_uneven_0332", "zbv", pp=2, n=4, cp=2, stage_layers=(0, 3, 3, 2)),
+    CpCase("cp2_1f1b_pp2_n4_uneven_53_selective", "1f1b", pp=2, n=4, cp=2, stage_layers=(5, 3), recompute=selective("core_attn")),
 ]
 
 
