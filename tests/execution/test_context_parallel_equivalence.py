@@ -6,9 +6,14 @@ For every case: every micro-batch's loss (the report is the whole sequence's mea
 every context-parallel rank), every gradient, the grad norm and every weight after each of STEPS
 optimizer steps, and the evaluation losses, equal the stock single-process model (unfused
 attention, the whole sequence on one rank; rtol 1e-5, :func:`equivalence_support.assert_equals_reference`):
-CP 2 with BitPipe (plain and with the split backward), ZB-V, DualPipeV and 1F1B at PP 2; CP 2 x
-TP 2 with sequence parallelism; CP 2 x DP 2 with the distributed optimizer; CP 4 at PP 1; GQA +
-RoPE + SwiGLU at CP 2 x PP 2. Every case runs on 4 ranks: one launch serves them all
+CP 2 with BitPipe (plain and with the split backward), ZB-V, DualPipeV, 1F1B, ZB-H1, DualPipe,
+Chimera and interleaved 1F1B (the plan, 2 chunks per rank) at PP 2; CP 2 x TP 2 with sequence
+parallelism; CP 2 x DP 2 with the distributed optimizer; CP 4 at PP 1; GQA + RoPE + SwiGLU at
+CP 2 x PP 2; activation recompute (full, uniform and block; selective, the core attention) at
+CP 2 x PP 2 and CP 2 x TP 2 with sequence parallelism; uneven stages (a stage without
+transformer layers included) at CP 2 x PP 2.
+Each case also shows it ran as asked: checkpoints recomputed exactly where recompute is on,
+every chunk holding its stage's layers. Every case runs on 4 ranks: one launch serves them all
 (``launched``, ``tests/conftest.py``). The pure-Python checks of the split and the mask are in
 ``tests/model/test_context_parallel.py``.
 """
@@ -20,10 +25,10 @@ from typing import List, Tuple
 
 import pytest
 
-from ..equivalence_support import Case, assert_equals_reference, model_config, pipeline
+from ..equivalence_support import NUM_LAYERS, Case, assert_equals_reference, model_config, pipeline
 
 pytestmark = [pytest.mark.multirank, pytest.mark.strict_p2p]
-LAUNCH_TIMEOUT = 600
+LAUNCH_TIMEOUT = 900
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,42 @@ CASES = [
 
 
 def run_cases(cases: List[Case]) -> dict:
+    """Each case's :func:`pipeline` record plus what shows its recompute and its stages ran as
+    asked: ``recomputed`` (checkpoint recomputations in backward) and ``stage_layers``
+    (``(pipeline, stage) -> transformer layers`` of every chunk this rank built)."""
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+    from megatron.core.utils import unwrap_model
+
     from megatron_bitpipe.cpu.compat import enable_cpu_megatron
+    from megatron_bitpipe.model import build
 
     enable_cpu_megatron()
-    return {case.name: pipeline(case) for case in cases}
+    built, recomputed = [], []
+    original_build, original_backward = build.build_pipeline_model, CheckpointFunction.backward
+
+    def recorded_build(*args, **kwargs):
+        built.append(original_build(*args, **kwargs))
+        return built[-1]
+
+    def counted_backward(ctx, *grads):
+        recomputed.append(1)
+        return original_backward(ctx, *grads)
+
+    build.build_pipeline_model, CheckpointFunction.backward = recorded_build, staticmethod(counted_backward)
+    out = {}
+    try:
+        for case in cases:
+            built.clear()
+            recomputed.clear()
+            out[case.name] = pipeline(case)
+            [model] = built
+            out[case.name]["recomputed"] = len(recomputed)
+            out[case.name]["stage_layers"] = {
+                (spec.pipeline, spec.stage): len(unwrap_model(chunk).decoder.layers) for chunk, spec in zip(model.chunks, model.specs)
+            }
+    finally:
+        build.build_pipeline_model, CheckpointFunction.backward = original_build, staticmethod(original_backward)
+    return out
 
 
 def run_references(keys) -> dict:
@@ -116,6 +153,24 @@ def run_references(keys) -> dict:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_context_parallel_equals_single_process_training(case, references, launched):
     assert_equals_reference(case, launched[case], references[case.reference_key])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_recompute_and_stages_ran_as_asked(case, launched):
+    """Checkpoints were recomputed exactly in the recompute cases, and every chunk holds its
+    stage's layers (the uneven counts where given), on every rank."""
+    expected = case.stage_layers or (NUM_LAYERS // len(choice_placement(case).stages[0]),) * len(choice_placement(case).stages[0])
+    for record in launched[case]:
+        assert (record["recomputed"] > 0) == bool(case.recompute), record["recomputed"]
+        assert record["stage_layers"] and all(expected[stage] == n for (_, stage), n in record["stage_layers"].items())
+    held = set().union(*(record["stage_layers"] for record in launched[case]))
+    assert {stage for _, stage in held} == set(range(len(expected))), held
+
+
+def choice_placement(case: Case):
+    from megatron_bitpipe import schedules
+
+    return schedules.ScheduleChoice(case.schedule, case.split_backward).placement(case.pp)
 
 
 # ---------------------------------------------------------------- the GPT script
