@@ -5,7 +5,8 @@ global (single-process) tensor, this rank's block of it, and a ``replica_id`` th
 zeros on exactly one copy of each block in the job (the copy that is written). A chunk's own
 ``sharded_state_dict`` already uses global keys, whatever the placement: layer keys come from
 the layers' global numbers (:func:`megatron_bitpipe.model.chunks.chunk_config`), tensor
-parallel blocks carry their offsets, and data-parallel copies their data-parallel rank. Three
+parallel blocks carry their offsets, and data- and context-parallel copies their rank in data x
+context parallel (megatron-core's ``dp_cp_group``). Three
 things are the placement's and are added here, by :func:`attach_sharded_state_dicts`:
 
 * **Weight replicas.** The chunks of every pipeline but the first (BitPipe's pipeline B,
@@ -98,11 +99,12 @@ def chunk_sharded_state_dict(
     """``model``'s sharded state dict as a chunk of ``spec`` (see the module docstring).
 
     ``megatron_sharded_state_dict`` is the model class's own method, bound to ``model``.
-    ``metadata['dp_cp_group']`` defaults to this rank's data-parallel group (megatron's
-    default reads its global parallel state). Local: no communication.
+    ``metadata['dp_cp_group']`` defaults to this rank's data x context parallel group (megatron's
+    default reads its global parallel state): the context-parallel ranks of a block hold copies
+    of it, as its data-parallel ranks do. Local: no communication.
     """
     metadata = dict(metadata or {})
-    metadata.setdefault("dp_cp_group", groups.rank_pgs.dp)
+    metadata.setdefault("dp_cp_group", groups.rank_pgs.dp_cp)
     with _head_as_own_weight(model) as borrowed:
         state = megatron_sharded_state_dict(prefix, sharded_offsets, metadata)
     head = f"{prefix}{_HEAD}"

@@ -557,7 +557,6 @@ def _context_parallel_problems(args, task) -> List[str]:
         (getattr(args, "coreset", None) is not None, "with --coreset is not supported"),
         (args.attention_dropout > 0, f"needs --attention-dropout 0 (got {args.attention_dropout})"),
         (selected_mode(args) != SYNC, f"needs --data-parallel-mode sync (got {selected_mode(args).name})"),
-        (args.save is not None or args.load is not None, "with --save or --load is not supported yet (checkpoints of context-parallel ranks)"),
     ]
     return [f"{flag} {rule}" for broken, rule in rules if broken]
 

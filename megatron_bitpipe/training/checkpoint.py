@@ -143,14 +143,15 @@ def _rng_state() -> dict:
 
 
 def _rng_object(model: PipelineModel) -> ShardedObject:
-    """Megatron-LM's ``rng_state``: one entry per (pipeline rank, tensor rank), data-parallel copies are replicas."""
+    """Megatron-LM's ``rng_state``: one entry per (pipeline rank, tensor rank); the data- and
+    context-parallel ranks of one are replicas (the rank in data x context parallel, as Megatron-LM's)."""
     groups = model.groups
     return ShardedObject(
         "rng_state",
         [_rng_state()],
         (groups.grid.pp, groups.grid.tp),
         (groups.pp_rank, groups.tp_rank),
-        replica_id=groups.dp_rank,
+        replica_id=groups.rank_pgs.dp_cp.rank(),
     )
 
 
@@ -185,7 +186,7 @@ def save_checkpoint(
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
     metadata = content_metadata(optimizer)
-    sharded = {**metadata, "dp_cp_group": model.groups.rank_pgs.dp}
+    sharded = {**metadata, "dp_cp_group": model.groups.rank_pgs.dp_cp}
     state_dict = {
         "args": _saved_args(args, run, state, task),
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -303,7 +304,7 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
         raise_if_any(list(refusal.problems), directory, refusal.heading)
 
     saved_metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
-    groups_metadata = {"dp_cp_group": model.groups.rank_pgs.dp}
+    groups_metadata = {"dp_cp_group": model.groups.rank_pgs.dp_cp}
     saved = load_sharded_metadata(directory)
     request = _model_state(model, {**saved_metadata, **groups_metadata})
     optimizer_load = None

@@ -150,11 +150,12 @@ def test_script_flags_refused_in_one_line_each():
             "--context-parallel-size", "2", "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2"]  # fmt: skip
     args = parse_args(GPTTask(), [*base, "--attention-backend", "sdpa"], world_size=8)
     assert args.data_parallel_size == 2 and args.context_parallel_size == 2
+    checkpointed = parse_args(GPTTask(), [*base, "--attention-backend", "sdpa", "--save", "ckpt", "--load", "ckpt"], world_size=4)
+    assert checkpointed.save == checkpointed.load == "ckpt"
     for extra, line in [
         ([], "--context-parallel-size 2 needs --attention-backend sdpa"),
         (["--attention-backend", "sdpa", "--attention-dropout", "0.1"], "--context-parallel-size 2 needs --attention-dropout 0"),
         (["--attention-backend", "sdpa", "--seq-length", "18"], "--context-parallel-size 2 needs --seq-length 18 divisible by 2 x 2"),
-        (["--attention-backend", "sdpa", "--save", "ckpt"], "--context-parallel-size 2 with --save or --load is not supported"),
         (["--attention-backend", "sdpa", "--pipeline-schedule", "1f1b"], "--context-parallel-size 2 runs with the plan-executed schedules"),
     ]:
         with pytest.raises(BitPipeConfigError) as refused:

@@ -11,7 +11,10 @@ losses, grad norms and learning rates for iterations 3 and 4 (rtol 1e-5):
 * megatron-core's interleaved schedule (pipeline 2, 2 chunks per rank) -> BitPipe with split
   backward and the distributed optimizer (``--overlap-param-gather``);
 * a single process, non-distributed optimizer -> a single process with the distributed one;
-  -> Optimus 2D, tensor 4 (q = 2).
+  -> Optimus 2D, tensor 4 (q = 2);
+* BitPipe, pipeline 2 x context parallel 2 with the distributed optimizer (SDPA layers) -> a
+  single process (context parallel 1) with the distributed optimizer; -> BitPipe, pipeline 2 x
+  context parallel 4 with the distributed optimizer (8 ranks).
 
 (BitPipe pipeline 4 -> single process is in ``test_pretrain_gpt.py``.) The distributed-optimizer
 runs themselves train like the single process. ``--no-load-optim``, ``--no-load-rng`` and
@@ -52,6 +55,11 @@ TP2_1F1B = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipel
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
 SPLIT = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2", "--split-backward"]
 OPTIMUS = ["--tensor-model-parallel-size", "4", "--tensor-parallel-mode", "optimus2d"]
+
+
+def bitpipe_cp(cp: int) -> List[str]:
+    """BitPipe, pipeline 2, each sequence split over ``cp`` context-parallel ranks (SDPA layers)."""
+    return [*BITPIPE_DP2, "--context-parallel-size", str(cp), "--attention-backend", "sdpa"]
 
 # The logical-format checkpoint in tests/data: iteration 2 of this run (BitPipe, pipeline 2).
 LOGICAL = REPO / "tests" / "data" / "logical_gpt_checkpoint"
@@ -98,10 +106,17 @@ def runs(out) -> Dict[str, Dict[int, dict]]:
     )
     runs["single_distopt_from_single"] = _train(out, "single_distopt_from_single", 1, [*DISTOPT, "--load", str(out / "single"), *step])
     runs["optimus_from_single"] = _train(out, "optimus_from_single", 4, [*OPTIMUS, "--load", str(out / "single"), *step])
+    # context parallelism: its ranks hold replicas of the same weights (and, with the
+    # distributed optimizer, shards of one state over data x context parallel)
+    runs["bitpipe_cp2_distopt"] = _train(out, "bitpipe_cp2_distopt", 4, [*bitpipe_cp(2), *DISTOPT, "--save", str(out / "cp2"), *save])
+    runs["single_distopt_from_cp2"] = _train(out, "single_distopt_from_cp2", 1, [*DISTOPT, "--load", str(out / "cp2"), *step])
+    runs["bitpipe_cp4_distopt_from_cp2"] = _train(
+        out, "bitpipe_cp4_distopt_from_cp2", 8, [*bitpipe_cp(4), *DISTOPT, "--load", str(out / "cp2"), *step]
+    )
     return runs
 
 
-@pytest.mark.parametrize("name", ["bitpipe_dp2_distopt", "interleaved"])
+@pytest.mark.parametrize("name", ["bitpipe_dp2_distopt", "interleaved", "bitpipe_cp2_distopt"])
 def test_saving_runs_train_like_a_single_process(runs, name):
     assert sorted(runs[name]) == list(range(1, ITERS + 1))
     assert_same_records(runs[name], runs["single"], range(1, ITERS + 1), CURVE_KEYS)
@@ -109,8 +124,11 @@ def test_saving_runs_train_like_a_single_process(runs, name):
 
 @pytest.mark.parametrize(
     "name",
-    ["1f1b_tp2_from_distopt", "single_distopt_from_distopt", "split_distopt_from_interleaved", "single_distopt_from_single", "optimus_from_single"],
-)
+    [
+        "1f1b_tp2_from_distopt", "single_distopt_from_distopt", "split_distopt_from_interleaved", "single_distopt_from_single",
+        "optimus_from_single", "single_distopt_from_cp2", "bitpipe_cp4_distopt_from_cp2",
+    ],
+)  # fmt: skip
 def test_resumed_run_continues_the_uninterrupted_curve(runs, name):
     assert sorted(runs[name]) == list(range(SAVE_AT + 1, ITERS + 1)), name
     assert_same_records(runs[name], runs["single"], range(SAVE_AT + 1, ITERS + 1), CURVE_KEYS)
