@@ -28,16 +28,20 @@ LAUNCH_TIMEOUT = 600
 
 @dataclass(frozen=True)
 class CpCase(Case):
-    """A GPT case on SDPA layers; ``gqa_rope``: 2 query groups of the 4 heads, RoPE, SwiGLU."""
+    """A GPT case on SDPA layers; ``gqa_rope``: 2 query groups of the 4 heads, RoPE, SwiGLU;
+    ``ring``: the keys and values pass around the ring (``cp_comm_type="p2p"``) instead of the
+    all-gather."""
 
     gqa_rope: bool = False
+    ring: bool = False
 
     @property
     def reference_key(self):
         return (self.tied, self.global_microbatches, self.clip_grad, self.gqa_rope)
 
     def config_overrides(self) -> dict:
-        return dict(super().config_overrides(), **(dict(num_query_groups=2) if self.gqa_rope else {}))
+        ring = dict(cp_comm_type="p2p") if self.ring else {}
+        return dict(super().config_overrides(), **(dict(num_query_groups=2) if self.gqa_rope else {}), **ring)
 
     def model_kwargs(self) -> dict:
         from megatron_bitpipe.model.chunks import default_gpt_layer_spec
@@ -58,6 +62,13 @@ CASES = [
     CpCase("cp2_dp2_distopt_1f1b_pp1_n2", "1f1b", pp=1, n=2, cp=2, dp=2, distributed_optimizer=True),
     CpCase("cp4_1f1b_pp1_n4", "1f1b", pp=1, n=4, cp=4),
     CpCase("cp2_gqa_rope_swiglu_bitpipe_pp2_n4", "bitpipe", pp=2, n=4, cp=2, swiglu=True, gqa_rope=True),
+]
+
+# ---------------------------------------------------------------- the ring (--cp-comm-type p2p)
+CASES += [
+    CpCase("cp2_ring_bitpipe_pp2_n4", "bitpipe", pp=2, n=4, cp=2, ring=True),
+    CpCase("cp4_ring_1f1b_pp1_n4", "1f1b", pp=1, n=4, cp=4, ring=True),
+    CpCase("cp2_ring_gqa_rope_swiglu_dualpipev_pp2_n4", "dualpipev", pp=2, n=4, cp=2, swiglu=True, gqa_rope=True, ring=True),
 ]
 
 

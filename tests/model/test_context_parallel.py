@@ -162,3 +162,35 @@ def test_script_flags_refused_in_one_line_each():
         assert line in str(refused.value) and str(refused.value).count("--context-parallel-size") == 1
     with pytest.raises(BitPipeConfigError, match=r"world size 4 is not divisible by .* x --context-parallel-size = 8"):
         parse_args(GPTTask(), [*base, "--attention-backend", "sdpa", "--tensor-model-parallel-size", "2"], world_size=4)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_steps_read_each_causal_pair_once_and_balance_the_work(cp):
+    """Over the ``cp`` ring steps, rank r's queries read every key at or before them exactly once
+    and no later key (chunk pairs the mask discards wholly are skipped); every rank computes as
+    many chunk pairs at every step."""
+    from megatron_bitpipe.model.ring_attention import ring_block_reads
+
+    seq = 4 * cp
+    chunk = seq // (2 * cp)
+    for rank in range(cp):
+        queries = cp_positions(seq, cp, rank)
+        reads = torch.zeros(seq // cp, seq, dtype=torch.long)
+        for step in range(cp):
+            source = (rank - step) % cp
+            keys = cp_positions(seq, cp, source)
+            pairs = 0
+            for local, span, causal in ring_block_reads(cp, rank, source):
+                if span is None:
+                    continue
+                pairs += span.stop - span.start
+                rows = slice(local * chunk, (local + 1) * chunk)
+                cols = keys[span.start * chunk : span.stop * chunk]
+                allowed = torch.ones(chunk, len(cols), dtype=torch.bool)
+                if causal:
+                    allowed = allowed.tril(diagonal=len(cols) - chunk)
+                reads[rows][:, cols] += allowed.long()
+                block = queries[rows].unsqueeze(1) >= cols.unsqueeze(0)
+                assert torch.equal(block, allowed), (rank, step)  # the mask is the causal rule
+            assert pairs == (3 if step == 0 else 2), (rank, step)
+        assert torch.equal(reads, (queries.unsqueeze(1) >= torch.arange(seq)).long()), rank
