@@ -64,13 +64,12 @@ def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def _context_comm(args: argparse.Namespace) -> str:
+def _context_comm(value) -> str:
     """``--cp-comm-type`` as one name: this package's scripts hold a string, Megatron-LM's
-    namespace a list (one name for every layer, or one per layer). ValueError for a per-layer
-    list of more than one name (not supported)."""
-    value = getattr(args, "cp_comm_type", None) or "all_gather"
-    if isinstance(value, str):
-        return value
+    namespace a list (one name for every layer, or one per layer); None means ``all_gather``.
+    ValueError for a per-layer list of more than one name (not supported)."""
+    if value is None or isinstance(value, str):
+        return value or "all_gather"
     names = list(value)
     if len(names) != 1:
         raise ValueError(f"--cp-comm-type takes one value for every layer here (got {' '.join(names)})")
@@ -449,7 +448,7 @@ class RunConfig:
                 tensor_parallel_mode=getattr(args, "tensor_parallel_mode", "1d"),
                 expert=getattr(args, "expert_model_parallel_size", 1),
                 context=getattr(args, "context_parallel_size", 1),
-                context_comm=_context_comm(args),
+                context_comm=_context_comm(getattr(args, "cp_comm_type", None)),
             ),
             precision=Precision(bf16=bool(args.bf16), fp16=bool(args.fp16)),
             batches=Batches(
