@@ -66,6 +66,18 @@ def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def _context_comm(value) -> str:
+    """``--cp-comm-type`` as one name: this package's scripts hold a string, Megatron-LM's
+    namespace a list (one name for every layer, or one per layer); None means ``all_gather``.
+    ValueError for a per-layer list of more than one name (not supported)."""
+    if value is None or isinstance(value, str):
+        return value or "all_gather"
+    names = list(value)
+    if len(names) != 1:
+        raise ValueError(f"--cp-comm-type takes one value for every layer here (got {' '.join(names)})")
+    return names[0]
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """How the job's ranks are split.
@@ -84,6 +96,9 @@ class ParallelLayout:
             experts split over that many consecutive data-parallel ranks; divides ``data``.
         context: context-parallel size (``--context-parallel-size``): ranks splitting each
             sequence of a data-parallel replica (:mod:`megatron_bitpipe.model.context_parallel`).
+        context_comm: how context-parallel attention exchanges keys and values
+            (``--cp-comm-type``, megatron's names): ``all_gather`` or ``p2p`` (the ring,
+            :mod:`megatron_bitpipe.model.ring_attention`); read only at ``context`` > 1.
     """
 
     tensor: int
@@ -94,6 +109,7 @@ class ParallelLayout:
     tensor_parallel_mode: str
     expert: int = 1
     context: int = 1
+    context_comm: str = "all_gather"
 
     @property
     def world(self) -> int:
@@ -519,6 +535,7 @@ class RunConfig:
                 tensor_parallel_mode=getattr(args, "tensor_parallel_mode", "1d"),
                 expert=getattr(args, "expert_model_parallel_size", 1),
                 context=getattr(args, "context_parallel_size", 1),
+                context_comm=_context_comm(getattr(args, "cp_comm_type", None)),
             ),
             precision=Precision(bf16=bool(args.bf16), fp16=bool(args.fp16)),
             batches=Batches(

@@ -38,10 +38,14 @@ What it computes, compared with ``DotProductAttention``:
   replays the same mask.
 
 * **Context parallelism** (``pg_collection.cp`` of more than one rank, megatron's load-balanced
-  split of each sequence, :mod:`megatron_bitpipe.model.context_parallel`): the keys and values
-  of the whole sequence are all-gathered over the context-parallel group (their gradients
-  reduce-scattered), and each of this rank's two query chunks attends the keys up to its own
-  end, causally masked. Causal layers (GPT) only; no attention dropout (refused at
+  split of each sequence, :mod:`megatron_bitpipe.model.context_parallel`), by the constructor's
+  ``cp_comm_type`` (megatron's names; megatron-core passes ``config.cp_comm_type``):
+  ``all_gather`` (the default, also for ``None``): the keys and values of the whole sequence
+  are all-gathered over the context-parallel group (their gradients reduce-scattered), and each
+  of this rank's two query chunks attends the keys up to its own end, causally masked;
+  ``p2p``: the key/value blocks pass around the context-parallel ring and the partial outputs
+  are merged by log-sum-exp (:mod:`megatron_bitpipe.model.ring_attention`); ``a2a`` and
+  ``a2a+p2p`` are refused. Causal layers (GPT) only; no attention dropout (refused at
   construction: no test shows its masks right under the split).
 
 Refused (``ValueError``/``NotImplementedError`` at construction or call): context parallelism
@@ -70,6 +74,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
 
 from .context_parallel import causal_chunk_masks, gather_keys_values
+from .ring_attention import ring_attention
+
+#: ``cp_comm_type`` values (megatron's names) this layer computes: the key/value all-gather
+#: (the default, also for ``None``) and the ring (``p2p``)
+CP_COMM_TYPES = ("all_gather", "p2p")
 
 __all__ = ["SdpaDotProductAttention", "with_core_attention", "uses_core_attention", "gpt_local_sdpa_layer_spec"]
 
@@ -122,7 +131,13 @@ class SdpaDotProductAttention(MegatronModule):
         # scores by the layer number and multiplies them back in the softmax.
         self.softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_comm_type = "all_gather" if cp_comm_type is None else cp_comm_type
         if cp_size > 1:
+            if self.cp_comm_type not in CP_COMM_TYPES:
+                raise NotImplementedError(
+                    f"--cp-comm-type {self.cp_comm_type!r} with --attention-backend sdpa is not built "
+                    f"(choose one of {', '.join(CP_COMM_TYPES)})"
+                )
             if attn_mask_type != AttnMaskType.causal:
                 raise NotImplementedError(
                     f"--context-parallel-size {cp_size} with --attention-backend sdpa supports causal attention only "
@@ -192,6 +207,8 @@ class SdpaDotProductAttention(MegatronModule):
         """This rank's ``[S / cp, b, heads, d]`` queries (its two chunks of megatron's split)
         against the whole sequence's keys and values (all-gathered over the context-parallel
         group), causally masked -> ``[S / cp, b, heads * d]``."""
+        if self.cp_comm_type == "p2p":
+            return ring_attention(query, key, value, self.cp_group, self.softmax_scale)
         heads, groups = query.size(2), key.size(2)
         key, value = gather_keys_values(key, value, self.cp_group)
         if heads != groups:  # head i reads group i // (heads / groups), as megatron does

@@ -272,6 +272,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="ranks splitting each sequence (megatron's load-balanced split; GPT with --attention-backend sdpa, "
         "see docs/context_parallel.md)",
     )
+    group.add_argument(
+        "--cp-comm-type",
+        choices=("all_gather", "p2p", "a2a", "a2a+p2p"),
+        default="all_gather",
+        help="how context-parallel attention exchanges keys and values (megatron's names): all_gather (default) or "
+        "p2p (a ring with log-sum-exp merging); a2a and a2a+p2p are not built (docs/context_parallel.md)",
+    )
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None, help="default nccl with a GPU, gloo without")
     group.add_argument(
         "--distributed-timeout-minutes",
@@ -539,6 +546,11 @@ def _context_parallel_problems(args, task) -> List[str]:
     cp = args.context_parallel_size
     if cp < 1:
         return [f"--context-parallel-size must be positive (got {cp})"]
+    if args.cp_comm_type in ("a2a", "a2a+p2p"):
+        return [
+            f"--cp-comm-type {args.cp_comm_type} is not built: it moves attention heads between context-parallel "
+            "ranks (all-to-all), which the SDPA layer does not do; use all_gather or p2p"
+        ]
     if cp == 1:
         return []
     flag = f"--context-parallel-size {cp}"

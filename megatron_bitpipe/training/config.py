@@ -85,6 +85,7 @@ def transformer_config(run: RunConfig, **overrides) -> TransformerConfig:
         tensor_model_parallel_size=run.layout.tensor,
         pipeline_model_parallel_size=run.layout.pipeline,
         context_parallel_size=run.layout.context,
+        cp_comm_type=run.layout.context_comm if run.layout.context > 1 else None,
         virtual_pipeline_model_parallel_size=run.layout.virtual,
         sequence_parallel=run.layout.sequence_parallel,
         recompute_granularity=recompute.granularity,

@@ -33,11 +33,14 @@ LAUNCH_TIMEOUT = 900
 
 @dataclass(frozen=True)
 class CpCase(Case):
-    """A GPT case on SDPA layers; ``gqa_rope``: 2 query groups of the 4 heads, RoPE, SwiGLU."""
+    """A GPT case on SDPA layers; ``gqa_rope``: 2 query groups of the 4 heads, RoPE, SwiGLU;
+    ``ring``: the keys and values pass around the ring (``cp_comm_type="p2p"``) instead of the
+    all-gather."""
 
     gqa_rope: bool = False
     recompute: Tuple[Tuple[str, object], ...] = ()  # TransformerConfig fields of activation recompute
     stage_layers: Tuple[int, ...] = ()  # transformer layers per stage in pipeline order (default: even)
+    ring: bool = False
 
     @property
     def reference_key(self):
@@ -45,7 +48,8 @@ class CpCase(Case):
 
     def config_overrides(self) -> dict:
         gqa = dict(num_query_groups=2) if self.gqa_rope else {}
-        return dict(super().config_overrides(), **gqa, **dict(self.recompute))
+        ring = dict(cp_comm_type="p2p") if self.ring else {}
+        return dict(super().config_overrides(), **gqa, **ring, **dict(self.recompute))
 
     def model_kwargs(self) -> dict:
         from megatron_bitpipe.model.chunks import default_gpt_layer_spec
@@ -90,6 +94,13 @@ CASES = [
     CpCase("cp2_bitpipe_pp2_n4_uneven_3122", "bitpipe", pp=2, n=4, cp=2, stage_layers=(3, 1, 2, 2)),
     CpCase("cp2_zbv_pp2_n4_uneven_0332", "zbv", pp=2, n=4, cp=2, stage_layers=(0, 3, 3, 2)),
     CpCase("cp2_1f1b_pp2_n4_uneven_53_selective", "1f1b", pp=2, n=4, cp=2, stage_layers=(5, 3), recompute=selective("core_attn")),
+]
+
+# ---------------------------------------------------------------- the ring (--cp-comm-type p2p)
+CASES += [
+    CpCase("cp2_ring_bitpipe_pp2_n4", "bitpipe", pp=2, n=4, cp=2, ring=True),
+    CpCase("cp4_ring_1f1b_pp1_n4", "1f1b", pp=1, n=4, cp=4, ring=True),
+    CpCase("cp2_ring_gqa_rope_swiglu_dualpipev_pp2_n4", "dualpipev", pp=2, n=4, cp=2, swiglu=True, gqa_rope=True, ring=True),
 ]
 
 

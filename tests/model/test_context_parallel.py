@@ -19,6 +19,7 @@ The training equivalence of every schedule under context parallelism is
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -163,3 +164,54 @@ def test_script_flags_refused_in_one_line_each():
         assert line in str(refused.value) and str(refused.value).count("--context-parallel-size") == 1
     with pytest.raises(BitPipeConfigError, match=r"world size 4 is not divisible by .* x --context-parallel-size = 8"):
         parse_args(GPTTask(), [*base, "--attention-backend", "sdpa", "--tensor-model-parallel-size", "2"], world_size=4)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_steps_read_each_causal_pair_once_and_balance_the_work(cp):
+    """Over the ``cp`` ring steps, rank r's queries read every key at or before them exactly once
+    and no later key (chunk pairs the mask discards wholly are skipped); every rank computes as
+    many chunk pairs at every step."""
+    from megatron_bitpipe.model.ring_attention import ring_block_reads
+
+    seq = 4 * cp
+    chunk = seq // (2 * cp)
+    for rank in range(cp):
+        queries = cp_positions(seq, cp, rank)
+        reads = torch.zeros(seq // cp, seq, dtype=torch.long)
+        for step in range(cp):
+            source = (rank - step) % cp
+            keys = cp_positions(seq, cp, source)
+            pairs = 0
+            for local, span, causal in ring_block_reads(cp, rank, source):
+                if span is None:
+                    continue
+                pairs += span.stop - span.start
+                rows = slice(local * chunk, (local + 1) * chunk)
+                cols = keys[span.start * chunk : span.stop * chunk]
+                allowed = torch.ones(chunk, len(cols), dtype=torch.bool)
+                if causal:
+                    allowed = allowed.tril(diagonal=len(cols) - chunk)
+                reads[rows][:, cols] += allowed.long()
+                block = queries[rows].unsqueeze(1) >= cols.unsqueeze(0)
+                assert torch.equal(block, allowed), (rank, step)  # the mask is the causal rule
+            assert pairs == (3 if step == 0 else 2), (rank, step)
+        assert torch.equal(reads, (queries.unsqueeze(1) >= torch.arange(seq)).long()), rank
+
+
+def test_cp_comm_type_is_decided_once_and_a2a_refused():
+    from megatron_bitpipe.run_config import RunConfig
+    from megatron_bitpipe.training.arguments import BitPipeConfigError, parse_args
+    from megatron_bitpipe.training.config import transformer_config
+    from megatron_bitpipe.training.gpt import GPTTask
+
+    base = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "127", "--train-iters", "3", "--lr", "1e-3",
+            "--context-parallel-size", "2", "--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "2",
+            "--attention-backend", "sdpa"]  # fmt: skip
+    assert RunConfig.from_args(parse_args(GPTTask(), base, world_size=4)).layout.context_comm == "all_gather"
+    run = RunConfig.from_args(parse_args(GPTTask(), [*base, "--cp-comm-type", "p2p"], world_size=4))
+    assert run.layout.context_comm == "p2p"
+    assert transformer_config(run).cp_comm_type == "p2p"
+    for value in ("a2a", "a2a+p2p"):
+        with pytest.raises(BitPipeConfigError, match=rf"--cp-comm-type {re.escape(value)} is not built: .*all-to-all"):
+            parse_args(GPTTask(), [*base, "--cp-comm-type", value], world_size=4)
