@@ -11,6 +11,7 @@ import pytest
 
 from megatron_bitpipe.schedules import REGISTRY, CostModel, ScheduleConfigError, generate, schedule_names, simulate, validate_plan
 from megatron_bitpipe.schedules import zbv
+from megatron_bitpipe.schedules.list_scheduling import latency_aware_split
 from megatron_bitpipe.schedules.actions import ActionType, make_plan
 from megatron_bitpipe.schedules.compose import with_eager_syncs
 
@@ -36,7 +37,7 @@ def test_free_messages_zbv_latency_aware_order_and_paper_order(D, N, latency_awa
     reaches the V's bound ``3N + (D-1)/2``; the paper's order (padded to ``2D-1``
     micro-batches below that) reaches it from ``N >= 2D-1`` on. The generator yields the
     faster of the two."""
-    lockstep = zbv.latency_aware_split(zbv.lockstep_plan(D, N), SPLIT, D, (D // 2, D))
+    lockstep = latency_aware_split(zbv.lockstep_plan(D, N), SPLIT, D, (D // 2, D))
     paper_plan = zbv.paper_plan(D, N)
     for plan in (lockstep, paper_plan):
         validate_plan(plan)
