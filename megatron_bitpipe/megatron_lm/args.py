@@ -111,9 +111,12 @@ _LAYER_SPLIT_FIELDS = (
     ("pipeline_model_parallel_layout", None),
 )
 _PARALLEL_SIZES = {"num_distributed_optimizer_instances", "gtp_weight_remat_size"}
-#: Megatron-LM's ``--cp-comm-type`` values the SDPA attention's key/value exchange implements
-#: (:mod:`megatron_bitpipe.model.context_parallel`); Megatron-LM's default, ``p2p``, is its ring.
-CP_COMM_TYPES = ("allgather",)
+#: ``--cp-comm-type`` values the SDPA attention's key/value exchange implements, in megatron-core's
+#: spelling (``TransformerConfig.cp_comm_type``, which Megatron-LM fills from the flag): ``all_gather``
+#: (:mod:`megatron_bitpipe.model.context_parallel`) and ``p2p``, the ring (Megatron-LM's default,
+#: :mod:`megatron_bitpipe.model.ring_attention`). Megatron-LM's help text spells the all-gather
+#: ``allgather``, which megatron-core does not know: refused, naming ``all_gather``.
+CP_COMM_TYPES = ("all_gather", "p2p")
 #: The layer spec context parallelism needs on Megatron-LM's scripts (local layers, SDPA core attention)
 SDPA_SPEC = ("megatron_bitpipe.model.sdpa_attention", "gpt_local_sdpa_layer_spec")
 # Megatron-LM flags a plan-executed schedule cannot be combined with at --context-parallel-size > 1;
@@ -335,7 +338,7 @@ def context_parallel_problems(args: argparse.Namespace, schedule: str) -> List[s
     for value in dict.fromkeys(unsupported):
         problems.append(
             f"--cp-comm-type {value} cannot be used {with_cp}: the SDPA attention exchanges keys and values by "
-            f"{' or '.join(CP_COMM_TYPES)} only (Megatron-LM's default is p2p); pass --cp-comm-type {CP_COMM_TYPES[0]}"
+            f"{' or '.join(CP_COMM_TYPES)} only (megatron-core's names; Megatron-LM's default is p2p)"
         )
     if (getattr(args, "attention_dropout", 0.0) or 0.0) > 0:
         problems.append(

@@ -272,24 +272,24 @@ def test_plan_schedules_refuse_what_they_cannot_run_on_megatron_lm(schedule):
 def context_parallel_args(*argv, **fields) -> argparse.Namespace:
     """:func:`megatron_lm_args` at context parallel 2 x pipeline 2 (4 ranks) as Megatron-LM's
     ``validate_args`` leaves it, with the flags context parallelism needs: local layers, the SDPA
-    layer spec, ``--cp-comm-type allgather``, no attention dropout."""
+    layer spec, ``--cp-comm-type all_gather``, no attention dropout."""
     cp = dict(
         context_parallel_size=2, pipeline_model_parallel_size=2, data_parallel_size=1, transformer_impl="local",
-        spec=list(SDPA_SPEC), cp_comm_type=["allgather"], attention_dropout=0.0,
+        spec=list(SDPA_SPEC), cp_comm_type=["all_gather"], attention_dropout=0.0,
     )
     return megatron_lm_args(*argv, **dict(cp, **fields))
 
 
 @pytest.mark.parametrize("schedule", ["bitpipe", "zbv"])
 def test_plan_schedules_state_the_context_parallel_rules(schedule):
-    """--context-parallel-size runs with the SDPA spec and Megatron-LM's allgather exchange; every
+    """--context-parallel-size runs with the SDPA spec and the all-gather or the ring exchange; every
     other combination is named by its flag, one line each, all at once; Megatron-LM's own schedule
     keeps Megatron-LM's rules."""
     flags = ("--pipeline-schedule", schedule)
     validate_megatron_lm_args(context_parallel_args(*flags))
-    validate_megatron_lm_args(context_parallel_args(*flags, cp_comm_type=["allgather", "allgather"]))  # one per layer
+    validate_megatron_lm_args(context_parallel_args(*flags, cp_comm_type=["all_gather", "p2p"]))  # one per layer
     refused = dict(
-        spec=["local"], cp_comm_type=["p2p", "a2a+p2p", "p2p"], attention_dropout=0.1, hierarchical_context_parallel_sizes=[2, 1],
+        spec=["local"], cp_comm_type=["allgather", "a2a+p2p", "allgather"], attention_dropout=0.1, hierarchical_context_parallel_sizes=[2, 1],
         hybrid_context_parallel=True, sft=True, save="/checkpoints", load="/checkpoints",
     )
     with pytest.raises(BitPipeConfigError) as info:
@@ -299,7 +299,7 @@ def test_plan_schedules_state_the_context_parallel_rules(schedule):
     expected = [
         f"--context-parallel-size 2 with --pipeline-schedule {schedule} needs --spec megatron_bitpipe.model.sdpa_attention "
         "gpt_local_sdpa_layer_spec (or a layer spec of yours whose core attention is SdpaDotProductAttention), got --spec local",
-        f"--cp-comm-type p2p cannot be used {with_cp}: the SDPA attention exchanges keys and values by allgather only",
+        f"--cp-comm-type allgather cannot be used {with_cp}: the SDPA attention exchanges keys and values by all_gather or p2p only",
         f"--cp-comm-type a2a+p2p cannot be used {with_cp}",
         f"--attention-dropout 0.1 cannot be used {with_cp}",
         f"--hierarchical-context-parallel-sizes cannot be used {with_cp}",

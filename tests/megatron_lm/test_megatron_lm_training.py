@@ -57,7 +57,7 @@ validation and test losses (rtol 1e-5 on the 7 digits Megatron-LM prints):
 * ``--softmax-type learnable`` (gpt-oss's per-head softmax offset): BitPipe at tensor 2 x
   pipeline 2 equal to one process (rtol 1e-6);
 * context parallelism: BitPipe at context parallel 2 x pipeline 2 (the SDPA layer spec through
-  ``--spec``, ``--cp-comm-type allgather``, strict p2p) on both routes equal to one process at
+  ``--spec``, ``--cp-comm-type all_gather``, strict p2p) on both routes equal to one process at
   context parallel 1 with megatron-core's local attention;
 * a batch-size ramp (``--rampup-batch-size`` at core_v0.16.1, ``--step-batch-size-schedule`` at
   core_v0.19.0, with ``--train-samples``): BitPipe at pipeline 2 x data parallel 2 (strict p2p),
@@ -310,8 +310,8 @@ def test_uneven_checkpoint_resumes_in_the_even_layout(uneven_runs, checkout, wor
 
 
 # Context parallelism 2 x pipeline 2 (4 ranks): local layers with the SDPA core attention, which
-# all-gathers keys and values over the context-parallel group (Megatron-LM's allgather exchange).
-CONTEXT_PARALLEL = ["--context-parallel-size", "2", "--cp-comm-type", "allgather", "--spec", *SDPA_SPEC,
+# all-gathers keys and values over the context-parallel group (megatron-core's all_gather exchange).
+CONTEXT_PARALLEL = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--spec", *SDPA_SPEC,
                     "--pipeline-model-parallel-size", "2"]  # fmt: skip
 
 
