@@ -235,6 +235,8 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     # the cost file, if any, is checked above
     if ramp is not None and args.world_size % model_parallel_size_of(args) == 0:
         problems += _megatron_lm_ramp_problems(args, ramp, choice)
+    if choice.plan_executed and args.world_size % model_parallel_size_of(args) == 0:
+        problems += _evaluation_batch_problems(args, choice)
     problems += optimizer_problems(args, schedule=choice.schedule, megatron_lm=True)
     if getattr(args, "tensor_parallel_mode", "1d") == "optimus2d":
         problems.append(
@@ -274,6 +276,24 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             )
     if problems:
         raise BitPipeConfigError("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def _evaluation_batch_problems(args: argparse.Namespace, choice: ScheduleChoice) -> List[str]:
+    """The schedule's micro-batch rules for Megatron-LM's evaluation batch (core_v0.19.0's
+    ``--eval-global-batch-size`` / ``--eval-micro-batch-size``, which ``validate_args`` fills from
+    the training ones, and beside a step batch-size schedule from ``--micro-batch-size`` x DP:
+    one micro-batch), where it differs from the training batch's; none without evaluation or at
+    tags without the flags."""
+    batch, micro = getattr(args, "eval_global_batch_size", None), getattr(args, "eval_micro_batch_size", None)
+    if batch is None or micro is None or not (getattr(args, "eval_iters", 0) or 0) > 0:
+        return []
+    data_parallel = args.world_size // model_parallel_size_of(args)
+    if batch % (micro * data_parallel):
+        return []  # Megatron-LM's own check says so
+    source = f"evaluation micro-batches per data-parallel rank (--eval-global-batch-size {batch} / (--eval-micro-batch-size {micro} x data-parallel size {data_parallel}))"
+    pp = args.pipeline_model_parallel_size
+    every = choice.problems(pp, batch // (micro * data_parallel), None, microbatches=source, virtual_size_flag=VIRTUAL_SIZE_FLAG)
+    return [p for p in every if p not in choice.problems(pp, None, None, virtual_size_flag=VIRTUAL_SIZE_FLAG)]
 
 
 def _megatron_lm_ramp_problems(args: argparse.Namespace, ramp, choice: ScheduleChoice) -> List[str]:

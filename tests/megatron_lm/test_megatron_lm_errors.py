@@ -558,3 +558,20 @@ def test_losses_reach_the_last_pipeline_stage(placement):
         report = last["scalars"][m]
         assert report["lm loss"].shape == () and report["lm loss"].item() == m
         assert report["count"].dtype == torch.int64 and report["count"].item() == m
+
+
+def test_the_evaluation_batch_keeps_the_schedule_rules():
+    """core_v0.19.0 evaluates at --eval-global-batch-size / --eval-micro-batch-size (beside a step
+    batch-size schedule: one micro-batch per rank): its N is checked with the schedule's rules
+    before any communication, naming those flags; without evaluation, or where the namespace has no
+    such flags (core_v0.16.1), nothing is asked."""
+    flags = ("--pipeline-schedule", "bitpipe")
+    evaluation = dict(pipeline_model_parallel_size=2, data_parallel_size=2, eval_micro_batch_size=1, eval_iters=1)
+    validate_megatron_lm_args(megatron_lm_args(*flags, **evaluation, eval_global_batch_size=4))  # N = 2
+    validate_megatron_lm_args(megatron_lm_args(*flags, **dict(evaluation, eval_iters=0), eval_global_batch_size=2))
+    with pytest.raises(BitPipeConfigError) as info:
+        validate_megatron_lm_args(megatron_lm_args(*flags, **evaluation, eval_global_batch_size=2))  # N = 1
+    text = str(info.value)
+    source = "evaluation micro-batches per data-parallel rank (--eval-global-batch-size 2 / (--eval-micro-batch-size 1 x data-parallel size 2)) = 1"
+    lines = text.splitlines()[1:]
+    assert lines and all(line.strip().startswith(source) for line in lines), text

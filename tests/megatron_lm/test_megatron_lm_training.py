@@ -364,7 +364,9 @@ def _without(flags, *names):
 # core_v0.19.0 megatron-core ignores that flag and steps by consumed tokens (16 per sample).
 RAMPS = {
     "core_v0.16.1": ["--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12"],
-    "core_v0.19.0": ["--step-batch-size-schedule", "0:4 128:8 256:12"],
+    # evaluation batches of 4 (N = 2 at data parallel 2): beside a step schedule Megatron-LM's default is
+    # --micro-batch-size x data parallel, one micro-batch, which BitPipe refuses
+    "core_v0.19.0": ["--step-batch-size-schedule", "0:4 128:8 256:12", "--eval-global-batch-size", "4"],
 }
 RAMP_GLOBAL_BATCHES = [4, 4, 8, 12, 12]
 
