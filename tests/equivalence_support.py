@@ -9,6 +9,8 @@ evaluation batch (forward only).
 
 from __future__ import annotations
 
+import gc
+
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -250,6 +252,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     from megatron_bitpipe.execution.replicas import max_replica_difference
     from megatron_bitpipe.testing.weights import collect_full, merge_full
 
+    gc.collect()  # the previous case's model, and with it its destroyed groups' gloo threads
     choice = schedules.ScheduleChoice(case.schedule, case.split_backward, schedules.CostModel(t_p2p=case.t_p2p))
     config = model_config(
         tensor_model_parallel_size=case.tp,
@@ -348,6 +351,7 @@ def pipeline(case: Case, instrument: Optional[list] = None) -> dict:
     record["eval_trace"] = traces[-1]
     record["pp_rank"] = groups.pp_rank
     record["optimizers"] = sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])})
+    groups.destroy()  # the launch's next case builds its own groups
     return record
 
 

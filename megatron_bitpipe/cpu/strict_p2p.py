@@ -191,12 +191,13 @@ def install(timeout_s: Optional[float] = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"{TIMEOUT_ENV} must be positive, not {timeout_s}")
         _timeout_s = timeout_s
-        for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv"):
+        for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv", "destroy_process_group"):
             _originals[name] = getattr(dist, name)
         _originals["_check_op"] = c10d._check_op
         dist.isend, dist.irecv = _strict_isend, _strict_irecv
         dist.send, dist.recv = _strict_send, _strict_recv
         dist.batch_isend_irecv = _strict_batch_isend_irecv
+        dist.destroy_process_group = _strict_destroy_process_group
         c10d._check_op = _check_op  # P2POp(...) validates its op function with it
         for name in COLLECTIVES:
             original = getattr(c10d, name, None)
@@ -285,6 +286,24 @@ def _strict_batch_isend_irecv(p2p_op_list):
     ]
     _create_communicator(channel.group, f"batch_isend_irecv ({', '.join(op.describe() for op in ops)})")
     return channel.submit(ops)
+
+
+def _strict_destroy_process_group(group=None) -> None:
+    """torch's ``destroy_process_group``, after ending the strict channels of ``group`` (its own
+    and its pairs' 2-rank communicators; every group's with ``None``, the default group): their
+    worker threads stop and the pair communicators shut down, and nothing here holds the group,
+    so its gloo threads end with its last reference."""
+    with _lock:
+        every = group is None
+        ended = [_channels.pop(g) for g in list(_channels) if every or g is group]
+        for key in [k for k in _pairs if every or k[0] is group]:
+            ended.append(_pairs.pop(key))
+        for key in [k for k in _pair_locks if every or k[0] is group]:
+            del _pair_locks[key]
+    for channel in ended:
+        if channel is not None:
+            channel.close()
+    _originals["destroy_process_group"](group)
 
 
 def _channel(group) -> Optional["_Channel"]:
@@ -452,6 +471,7 @@ class _Channel:
     def _start(self) -> None:
         self._queue: "collections.deque[_Entry]" = collections.deque()
         self._ready = threading.Condition()
+        self._closed = False
         self.head: Optional[_Entry] = None
         self.broken: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"strict-p2p {self.where}", daemon=True)
@@ -487,11 +507,19 @@ class _Channel:
 
     # -- the worker
 
+    def close(self) -> None:
+        """End the worker once its queue is empty (the group is being destroyed)."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+
     def _run(self) -> None:
         while True:
             with self._ready:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._ready.wait()
+                if not self._queue:
+                    return
                 entry = self._queue[0]
             self.head = entry
             if self.broken is None:

@@ -195,7 +195,8 @@ class PipelineGroups:
     """This rank's process groups for running ``placement`` on ``grid``; see the module doc.
 
     Build with :meth:`build`. ``rank`` is the global rank; ``pp_rank`` (pipeline rank),
-    ``tp_rank`` and ``dp_rank`` its grid coordinates.
+    ``tp_rank`` and ``dp_rank`` its grid coordinates; ``created``: every group :meth:`build`
+    made that holds this rank (:meth:`destroy` ends them).
     """
 
     grid: ParallelGrid
@@ -210,6 +211,7 @@ class PipelineGroups:
     mesh: Optional[OptimusMesh] = None
     replica_groups: Optional[Dict[int, dist.ProcessGroup]] = None
     expert_stage_groups: Optional[Dict[int, dist.ProcessGroup]] = None
+    created: Tuple[dist.ProcessGroup, ...] = ()
 
     @property
     def tp_rank(self) -> int:
@@ -356,4 +358,17 @@ class PipelineGroups:
             mesh=mesh,
             replica_groups=replicas,
             expert_stage_groups=expert_stage_groups,
+            created=tuple(dict.fromkeys(groups.values())),
         )
+
+    def destroy(self) -> None:
+        """Destroy every group :meth:`build` created that holds this rank (local, no
+        communication; the groups, and a model built on them, are unusable afterwards).
+
+        Each gloo group keeps threads polling its sockets (some tenths of a CPU-second per second
+        for a hundred idle groups) until its last reference goes: a process that builds model
+        after model on fresh groups (the equivalence launches run many cases in one process)
+        destroys each model's groups when done with it.
+        """
+        for group in self.created:
+            dist.destroy_process_group(group)
