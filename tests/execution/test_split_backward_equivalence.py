@@ -94,7 +94,7 @@ def run_cases(cases: List[SplitCase]) -> dict:
     from .te_double import _DeferringContract
 
     enable_cpu_megatron()
-    plain = forward_backward._plan
+    plain = forward_backward.PlanCache.plan  # a step function's validated plan of its choice
     chunk_backward_dw, double_backward_dw = ChunkWeightGrad.backward_dw, _DeferringContract.backward_dw
     deferred, double_calls = [], []
 
@@ -118,14 +118,14 @@ def run_cases(cases: List[SplitCase]) -> dict:
         deferred.clear()
         double_calls.clear()
 
-        def derived(choice, num_ranks, num_microbatches, forward_only, case=case, served=served):
-            served.append(choice.split_backward and not forward_only)
+        def derived(cache, num_ranks, num_microbatches, forward_only, case=case, served=served):
+            served.append(cache.choice.split_backward and not forward_only)
             if not (case.late and served[-1]):
-                return plain(choice, num_ranks, num_microbatches, forward_only)
-            whole = dataclasses.replace(choice, split_backward=False)
+                return plain(cache, num_ranks, num_microbatches, forward_only)
+            whole = forward_backward.PlanCache(dataclasses.replace(cache.choice, split_backward=False))
             return late_split_plan(plain(whole, num_ranks, num_microbatches, forward_only))
 
-        forward_backward._plan = derived
+        forward_backward.PlanCache.plan = derived
         out[case.name] = pipeline(case)
         out[case.name]["split_plans_served"] = served
         out[case.name]["deferred_per_W"] = list(deferred)

@@ -266,7 +266,7 @@ def run_cases(cases: List[EarlyCase]) -> dict:
     from megatron_bitpipe.execution import forward_backward
 
     enable_cpu_megatron()
-    generated = forward_backward._plan
+    generated = forward_backward.PlanCache.plan  # a step function's validated plan of its choice
     out = {}
     for case in cases:
         served: List[SchedulePlan] = []
@@ -277,11 +277,11 @@ def run_cases(cases: List[EarlyCase]) -> dict:
             served.append(plan)
             return plan
 
-        forward_backward._plan = early
+        forward_backward.PlanCache.plan = early
         try:
             record = pipeline(case)
         finally:
-            forward_backward._plan = generated
+            forward_backward.PlanCache.plan = generated
         record["ran_the_plan"] = record["eval_trace"] == [str(a) for a in served[-1].actions[record["pp_rank"]]]
         out[case.name] = record
     return out
