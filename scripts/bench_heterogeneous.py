@@ -141,7 +141,7 @@ def _emulated_task(settings: Settings):
     from megatron_bitpipe.training.model_registry import register
 
     spec = emulated_layer_spec(settings.t_forward / 1000.0, settings.t_backward / 1000.0)
-    register(replace(GPT, name="emulated-gpt", task="emulated-gpt", layer_spec=lambda args, run, config: spec))
+    register(replace(GPT, name="emulated-gpt", task="emulated-gpt", layer_spec=lambda run, config: spec))
 
     class EmulatedGPTTask(GPTTask):
         """GPT whose transformer layers are emulated device time."""

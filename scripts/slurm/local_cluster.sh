@@ -140,10 +140,13 @@ remove_namespaces() {  # every namespace, link and mount `up` recorded, and what
                 sleep 0.1
             done
         fi
-        ip netns del "$ns"  # takes its end of the veth pair, and so the pair, with it
+        # The pair goes with the namespace only once the kernel has freed it (later, in the
+        # background); deleting our end removes both ends now.
+        ip link del "$LINK_PREFIX${ns#"$NS_PREFIX"}" 2>/dev/null || true
+        ip netns del "$ns"
         echo "removed network namespace $ns"
     done <"$CLUSTER_DIR/namespaces"
-    # The mount and UTS namespaces went with their last process; the links with the namespaces.
+    # The mount and UTS namespaces went with their last process.
     ip link del "$BRIDGE" 2>/dev/null && echo "removed bridge $BRIDGE"
     # `ip netns add` bind-mounts /run/netns onto itself the first time; undo it if `up` caused it.
     if [[ -f "$CLUSTER_DIR/netns-mount-made" ]] && [[ -z "$(ip netns list)" ]] && mountpoint -q /run/netns; then

@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 
-PROBE_WAIT_S = 120.0
+PROBE_WAIT_S = 300.0
 FABRIC = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 received = []

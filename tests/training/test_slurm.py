@@ -227,7 +227,9 @@ class Jobs:
                     held_since.pop(name, None)  # a later requeue is held anew
             time.sleep(0.2)
         missed = [a.label for a in pending]
-        assert not missed, f"the jobs ended before these happened: {missed}"
+        outputs = "".join(f"\n--- {name} ({self.final[name].get('JobState')}), the end of its output:\n{self.slurm_output(name)[-2500:]}"
+                          for name in sorted({a.job for a in pending}))  # fmt: skip
+        assert not missed, f"the jobs ended before these happened: {missed}{outputs}"
 
 
 # --------------------------------------------------------------------------- without SLURM
