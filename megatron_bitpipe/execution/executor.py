@@ -104,6 +104,11 @@ class MicrobatchSource:
     whichever chunk asks for it. ``data_iterator`` may be one iterator, a list of per-chunk
     iterators in megatron's virtual-pipeline style (the first one that is not None is read;
     they all yield the same stream), or None on ranks that need no data.
+
+    A micro-batch that is a dict is served as a new dict each time (the same tensors): a
+    forward step may replace its entries, as megatron-core 0.19's ``get_batch_on_this_cp_rank``
+    does with this rank's cut of each tensor, and a rank that embeds a micro-batch and computes
+    its loss (BitPipe's edge ranks) reads it twice.
     """
 
     def __init__(self, data_iterator, num_microbatches: int):
@@ -119,7 +124,8 @@ class MicrobatchSource:
             return None
         while len(self._items) <= microbatch:
             self._items.append(next(self._iterator))
-        return iter((self._items[microbatch],))
+        item = self._items[microbatch]
+        return iter((dict(item) if isinstance(item, dict) else item,))
 
     def finish(self) -> None:
         """Consume the rest of the step's items, so the next step starts at its first one."""

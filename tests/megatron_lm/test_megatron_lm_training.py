@@ -323,8 +323,6 @@ def test_context_parallel_bitpipe_equals_one_process(request, checkout, workdir,
     parallel 1, so no Megatron-LM schedule runs this model at 2). Megatron-LM's get_batch cuts each
     sequence for this rank (get_batch_on_this_cp_rank) once; the edge ranks embed and compute the
     loss on their cut; Megatron-LM averages the loss over data x context parallelism."""
-    if find_checkout(checkout).tag == "core_v0.19.0":
-        pytest.skip("core_v0.19.0: the loss stage's labels reach the cross entropy cut to S/(2 CP) against S/CP logits (not fixed yet)")
     root = checkout if route == "runtime" else request.getfixturevalue("patched_checkout")
     run = _ok(torchrun(root / "pretrain_gpt.py", 4, [*TINY_GPT, *BITPIPE, *CONTEXT_PARALLEL], workdir))
     assert "data-parallel size: 1, context-parallel size: 2" in run.output
