@@ -329,6 +329,38 @@ def test_context_parallel_bitpipe_equals_one_process(request, checkout, workdir,
     _assert_same_curve(run, reference)
 
 
+# fp16 with dynamic loss scaling: a scale that overflows in the first iterations (skipped, the
+# scale halved each time) and grows every 3 good ones, so the run both skips and grows again.
+FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--loss-scale-window", "3", "--train-iters", "12", "--eval-interval", "6"]
+_STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?loss scale: ([0-9.E+-]+) \|.*?number of skipped iterations: +(\d+) \|")
+
+
+def _loss_scales(run: Run) -> Dict[int, tuple]:
+    """Each logged iteration's (loss scale, skipped iterations in it)."""
+    return {int(i): (float(scale), int(skipped)) for i, scale, skipped in _STEP.findall(run.output)}
+
+
+@pytest.mark.strict_p2p
+@pytest.mark.parametrize("grads", ["fp16_grads", "fp32_grads"])
+def test_fp16_loss_scaling_with_bitpipe_skips_and_scales_as_megatron(checkout, workdir, grads):
+    """BitPipe at TP 2 x PP 2 in fp16 skips the iterations Megatron's own schedule skips, with
+    the same loss scale after each, and logs its losses (rtol 1e-4: fp16 sums in another order;
+    measured 1e-6 to 3e-6), with and without --accumulate-allreduce-grads-in-fp32."""
+    flags = [*TINY_GPT, *LAYOUTS["tp2_pp2"], *FP16, *(["--accumulate-allreduce-grads-in-fp32"] if grads == "fp32_grads" else [])]
+    control = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*flags, "--layout-independent-init"], workdir))
+    run = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*flags, *BITPIPE], workdir))
+    scales = _loss_scales(control)
+    assert sorted(scales) == list(range(1, 13)), control.output[-3000:]
+    assert any(skipped for _, skipped in scales.values()) and len({scale for scale, _ in scales.values()}) >= 2, scales
+    assert _loss_scales(run) == scales
+    assert run.losses.keys() == control.losses.keys() and len(control.losses) >= 6
+    for i, loss in control.losses.items():
+        assert run.losses[i] == pytest.approx(loss, rel=1e-4), f"iteration {i}"
+    assert run.evals.keys() == control.evals.keys()
+    for key, loss in control.evals.items():
+        assert run.evals[key] == pytest.approx(loss, rel=1e-4), f"evaluation {key}"
+
+
 LEARNABLE_SOFTMAX = ["--softmax-type", "learnable"]
 
 
