@@ -251,6 +251,15 @@ class Checkpointing:
         load: ``--load``, the directory resumed from (None: a fresh start).
         finetune: ``--finetune``: the weights only, from iteration 0.
         no_load_optim: ``--no-load-optim``: the weights and progress without the optimizer state.
+        no_load_rng: ``--no-load-rng``: the random generators are not restored.
+        save_optim: the optimizer state and learning-rate schedule are saved (not ``--no-save-optim``).
+        save_rng: every rank's random generators are saved (not ``--no-save-rng``).
+        step: ``--ckpt-step``, the iteration to load (None: the latest).
+        exit_on_missing: ``--exit-on-missing-checkpoint``: a ``--load`` without a checkpoint
+            stops the run instead of starting from iteration 0.
+        schedule_unchecked: ``--override-opt_param-scheduler`` or
+            ``--use-checkpoint-opt_param-scheduler``: the checkpoint's learning-rate schedule is
+            not compared with this run's flags.
     """
 
     save: Optional[str] = None
@@ -258,6 +267,12 @@ class Checkpointing:
     load: Optional[str] = None
     finetune: bool = False
     no_load_optim: bool = False
+    no_load_rng: bool = False
+    save_optim: bool = True
+    save_rng: bool = True
+    step: Optional[int] = None
+    exit_on_missing: bool = False
+    schedule_unchecked: bool = False
 
     @property
     def weights_only(self) -> bool:
@@ -570,6 +585,13 @@ class RunConfig:
                 load=getattr(args, "load", None),
                 finetune=bool(getattr(args, "finetune", False)),
                 no_load_optim=bool(getattr(args, "no_load_optim", False)),
+                no_load_rng=bool(getattr(args, "no_load_rng", False)),
+                save_optim=not getattr(args, "no_save_optim", False),
+                save_rng=not getattr(args, "no_save_rng", False),
+                step=getattr(args, "ckpt_step", None),
+                exit_on_missing=bool(getattr(args, "exit_on_missing_checkpoint", False)),
+                schedule_unchecked=bool(getattr(args, "override_opt_param_scheduler", False)
+                                        or getattr(args, "use_checkpoint_opt_param_scheduler", False)),
             ),
             logging=Logging(
                 interval=getattr(args, "log_interval", 100),

@@ -194,10 +194,10 @@ def save_checkpoint(
         "num_floating_point_operations_so_far": 0,
         **_model_state(model, sharded),
     }
-    if not args.no_save_optim:
+    if run.checkpointing.save_optim:
         state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=sharded)
         state_dict["opt_param_scheduler"] = scheduler.state_dict()
-    if not args.no_save_rng:
+    if run.checkpointing.save_rng:
         state_dict["rng_state"] = _rng_object(model)
     with without_deprecation_notes():
         # megatron-core's synchronous save, as its request: write the shards, then finalise
@@ -218,10 +218,10 @@ def save_checkpoint(
 # -- loading --------------------------------------------------------------------------------
 
 
-def _schedule_problems(saved: dict, scheduler, args, run: RunConfig, saved_args) -> List[str]:
+def _schedule_problems(saved: dict, scheduler, run: RunConfig, saved_args) -> List[str]:
     """Differences between the checkpoint's learning-rate / weight-decay schedule and this
     run's flags, in the flags' terms (lengths in samples and iterations)."""
-    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+    if run.checkpointing.schedule_unchecked:
         return []
     batch = run.batches.global_batch_size
     their_batch = getattr(saved_args, "global_batch_size", batch) or batch
@@ -265,11 +265,11 @@ def _load_schedule(scheduler, saved: dict) -> None:
     scheduler.load_state_dict(saved)
 
 
-def _no_checkpoint(root: str, args) -> None:
+def _no_checkpoint(root: str, run: RunConfig) -> None:
     incomplete = incomplete_saves(root)
     why = f"no checkpoint in --load {root} ({TRACKER} missing"
     why += f"; {', '.join(incomplete)} never completed)" if incomplete else ")"
-    if args.exit_on_missing_checkpoint:
+    if run.checkpointing.exit_on_missing:
         raise CheckpointError(f"{why}, and --exit-on-missing-checkpoint is set")
     log(f"WARNING: {why}: starting from iteration 0")
 
@@ -286,9 +286,9 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
     saving run's (ranks correspond), as Megatron-LM does. CheckpointError, on every rank and
     before anything is loaded, for a checkpoint that exists but does not fit.
     """
-    found = find_checkpoint(root, args.ckpt_step)
+    found = find_checkpoint(root, run.checkpointing.step)
     if found is None:
-        _no_checkpoint(root, args)
+        _no_checkpoint(root, run)
         return None
     directory, _, release = found
     problem = format_problem(directory, checkpoint_format(directory))
@@ -299,7 +299,7 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
     same_task = checkpoint.task == task.name
     model_problems = model_flag_problems(saved_args, _megatron_lm_args(args, run), task.model_flags()) if same_task else []
     plan = plan_load(checkpoint, LoadFlags.from_run(run, args), task.name, model_problems,
-                     lambda: _schedule_problems(common["opt_param_scheduler"], scheduler, args, run, saved_args))
+                     lambda: _schedule_problems(common["opt_param_scheduler"], scheduler, run, saved_args))
     for refusal in plan.refusals:  # the same refusals on every rank: each check is one collective everywhere
         raise_if_any(list(refusal.problems), directory, refusal.heading)
 
@@ -325,11 +325,11 @@ def load_checkpoint(root: str, model: PipelineModel, optimizer, scheduler, args,
         optimizer_load.apply(loaded)
         _load_schedule(scheduler, common["opt_param_scheduler"])
         optimizer_state.use_run_hyperparameters(optimizer, scheduler)
-    elif args.bf16 or args.fp16:
+    elif run.precision.name != "fp32":
         optimizer.reload_model_params()  # fp32 main weights from the loaded weights
     if plan.rng:
         _set_rng_state(loaded["rng_state"][0])
-    _report(directory, common, saved_args, plan, args)
+    _report(directory, common, saved_args, plan, run)
     if plan.finetune:
         return TrainingState()
     return TrainingState(int(common["iteration"]), int(getattr(saved_args, "consumed_train_samples", 0)))
@@ -340,7 +340,7 @@ def _model_state_keys(model: PipelineModel) -> List[str]:
     return ["model"] if count == 1 else [f"model{i}" for i in range(count)]
 
 
-def _report(directory, common, saved_args, plan: LoadPlan, args) -> None:
+def _report(directory, common, saved_args, plan: LoadPlan, run: RunConfig) -> None:
     finetune, load_optimizer, load_rng = plan.finetune, plan.optimizer, plan.rng
     parts = ["weights"]
     if not finetune:
@@ -356,6 +356,6 @@ def _report(directory, common, saved_args, plan: LoadPlan, args) -> None:
     elif not load_optimizer:
         skipped.append("--no-load-optim: fresh optimizer state and learning-rate schedule")
     if not load_rng and not finetune:
-        skipped.append("random generators not restored" + (" (--no-load-rng)" if args.no_load_rng else " (other pipeline or tensor size, or not saved)"))
+        skipped.append("random generators not restored" + (" (--no-load-rng)" if run.checkpointing.no_load_rng else " (other pipeline or tensor size, or not saved)"))
     if skipped:
         log("  " + "; ".join(skipped))

@@ -64,11 +64,12 @@ class LoadFlags:
     @classmethod
     def from_run(cls, run: RunConfig, args: argparse.Namespace) -> "LoadFlags":
         """The flags of a run of the pretrain scripts (``args``: the flags the run config
-        does not hold: ``--no-load-rng``, ``--optimizer`` and the layout flags' spellings)."""
+        does not hold: ``--optimizer`` and the layout flags' spellings, as checkpoint metadata
+        records them)."""
         return cls(
             finetune=run.checkpointing.finetune,
             no_load_optim=run.checkpointing.no_load_optim,
-            no_load_rng=bool(getattr(args, "no_load_rng", False)),
+            no_load_rng=run.checkpointing.no_load_rng,
             tensor_model_parallel_size=run.layout.tensor,
             pipeline_model_parallel_size=run.layout.pipeline,
             optimizer=getattr(args, "optimizer", "adam"),

@@ -52,7 +52,7 @@ SIMULATOR_CLI = {
 }  # fmt: skip
 #: below RunConfig.from_args, still taking the namespace (this list only shrinks)
 PENDING = {
-    "training/checkpoint.py": {"save_checkpoint", "_no_checkpoint", "load_checkpoint", "_report"},
+    "training/checkpoint.py": {"save_checkpoint", "load_checkpoint"},
     "training/coreset/select.py": {"select", "proxy_trainer", "_select_with_model"},
     "training/loop.py": {"run_training", "__init__"},
 }

@@ -118,10 +118,10 @@ def test_inputs_from_the_saved_and_the_run_flags():
     from megatron_bitpipe.run_config import Checkpointing, ParallelLayout
 
     class Run:  # the parts of a RunConfig LoadFlags reads
-        checkpointing = Checkpointing(load="ckpt", finetune=False, no_load_optim=True)
+        checkpointing = Checkpointing(load="ckpt", finetune=False, no_load_optim=True, no_load_rng=True)
         layout = ParallelLayout(tensor=2, pipeline=4, data=1, virtual=None, sequence_parallel=False, tensor_parallel_mode="1d")
 
-    args = argparse.Namespace(no_load_rng=True, optimizer="sgd", world_size=8, tensor_model_parallel_size=2,
+    args = argparse.Namespace(optimizer="sgd", world_size=8, tensor_model_parallel_size=2,
                               pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=None,
                               schedule="zbv", tensor_parallel_mode="1d")  # fmt: skip
     flags = LoadFlags.from_run(Run, args)
