@@ -39,10 +39,9 @@ def plans(label: str, D: int):
     choice = ScheduleChoice.from_label(label)
     if choice.problems(D):
         return
-    smallest = choice.smallest_num_microbatches(D)
-    sizes = range(smallest, 4 * D + 1) if D <= EVERY_N_UP_TO_D else [*range(smallest, 2 * D + 1), 3 * D, 4 * D]
-    for N in sorted(set(sizes)):
-        if N >= smallest and not choice.problems(D, N):
+    for N in range(choice.smallest_num_microbatches(D), 4 * D + 1):
+        thinned = D > EVERY_N_UP_TO_D and N > 2 * D and N not in (3 * D, 4 * D)
+        if not thinned and not choice.problems(D, N):
             yield choice.plan(D, N)
 
 
