@@ -23,7 +23,9 @@ Megatron-LM's start-up (tags core_v0.16.1 and core_v0.19.0), each needed on a CP
   norm is :class:`~megatron_bitpipe.model.norms.SequenceParallelTorchNorm`, the same torch
   norm with its weights marked ``sequence_parallel`` (a norm acts on each token alone, so it
   runs on a sequence shard unchanged; megatron's ``finalize_model_grads`` sums the marked
-  weights' gradients over the tensor-parallel group), as in megatron-bitpipe's own scripts;
+  weights' gradients over the tensor-parallel group), as in megatron-bitpipe's own scripts; so
+  is it with ``--apply-layernorm-1p`` (zero-centered gamma, which megatron's torch norm also
+  refuses without apex or Transformer Engine);
 * ``typing.override`` (Python 3.12), which tag core_v0.19.0's model builders import, is
   ``typing_extensions.override`` on Python 3.11 (both only mark a method at definition time):
   this machine and CI run Python 3.11, where Megatron-LM core_v0.19.0 does not import otherwise.
@@ -83,11 +85,12 @@ def _compile_dataset_helpers() -> None:
 
 def _norm_with_sequence_parallel(torch_norm_new):
     """``WrappedTorchNorm.__new__`` that builds a ``SequenceParallelTorchNorm`` under
-    ``config.sequence_parallel`` (megatron's own norm otherwise)."""
+    ``config.sequence_parallel`` or ``config.layernorm_zero_centered_gamma`` (megatron's own
+    norm otherwise: it refuses both)."""
     from ..model.norms import SequenceParallelTorchNorm
 
     def new(cls, config, *args, **kwargs):
-        if config.sequence_parallel:
+        if config.sequence_parallel or config.layernorm_zero_centered_gamma:
             return SequenceParallelTorchNorm(config, *args, **kwargs)
         return torch_norm_new(cls, config, *args, **kwargs)
 

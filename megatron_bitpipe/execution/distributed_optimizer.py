@@ -77,11 +77,17 @@ class ChunkDistributedOptimizer(ChainedOptimizer):
         (:attr:`~megatron_bitpipe.execution.replicas.ChunkDistributedDataParallel.overlaps_param_gather`)
         has its gather started, asynchronously and in stage order (megatron's
         ``start_param_sync(force_dispatch=True)``), to run during the next forward, whose
-        pre-hooks wait for it. Without the overlap megatron's step gathers, blocking."""
+        pre-hooks wait for it. Without the overlap megatron's step gathers, blocking.
+
+        A chunk's gather is started once: a mixture-of-experts chunk has two optimizers here (its
+        dense and its expert parameters, megatron's split), and its DDP's ``start_param_sync``
+        starts both kinds of bucket groups at once."""
         success = super().step_with_ready_grads()
+        started = set()
         for part in self.chained_optimizers:
             for chunk in part.model_chunks:
-                if getattr(chunk, "overlaps_param_gather", False):
+                if getattr(chunk, "overlaps_param_gather", False) and id(chunk) not in started:
+                    started.add(id(chunk))
                     chunk.start_param_sync(force_dispatch=True)
         return success
 

@@ -41,6 +41,7 @@ TINY_GPT = (
 
 _TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|.*?\| grad norm: ([0-9.]+) \|")
 _AUX = re.compile(r"\| (load_balancing_loss|seq_load_balancing_loss|z_loss): ([0-9.E+-]+) ")
+_STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?loss scale: ([0-9.E+-]+) \|.*?number of skipped iterations: +(\d+) \|")
 _EVAL = re.compile(r"validation loss at iteration (\d+)( on validation set| on test set)? \| lm loss value: ([0-9.E+-]+) \|")
 
 
@@ -72,7 +73,8 @@ def checkout_or_skip() -> Path:
 class Run:
     """What one torchrun printed: ``losses[i]`` and ``grad_norms[i]`` of iteration ``i``,
     ``aux_losses[i]`` its mixture-of-experts auxiliary losses by Megatron-LM's log name (none for
-    a dense model), and ``evals[(i, split)]`` the loss evaluated after iteration ``i`` (split ``""``
+    a dense model), ``loss_scales[i]`` its (loss scale, skipped iterations) as logged (every
+    iteration, skipped ones too), and ``evals[(i, split)]`` the loss evaluated after iteration ``i`` (split ``""``
     during training, ``"validation"`` / ``"test"`` at the end)."""
 
     returncode: int
@@ -80,6 +82,7 @@ class Run:
     losses: Dict[int, float] = field(default_factory=dict)
     grad_norms: Dict[int, float] = field(default_factory=dict)
     aux_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    loss_scales: Dict[int, Tuple[float, int]] = field(default_factory=dict)
     evals: Dict[Tuple[int, str], float] = field(default_factory=dict)
 
 
@@ -124,6 +127,8 @@ def torchrun(script: Path, nproc: int, flags: List[str], cwd: Path, timeout: int
         run.grad_norms[int(match.group(1))] = float(match.group(3))
         line = result.stdout[match.start() : result.stdout.find("\n", match.start())]
         run.aux_losses[int(match.group(1))] = {name: float(value) for name, value in _AUX.findall(line)}
+    for i, scale, skipped in _STEP.findall(result.stdout):
+        run.loss_scales[int(i)] = (float(scale), int(skipped))
     for match in _EVAL.finditer(result.stdout):
         split = (match.group(2) or "").replace(" on ", "").replace(" set", "")
         run.evals[(int(match.group(1)), split)] = float(match.group(3))

@@ -332,12 +332,6 @@ def test_context_parallel_bitpipe_equals_one_process(request, checkout, workdir,
 # fp16 with dynamic loss scaling: a scale that overflows in the first iterations (skipped, the
 # scale halved each time) and grows every 3 good ones, so the run both skips and grows again.
 FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--loss-scale-window", "3", "--train-iters", "12", "--eval-interval", "6"]
-_STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?loss scale: ([0-9.E+-]+) \|.*?number of skipped iterations: +(\d+) \|")
-
-
-def _loss_scales(run: Run) -> Dict[int, tuple]:
-    """Each logged iteration's (loss scale, skipped iterations in it)."""
-    return {int(i): (float(scale), int(skipped)) for i, scale, skipped in _STEP.findall(run.output)}
 
 
 @pytest.mark.strict_p2p
@@ -349,10 +343,10 @@ def test_fp16_loss_scaling_with_bitpipe_skips_and_scales_as_megatron(checkout, w
     flags = [*TINY_GPT, *LAYOUTS["tp2_pp2"], *FP16, *(["--accumulate-allreduce-grads-in-fp32"] if grads == "fp32_grads" else [])]
     control = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*flags, "--layout-independent-init"], workdir))
     run = _ok(torchrun(checkout / "pretrain_gpt.py", 4, [*flags, *BITPIPE], workdir))
-    scales = _loss_scales(control)
+    scales = control.loss_scales
     assert sorted(scales) == list(range(1, 13)), control.output[-3000:]
     assert any(skipped for _, skipped in scales.values()) and len({scale for scale, _ in scales.values()}) >= 2, scales
-    assert _loss_scales(run) == scales
+    assert run.loss_scales == scales
     assert run.losses.keys() == control.losses.keys() and len(control.losses) >= 6
     for i, loss in control.losses.items():
         assert run.losses[i] == pytest.approx(loss, rel=1e-4), f"iteration {i}"

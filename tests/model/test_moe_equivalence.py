@@ -9,7 +9,9 @@ micro-batch, every gradient (each expert's, gathered from the rank holding it, b
 index), the grad norm and every weight equal one process training the same model from the
 same seed on the same global batches (fp32, rtol 1e-5); the weight replicas (BitPipe's
 mirror pipelines, the data-parallel copies; each expert's copies in its expert-data-parallel
-group) stay bit-identical; evaluation losses agree too. The auxiliary losses' gradients are
+group) stay bit-identical; evaluation losses agree too. With megatron's distributed optimizer
+(dense and expert state sharded apart), also with its parameter all-gather overlapped with the
+next forward. The auxiliary losses' gradients are
 scaled per micro-batch as megatron's schedules scale them (one process: one over the global
 batch's micro-batches). One launch of 4 ranks serves every case (``launched``,
 ``tests/conftest.py``).
@@ -70,6 +72,10 @@ def _cases() -> List[MoECase]:
                          distributed_optimizer=True, clip_grad=0.5))
     cases.append(MoECase("dualpipev_allgather_pp2_dp2_ep2_distopt", "dualpipev", pp=2, n=4, dp=2, ep=2, dispatcher="allgather",
                          distributed_optimizer=True))
+    # its parameter all-gather overlapped with the next forward: a chunk's dense and expert
+    # optimizers start its gather once (both kinds of bucket groups)
+    cases.append(MoECase("bitpipe_alltoall_pp2_dp2_ep2_distopt_overlap_param_gather", "bitpipe", pp=2, n=2, dp=2, ep=2,
+                         distributed_optimizer=True, overlap_param_gather=True, clip_grad=0.5))
     return cases
 
 
