@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from megatron_bitpipe.benchmarking.tables import mean_and_range
 

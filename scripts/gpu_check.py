@@ -539,7 +539,7 @@ def build_items(out: Path, work: Path, dry_run: bool, nccl_version: Optional[Tup
         name = f"fault-{fault}-pp4"
         layout = ["--pipeline-schedule", "bitpipe", "--pipeline-model-parallel-size", "4", "--inject-fault", fault, *FAULT_FLAGS]
         items.append(Item(name, "fault", [*launcher, gpt, *tiny, *layout], timeout(name, "fault"),
-                          f"BitPipe PP4, 4 ranks" + ("" if dry_run else f" on one GPU ({sharing})")
+                          "BitPipe PP4, 4 ranks" + ("" if dry_run else f" on one GPU ({sharing})")
                           + f", --inject-fault {fault} on rank 1 at iteration 2: the job ends with the watchdog's line",
                           env=dict(sharing_env)))  # fmt: skip
     return items
